@@ -1,0 +1,161 @@
+"""Reference EXL3 codec: one quantized linear layer's tensors -> its dense weight, and the reference forward.
+
+``W = diag(suh) . H . What . H . diag(svh)`` with ``What`` the decoded trellis and ``H`` the 128-block Hadamard
+transform; equivalently ``y = had128(had128(x * suh) @ What) * svh``. Follows docs/exl3-format.md ("The math") and
+exllamav3's ``LinearEXL3`` (``exllamav3/modules/quant/exl3.py``: ``get_weight_tensor``, ``forward``,
+``unpack_bf`` for the legacy packed sign vectors).
+
+Everything here is plain torch and runs on any device; it is the oracle every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .codebook import Codebook
+from .errors import CodecError
+from .hadamard import had128
+from .trellis import TILE, check_k_codebook, check_trellis, decode_matrix
+
+
+def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
+    """Unpack a legacy ``su`` / ``sv`` sign bitfield (pre-release packs) to a +-1 vector.
+
+    Args:
+        packed: int16 tensor ``(m/16,)``; bit j of word i (least significant first) is element ``16*i + j``,
+            set meaning -1.
+
+    Returns:
+        float16 tensor ``(m,)`` of +-1.
+
+    Raises:
+        CodecError: wrong dtype or rank.
+    """
+    if packed.dtype != torch.int16 or packed.dim() != 1:
+        raise CodecError(f"packed sign vector must be 1-D int16, got {packed.dtype} {tuple(packed.shape)}")
+    words = packed.to(torch.int64) & 0xFFFF
+    bits = (words[:, None] >> torch.arange(16, device=packed.device)) & 1
+    return (1 - 2 * bits).flatten().to(torch.float16)
+
+
+@dataclass(frozen=True)
+class Exl3Tensors:
+    """The tensors of one EXL3-quantized linear layer, as stored in a pack.
+
+    Attributes:
+        trellis: int16 ``(k/16, n/16, 16*K)``; k, n are the padded in/out features (multiples of 128).
+        suh: float16 ``(k,)``, input-side sign*scale.
+        svh: float16 ``(n,)``, output-side sign*scale.
+        codebook: which codebook (from the ``.mcg`` / ``.mul1`` marker; none = 3INST).
+        bias: optional ``(n,)`` (or shorter, logical length) bias.
+    """
+
+    trellis: torch.Tensor
+    suh: torch.Tensor
+    svh: torch.Tensor
+    codebook: Codebook = Codebook.INST3
+    bias: torch.Tensor | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "codebook", Codebook.parse(self.codebook))
+        k = check_trellis(self.trellis)
+        check_k_codebook(k, self.codebook)
+        kp, np_ = self.padded_shape
+        if tuple(self.suh.shape) != (kp,):
+            raise CodecError(f"suh has shape {tuple(self.suh.shape)}, the trellis {tuple(self.trellis.shape)} "
+                             f"needs ({kp},)")
+        if tuple(self.svh.shape) != (np_,):
+            raise CodecError(f"svh has shape {tuple(self.svh.shape)}, the trellis {tuple(self.trellis.shape)} "
+                             f"needs ({np_},)")
+
+    @property
+    def k_bits(self) -> float:
+        """Bits per weight K."""
+        return check_trellis(self.trellis)
+
+    @property
+    def padded_shape(self) -> tuple[int, int]:
+        """(k, n): stored input and output features."""
+        return self.trellis.shape[0] * TILE, self.trellis.shape[1] * TILE
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> Exl3Tensors:
+        """Build from a ``{suffix: tensor}`` dict as read from a pack (``trellis``, ``suh``/``su``, ``svh``/``sv``,
+        optional ``mcg`` / ``mul1`` markers and ``bias``).
+
+        Raises:
+            CodecError: a missing tensor, both markers, or a marker whose value is not its codebook's multiplier.
+        """
+        for need, legacy in (("trellis", None), ("suh", "su"), ("svh", "sv")):
+            if need not in tensors and (legacy is None or legacy not in tensors):
+                raise CodecError(f"missing .{need}" + (f" (or legacy .{legacy})" if legacy else ""))
+        codebook = Codebook.from_markers("mcg" in tensors, "mul1" in tensors)
+        if codebook.marker is not None:
+            check_marker(tensors[codebook.marker], codebook)
+        suh = tensors["suh"] if "suh" in tensors else unpack_signs(tensors["su"])
+        svh = tensors["svh"] if "svh" in tensors else unpack_signs(tensors["sv"])
+        return cls(tensors["trellis"], suh, svh, codebook, tensors.get("bias"))
+
+
+def check_marker(marker: torch.Tensor, codebook: Codebook) -> None:
+    """A marker tensor holds its codebook's multiplier as a 0-d int32; another value is a codebook this code does
+    not know.
+
+    Raises:
+        CodecError: wrong shape, dtype or value.
+    """
+    if marker.dim() != 0 or marker.dtype != torch.int32:
+        raise CodecError(f".{codebook.marker} marker must be a 0-d int32 tensor, got {marker.dtype} "
+                         f"{tuple(marker.shape)}")
+    value = int(marker.item()) & 0xFFFFFFFF
+    if value != codebook.multiplier:
+        raise CodecError(f".{codebook.marker} marker holds 0x{value:08X}, the {codebook.value} codebook's multiplier "
+                         f"is 0x{codebook.multiplier:08X}: this pack uses a codebook variant this version cannot "
+                         "decode")
+
+
+def dequantize(t: Exl3Tensors, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dense weight of one EXL3 layer.
+
+    Args:
+        t: the layer's tensors.
+        dtype: compute and result dtype (float32 or float64; float16 for a kernel-like rounding).
+
+    Returns:
+        ``W`` of shape ``(k, n)`` (input features x output features, padded), so that ``y = x @ W``;
+        the ``nn.Linear`` weight is ``W.T``.
+    """
+    what = decode_matrix(t.trellis, t.codebook).to(dtype)
+    w = had128(had128(what, 0), 1)
+    return t.suh.to(dtype)[:, None] * w * t.svh.to(dtype)[None, :]
+
+
+def reference_linear(x: torch.Tensor, t: Exl3Tensors, dtype: torch.dtype = torch.float32,
+                     out_features: int | None = None) -> torch.Tensor:
+    """Reference forward of one EXL3 layer, transforming the activations: ``had(had(x * suh) @ What) * svh + bias``.
+
+    Args:
+        x: ``(..., in)`` with ``in <= k``; a narrower input (a padded layer) is zero-extended to k.
+        t: the layer's tensors.
+        dtype: compute dtype (float32 or float64).
+        out_features: trim the output to this many columns (a padded layer); default all n.
+
+    Returns:
+        ``(..., out_features or n)`` tensor of ``dtype``.
+
+    Raises:
+        CodecError: when ``x`` is wider than the stored input features.
+    """
+    k, n = t.padded_shape
+    if x.shape[-1] > k:
+        raise CodecError(f"input has {x.shape[-1]} features, the layer stores {k}")
+    xf = x.to(dtype)
+    if x.shape[-1] < k:
+        xf = torch.nn.functional.pad(xf, (0, k - x.shape[-1]))
+    what = decode_matrix(t.trellis, t.codebook).to(dtype)
+    y = had128(had128(xf * t.suh.to(dtype)) @ what) * t.svh.to(dtype)
+    if t.bias is not None:
+        y[..., : t.bias.shape[0]] += t.bias.to(dtype)
+    return y if out_features is None else y[..., :out_features]
