@@ -35,7 +35,7 @@ MUL1_SCALE_BITS = 0x1EEE  # 0.00676727294921875
 MUL1_BIAS_BITS = 0xC931  # -10.3828125
 
 
-class Codebook(str, enum.Enum):
+class Codebook(enum.StrEnum):
     """Which codebook a tensor uses; the pack marks it with a 0-d int32 tensor (``.mcg`` / ``.mul1``) whose value is
     the multiplier, and no marker means 3INST."""
 
@@ -117,7 +117,7 @@ def codebook_values(states: torch.Tensor, codebook: Codebook | str) -> torch.Ten
     return (lo + hi).to(torch.float16)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _table_cpu(codebook: Codebook) -> torch.Tensor:
     return codebook_values(torch.arange(65536, dtype=torch.int64), codebook)
 

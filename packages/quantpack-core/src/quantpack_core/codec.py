@@ -64,11 +64,13 @@ class Exl3Tensors:
         check_k_codebook(k, self.codebook)
         kp, np_ = self.padded_shape
         if tuple(self.suh.shape) != (kp,):
-            raise CodecError(f"suh has shape {tuple(self.suh.shape)}, the trellis {tuple(self.trellis.shape)} "
-                             f"needs ({kp},)")
+            raise CodecError(
+                f"suh has shape {tuple(self.suh.shape)}, the trellis {tuple(self.trellis.shape)} needs ({kp},)"
+            )
         if tuple(self.svh.shape) != (np_,):
-            raise CodecError(f"svh has shape {tuple(self.svh.shape)}, the trellis {tuple(self.trellis.shape)} "
-                             f"needs ({np_},)")
+            raise CodecError(
+                f"svh has shape {tuple(self.svh.shape)}, the trellis {tuple(self.trellis.shape)} needs ({np_},)"
+            )
 
     @property
     def k_bits(self) -> float:
@@ -107,13 +109,16 @@ def check_marker(marker: torch.Tensor, codebook: Codebook) -> None:
         CodecError: wrong shape, dtype or value.
     """
     if marker.dim() != 0 or marker.dtype != torch.int32:
-        raise CodecError(f".{codebook.marker} marker must be a 0-d int32 tensor, got {marker.dtype} "
-                         f"{tuple(marker.shape)}")
+        raise CodecError(
+            f".{codebook.marker} marker must be a 0-d int32 tensor, got {marker.dtype} {tuple(marker.shape)}"
+        )
     value = int(marker.item()) & 0xFFFFFFFF
     if value != codebook.multiplier:
-        raise CodecError(f".{codebook.marker} marker holds 0x{value:08X}, the {codebook.value} codebook's multiplier "
-                         f"is 0x{codebook.multiplier:08X}: this pack uses a codebook variant this version cannot "
-                         "decode")
+        raise CodecError(
+            f".{codebook.marker} marker holds 0x{value:08X}, the {codebook.value} codebook's multiplier "
+            f"is 0x{codebook.multiplier:08X}: this pack uses a codebook variant this version cannot "
+            "decode"
+        )
 
 
 def dequantize(t: Exl3Tensors, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -132,8 +137,9 @@ def dequantize(t: Exl3Tensors, dtype: torch.dtype = torch.float32) -> torch.Tens
     return t.suh.to(dtype)[:, None] * w * t.svh.to(dtype)[None, :]
 
 
-def reference_linear(x: torch.Tensor, t: Exl3Tensors, dtype: torch.dtype = torch.float32,
-                     out_features: int | None = None) -> torch.Tensor:
+def reference_linear(
+    x: torch.Tensor, t: Exl3Tensors, dtype: torch.dtype = torch.float32, out_features: int | None = None
+) -> torch.Tensor:
     """Reference forward of one EXL3 layer, transforming the activations: ``had(had(x * suh) @ What) * svh + bias``.
 
     Args:
@@ -148,7 +154,7 @@ def reference_linear(x: torch.Tensor, t: Exl3Tensors, dtype: torch.dtype = torch
     Raises:
         CodecError: when ``x`` is wider than the stored input features.
     """
-    k, n = t.padded_shape
+    k = t.padded_shape[0]
     if x.shape[-1] > k:
         raise CodecError(f"input has {x.shape[-1]} features, the layer stores {k}")
     xf = x.to(dtype)

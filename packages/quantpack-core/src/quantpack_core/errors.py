@@ -47,8 +47,10 @@ class PackError(QuantpackError, ValueError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         n = len(self.problems)
-        super().__init__(f"{self.path}: {n} problem{'s' if n != 1 else ''} found in this pack:\n{lines}\n"
-                         "Nothing in the pack directory was modified.")
+        super().__init__(
+            f"{self.path}: {n} problem{'s' if n != 1 else ''} found in this pack:\n{lines}\n"
+            "Nothing in the pack directory was modified."
+        )
 
 
 class CodecError(QuantpackError, ValueError):

@@ -17,7 +17,7 @@ from .errors import GeometryError
 HAD_BLOCK = 128
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sylvester_cpu(n: int, dtype: torch.dtype) -> torch.Tensor:
     i = torch.arange(n)
     # H[i, j] = (-1)^popcount(i & j) is the Sylvester construction H_2n = [[H, H], [H, -H]].
@@ -29,8 +29,9 @@ def _sylvester_cpu(n: int, dtype: torch.dtype) -> torch.Tensor:
     return ((1 - 2 * parity).to(torch.float64) / math.sqrt(n)).to(dtype)
 
 
-def hadamard_matrix(n: int = HAD_BLOCK, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str | None = None) -> torch.Tensor:
+def hadamard_matrix(
+    n: int = HAD_BLOCK, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The normalized Sylvester Hadamard matrix of order ``n`` (a power of two).
 
     Returns:

@@ -55,7 +55,7 @@ def width_from_k(k: float) -> int:
     """
     if k not in LEGAL_K:
         raise CodecError(f"K={k:g} is not a legal EXL3 bitrate (legal: {', '.join(f'{x:g}' for x in LEGAL_K)})")
-    return int(round(16 * k))
+    return round(16 * k)
 
 
 def check_k_codebook(k: float, codebook: Codebook | str) -> None:
@@ -68,7 +68,7 @@ def check_k_codebook(k: float, codebook: Codebook | str) -> None:
         raise CodecError(f"half-integer K={k:g} requires the mul1 codebook, got {Codebook.parse(codebook).value}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def state_bit_offsets(k: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where each of the 256 states of a tile starts in its bitstream.
 
@@ -93,7 +93,7 @@ def state_bit_offsets(k: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return word, (word + 1) % words, 48 - start % 32
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tile_placement() -> torch.Tensor:
     """Tensor-core placement of the 256 decoded values in a 16x16 tile.
 
@@ -189,8 +189,8 @@ def decode_tiles(trellis: torch.Tensor, codebook: Codebook | str, k: float | Non
     flat = trellis.reshape(-1, trellis.shape[-1])
     out = torch.empty((flat.shape[0], TILE_WEIGHTS), dtype=torch.float16, device=trellis.device)
     for a in range(0, flat.shape[0], DECODE_CHUNK_TILES):
-        states = trellis_states(flat[a:a + DECODE_CHUNK_TILES], k)
-        out[a:a + DECODE_CHUNK_TILES] = table[states][:, placement]
+        states = trellis_states(flat[a : a + DECODE_CHUNK_TILES], k)
+        out[a : a + DECODE_CHUNK_TILES] = table[states][:, placement]
     return out.view(*lead, TILE, TILE)
 
 

@@ -1,0 +1,615 @@
+"""Open, inventory and validate an EXL3 pack (a checkpoint directory written by exllamav3's converter).
+
+A pack is ``config.json`` (with ``quantization_config``), an optional ``quantization_config.json`` whose
+``tensor_storage`` lists every module's stored tensors (the manifest), and either one ``*.safetensors`` file or a
+``model.safetensors.index.json`` with its shards. :class:`Pack` reads only the safetensors headers to build the
+inventory and check the pack; tensors are read one at a time through safetensors' memory map, so the pack is never
+held in host RAM as a whole. Nothing in the directory is ever written.
+
+Follows docs/exl3-format.md ("Tensors of one quantized linear layer", "config.json and quantization_config.json"),
+exllamav3's ``exllamav3/conversion/convert_model.py`` (what it writes) and the safetensors file layout
+(8-byte little-endian header length, JSON header, data).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .codebook import Codebook
+from .codec import Exl3Tensors, check_marker, unpack_signs
+from .errors import CodecError, PackError, Problem
+from .hadamard import HAD_BLOCK
+from .names import split_tensor_name
+from .trellis import HALF_K, TILE, k_from_width
+
+INDEX_FILE = "model.safetensors.index.json"
+MANIFEST_FILE = "quantization_config.json"
+
+#: safetensors dtype names -> (torch dtype, bytes per element)
+SAFETENSORS_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+}
+
+#: suffixes that belong to an EXL3 linear layer
+EXL3_SUFFIXES = frozenset({"trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias"})
+
+FIX_REDOWNLOAD = "re-download the pack (or re-run exllamav3's converter); the file on disk is not what it wrote"
+FIX_REQUANTIZE = "re-quantize this module with exllamav3, or re-download the pack"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as the safetensors header describes it (nothing is read).
+
+    Attributes:
+        name: full tensor name.
+        file: the shard file name (relative to the pack).
+        dtype: torch dtype.
+        shape: tensor shape.
+        nbytes: size in bytes.
+    """
+
+    name: str
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """Inventory row of one module of a pack.
+
+    Attributes:
+        key: HF module name (``model.layers.0.mlp.down_proj``).
+        format: ``"exl3"`` (a trellis linear layer), ``"dense"`` (a plain ``.weight``) or ``"other"`` (anything
+            else: exllamav3's 2-D embedding codec, ``A_log``, ``dt_bias`` ...).
+        k_bits: bits per weight K of an EXL3 module, else None.
+        codebook: codebook of an EXL3 module, else None.
+        padded_shape: ``(in, out)`` features as stored (EXL3: multiples of 128), or None.
+        logical_shape: ``(in, out)`` of the model's layer where the pack says it (dense weights; an EXL3 bias gives
+            ``out``), else None: the padding of an EXL3 layer is only known once the model's layer is built.
+        dtype: dtype of the main tensor (``int16`` trellis, or the dense weight's dtype).
+        nbytes: bytes of all the module's tensors.
+        tensors: suffix -> TensorInfo.
+    """
+
+    key: str
+    format: str
+    k_bits: float | None
+    codebook: Codebook | None
+    padded_shape: tuple[int, int] | None
+    logical_shape: tuple[int | None, int | None] | None
+    dtype: torch.dtype | None
+    nbytes: int
+    tensors: dict[str, TensorInfo] = field(default_factory=dict)
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    """Parse a safetensors header. Returns (header without __metadata__, data start offset).
+
+    Raises:
+        ValueError: with a message naming what is broken.
+    """
+    size = path.stat().st_size
+    if size < 8:
+        raise ValueError(f"file is {size} bytes, too short for a safetensors header")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > size - 8 or n > 100 * 1024 * 1024:
+            raise ValueError(
+                f"header length {n} does not fit in the file's {size} bytes (truncated, or not a safetensors file)"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"header is not valid JSON ({e}): the file is corrupt") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object: the file is corrupt")
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "-" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+class Pack:
+    """An EXL3 pack on disk: its configs, manifest, tensor index and module inventory.
+
+    Use :meth:`open`. Reading a tensor (:meth:`get_tensor`) memory-maps its shard; nothing is cached beyond the open
+    file handles.
+
+    Attributes:
+        path: the pack directory.
+        config: ``config.json`` as a dict.
+        quant_config: the quantization config (``config.json``'s ``quantization_config``, or its ``text_config``'s,
+            updated with ``quantization_config.json``), ``{}`` if none.
+        manifest: ``tensor_storage`` of ``quantization_config.json`` (module -> entry), ``{}`` if absent.
+        tensors: tensor name -> TensorInfo, for every tensor in the pack's files.
+        modules: module key -> ModuleInfo.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.config: dict = {}
+        self.quant_config: dict = {}
+        self.manifest: dict = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        self.modules: dict[str, ModuleInfo] = {}
+        self.files: list[str] = []
+        self._problems: list[Problem] = []
+        self._in_absent_shards: set[str] = set()  # tensors already reported through their missing shard file
+        self._handles: dict[str, object] = {}
+        self._scan()
+
+    # ------------------------------------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, require_exl3: bool = True, check_markers: bool = True) -> Pack:
+        """Open and validate a pack.
+
+        Args:
+            path: the pack directory.
+            require_exl3: fail unless the config says ``quant_method: "exl3"``.
+            check_markers: also read every ``.mcg`` / ``.mul1`` marker (4 bytes each) and check its value.
+
+        Returns:
+            the Pack.
+
+        Raises:
+            PackError: listing every problem found (missing/extra/truncated files and tensors, illegal trellis
+                widths, mismatched suh/svh, marker clashes ...), each naming module, tensor and fix.
+        """
+        pack = cls(path)
+        problems = pack.problems(require_exl3=require_exl3, check_markers=check_markers)
+        if problems:
+            raise PackError(str(pack.path), problems)
+        return pack
+
+    def _problem(self, module: str, tensor: str, what: str, fix: str) -> None:
+        self._problems.append(Problem(module, tensor, what, fix))
+
+    def _scan(self) -> None:
+        if not self.path.is_dir():
+            self._problem("", str(self.path), "not a directory", "point at the pack's folder (it holds config.json)")
+            return
+        cfg = self.path / "config.json"
+        if not cfg.is_file():
+            self._problem("", "config.json", "missing", "point at the pack's folder (it holds config.json)")
+        else:
+            try:
+                self.config = json.loads(cfg.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                self._problem("", "config.json", f"not valid JSON ({e})", FIX_REDOWNLOAD)
+        qc = (
+            self.config.get("quantization_config")
+            or (self.config.get("text_config") or {}).get("quantization_config")
+            or {}
+        )
+        self.quant_config = dict(qc)
+        mf = self.path / MANIFEST_FILE
+        if mf.is_file():
+            try:
+                extra = json.loads(mf.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                self._problem("", MANIFEST_FILE, f"not valid JSON ({e})", FIX_REDOWNLOAD)
+                extra = {}
+            self.manifest = dict(extra.get("tensor_storage") or {})
+            for k, v in extra.items():
+                if k != "tensor_storage":
+                    self.quant_config.setdefault(k, v)
+        self._scan_files()
+        self._build_modules()
+
+    def _scan_files(self) -> None:
+        index_path = self.path / INDEX_FILE
+        present = sorted(p.name for p in self.path.glob("*.safetensors"))
+        weight_map: dict[str, str] | None = None
+        if index_path.is_file():
+            try:
+                weight_map = dict(json.loads(index_path.read_text())["weight_map"])
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+                self._problem("", INDEX_FILE, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD)
+                weight_map = None
+            if weight_map is not None:
+                files = sorted(set(weight_map.values()))
+                for f in files:
+                    if f not in present:
+                        names = [n for n, s in weight_map.items() if s == f]
+                        self._in_absent_shards.update(names)
+                        self._problem(
+                            split_tensor_name(names[0])[0],
+                            f,
+                            f"listed in {INDEX_FILE} for {len(names)} tensors (first: {names[0]}) but the "
+                            "file is absent",
+                            f"download {f} into {self.path}",
+                        )
+                self.files = [f for f in files if f in present]
+        elif len(present) == 1:
+            self.files = present
+        elif not present:
+            self._problem(
+                "",
+                "*.safetensors",
+                "no safetensors file in the pack",
+                "point at the pack's folder, or download its model*.safetensors files",
+            )
+        else:
+            self._problem(
+                "",
+                INDEX_FILE,
+                f"missing while the pack has {len(present)} safetensors files",
+                f"download {INDEX_FILE}; it says which tensor lives in which shard",
+            )
+            self.files = present
+        for f in self.files:
+            try:
+                header, start = _read_header(self.path / f)
+            except ValueError as e:
+                self._problem("", f, str(e), f"re-download {f}")
+                continue
+            size = (self.path / f).stat().st_size
+            end_max = 0
+            for name, h in header.items():
+                try:
+                    dtype, esize = SAFETENSORS_DTYPES[h["dtype"]]
+                    shape = tuple(int(s) for s in h["shape"])
+                    a, b = (int(x) for x in h["data_offsets"])
+                except (KeyError, TypeError, ValueError):
+                    self._problem(
+                        split_tensor_name(name)[0], name, f"header entry in {f} is malformed: {h!r}", f"re-download {f}"
+                    )
+                    continue
+                nbytes = math.prod(shape) * esize
+                if b - a != nbytes:
+                    self._problem(
+                        split_tensor_name(name)[0],
+                        name,
+                        f"header in {f} gives {b - a} bytes for a {h['dtype']} {list(shape)} tensor ({nbytes} bytes)",
+                        f"re-download {f}",
+                    )
+                end_max = max(end_max, b)
+                if weight_map is not None:
+                    listed = weight_map.get(name)
+                    if listed is None:
+                        self._problem(
+                            split_tensor_name(name)[0],
+                            name,
+                            f"present in {f} but not listed in {INDEX_FILE}",
+                            f"re-download {INDEX_FILE} (or remove the stray tensor from {f})",
+                        )
+                    elif listed != f:
+                        self._problem(
+                            split_tensor_name(name)[0],
+                            name,
+                            f"present in {f} but {INDEX_FILE} says it lives in {listed}",
+                            f"re-download {INDEX_FILE} and the shards",
+                        )
+                if name in self.tensors:
+                    self._problem(
+                        split_tensor_name(name)[0],
+                        name,
+                        f"stored twice ({self.tensors[name].file} and {f})",
+                        "keep one copy",
+                    )
+                    continue
+                self.tensors[name] = TensorInfo(name, f, dtype, shape, nbytes)
+            if start + end_max > size:
+                self._problem(
+                    "",
+                    f,
+                    f"truncated: the header describes {start + end_max} bytes, the file has {size}",
+                    f"re-download {f}",
+                )
+        if weight_map is not None:
+            for name, f in weight_map.items():
+                if f in self.files and name not in self.tensors:
+                    self._problem(
+                        split_tensor_name(name)[0],
+                        name,
+                        f"listed in {INDEX_FILE} under {f} but absent from that file",
+                        f"re-download {f}",
+                    )
+
+    def _build_modules(self) -> None:
+        groups: dict[str, dict[str, TensorInfo]] = {}
+        for name, info in self.tensors.items():
+            module, suffix = split_tensor_name(name)
+            groups.setdefault(module, {})[suffix] = info
+        for key in sorted(groups):
+            t = groups[key]
+            nbytes = sum(i.nbytes for i in t.values())
+            if "trellis" in t and len(t["trellis"].shape) == 3:
+                self.modules[key] = self._exl3_module(key, t, nbytes)
+            elif (t.keys() & {"suh", "svh", "su", "sv", "mcg", "mul1"}) and "trellis" not in t and "weight" not in t:
+                # the vectors of an EXL3 layer whose trellis is gone
+                self.modules[key] = ModuleInfo(key, "exl3", None, None, None, None, None, nbytes, t)
+            elif "weight" in t and "trellis" not in t:
+                w = t["weight"]
+                shape = (w.shape[1], w.shape[0]) if len(w.shape) == 2 else None
+                self.modules[key] = ModuleInfo(key, "dense", None, None, shape, shape, w.dtype, nbytes, t)
+            else:
+                main = next(iter(t.values()))
+                self.modules[key] = ModuleInfo(key, "other", None, None, None, None, main.dtype, nbytes, t)
+
+    def _exl3_module(self, key: str, t: dict[str, TensorInfo], nbytes: int) -> ModuleInfo:
+        tr = t["trellis"]
+        try:
+            k_bits = k_from_width(tr.shape[-1])
+        except CodecError:
+            k_bits = None
+        codebook = None if ("mcg" in t and "mul1" in t) else Codebook.from_markers("mcg" in t, "mul1" in t)
+        padded = (tr.shape[0] * TILE, tr.shape[1] * TILE)
+        logical = (None, t["bias"].shape[0]) if "bias" in t and len(t["bias"].shape) == 1 else None
+        return ModuleInfo(key, "exl3", k_bits, codebook, padded, logical, tr.dtype, nbytes, t)
+
+    # --------------------------------------------------------------------------------------------- validation
+
+    def problems(self, *, require_exl3: bool = True, check_markers: bool = True) -> list[Problem]:
+        """Every defect of the pack (empty list when it is sound). Reads only headers, plus the 4-byte markers when
+        ``check_markers``."""
+        out = list(self._problems)
+        method = str(self.quant_config.get("quant_method", "")).lower()
+        if require_exl3 and self.config and method != "exl3":
+            out.append(
+                Problem(
+                    "",
+                    "config.json",
+                    f"quantization_config.quant_method is {method or 'absent'!r}, not 'exl3'",
+                    "point at an EXL3 pack (made by exllamav3's converter)",
+                )
+            )
+        for m in self.modules.values():
+            if m.format == "exl3":
+                out.extend(self._exl3_problems(m, check_markers))
+        out.extend(self._manifest_problems())
+        return out
+
+    def _exl3_problems(self, m: ModuleInfo, check_markers: bool) -> list[Problem]:
+        key, t = m.key, m.tensors
+        out: list[Problem] = []
+
+        def bad(suffix: str, what: str, fix: str = FIX_REQUANTIZE) -> None:
+            out.append(Problem(key, f"{key}.{suffix}", what, fix))
+
+        if "trellis" not in t:
+            bad(
+                "trellis",
+                f"missing: the module has {', '.join(sorted('.' + s for s in t))} but no trellis",
+                f"the pack is incomplete: re-download the shard that should hold {key}.trellis",
+            )
+            return out
+        tr = t["trellis"]
+        if tr.dtype != torch.int16:
+            bad("trellis", f"dtype {_dtype_name(tr.dtype)}, an EXL3 trellis is int16")
+        width = tr.shape[-1]
+        if m.k_bits is None:
+            legal = "16*K for K in 1..8, or 16*KA+8 for K in 1.5/2.5/3.5"
+            bad("trellis", f"width {width} (shape {list(tr.shape)}) is not {legal}")
+        if tr.shape[0] * TILE % HAD_BLOCK or tr.shape[1] * TILE % HAD_BLOCK:
+            bad(
+                "trellis",
+                f"shape {list(tr.shape)} gives {tr.shape[0] * TILE}x{tr.shape[1] * TILE} features, not "
+                f"multiples of {HAD_BLOCK} (the Hadamard block)",
+            )
+        if "mcg" in t and "mul1" in t:
+            bad(
+                "mul1",
+                "both .mcg and .mul1 markers present; a tensor uses exactly one codebook",
+                "remove the marker that does not match how this tensor was quantized, or re-quantize it",
+            )
+        elif m.k_bits in HALF_K and m.codebook is not Codebook.MUL1:
+            bad(
+                "trellis",
+                f"half-integer K={m.k_bits:g} needs the mul1 codebook, the module has "
+                f"{m.codebook.value if m.codebook else 'none'}",
+            )
+        kp, np_ = m.padded_shape or (0, 0)
+        for side, legacy, length in (("suh", "su", kp), ("svh", "sv", np_)):
+            if side in t:
+                v = t[side]
+                if v.dtype != torch.float16:
+                    bad(side, f"dtype {_dtype_name(v.dtype)}, expected float16")
+                if v.shape != (length,):
+                    bad(side, f"shape {list(v.shape)}, the trellis {list(tr.shape)} needs [{length}]")
+            elif legacy in t:
+                v = t[legacy]
+                if v.dtype != torch.int16 or v.shape != (length // 16,):
+                    bad(
+                        legacy,
+                        f"legacy packed signs are {_dtype_name(v.dtype)} {list(v.shape)}, the trellis "
+                        f"{list(tr.shape)} needs int16 [{length // 16}]",
+                    )
+            else:
+                bad(
+                    side,
+                    "missing (the trellis is there)",
+                    f"the pack is incomplete: re-download the shard that should hold {key}.{side}",
+                )
+        if "bias" in t and (len(t["bias"].shape) != 1 or t["bias"].shape[0] > np_):
+            bad("bias", f"shape {list(t['bias'].shape)} does not fit the {np_} output features")
+        if check_markers:
+            for marker in ("mcg", "mul1"):
+                if marker in t and not ("mcg" in t and "mul1" in t):
+                    try:
+                        check_marker(self.get_tensor(f"{key}.{marker}"), Codebook(marker))
+                    except CodecError as e:
+                        bad(marker, str(e), FIX_REQUANTIZE)
+                    except Exception as e:  # unreadable bytes
+                        bad(marker, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD)
+        return out
+
+    def _manifest_problems(self) -> list[Problem]:
+        out: list[Problem] = []
+        for module, entry in self.manifest.items():
+            stored = (entry or {}).get("stored_tensors") or {}
+            for name, desc in stored.items():
+                info = self.tensors.get(name)
+                if info is None:
+                    if name not in self._in_absent_shards:
+                        out.append(
+                            Problem(
+                                module,
+                                name,
+                                f"listed in {MANIFEST_FILE} but absent from the pack's safetensors files",
+                                "the pack is incomplete: re-download it",
+                            )
+                        )
+                    continue
+                want_shape = tuple(desc.get("shape", info.shape))
+                want_dtype = str(desc.get("dtype", str(info.dtype)))
+                if want_shape != info.shape or want_dtype != str(info.dtype):
+                    out.append(
+                        Problem(
+                            module,
+                            name,
+                            f"{MANIFEST_FILE} says {want_dtype} {list(want_shape)}, the file "
+                            f"holds {info.dtype} {list(info.shape)}",
+                            FIX_REDOWNLOAD,
+                        )
+                    )
+        return out
+
+    # ------------------------------------------------------------------------------------------------ reading
+
+    def _handle(self, file: str):
+        h = self._handles.get(file)
+        if h is None:
+            h = safe_open(str(self.path / file), framework="pt")
+            self._handles[file] = h
+        return h
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """Read one tensor (CPU).
+
+        Raises:
+            KeyError: the pack has no such tensor (the message lists the module's tensors).
+        """
+        info = self.tensors.get(name)
+        if info is None:
+            module, _ = split_tensor_name(name)
+            have = sorted(n for n in self.tensors if split_tensor_name(n)[0] == module)
+            raise KeyError(f"{self.path}: no tensor {name!r}; module {module!r} has {have or 'no tensors'}")
+        return self._handle(info.file).get_tensor(name)
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` for every tensor, one shard file at a time, one tensor at a time."""
+        for f in self.files:
+            for name in sorted(n for n, i in self.tensors.items() if i.file == f):
+                yield name, self.get_tensor(name)
+
+    def module_tensors(self, key: str) -> dict[str, torch.Tensor]:
+        """``{suffix: tensor}`` of one module."""
+        return {s: self.get_tensor(i.name) for s, i in self.modules[key].tensors.items()}
+
+    def exl3_tensors(self, key: str) -> Exl3Tensors:
+        """The EXL3 tensors of one module, legacy ``su``/``sv`` unpacked.
+
+        Raises:
+            KeyError: no such module; CodecError: not a sound EXL3 module.
+        """
+        t = self.module_tensors(key)
+        if "suh" not in t and "su" in t:
+            t["suh"] = unpack_signs(t.pop("su"))
+        if "svh" not in t and "sv" in t:
+            t["svh"] = unpack_signs(t.pop("sv"))
+        try:
+            return Exl3Tensors.from_tensors(t)
+        except CodecError as e:
+            raise CodecError(f"{key}: {e}") from None
+
+    def dense_state_dict(
+        self, dtype: torch.dtype = torch.float32, shapes: dict[str, tuple[int, ...]] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The whole pack as a dense HF state dict: every EXL3 module dequantized to ``<key>.weight`` (``(out, in)``,
+        nn.Linear layout), everything else cast to ``dtype``.
+
+        Args:
+            dtype: result dtype (the codec computes in it).
+            shapes: optional ``{name: shape}`` of the target model's parameters; padded EXL3 weights (and biases) are
+                trimmed to them.
+
+        Returns:
+            ``{name: tensor}`` (host memory: the size of the dense model).
+
+        Raises:
+            GeometryError: a target shape larger than the stored one.
+        """
+        from .codec import dequantize
+        from .errors import GeometryError
+
+        out: dict[str, torch.Tensor] = {}
+        for key, m in self.modules.items():
+            if m.format != "exl3":
+                for info in m.tensors.values():
+                    out[info.name] = self.get_tensor(info.name).to(dtype)
+                continue
+            t = self.exl3_tensors(key)
+            w = dequantize(t, dtype).T
+            want = (shapes or {}).get(f"{key}.weight")
+            if want is not None:
+                if want[0] > w.shape[0] or want[1] > w.shape[1]:
+                    raise GeometryError(
+                        f"{key}: the model wants a {list(want)} weight, the pack stores {list(w.shape)} (out x in)"
+                    )
+                w = w[: want[0], : want[1]]
+            out[f"{key}.weight"] = w.contiguous()
+            if t.bias is not None:
+                b = t.bias.to(dtype)
+                want_b = (shapes or {}).get(f"{key}.bias")
+                out[f"{key}.bias"] = b[: want_b[0]] if want_b is not None else b
+        return out
+
+    # ---------------------------------------------------------------------------------------------- reporting
+
+    def summary_rows(self) -> list[tuple[str, ...]]:
+        """One row of strings per module: key, format, K, codebook, padded (in x out), logical, dtype, bytes."""
+        rows = []
+        for m in self.modules.values():
+
+            def shape(s):
+                return "-" if s is None else "x".join("?" if d is None else str(d) for d in s)
+
+            rows.append(
+                (
+                    m.key,
+                    m.format,
+                    "-" if m.k_bits is None else f"{m.k_bits:g}",
+                    m.codebook.value if m.codebook else "-",
+                    shape(m.padded_shape),
+                    shape(m.logical_shape),
+                    _dtype_name(m.dtype),
+                    str(m.nbytes),
+                )
+            )
+        return rows
+
+    def bits_histogram(self) -> dict[float, int]:
+        """K -> number of EXL3 modules."""
+        hist: dict[float, int] = {}
+        for m in self.modules.values():
+            if m.format == "exl3" and m.k_bits is not None:
+                hist[m.k_bits] = hist.get(m.k_bits, 0) + 1
+        return dict(sorted(hist.items()))

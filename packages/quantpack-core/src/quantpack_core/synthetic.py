@@ -1,0 +1,148 @@
+"""Write small EXL3 packs: random layers for kernel and loader tests, and packs built from given tensors.
+
+Any int16 pattern is a valid trellis (every bit string decodes), so random words make a legal layer of any K and
+codebook; with suh/svh of realistic magnitude their dequantized weights look like real ones to a kernel. The files
+follow the layout exllamav3's converter writes (``config.json`` with ``quantization_config``,
+``quantization_config.json`` with ``tensor_storage``, one safetensors file or an index with shards), see
+docs/exl3-format.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .codebook import Codebook
+from .hadamard import HAD_BLOCK
+from .names import split_tensor_name
+from .pack import INDEX_FILE, MANIFEST_FILE
+from .trellis import check_k_codebook, width_from_k
+
+
+def padded(features: int) -> int:
+    """Round a feature count up to the 128-wide Hadamard block, as exllamav3 pads EXL3 layers."""
+    return (features + HAD_BLOCK - 1) // HAD_BLOCK * HAD_BLOCK
+
+
+def random_exl3_layer(
+    in_features: int,
+    out_features: int,
+    k_bits: float,
+    codebook: Codebook | str = "mul1",
+    *,
+    generator: torch.Generator | None = None,
+    bias: bool = False,
+    scale: float = 0.02,
+) -> dict[str, torch.Tensor]:
+    """Tensors of one random EXL3 linear layer, as a pack stores them.
+
+    Args:
+        in_features, out_features: logical sizes; stored sizes are padded up to multiples of 128.
+        k_bits: bits per weight (1..8, or 1.5/2.5/3.5 with mul1).
+        codebook: which codebook (adds the ``.mcg`` / ``.mul1`` marker holding its multiplier).
+        generator: torch RNG for reproducibility.
+        bias: add a float16 ``bias`` of the logical output length.
+        scale: magnitude of ``svh`` (dequantized weights are about ``scale`` in size).
+
+    Returns:
+        ``{suffix: tensor}`` with ``trellis`` int16 ``(kp/16, np/16, 16*K)``, ``suh`` float16 ``(kp,)``,
+        ``svh`` float16 ``(np,)``, the marker and optionally ``bias``.
+
+    Raises:
+        CodecError: illegal K or K/codebook combination.
+    """
+    cb = Codebook.parse(codebook)
+    check_k_codebook(k_bits, cb)
+    kp, np_ = padded(in_features), padded(out_features)
+    width = width_from_k(k_bits)
+    g = generator
+    trellis = torch.randint(-32768, 32768, (kp // 16, np_ // 16, width), dtype=torch.int32, generator=g)
+    sign_u = torch.randint(0, 2, (kp,), generator=g) * 2 - 1
+    sign_v = torch.randint(0, 2, (np_,), generator=g) * 2 - 1
+    out: dict[str, torch.Tensor] = {
+        "trellis": trellis.to(torch.int16),
+        "suh": (sign_u * (0.5 + torch.rand(kp, generator=g))).to(torch.float16),
+        "svh": (sign_v * scale * (0.5 + torch.rand(np_, generator=g))).to(torch.float16),
+    }
+    if cb.marker is not None:
+        m = cb.multiplier
+        out[cb.marker] = torch.tensor(m - (1 << 32) if m >= 1 << 31 else m, dtype=torch.int32)
+    if bias:
+        out["bias"] = (0.1 * torch.randn(out_features, generator=g)).to(torch.float16)
+    return out
+
+
+def _manifest_entry(module: str, tensors: dict[str, torch.Tensor]) -> dict:
+    entry: dict = {
+        "stored_tensors": {
+            name: {"shape": list(t.shape), "n_bytes": t.numel() * t.element_size(), "dtype": str(t.dtype)}
+            for name, t in tensors.items()
+        }
+    }
+    tr = tensors.get(f"{module}.trellis")
+    if tr is not None and tr.dim() == 3:
+        entry["quant_format"] = "exl3"
+        w = tr.shape[-1]
+        entry["bits_per_weight"] = w // 16 if w % 16 == 0 else (w - 8) / 16 + 0.5
+    return entry
+
+
+def write_pack(
+    path: str | os.PathLike,
+    tensors: dict[str, torch.Tensor],
+    config: dict,
+    *,
+    shards: int = 1,
+    manifest: bool = True,
+    quant_config: dict | None = None,
+) -> Path:
+    """Write a pack directory.
+
+    Args:
+        path: directory to create (must not exist or be empty).
+        tensors: full tensor name -> tensor (CPU).
+        config: ``config.json`` content; ``quantization_config`` is added unless present.
+        shards: number of safetensors files; above 1 an index is written.
+        manifest: write ``quantization_config.json`` with ``tensor_storage``.
+        quant_config: the quantization config (default: exl3, 4 bits, mul1).
+
+    Returns:
+        the pack directory.
+
+    Raises:
+        FileExistsError: when ``path`` exists and is not empty (nothing is overwritten).
+    """
+    path = Path(path)
+    if path.exists() and any(path.iterdir()):
+        raise FileExistsError(f"{path} exists and is not empty; write_pack never overwrites")
+    path.mkdir(parents=True, exist_ok=True)
+    qc = dict(
+        quant_config or {"quant_method": "exl3", "version": "1.6.5", "bits": 4.0, "head_bits": 6, "codebook": "mul1"}
+    )
+    cfg = dict(config)
+    cfg.setdefault("quantization_config", qc)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    if manifest:
+        modules: dict[str, dict[str, torch.Tensor]] = {}
+        for name, t in tensors.items():
+            modules.setdefault(split_tensor_name(name)[0], {})[name] = t
+        storage = {m: _manifest_entry(m, ts) for m, ts in modules.items()}
+        (path / MANIFEST_FILE).write_text(json.dumps({**qc, "tensor_storage": storage}, indent=2))
+    names = list(tensors)
+    if shards <= 1:
+        save_file({n: tensors[n].contiguous() for n in names}, str(path / "model.safetensors"))
+        return path
+    per = math.ceil(len(names) / shards)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i * per : (i + 1) * per]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in part}, str(path / fname))
+        weight_map.update({n: fname for n in part})
+    (path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    return path

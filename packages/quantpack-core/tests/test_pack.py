@@ -1,0 +1,202 @@
+"""The pack reader's inventory and every validation error, on small packs built here.
+
+Each bad pack must be reported with the module, the tensor and a fix, and must come out of the check unmodified.
+"""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from quantpack_core import Codebook, Pack, PackError
+from quantpack_core.synthetic import random_exl3_layer, write_pack
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256}
+
+
+def layer_tensors(prefix, in_f, out_f, k, codebook="mul1", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {f"{prefix}.{s}": t for s, t in random_exl3_layer(in_f, out_f, k, codebook, generator=g).items()}
+
+
+def base_tensors():
+    t = {}
+    t.update(layer_tensors("model.layers.0.self_attn.q_proj", 256, 256, 4, seed=1))
+    t.update(layer_tensors("model.layers.0.mlp.down_proj", 640, 256, 2.5, seed=2))
+    t.update(layer_tensors("lm_head", 256, 1024, 6, "mcg", seed=3))
+    t["model.embed_tokens.weight"] = torch.randn(1024, 256).to(torch.bfloat16)
+    t["model.norm.weight"] = torch.ones(256, dtype=torch.bfloat16)
+    return t
+
+
+def snapshot(path: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def expect_problem(path: Path, *needles, **open_kw):
+    before = snapshot(path)
+    with pytest.raises(PackError) as ei:
+        Pack.open(path, **open_kw)
+    msg = str(ei.value)
+    for n in needles:
+        assert n in msg, f"{n!r} not in:\n{msg}"
+    assert "->" in msg  # every problem carries its fix
+    assert snapshot(path) == before, "the check modified the pack"
+    return ei.value
+
+
+def test_inventory_of_a_sound_pack(tmp_path):
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG)
+    pack = Pack.open(path)
+    m = pack.modules
+    assert m["model.layers.0.mlp.down_proj"].k_bits == 2.5
+    assert m["model.layers.0.mlp.down_proj"].padded_shape == (640, 256)
+    assert m["lm_head"].codebook is Codebook.MCG and m["lm_head"].k_bits == 6
+    assert m["model.embed_tokens"].format == "dense"
+    assert m["model.embed_tokens"].logical_shape == (256, 1024)
+    assert pack.bits_histogram() == {2.5: 1, 4.0: 1, 6.0: 1}
+    t = pack.exl3_tensors("model.layers.0.self_attn.q_proj")
+    assert t.codebook is Codebook.MUL1 and t.k_bits == 4
+
+
+def test_sharded_pack_with_index(tmp_path):
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG, shards=3)
+    pack = Pack.open(path)
+    assert len(pack.files) == 3
+    assert torch.equal(pack.get_tensor("model.norm.weight"), torch.ones(256, dtype=torch.bfloat16))
+    assert sum(1 for _ in pack.iter_tensors()) == len(base_tensors())
+
+
+def test_fixture_packs_are_sound(fixtures_dir):
+    for d in sorted(fixtures_dir.glob("*-exl3-*")):
+        pack = Pack.open(d)
+        assert pack.bits_histogram(), d
+
+
+def test_illegal_trellis_width(tmp_path):
+    t = base_tensors()
+    t["model.layers.0.self_attn.q_proj.trellis"] = t["model.layers.0.self_attn.q_proj.trellis"][..., :60].clone()
+    expect_problem(
+        write_pack(tmp_path / "p", t, CONFIG), "model.layers.0.self_attn.q_proj.trellis", "width 60", "re-quantize"
+    )
+
+
+def test_suh_svh_length_against_trellis(tmp_path):
+    t = base_tensors()
+    t["model.layers.0.mlp.down_proj.suh"] = t["model.layers.0.mlp.down_proj.suh"][:512].clone()
+    t["lm_head.svh"] = torch.ones(1000, dtype=torch.float16)
+    err = expect_problem(
+        write_pack(tmp_path / "p", t, CONFIG),
+        "model.layers.0.mlp.down_proj.suh",
+        "needs [640]",
+        "lm_head.svh",
+        "needs [1024]",
+    )
+    assert len(err.problems) == 2
+
+
+def test_both_markers(tmp_path):
+    t = base_tensors()
+    t["lm_head.mul1"] = torch.tensor(0x83DCD12D - (1 << 32), dtype=torch.int32)
+    expect_problem(write_pack(tmp_path / "p", t, CONFIG), "lm_head.mul1", "both .mcg and .mul1")
+
+
+def test_unknown_marker_value(tmp_path):
+    t = base_tensors()
+    t["lm_head.mcg"] = torch.tensor(7, dtype=torch.int32)
+    expect_problem(write_pack(tmp_path / "p", t, CONFIG), "lm_head.mcg", "0x00000007", "re-quantize")
+
+
+def test_missing_tensor_of_a_group(tmp_path):
+    t = base_tensors()
+    del t["model.layers.0.self_attn.q_proj.svh"]
+    del t["model.layers.0.mlp.down_proj.trellis"]
+    expect_problem(
+        write_pack(tmp_path / "p", t, CONFIG, manifest=False),
+        "model.layers.0.self_attn.q_proj.svh",
+        "missing (the trellis is there)",
+        "model.layers.0.mlp.down_proj.trellis",
+        "no trellis",
+    )
+
+
+def test_shard_listed_in_index_but_absent(tmp_path):
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG, shards=2)
+    (path / "model-00002-of-00002.safetensors").unlink()
+    expect_problem(path, "model-00002-of-00002.safetensors", "the file is absent", "download")
+
+
+def test_tensor_in_shard_but_not_in_index(tmp_path):
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG, shards=2)
+    idx = json.loads((path / "model.safetensors.index.json").read_text())
+    del idx["weight_map"]["model.norm.weight"]
+    (path / "model.safetensors.index.json").write_text(json.dumps(idx))
+    expect_problem(path, "model.norm.weight", "not listed in model.safetensors.index.json")
+
+
+def test_tensor_in_index_but_not_in_shard(tmp_path):
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG, shards=2)
+    idx = json.loads((path / "model.safetensors.index.json").read_text())
+    idx["weight_map"]["model.layers.0.ghost.weight"] = "model-00001-of-00002.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(idx))
+    expect_problem(path, "model.layers.0.ghost.weight", "absent from that file")
+
+
+def test_truncated_file(tmp_path):
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG)
+    f = path / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 1000])
+    expect_problem(path, "model.safetensors", "truncated", "re-download model.safetensors")
+
+
+def test_corrupt_header(tmp_path):
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG)
+    f = path / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:20] = b"\xff" * 12
+    f.write_bytes(bytes(data))
+    expect_problem(path, "model.safetensors", "corrupt")
+
+
+def test_manifest_disagrees_with_file(tmp_path):
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG)
+    mf = json.loads((path / "quantization_config.json").read_text())
+    mf["tensor_storage"]["lm_head"]["stored_tensors"]["lm_head.trellis"]["shape"] = [16, 64, 64]
+    mf["tensor_storage"]["model.extra"] = {"stored_tensors": {"model.extra.weight": {"shape": [2], "dtype": "x"}}}
+    (path / "quantization_config.json").write_text(json.dumps(mf))
+    expect_problem(path, "lm_head.trellis", "[16, 64, 64]", "model.extra.weight", "absent")
+
+
+def test_not_exl3_and_not_a_pack(tmp_path, fixtures_dir):
+    expect_problem(fixtures_dir / "llama-tiny-bf16", "not 'exl3'")
+    assert Pack.open(fixtures_dir / "llama-tiny-bf16", require_exl3=False).modules["lm_head"].format == "dense"
+    (tmp_path / "empty").mkdir()
+    expect_problem(tmp_path / "empty", "config.json", "missing", "no safetensors file")
+
+
+def test_two_files_without_index(tmp_path):
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG)
+    save_file({"x.weight": torch.zeros(2)}, str(path / "extra.safetensors"))
+    expect_problem(path, "model.safetensors.index.json", "missing while the pack has 2")
+
+
+def test_half_k_without_mul1(tmp_path):
+    t = base_tensors()
+    del t["model.layers.0.mlp.down_proj.mul1"]
+    expect_problem(
+        write_pack(tmp_path / "p", t, CONFIG),
+        "model.layers.0.mlp.down_proj.trellis",
+        "half-integer K=2.5 needs the mul1",
+    )
+
+
+def test_write_pack_never_overwrites(tmp_path, fixtures_dir):
+    dst = tmp_path / "copy"
+    shutil.copytree(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1", dst)
+    with pytest.raises(FileExistsError):
+        write_pack(dst, base_tensors(), CONFIG)
