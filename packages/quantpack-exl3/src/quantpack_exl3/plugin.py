@@ -1,0 +1,80 @@
+"""vLLM general-plugin entry point of quantpack-exl3 (``vllm.general_plugins``: ``quantpack_exl3``).
+
+vLLM calls :func:`register` in every process it starts (front end, engine core, workers, its model-inspection
+subprocess), sometimes twice in one process; it must be cheap, idempotent and must not touch CUDA. Importing this
+package does no work. Follows seed 000 (``register``, conflict detection) and vLLM's ``vllm/plugins/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from importlib.metadata import entry_points
+
+logger = logging.getLogger("vllm.quantpack.exl3")
+
+#: this package's entry-point name
+ENTRY_POINT = "quantpack_exl3"
+#: entry-point names of the plugins quantpack replaces: they register the same quant_method and patch the same
+#: classes, so which one wins would depend on plugin order
+CONFLICTS = ("orcasaq2", "qwen38_exl3_vision", "tarninfer_exl3", "flint_vllm", "spark_vllm")
+
+_registered = False
+
+
+class PluginConflictError(RuntimeError):
+    """A plugin that quantpack replaces is installed and would be loaded too."""
+
+
+def conflicting_plugins() -> list[str]:
+    """Replaced plugins that vLLM would load in this environment: installed, and not left out by ``VLLM_PLUGINS``.
+
+    Returns:
+        sorted entry-point names.
+    """
+    allowed = os.environ.get("VLLM_PLUGINS")
+    allowed_set = None if allowed is None else {p.strip() for p in allowed.split(",")}
+    return sorted(
+        {
+            ep.name
+            for ep in entry_points(group="vllm.general_plugins")
+            if ep.name in CONFLICTS and (allowed_set is None or ep.name in allowed_set)
+        }
+    )
+
+
+def register() -> None:
+    """Make ``quant_method: "exl3"`` loadable in this process.
+
+    Raises:
+        PluginConflictError: a replaced plugin (see :data:`CONFLICTS`) would be loaded too; the message says what
+            to uninstall or which ``VLLM_PLUGINS`` value leaves it out.
+    """
+    global _registered
+    if _registered:
+        return
+    found = conflicting_plugins()
+    if found:
+        raise PluginConflictError(
+            f"quantpack-exl3 replaces the vLLM plugin(s) {', '.join(found)}, which are installed here and would "
+            f"register the same 'exl3' method: uninstall them (pip uninstall {' '.join(found)}), or leave them out "
+            f"with VLLM_PLUGINS={ENTRY_POINT} (add any other plugin you need, comma-separated)"
+        )
+
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
+
+    from .config import Exl3Config
+
+    if "exl3" in QUANTIZATION_METHODS:
+        from vllm.model_executor.layers.quantization import get_quantization_config
+
+        existing = get_quantization_config("exl3")
+        if existing is not Exl3Config:
+            logger.warning(
+                "quantpack-exl3: replacing the 'exl3' quantization method registered by %s.%s",
+                existing.__module__,
+                existing.__qualname__,
+            )
+    register_quantization_config("exl3")(Exl3Config)
+    _registered = True
+    logger.info("quantpack-exl3: quant_method 'exl3' registered")

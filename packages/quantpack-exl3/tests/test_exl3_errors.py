@@ -1,0 +1,153 @@
+"""Bad input is refused while loading, with the layer, the tensor and the fix named - never a silent dense
+fallback or garbage output."""
+
+import pytest
+import torch
+
+from quantpack_core.errors import GeometryError
+from quantpack_core.synthetic import random_exl3_layer
+
+
+def layer_qkv(cfg_cls):
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    cfg = cfg_cls.from_config({"quant_method": "exl3", "bits": 4})
+    return QKVParallelLinear(
+        256,
+        64,
+        4,
+        2,
+        bias=False,
+        quant_config=cfg,
+        prefix="model.layers.0.self_attn.qkv_proj",
+        params_dtype=torch.float32,
+    )
+
+
+def shard(out_f, k=4, seed=0, in_f=256):
+    return random_exl3_layer(in_f, out_f, k, "mul1", generator=torch.Generator().manual_seed(seed))
+
+
+def load(layer, tensors, sid):
+    for s, w in tensors.items():
+        p = getattr(layer, s)
+        p.weight_loader(p, w, sid)
+
+
+def process(layer):
+    layer.quant_method.process_weights_after_loading(layer)
+
+
+def test_fused_layer_mixing_trellis_and_dense(vllm_layers):
+    from quantpack_exl3.linear import LayerLoadError
+
+    layer = layer_qkv(vllm_layers)
+    load(layer, shard(256), "q")
+    load(layer, shard(128, seed=1), "k")
+    load(layer, {"weight": torch.randn(128, 256)}, "v")
+    with pytest.raises(LayerLoadError, match=r"qkv_proj: .*EXL3 trellis .*dense.*re-quantize"):
+        process(layer)
+
+
+def test_missing_shard(vllm_layers):
+    from quantpack_exl3.linear import LayerLoadError
+
+    layer = layer_qkv(vllm_layers)
+    load(layer, shard(256), "q")
+    load(layer, shard(128, seed=1), "k")
+    with pytest.raises(LayerLoadError, match=r"qkv_proj: output partitions \[2\] received no tensor.*v_proj"):
+        process(layer)
+
+
+def test_shard_vectors_without_trellis(vllm_layers):
+    from quantpack_exl3.linear import LayerLoadError
+
+    layer = layer_qkv(vllm_layers)
+    load(layer, shard(256), "q")
+    load(layer, shard(128, seed=1), "k")
+    v = shard(128, seed=2)
+    del v["trellis"]
+    load(layer, v, "v")
+    with pytest.raises(LayerLoadError, match=r"shard 'v' has \.(suh|svh|mul1) but no \.trellis"):
+        process(layer)
+
+
+def test_shard_missing_svh(vllm_layers):
+    from quantpack_exl3.linear import LayerLoadError
+
+    layer = layer_qkv(vllm_layers)
+    load(layer, shard(256), "q")
+    k = shard(128, seed=1)
+    del k["svh"]
+    load(layer, k, "k")
+    load(layer, shard(128, seed=2), "v")
+    with pytest.raises(LayerLoadError, match=r"shard 'k' \(model.layers.0.self_attn.k_proj\): missing .svh"):
+        process(layer)
+
+
+def test_shard_arriving_twice(vllm_layers):
+    from quantpack_exl3.linear import LayerLoadError
+
+    layer = layer_qkv(vllm_layers)
+    load(layer, shard(256), "q")
+    with pytest.raises(LayerLoadError, match="arrived twice"):
+        load(layer, shard(256), "q")
+
+
+def test_stored_shape_does_not_fit_the_layer(vllm_layers):
+    layer = layer_qkv(vllm_layers)
+    load(layer, shard(384), "q")  # the model wants 256 q outputs
+    load(layer, shard(128, seed=1), "k")
+    load(layer, shard(128, seed=2), "v")
+    with pytest.raises(GeometryError, match=r"shard 'q' .* stores a 256x384 .* needs 256x256.*config"):
+        process(layer)
+
+
+def test_illegal_trellis_at_load(vllm_layers):
+    from quantpack_exl3.linear import LayerLoadError
+
+    layer = layer_qkv(vllm_layers)
+    q = shard(256)
+    q["trellis"] = q["trellis"][..., :50].contiguous()
+    load(layer, q, "q")
+    load(layer, shard(128, seed=1), "k")
+    load(layer, shard(128, seed=2), "v")
+    with pytest.raises(LayerLoadError, match=r"shard 'q' .*width 50.*re-download or re-quantize"):
+        process(layer)
+
+
+def test_layer_with_nothing_loaded(vllm_layers):
+    from quantpack_exl3.linear import LayerLoadError
+
+    layer = layer_qkv(vllm_layers)
+    with pytest.raises(LayerLoadError, match="no tensor of this layer was loaded"):
+        process(layer)
+
+
+def test_manifest_mixing_exl3_and_dense_behind_one_layer(vllm_layers):
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    from quantpack_exl3.linear import LayerLoadError
+
+    storage = {
+        "model.layers.0.mlp.gate_proj": {"quant_format": "exl3", "stored_tensors": {}},
+        "model.layers.0.mlp.up_proj": {"stored_tensors": {"model.layers.0.mlp.up_proj.weight": {}}},
+    }
+    cfg = vllm_layers.from_config({"quant_method": "exl3", "tensor_storage": storage})
+    with pytest.raises(LayerLoadError, match=r"gate_proj as exl3, .*up_proj as dense"):
+        MergedColumnParallelLinear(
+            256, [640, 640], bias=False, quant_config=cfg, prefix="model.layers.0.mlp.gate_up_proj"
+        )
+
+
+def test_bad_backend_choice(vllm_layers, monkeypatch):
+    from quantpack_exl3.backends import BackendUnavailableError, select_backend
+
+    monkeypatch.setenv("QUANTPACK_EXL3_BACKEND", "marlin")
+    with pytest.raises(BackendUnavailableError, match="QUANTPACK_EXL3_BACKEND='marlin'"):
+        select_backend("cpu")
+    monkeypatch.delenv("QUANTPACK_EXL3_BACKEND")
+    with pytest.raises(BackendUnavailableError, match="QUANTPACK_EXL3_BACKEND=reference"):
+        select_backend("cuda")
+    monkeypatch.setenv("QUANTPACK_EXL3_BACKEND", "reference")
+    assert select_backend("cuda").name == "reference"

@@ -1,0 +1,71 @@
+"""The plugin entry point: lazy, idempotent, conflict-checked."""
+
+import subprocess
+import sys
+from importlib.metadata import EntryPoint
+
+import pytest
+
+
+def test_import_does_no_work():
+    code = "import sys, quantpack_exl3, quantpack_exl3.plugin; print('vllm' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_entry_point_is_installed():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("quantpack_exl3") == "quantpack_exl3.plugin:register"
+
+
+def test_register_is_idempotent():
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    from quantpack_exl3.config import Exl3Config
+    from quantpack_exl3.plugin import register
+
+    register()
+    register()
+    assert QUANTIZATION_METHODS.count("exl3") == 1
+    assert get_quantization_config("exl3") is Exl3Config
+
+
+def fake_eps(names):
+    def entry_points(group=None):
+        return [EntryPoint(n, f"{n}:register", "vllm.general_plugins") for n in names]
+
+    return entry_points
+
+
+def test_conflicting_plugin_is_named_with_the_fix(monkeypatch):
+    from quantpack_exl3 import plugin
+
+    monkeypatch.setattr(plugin, "entry_points", fake_eps(["orcasaq2", "flint_vllm", "quantpack_exl3", "other"]))
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    with pytest.raises(
+        plugin.PluginConflictError,
+        match=r"flint_vllm, orcasaq2.*pip uninstall flint_vllm orcasaq2"
+        r".*VLLM_PLUGINS=quantpack_exl3",
+    ):
+        plugin.register()
+
+
+def test_vllm_plugins_leaving_them_out_is_accepted(monkeypatch):
+    from quantpack_exl3 import plugin
+
+    monkeypatch.setattr(plugin, "entry_points", fake_eps(["orcasaq2", "quantpack_exl3"]))
+    monkeypatch.setenv("VLLM_PLUGINS", "quantpack_exl3")
+    assert plugin.conflicting_plugins() == []
+    monkeypatch.setenv("VLLM_PLUGINS", "quantpack_exl3,orcasaq2")
+    assert plugin.conflicting_plugins() == ["orcasaq2"]
+
+
+def test_config_claims_exl3_without_a_flag():
+    from quantpack_exl3.config import Exl3Config
+
+    assert Exl3Config.override_quantization_method({"quant_method": "EXL3"}, None, hf_config=None) == "exl3"
+    assert Exl3Config.override_quantization_method({"quant_method": "gptq"}, None) is None
+    assert Exl3Config.override_quantization_method({"quant_method": "exl3"}, "awq") is None
