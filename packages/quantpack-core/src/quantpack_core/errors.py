@@ -31,10 +31,14 @@ class Problem:
 
 
 class QuantpackError(Exception):
-    """Base class of every error this project raises on bad input."""
+    """Base class of every error this project raises on bad input.
+
+    Deliberately not a ValueError: vLLM builds its config in pydantic validators, which would fold a ValueError into
+    a generic "validation error for VllmConfig"; these propagate as themselves.
+    """
 
 
-class PackError(QuantpackError, ValueError):
+class PackError(QuantpackError):
     """A pack (checkpoint directory) is malformed: missing, extra, truncated or inconsistent tensors or files.
 
     Attributes:
@@ -53,10 +57,10 @@ class PackError(QuantpackError, ValueError):
         )
 
 
-class CodecError(QuantpackError, ValueError):
+class CodecError(QuantpackError):
     """An EXL3 tensor cannot be decoded as given (illegal trellis width, wrong dtype, mismatched vectors)."""
 
 
-class GeometryError(QuantpackError, ValueError):
+class GeometryError(QuantpackError):
     """Shapes that cannot fit together: a layer's stored tensors against the model's layer, or a tensor-parallel cut
     against the 128-wide Hadamard blocks."""

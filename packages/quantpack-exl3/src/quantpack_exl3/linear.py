@@ -27,7 +27,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.parameter import BasevLLMParameter
 
 from quantpack_core.codec import Exl3Tensors
-from quantpack_core.errors import CodecError, GeometryError
+from quantpack_core.errors import CodecError, GeometryError, QuantpackError
 from quantpack_core.hadamard import HAD_BLOCK
 from quantpack_core.names import expand_fused, shard_partitions, shard_slot
 
@@ -45,7 +45,7 @@ PLACEHOLDERS: dict[str, torch.dtype | None] = {
 EXL3_PARTS = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1")
 
 
-class LayerLoadError(RuntimeError):
+class LayerLoadError(QuantpackError):
     """A layer's loaded tensors do not fit it; raised while loading, before any forward pass."""
 
 
@@ -308,6 +308,8 @@ class Exl3LinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x (..., in)`` -> ``(..., sum of output partitions)``: one custom op per shard, concatenated in shard
         order, plus ``bias``."""
+        if not layer.exl3_weight_names:
+            raise LayerLoadError(f"{self.prefix}: forward before process_weights_after_loading built its weights")
         x2 = x.reshape(-1, x.shape[-1])
         outs = [self.backend.forward(x2, getattr(layer, name)) for name in layer.exl3_weight_names]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import os
 
+from quantpack_core.errors import QuantpackError
+
 from .reference import ReferenceBackend
 
 BACKEND_ENV = "QUANTPACK_EXL3_BACKEND"
 BACKENDS = {ReferenceBackend.name: ReferenceBackend}
 
 
-class BackendUnavailableError(RuntimeError):
+class BackendUnavailableError(QuantpackError):
     """No backend can serve EXL3 on this device; the message lists why each one declined and how to fix it."""
 
 
