@@ -27,7 +27,8 @@ def ref_out(x, shards, outs):
 
 
 def rel_err(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
 
 
 def feed(layer, prefix_tensors, shard_id=None):
@@ -210,7 +211,7 @@ def load_qwen_linears(vllm_layers, qwen):
     weights = ((n.replace("layers_root.layers.", "layers."), t) for n, t in mapper.apply(linear))
     AutoWeightsLoader(model).load_weights(weights)
     for m in model.modules():
-        if hasattr(m, "quant_method") and hasattr(m, "input_size"):
+        if hasattr(m, "quant_method"):
             m.quant_method.process_weights_after_loading(m)
     return model, cfg
 
@@ -367,3 +368,27 @@ def test_dense_layers_stored_in_pack_converted_once(vllm_layers):
     x = torch.randn(3, 256).to(torch.bfloat16)
     y = layer.quant_method.apply(layer, x)
     assert rel_err(y, x.double() @ torch.cat([wb, wa]).double().T) < 2e-2
+
+
+def test_dense_lm_head(vllm_layers):
+    """A pack whose head is a plain .weight over the unpadded vocabulary (1000 rows for vLLM's 1024-row head):
+    through the manifest it goes to vLLM's own unquantized method; without a manifest through the EXL3 method,
+    padded with zero rows."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+
+    w = torch.randn(1000, 256)
+    storage = {"lm_head": {"stored_tensors": {"lm_head.weight": {"shape": [1000, 256], "dtype": "torch.float32"}}}}
+    with_manifest = vllm_layers.from_config({"quant_method": "exl3", "tensor_storage": storage})
+    head = ParallelLMHead(1000, 256, quant_config=with_manifest, prefix="lm_head", params_dtype=torch.float32)
+    assert isinstance(head.quant_method, UnquantizedEmbeddingMethod)
+
+    head = ParallelLMHead(
+        1000, 256, quant_config=make_config(vllm_layers), prefix="lm_head", params_dtype=torch.float32
+    )
+    feed(head, {"weight": w})
+    finish(head)
+    x = torch.randn(3, 256)
+    y = head.quant_method.apply(head, x)
+    assert y.shape == (3, 1024)
+    assert rel_err(y[:, :1000], x.double() @ w.double().T) < 1e-6
+    assert torch.equal(y[:, 1000:], torch.zeros(3, 24))

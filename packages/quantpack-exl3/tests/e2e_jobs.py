@@ -1,0 +1,93 @@
+"""The end-to-end jobs the vLLM tests share (run once per session by conftest's ``e2e`` fixture through
+vllm_e2e.py)."""
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+LLAMA_PACKS = [
+    "llama-tiny-exl3-4.0bpw-mul1",
+    "llama-tiny-exl3-4.0bpw-mcg",
+    "llama-tiny-exl3-3.0bpw-3inst-h8",
+    "llama-tiny-exl3-2.5bpw-mul1",
+]
+MAIN_PACK = LLAMA_PACKS[0]
+STDLIB_FILES = [
+    "textwrap.py",
+    "heapq.py",
+    "bisect.py",
+    "fnmatch.py",
+    "colorsys.py",
+    "shlex.py",
+    "calendar.py",
+    "statistics.py",
+]
+RUNNER = Path(__file__).with_name("vllm_e2e.py")
+
+
+def stdlib_tokens(tokenizer_json: Path, rows: int = 8, length: int = 256) -> list[list[int]]:
+    """8 x 256 tokens of Python standard-library source (this interpreter's), one file per row."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    out = []
+    for name in STDLIB_FILES[:rows]:
+        text = (Path(sysconfig.get_paths()["stdlib"]) / name).read_text()
+        ids = tok.encode(text).ids
+        assert len(ids) >= length, name
+        out.append(ids[:length])
+    return out
+
+
+def broken_pack(fixtures_dir: Path, dst: Path) -> Path:
+    """A copy of the main pack whose down_proj trellis of layer 2 lost its last 4 words per tile (an illegal width)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(fixtures_dir / MAIN_PACK, dst)
+    (dst / "model.safetensors").unlink()
+    tensors = load_file(str(fixtures_dir / MAIN_PACK / "model.safetensors"))
+    name = "model.layers.2.mlp.down_proj.trellis"
+    tensors[name] = tensors[name][..., :60].contiguous()
+    save_file(tensors, str(dst / "model.safetensors"))
+    (dst / "quantization_config.json").unlink()
+    return dst
+
+
+def run_jobs(fixtures_dir: Path, tmp: Path) -> dict:
+    """Every end-to-end job in one vLLM process; returns {job id: result}."""
+    tokens = stdlib_tokens(fixtures_dir / MAIN_PACK / "tokenizer.json")
+    jobs = {}
+    for name in LLAMA_PACKS:
+        for dtype in ("float32", "bfloat16"):
+            jobs[f"logits/{name}/{dtype}"] = {
+                "kind": "logits",
+                "pack": str(fixtures_dir / name),
+                "dtype": dtype,
+                "eager": True,
+            }
+    jobs["compiled"] = {"kind": "logits", "pack": str(fixtures_dir / MAIN_PACK), "dtype": "float32", "eager": False}
+    for dtype in ("float32", "bfloat16"):
+        jobs[f"nll/{dtype}"] = {"kind": "nll", "pack": str(fixtures_dir / MAIN_PACK), "dtype": dtype, "tokens": tokens}
+    jobs["bad"] = {"kind": "load_error", "pack": str(broken_pack(fixtures_dir, tmp / "broken"))}
+    ids = list(jobs)
+    (tmp / "jobs.json").write_text(json.dumps([jobs[i] for i in ids]))
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), str(tmp / "jobs.json"), str(tmp / "results.json")],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    if not (tmp / "results.json").exists():
+        pytest.fail(f"the vLLM runner produced nothing (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    results = json.loads((tmp / "results.json").read_text())
+    out = {i: r["result"] for i, r in zip(ids, results, strict=False)}
+    out["_tokens"] = tokens
+    out["_prompt_ids"] = torch.load(fixtures_dir / MAIN_PACK / "reference_logits.pt")["input_ids"][0, :32].tolist()
+    out["_log"] = proc.stderr[-6000:]
+    return out

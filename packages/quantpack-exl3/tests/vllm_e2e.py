@@ -1,0 +1,131 @@
+"""Run end-to-end vLLM jobs described as JSON, in one process, and write their results as JSON.
+
+vLLM takes ~13 s to import on a 2-core machine and ~3 s per model after that when its engine runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, uni-process executor), so the tests hand every job to one run of this script.
+The plugin is picked up through its ``vllm.general_plugins`` entry point, as in any vLLM process.
+
+Usage: ``python vllm_e2e.py JOBS.json RESULTS.json``. Each job is a dict with ``kind``:
+
+* ``logits``: ``pack``, ``dtype``, ``eager``; full-vocabulary prompt logprobs of the pack's ``reference_logits.pt``
+  input ids, compared with its logits (KL, top-1), plus 16 greedy tokens from the first 32 ids.
+* ``nll``: ``pack``, ``dtype``, ``tokens`` (list of token-id lists); mean next-token NLL from prompt logprobs.
+* ``load_error``: ``pack``; building the engine must fail; the error type and message are returned.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def make_llm(pack: str, dtype: str, eager: bool, max_logprobs: int = 1024):
+    from vllm import LLM
+
+    return LLM(
+        model=pack,
+        dtype=dtype,
+        enforce_eager=eager,
+        max_model_len=512,
+        max_logprobs=max_logprobs,
+        distributed_executor_backend="uni",
+        seed=0,
+    )
+
+
+def prompt_logprob_matrix(llm, ids: list[int], vocab: int):
+    """Full-vocabulary log-probabilities of positions 1..len-1 (row i predicts ids[i + 1])."""
+    import torch
+    from vllm import SamplingParams
+
+    out = llm.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=vocab, temperature=0), use_tqdm=False
+    )
+    rows = out[0].prompt_logprobs[1:]
+    lp = torch.full((len(rows), vocab), float("-inf"), dtype=torch.float64)
+    for i, row in enumerate(rows):
+        for tok, v in row.items():
+            if tok < vocab:
+                lp[i, tok] = v.logprob
+    return lp
+
+
+def greedy(llm, ids: list[int], n: int) -> list[int]:
+    from vllm import SamplingParams
+
+    out = llm.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False
+    )
+    return list(out[0].outputs[0].token_ids)
+
+
+def run_logits(job: dict) -> dict:
+    import torch
+
+    from quantpack_core.compare import agreement
+
+    ref = torch.load(os.path.join(job["pack"], "reference_logits.pt"))
+    ids = ref["input_ids"][0].tolist()
+    vocab = ref["logits"].shape[-1]
+    t0 = time.time()
+    llm = make_llm(job["pack"], job["dtype"], job["eager"], vocab)
+    load_s = time.time() - t0
+    lp = prompt_logprob_matrix(llm, ids, vocab)
+    a = agreement(ref["logits"][0, : lp.shape[0]], lp)
+    tokens = greedy(llm, ids[:32], 16)
+    del llm
+    return {"kl": a.kl, "top1": a.top1, "positions": a.positions, "greedy": tokens, "load_s": load_s}
+
+
+def run_nll(job: dict) -> dict:
+    from vllm import SamplingParams
+
+    llm = make_llm(job["pack"], job["dtype"], True, 1)
+    prompts = [{"prompt_token_ids": ids} for ids in job["tokens"]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)
+    nll, count = 0.0, 0
+    for ids, out in zip(job["tokens"], outs, strict=True):
+        for tok, row in zip(ids[1:], out.prompt_logprobs[1:], strict=True):
+            nll -= row[tok].logprob
+            count += 1
+    del llm
+    return {"nll": nll / count, "tokens": count}
+
+
+def run_load_error(job: dict) -> dict:
+    try:
+        llm = make_llm(job["pack"], "float32", True)
+    except Exception as e:  # the point of the job
+        return {"error_type": type(e).__name__, "message": str(e)}
+    del llm
+    return {"error_type": None, "message": ""}
+
+
+RUNNERS = {"logits": run_logits, "nll": run_nll, "load_error": run_load_error}
+
+
+def main(jobs_path: str, results_path: str) -> None:
+    with open(jobs_path) as f:
+        jobs = json.load(f)
+    results = []
+    for job in jobs:
+        t0 = time.time()
+        try:
+            res = RUNNERS[job["kind"]](job)
+        except Exception as e:
+            res = {"failed": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        res["seconds"] = time.time() - t0
+        results.append({"job": job, "result": res})
+        gc.collect()
+        with open(results_path, "w") as f:  # written after every job, so a crash keeps what finished
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
