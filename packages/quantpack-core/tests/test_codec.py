@@ -65,3 +65,11 @@ def test_suh_length_must_match_trellis():
     layer["suh"] = layer["suh"][:128]
     with pytest.raises(CodecError, match="suh"):
         Exl3Tensors.from_tensors(layer)
+
+
+def test_non_finite_vectors_are_rejected():
+    g = torch.Generator().manual_seed(8)
+    layer = random_exl3_layer(128, 128, 4, "mul1", generator=g)
+    layer["svh"][5] = float("nan")
+    with pytest.raises(CodecError, match="svh holds 1 NaN"):
+        Exl3Tensors.from_tensors(layer)

@@ -151,7 +151,44 @@ def test_truncated_file(tmp_path):
     f = path / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) - 1000])
-    expect_problem(path, "model.safetensors", "truncated", "re-download model.safetensors")
+    err = expect_problem(path, "model.safetensors", "truncated", "re-download model.safetensors")
+    assert len(err.problems) == 1, err  # no knock-on reports for the tensors inside it
+
+
+def test_file_truncated_inside_its_header(tmp_path):
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG)
+    f = path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    err = expect_problem(path, "model.safetensors", "header length")
+    assert len(err.problems) == 1, err
+
+
+def test_nan_in_vectors(tmp_path):
+    t = base_tensors()
+    t["model.layers.0.self_attn.q_proj.svh"][3] = float("nan")
+    t["lm_head.suh"][0] = float("inf")
+    expect_problem(
+        write_pack(tmp_path / "p", t, CONFIG),
+        "model.layers.0.self_attn.q_proj.svh",
+        "1 of 256 values are NaN or infinite",
+        "lm_head.suh",
+    )
+
+
+def test_dense_weight_beside_trellis(tmp_path):
+    t = base_tensors()
+    t["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(256, 256, dtype=torch.bfloat16)
+    expect_problem(
+        write_pack(tmp_path / "p", t, CONFIG), "model.layers.0.self_attn.q_proj.weight", "two versions of this layer"
+    )
+
+
+def test_method_only_in_quantization_config_json(tmp_path):
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG)
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["quantization_config"]
+    (path / "config.json").write_text(json.dumps(cfg))
+    expect_problem(path, "config.json", "has no quantization_config.quant_method", "copy the quantization_config")
 
 
 def test_corrupt_header(tmp_path):
@@ -173,10 +210,24 @@ def test_manifest_disagrees_with_file(tmp_path):
 
 
 def test_not_exl3_and_not_a_pack(tmp_path, fixtures_dir):
-    expect_problem(fixtures_dir / "llama-tiny-bf16", "not 'exl3'")
+    expect_problem(fixtures_dir / "llama-tiny-bf16", "has no quantization_config.quant_method, not 'exl3'")
     assert Pack.open(fixtures_dir / "llama-tiny-bf16", require_exl3=False).modules["lm_head"].format == "dense"
     (tmp_path / "empty").mkdir()
     expect_problem(tmp_path / "empty", "config.json", "missing", "no safetensors file")
+    with pytest.raises(PackError, match="does not exist"):
+        Pack.open(tmp_path / "nowhere")
+
+
+def test_lookup_errors_and_handles(fixtures_dir):
+    with Pack.open(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1") as pack:
+        assert "exl3=29" in repr(pack)
+        with pytest.raises(KeyError, match="a dense module, not an EXL3 one"):
+            pack.exl3_tensors("model.embed_tokens")
+        with pytest.raises(KeyError, match=r"no such module; EXL3 modules beside it: \['model.layers.0.mlp.down_proj'"):
+            pack.exl3_tensors("model.layers.0.mlp.nope")
+        with pytest.raises(KeyError, match=r"has \['model.norm.weight'\]"):
+            pack.get_tensor("model.norm.bias")
+    assert not pack._handles
 
 
 def test_two_files_without_index(tmp_path):

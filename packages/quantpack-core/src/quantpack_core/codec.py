@@ -71,6 +71,11 @@ class Exl3Tensors:
             raise CodecError(
                 f"svh has shape {tuple(self.svh.shape)}, the trellis {tuple(self.trellis.shape)} needs ({np_},)"
             )
+        for name, v in (("suh", self.suh), ("svh", self.svh)):
+            if not v.is_floating_point():
+                raise CodecError(f"{name} has dtype {v.dtype}, expected float16")
+            if not bool(torch.isfinite(v).all()):
+                raise CodecError(f"{name} holds {int((~torch.isfinite(v)).sum())} NaN or infinite values")
 
     @property
     def k_bits(self) -> float:

@@ -5,8 +5,8 @@ under its own tree (``language_model.model.layers.3.mlp.gate_up_proj``) and fuse
 canonical key for both sides and the rules that map a fused vLLM layer to the checkpoint tensors behind it.
 
 Follows vLLM's ``packed_modules_mapping`` of the Llama, Qwen3-Next and Qwen3.5 model files and the shard ids their
-weight loaders pass (``"q"/"k"/"v"``, ints, and tuples such as Qwen3.5's ``in_proj_qkv`` -> ``(0, 1, 2)``), see
-``docs/reference/vllm-notes.md`` sections 5 and 11.
+weight loaders pass (``"q"/"k"/"v"``, ints, and tuples such as Qwen3.5's ``in_proj_qkv`` -> ``(0, 1, 2)``, from
+``Qwen3_5Model.hf_to_vllm_mapper`` in ``vllm/model_executor/models/qwen3_5.py``).
 """
 
 from __future__ import annotations

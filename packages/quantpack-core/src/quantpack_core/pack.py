@@ -6,9 +6,9 @@ A pack is ``config.json`` (with ``quantization_config``), an optional ``quantiza
 inventory and check the pack; tensors are read one at a time through safetensors' memory map, so the pack is never
 held in host RAM as a whole. Nothing in the directory is ever written.
 
-Follows docs/exl3-format.md ("Tensors of one quantized linear layer", "config.json and quantization_config.json"),
-exllamav3's ``exllamav3/conversion/convert_model.py`` (what it writes) and the safetensors file layout
-(8-byte little-endian header length, JSON header, data).
+Follows docs/exl3-format.md ("Tensors of one layer", "Pack files"), exllamav3's
+``exllamav3/conversion/convert_model.py`` (what it writes) and the safetensors file layout (8-byte little-endian
+header length, JSON header, data).
 """
 
 from __future__ import annotations
@@ -161,19 +161,36 @@ class Pack:
         self.files: list[str] = []
         self._problems: list[Problem] = []
         self._in_absent_shards: set[str] = set()  # tensors already reported through their missing shard file
+        self._bad_files: set[str] = set()  # shard files reported unreadable or truncated
+        self._config_method = ""  # quant_method as config.json itself says (what vLLM reads)
         self._handles: dict[str, object] = {}
         self._scan()
 
     # ------------------------------------------------------------------------------------------------ opening
 
+    def __repr__(self) -> str:
+        exl3 = sum(1 for m in self.modules.values() if m.format == "exl3")
+        return f"Pack({str(self.path)!r}, files={len(self.files)}, modules={len(self.modules)}, exl3={exl3})"
+
+    def close(self) -> None:
+        """Release the open safetensors handles (a later read reopens them)."""
+        self._handles.clear()
+
+    def __enter__(self) -> Pack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @classmethod
-    def open(cls, path: str | os.PathLike, *, require_exl3: bool = True, check_markers: bool = True) -> Pack:
+    def open(cls, path: str | os.PathLike, *, require_exl3: bool = True, check_values: bool = True) -> Pack:
         """Open and validate a pack.
 
         Args:
             path: the pack directory.
-            require_exl3: fail unless the config says ``quant_method: "exl3"``.
-            check_markers: also read every ``.mcg`` / ``.mul1`` marker (4 bytes each) and check its value.
+            require_exl3: fail unless config.json says ``quant_method: "exl3"``.
+            check_values: also read every EXL3 module's small tensors (markers, suh, svh: a few KiB each) and check
+                marker values and that the vectors are finite.
 
         Returns:
             the Pack.
@@ -183,7 +200,7 @@ class Pack:
                 widths, mismatched suh/svh, marker clashes ...), each naming module, tensor and fix.
         """
         pack = cls(path)
-        problems = pack.problems(require_exl3=require_exl3, check_markers=check_markers)
+        problems = pack.problems(require_exl3=require_exl3, check_values=check_values)
         if problems:
             raise PackError(str(pack.path), problems)
         return pack
@@ -193,7 +210,8 @@ class Pack:
 
     def _scan(self) -> None:
         if not self.path.is_dir():
-            self._problem("", str(self.path), "not a directory", "point at the pack's folder (it holds config.json)")
+            what = "is a file, not a directory" if self.path.exists() else "does not exist"
+            self._problem("", str(self.path), what, "point at the pack's folder (it holds config.json)")
             return
         cfg = self.path / "config.json"
         if not cfg.is_file():
@@ -209,6 +227,7 @@ class Pack:
             or {}
         )
         self.quant_config = dict(qc)
+        self._config_method = str(qc.get("quant_method", "")).lower()
         mf = self.path / MANIFEST_FILE
         if mf.is_file():
             try:
@@ -269,6 +288,7 @@ class Pack:
                 header, start = _read_header(self.path / f)
             except ValueError as e:
                 self._problem("", f, str(e), f"re-download {f}")
+                self._bad_files.add(f)
                 continue
             size = (self.path / f).stat().st_size
             end_max = 0
@@ -323,6 +343,7 @@ class Pack:
                     f"truncated: the header describes {start + end_max} bytes, the file has {size}",
                     f"re-download {f}",
                 )
+                self._bad_files.add(f)
         if weight_map is not None:
             for name, f in weight_map.items():
                 if f in self.files and name not in self.tensors:
@@ -367,27 +388,31 @@ class Pack:
 
     # --------------------------------------------------------------------------------------------- validation
 
-    def problems(self, *, require_exl3: bool = True, check_markers: bool = True) -> list[Problem]:
-        """Every defect of the pack (empty list when it is sound). Reads only headers, plus the 4-byte markers when
-        ``check_markers``."""
+    def problems(self, *, require_exl3: bool = True, check_values: bool = True) -> list[Problem]:
+        """Every defect of the pack (empty list when it is sound). Reads only headers, plus each EXL3 module's
+        markers and suh/svh when ``check_values``."""
         out = list(self._problems)
-        method = str(self.quant_config.get("quant_method", "")).lower()
-        if require_exl3 and self.config and method != "exl3":
-            out.append(
-                Problem(
-                    "",
-                    "config.json",
-                    f"quantization_config.quant_method is {method or 'absent'!r}, not 'exl3'",
-                    "point at an EXL3 pack (made by exllamav3's converter)",
-                )
+        if require_exl3 and self.config and self._config_method != "exl3":
+            said = (
+                f"says quantization_config.quant_method {self._config_method!r}"
+                if self._config_method
+                else "has no quantization_config.quant_method"
             )
+            if not self._config_method and str(self.quant_config.get("quant_method", "")).lower() == "exl3":
+                fix = (
+                    f"copy the quantization_config of {MANIFEST_FILE} (without tensor_storage) into config.json: "
+                    "vLLM reads the method from config.json only"
+                )
+            else:
+                fix = "point at an EXL3 pack (made by exllamav3's converter)"
+            out.append(Problem("", "config.json", f"{said}, not 'exl3'", fix))
         for m in self.modules.values():
             if m.format == "exl3":
-                out.extend(self._exl3_problems(m, check_markers))
+                out.extend(self._exl3_problems(m, check_values))
         out.extend(self._manifest_problems())
         return out
 
-    def _exl3_problems(self, m: ModuleInfo, check_markers: bool) -> list[Problem]:
+    def _exl3_problems(self, m: ModuleInfo, check_values: bool) -> list[Problem]:
         key, t = m.key, m.tensors
         out: list[Problem] = []
 
@@ -450,25 +475,48 @@ class Pack:
                 )
         if "bias" in t and (len(t["bias"].shape) != 1 or t["bias"].shape[0] > np_):
             bad("bias", f"shape {list(t['bias'].shape)} does not fit the {np_} output features")
-        if check_markers:
-            for marker in ("mcg", "mul1"):
-                if marker in t and not ("mcg" in t and "mul1" in t):
-                    try:
-                        check_marker(self.get_tensor(f"{key}.{marker}"), Codebook(marker))
-                    except CodecError as e:
-                        bad(marker, str(e), FIX_REQUANTIZE)
-                    except Exception as e:  # unreadable bytes
-                        bad(marker, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD)
+        if "weight" in t:
+            bad(
+                "weight",
+                "a dense .weight stored beside the module's .trellis: the pack holds two versions of this layer",
+                "remove the one that does not belong, or re-download / re-quantize the pack",
+            )
+        if check_values and not out and not any(i.file in self._bad_files for i in t.values()):
+            out.extend(self._value_problems(key, t))
+        return out
+
+    def _value_problems(self, key: str, t: dict[str, TensorInfo]) -> list[Problem]:
+        """Marker values and finite suh/svh of one otherwise sound EXL3 module."""
+        out: list[Problem] = []
+        for suffix in ("mcg", "mul1", "suh", "svh"):
+            if suffix not in t:
+                continue
+            name = f"{key}.{suffix}"
+            try:
+                v = self.get_tensor(name)
+            except Exception as e:  # bytes safetensors cannot read
+                out.append(Problem(key, name, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD))
+                continue
+            if suffix in ("mcg", "mul1"):
+                try:
+                    check_marker(v, Codebook(suffix))
+                except CodecError as e:
+                    out.append(Problem(key, name, str(e), FIX_REQUANTIZE))
+            elif not bool(torch.isfinite(v).all()):
+                count = int((~torch.isfinite(v)).sum())
+                out.append(Problem(key, name, f"{count} of {v.numel()} values are NaN or infinite", FIX_REDOWNLOAD))
         return out
 
     def _manifest_problems(self) -> list[Problem]:
         out: list[Problem] = []
+        # a file whose header could not be read explains every tensor it held
+        unreadable = any(p.tensor in self._bad_files and not p.what.startswith("truncated") for p in self._problems)
         for module, entry in self.manifest.items():
             stored = (entry or {}).get("stored_tensors") or {}
             for name, desc in stored.items():
                 info = self.tensors.get(name)
                 if info is None:
-                    if name not in self._in_absent_shards:
+                    if name not in self._in_absent_shards and not unreadable:
                         out.append(
                             Problem(
                                 module,
@@ -528,8 +576,15 @@ class Pack:
         """The EXL3 tensors of one module, legacy ``su``/``sv`` unpacked.
 
         Raises:
-            KeyError: no such module; CodecError: not a sound EXL3 module.
+            KeyError: no such module, or not an EXL3 one (the message lists the EXL3 modules beside it).
+            CodecError: not a sound EXL3 module.
         """
+        m = self.modules.get(key)
+        if m is None or m.format != "exl3":
+            parent = key.rsplit(".", 1)[0]
+            near = sorted(k for k, v in self.modules.items() if v.format == "exl3" and k.rsplit(".", 1)[0] == parent)
+            what = "no such module" if m is None else f"a {m.format} module, not an EXL3 one"
+            raise KeyError(f"{self.path}: {key!r}: {what}; EXL3 modules beside it: {near or 'none'}")
         t = self.module_tensors(key)
         if "suh" not in t and "su" in t:
             t["suh"] = unpack_signs(t.pop("su"))
