@@ -125,19 +125,20 @@ def test_layer_with_nothing_loaded(vllm_layers):
 
 
 def test_manifest_mixing_exl3_and_dense_behind_one_layer(vllm_layers):
-    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
-
+    """Refused when the config is built (in vLLM's front-end process), before any layer exists."""
     from quantpack_exl3.linear import LayerLoadError
 
     storage = {
         "model.layers.0.mlp.gate_proj": {"quant_format": "exl3", "stored_tensors": {}},
         "model.layers.0.mlp.up_proj": {"stored_tensors": {"model.layers.0.mlp.up_proj.weight": {}}},
     }
-    cfg = vllm_layers.from_config({"quant_method": "exl3", "tensor_storage": storage})
-    with pytest.raises(LayerLoadError, match=r"gate_proj as exl3, .*up_proj as dense"):
-        MergedColumnParallelLinear(
-            256, [640, 640], bias=False, quant_config=cfg, prefix="model.layers.0.mlp.gate_up_proj"
-        )
+    with pytest.raises(LayerLoadError, match=r"layers.0.mlp.gate_proj as exl3, .*up_proj as dense.*re-quantize"):
+        vllm_layers.from_config({"quant_method": "exl3", "tensor_storage": storage})
+
+
+def test_unknown_codebook_name_in_config_is_only_informational(vllm_layers):
+    cfg = vllm_layers.from_config({"quant_method": "exl3", "codebook": "foo"})
+    assert cfg.codebook == "foo"
 
 
 def test_bad_backend_choice(vllm_layers, monkeypatch):
@@ -151,3 +152,17 @@ def test_bad_backend_choice(vllm_layers, monkeypatch):
         select_backend("cuda")
     monkeypatch.setenv("QUANTPACK_EXL3_BACKEND", "reference")
     assert select_backend("cuda").name == "reference"
+
+
+def test_unfused_layer_is_named_by_its_module(vllm_layers):
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    cfg = vllm_layers.from_config({"quant_method": "exl3"})
+    layer = RowParallelLinear(
+        640, 256, bias=False, quant_config=cfg, prefix="model.layers.0.mlp.down_proj", params_dtype=torch.float32
+    )
+    load(layer, shard(256, in_f=512), None)
+    with pytest.raises(
+        GeometryError, match=r"down_proj: model.layers.0.mlp.down_proj stores a 512x256 .*needs 640x256"
+    ):
+        process(layer)

@@ -1,4 +1,4 @@
-"""Small shims over vLLM API drift between the supported releases (docs/reference/vllm-notes.md, section 13)."""
+"""Small shims over vLLM API drift between the supported releases (see each function for the versions)."""
 
 from __future__ import annotations
 

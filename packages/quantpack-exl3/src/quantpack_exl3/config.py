@@ -6,7 +6,7 @@ then routes each layer vLLM builds: EXL3 layers (and layers whose pack tensors a
 :class:`~quantpack_exl3.linear.Exl3LinearMethod`, layers the pack's manifest lists as dense to vLLM's own unquantized
 methods.
 
-Follows seed 000 (``Exl3Config``), vLLM's ``QuantizationConfig`` (``vllm/model_executor/layers/quantization/
+Follows vLLM's ``QuantizationConfig`` (``vllm/model_executor/layers/quantization/
 base_config.py``) and ``get_quant_config`` / ``VllmConfig._get_quantization_config`` (when ``from_config`` and
 ``maybe_update_config`` are called: in the front-end process, before the engine starts).
 """
@@ -21,7 +21,8 @@ import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from quantpack_core.codebook import Codebook
-from quantpack_core.names import constituents, normalize_prefix
+from quantpack_core.errors import QuantpackError
+from quantpack_core.names import FUSED_LAYERS, constituents, normalize_prefix
 from quantpack_core.pack import MANIFEST_FILE, Pack
 
 from .backends import select_backend
@@ -54,6 +55,38 @@ def manifest_routes(tensor_storage: dict[str, Any]) -> dict[str, str]:
     return routes
 
 
+class UnsupportedLayerError(QuantpackError):
+    """A layer kind this version of quantpack-exl3 cannot serve."""
+
+
+def check_fused_routes(routes: dict[str, str]) -> None:
+    """Refuse a manifest that stores some modules behind one fused vLLM layer as EXL3 and others as dense (e.g.
+    ``q_proj``/``v_proj`` EXL3 but ``k_proj`` dense): one vLLM layer is all one kind.
+
+    Args:
+        routes: :func:`manifest_routes`'s result.
+
+    Raises:
+        LayerLoadError: naming the modules and their kinds.
+    """
+    for alternatives in FUSED_LAYERS.values():
+        for group in alternatives:
+            if len(group) < 2:
+                continue
+            parents: dict[str, dict[str, str]] = {}
+            for name, kind in routes.items():
+                parent, _, last = name.rpartition(".")
+                if last in group:
+                    parents.setdefault(parent, {})[last] = kind
+            for parent, kinds in parents.items():
+                if len(set(kinds.values())) > 1:
+                    listing = ", ".join(f"{parent}.{n} as {k}" for n, k in sorted(kinds.items()))
+                    raise LayerLoadError(
+                        f"the pack stores {listing}; vLLM fuses them into one layer, which cannot mix EXL3 trellis "
+                        "and dense modules - re-quantize the pack with one setting for all of them"
+                    )
+
+
 class Exl3Config(QuantizationConfig):
     """Quantization config of an EXL3 pack.
 
@@ -79,13 +112,15 @@ class Exl3Config(QuantizationConfig):
         self.raw = {k: v for k, v in quant_config.items() if k != "tensor_storage"}
         self.bits = float(quant_config.get("bits", 0.0) or 0.0)
         self.head_bits = float(quant_config.get("head_bits", 16) or 16)
-        self.codebook = Codebook.parse(quant_config.get("codebook", "3inst"))
+        # informational: each tensor's own marker decides its codebook
+        self.codebook = str(quant_config.get("codebook", Codebook.INST3.value))
         self.backend = select_backend(current_platform.device_type)
         self.routes: dict[str, str] = manifest_routes(quant_config.get("tensor_storage") or {})
+        check_fused_routes(self.routes)
 
     def __repr__(self) -> str:
         return (
-            f"Exl3Config(bits={self.bits:g}, head_bits={self.head_bits:g}, codebook={self.codebook.value}, "
+            f"Exl3Config(bits={self.bits:g}, head_bits={self.head_bits:g}, codebook={self.codebook}, "
             f"backend={self.backend.name}, manifest_modules={len(self.routes)})"
         )
 
@@ -132,6 +167,7 @@ class Exl3Config(QuantizationConfig):
         pack = Pack.open(model_name)
         if pack.manifest:
             self.routes = manifest_routes(pack.manifest)
+            check_fused_routes(self.routes)
         logger.info(
             "quantpack-exl3: %s: %d EXL3 modules (K histogram %s), backend %s",
             model_name,
@@ -188,7 +224,7 @@ class Exl3Config(QuantizationConfig):
 
         Raises:
             LayerLoadError: a fused layer that mixes EXL3 and dense modules in the pack.
-            NotImplementedError: an MoE expert layer (EXL3 expert banks are not in this version).
+            UnsupportedLayerError: an MoE expert layer (EXL3 expert banks are not in this version).
         """
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -211,7 +247,7 @@ class Exl3Config(QuantizationConfig):
             return Exl3LinearMethod(self.backend, prefix)
         experts = routed_experts_class()
         if experts is not None and isinstance(layer, experts):
-            raise NotImplementedError(
+            raise UnsupportedLayerError(
                 f"{prefix}: EXL3 MoE expert banks are not supported by quantpack-exl3 0.1 yet; this pack's experts "
                 "cannot be served by this version"
             )

@@ -12,9 +12,9 @@ before its tensors arrive. Hence:
   captured host tensors;
 * ``apply`` runs one registered custom op per shard.
 
-Follows seed 000 (``vllm_quantpack/exl3/linear.py``: per-shard capture, padding, dense layers converted once, host
-release) and vLLM's ``LinearMethodBase`` / ``BasevLLMParameter`` (``vllm/model_executor/layers/linear.py``,
-``vllm/model_executor/parameter.py``).
+Follows vLLM's ``LinearMethodBase`` / ``BasevLLMParameter`` (``vllm/model_executor/layers/linear.py``,
+``vllm/model_executor/parameter.py``; the placeholder-plus-own-loader pattern is vllm-gguf-plugin's per-shard
+parameters) and exllamav3's ``LinearEXL3`` (padding: inputs zero-extended to the stored width, outputs trimmed).
 """
 
 from __future__ import annotations
@@ -205,10 +205,15 @@ class Exl3LinearMethod(LinearMethodBase):
         return plans
 
     def _labels(self, count: int) -> list[str]:
+        """Checkpoint module names of ``count`` shards, in shard order, when the fused layout is known."""
         for alt in expand_fused(self.prefix):
             if len(alt) == count:
                 return alt
         return [self.prefix] * count
+
+    @staticmethod
+    def _shard_name(plan: ShardPlan) -> str:
+        return plan.label if plan.shard_id is None else f"shard {plan.shard_id!r} ({plan.label})"
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Validate the captured tensors, build the backend's per-shard weights, release the host copies.
@@ -265,7 +270,7 @@ class Exl3LinearMethod(LinearMethodBase):
             return Exl3Tensors.from_tensors(got)
         except CodecError as e:
             raise LayerLoadError(
-                f"{self.prefix}: shard {plan.shard_id!r} ({plan.label}): {e}; the pack's "
+                f"{self.prefix}: {self._shard_name(plan)}: {e}; the pack's "
                 f"{plan.label} is incomplete or corrupt - re-download or re-quantize it"
             ) from None
 
@@ -276,7 +281,7 @@ class Exl3LinearMethod(LinearMethodBase):
         ok_n = n == want_n or (self.is_lm_head and n >= plan.out_features and n - plan.out_features < HAD_BLOCK)
         if k != want_k or not ok_n:
             raise GeometryError(
-                f"{self.prefix}: shard {plan.shard_id!r} ({plan.label}) stores a {k}x{n} (in x out) EXL3 matrix, "
+                f"{self.prefix}: {self._shard_name(plan)} stores a {k}x{n} (in x out) EXL3 matrix, "
                 f"the model's layer needs {plan.in_features}x{plan.out_features} (stored as {want_k}x{want_n} after "
                 "padding to 128): the pack does not match config.json - use the config the pack was made with"
             )
@@ -289,7 +294,7 @@ class Exl3LinearMethod(LinearMethodBase):
             or (w.shape[0] < plan.out_features and not self.is_lm_head)
         ):
             raise GeometryError(
-                f"{self.prefix}: dense shard {plan.shard_id!r} ({plan.label}) has shape "
+                f"{self.prefix}: dense {self._shard_name(plan)} has shape "
                 f"{list(w.shape)}, the layer needs [{plan.out_features}, {plan.in_features}] "
                 "(out x in) - the pack does not match config.json"
             )

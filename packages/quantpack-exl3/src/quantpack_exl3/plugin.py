@@ -2,7 +2,7 @@
 
 vLLM calls :func:`register` in every process it starts (front end, engine core, workers, its model-inspection
 subprocess), sometimes twice in one process; it must be cheap, idempotent and must not touch CUDA. Importing this
-package does no work. Follows seed 000 (``register``, conflict detection) and vLLM's ``vllm/plugins/__init__.py``.
+package does no work. Follows vLLM's ``vllm/plugins/__init__.py`` (how and where general plugins are loaded).
 """
 
 from __future__ import annotations
