@@ -6,10 +6,14 @@ The plugin is picked up through its ``vllm.general_plugins`` entry point, as in 
 
 Usage: ``python vllm_e2e.py JOBS.json RESULTS.json``. Each job is a dict with ``kind``:
 
-* ``logits``: ``pack``, ``dtype``, ``eager``; full-vocabulary prompt logprobs of the pack's ``reference_logits.pt``
-  input ids, compared with its logits (KL, top-1), plus 16 greedy tokens from the first 32 ids.
+* ``logits``: ``pack``, ``dtype``, ``eager``, optional ``reference`` (a ``.pt`` with ``input_ids`` and
+  ``logits``; default the pack's ``reference_logits.pt``); full-vocabulary prompt logprobs of the reference input
+  ids, compared with its logits (KL, top-1), plus 16 greedy tokens from the first 32 ids.
 * ``nll``: ``pack``, ``dtype``, ``tokens`` (list of token-id lists); mean next-token NLL from prompt logprobs.
 * ``load_error``: ``pack``; building the engine must fail; the error type and message are returned.
+
+Every job may add ``llm_kwargs`` (extra ``vllm.LLM`` arguments, e.g. the attention backend on a GPU) and
+``register`` (architecture -> ``module:Class`` to register with vLLM first, when vLLM lacks that name).
 """
 
 from __future__ import annotations
@@ -25,18 +29,31 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
-def make_llm(pack: str, dtype: str, eager: bool, max_logprobs: int = 1024):
-    from vllm import LLM
+def make_llm(job: dict, dtype: str, eager: bool, max_logprobs: int = 1024):
+    from vllm import LLM, ModelRegistry
 
+    for arch, target in (job.get("register") or {}).items():
+        if arch not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(arch, target)
     return LLM(
-        model=pack,
+        model=job["pack"],
         dtype=dtype,
         enforce_eager=eager,
         max_model_len=512,
         max_logprobs=max_logprobs,
         distributed_executor_backend="uni",
         seed=0,
+        **(job.get("llm_kwargs") or {}),
     )
+
+
+def release(llm) -> None:
+    """Drop an in-process engine and what it holds (distributed state, device memory) before the next one."""
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
 
 
 def prompt_logprob_matrix(llm, ids: list[int], vocab: int):
@@ -70,23 +87,23 @@ def run_logits(job: dict) -> dict:
 
     from quantpack_core.compare import agreement
 
-    ref = torch.load(os.path.join(job["pack"], "reference_logits.pt"))
+    ref = torch.load(job.get("reference") or os.path.join(job["pack"], "reference_logits.pt"))
     ids = ref["input_ids"][0].tolist()
     vocab = ref["logits"].shape[-1]
     t0 = time.time()
-    llm = make_llm(job["pack"], job["dtype"], job["eager"], vocab)
+    llm = make_llm(job, job["dtype"], job["eager"], vocab)
     load_s = time.time() - t0
     lp = prompt_logprob_matrix(llm, ids, vocab)
     a = agreement(ref["logits"][0, : lp.shape[0]], lp)
     tokens = greedy(llm, ids[:32], 16)
-    del llm
+    release(llm)
     return {"kl": a.kl, "top1": a.top1, "positions": a.positions, "greedy": tokens, "load_s": load_s}
 
 
 def run_nll(job: dict) -> dict:
     from vllm import SamplingParams
 
-    llm = make_llm(job["pack"], job["dtype"], True, 1)
+    llm = make_llm(job, job["dtype"], True, 1)
     prompts = [{"prompt_token_ids": ids} for ids in job["tokens"]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)
     nll, count = 0.0, 0
@@ -94,16 +111,16 @@ def run_nll(job: dict) -> dict:
         for tok, row in zip(ids[1:], out.prompt_logprobs[1:], strict=True):
             nll -= row[tok].logprob
             count += 1
-    del llm
+    release(llm)
     return {"nll": nll / count, "tokens": count}
 
 
 def run_load_error(job: dict) -> dict:
     try:
-        llm = make_llm(job["pack"], "float32", True)
+        llm = make_llm(job, "float32", True)
     except Exception as e:  # the point of the job
         return {"error_type": type(e).__name__, "message": str(e)}
-    del llm
+    release(llm)
     return {"error_type": None, "message": ""}
 
 

@@ -38,6 +38,7 @@ def random_exl3_layer(
     generator: torch.Generator | None = None,
     bias: bool = False,
     scale: float = 0.02,
+    device: torch.device | str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Tensors of one random EXL3 linear layer, as a pack stores them.
 
@@ -48,6 +49,8 @@ def random_exl3_layer(
         generator: torch RNG for reproducibility.
         bias: add a float16 ``bias`` of the logical output length.
         scale: magnitude of ``svh`` (dequantized weights are about ``scale`` in size).
+        device: where to draw and keep the tensors (default CPU; a GPU draws a large layer much faster). The
+            generator must live on the same device.
 
     Returns:
         ``{suffix: tensor}`` with ``trellis`` int16 ``(kp/16, np/16, 16*K)``, ``suh`` float16 ``(kp,)``,
@@ -60,20 +63,20 @@ def random_exl3_layer(
     check_k_codebook(k_bits, cb)
     kp, np_ = padded(in_features), padded(out_features)
     width = width_from_k(k_bits)
-    g = generator
-    trellis = torch.randint(-32768, 32768, (kp // 16, np_ // 16, width), dtype=torch.int32, generator=g)
-    sign_u = torch.randint(0, 2, (kp,), generator=g) * 2 - 1
-    sign_v = torch.randint(0, 2, (np_,), generator=g) * 2 - 1
+    g, kw = generator, {"device": device}
+    trellis = torch.randint(-32768, 32768, (kp // 16, np_ // 16, width), dtype=torch.int32, generator=g, **kw)
+    sign_u = torch.randint(0, 2, (kp,), generator=g, **kw) * 2 - 1
+    sign_v = torch.randint(0, 2, (np_,), generator=g, **kw) * 2 - 1
     out: dict[str, torch.Tensor] = {
         "trellis": trellis.to(torch.int16),
-        "suh": (sign_u * (0.5 + torch.rand(kp, generator=g))).to(torch.float16),
-        "svh": (sign_v * scale * (0.5 + torch.rand(np_, generator=g))).to(torch.float16),
+        "suh": (sign_u * (0.5 + torch.rand(kp, generator=g, **kw))).to(torch.float16),
+        "svh": (sign_v * scale * (0.5 + torch.rand(np_, generator=g, **kw))).to(torch.float16),
     }
     if cb.marker is not None:
         m = cb.multiplier
-        out[cb.marker] = torch.tensor(m - (1 << 32) if m >= 1 << 31 else m, dtype=torch.int32)
+        out[cb.marker] = torch.tensor(m - (1 << 32) if m >= 1 << 31 else m, dtype=torch.int32, **kw)
     if bias:
-        out["bias"] = (0.1 * torch.randn(out_features, generator=g)).to(torch.float16)
+        out["bias"] = (0.1 * torch.randn(out_features, generator=g, **kw)).to(torch.float16)
     return out
 
 

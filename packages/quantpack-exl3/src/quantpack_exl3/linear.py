@@ -19,7 +19,7 @@ parameters) and exllamav3's ``LinearEXL3`` (padding: inputs zero-extended to the
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +95,23 @@ class Exl3ShardParam(BasevLLMParameter):
 
 
 @dataclass(frozen=True)
+class ShardRun:
+    """How ``apply`` runs one prepared shard.
+
+    Attributes:
+        fn: the op wrapper, ``fn(x, *params, *static, out, col)``.
+        params: names of the layer parameters holding the shard's tensors.
+        static: Python scalars of the op (codebook, K, widths).
+        col: the shard's first output column.
+    """
+
+    fn: Callable[..., None]
+    params: tuple[str, ...]
+    static: tuple
+    col: int
+
+
+@dataclass(frozen=True)
 class ShardPlan:
     """Where one loaded shard goes in the layer's output.
 
@@ -164,7 +181,8 @@ class Exl3LinearMethod(LinearMethodBase):
         layer.exl3_in_features = input_size_per_partition
         layer.exl3_partitions = list(output_partition_sizes)
         layer.exl3_params_dtype = params_dtype
-        layer.exl3_weight_names: list[str] = []
+        layer.exl3_runs: list[ShardRun] = []
+        layer.exl3_out_total = sum(output_partition_sizes)
 
     # -------------------------------------------------------------------------------------------------- load
 
@@ -241,23 +259,29 @@ class Exl3LinearMethod(LinearMethodBase):
             )
         device = self._device(layer, captured)
         dtype = layer.exl3_params_dtype
-        names = []
+        kernels = []
         if has_exl3:
             for plan in self._plans(layer, captured, "exl3"):
                 t = self._shard_tensors(captured, plan)
                 self._check_geometry(t, plan)
-                w = self.backend.prepare_shard(t, plan.in_features, plan.out_features, dtype, device)
-                names.append(self._register(layer, len(names), w))
+                kernels.append(self.backend.prepare_shard(t, plan.in_features, plan.out_features, dtype, device))
         else:
             for plan in self._plans(layer, captured, "dense"):
-                w = captured["weight"].shards[plan.slot]
-                w = self._fit_dense(w, plan)
-                names.append(self._register(layer, len(names), self.backend.prepare_dense(w, dtype, device)))
+                w = self._fit_dense(captured["weight"].shards[plan.slot], plan)
+                kernels.append(self.backend.prepare_dense(w, dtype, device))
         for suffix, param in captured.items():
             param.shards.clear()
             param.shard_ids.clear()
             delattr(layer, suffix)
-        layer.exl3_weight_names = names
+        col = 0
+        for i, kernel in enumerate(kernels):
+            names = []
+            for name, tensor in kernel.tensors.items():
+                layer.register_parameter(f"exl3_{i}_{name}", torch.nn.Parameter(tensor, requires_grad=False))
+                names.append(f"exl3_{i}_{name}")
+            layer.exl3_runs.append(ShardRun(kernel.run, tuple(names), kernel.static, col))
+            col += kernel.out_features
+        layer.exl3_out_total = col
 
     @staticmethod
     def _device(layer: torch.nn.Module, captured: dict[str, Exl3ShardParam]) -> torch.device:
@@ -302,22 +326,18 @@ class Exl3LinearMethod(LinearMethodBase):
             w = torch.nn.functional.pad(w, (0, 0, 0, plan.out_features - w.shape[0]))
         return w
 
-    @staticmethod
-    def _register(layer: torch.nn.Module, index: int, w: torch.Tensor) -> str:
-        name = f"exl3_w{index}"
-        layer.register_parameter(name, torch.nn.Parameter(w, requires_grad=False))
-        return name
-
     # ------------------------------------------------------------------------------------------------- apply
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x (..., in)`` -> ``(..., sum of output partitions)``: one custom op per shard, concatenated in shard
-        order, plus ``bias``."""
-        if not layer.exl3_weight_names:
+        """``x (..., in)`` -> ``(..., sum of output partitions)`` in ``x``'s dtype: one registered custom op per
+        shard, each writing its columns of one preallocated output, then ``bias``."""
+        runs = layer.exl3_runs
+        if not runs:
             raise LayerLoadError(f"{self.prefix}: forward before process_weights_after_loading built its weights")
         x2 = x.reshape(-1, x.shape[-1])
-        outs = [self.backend.forward(x2, getattr(layer, name)) for name in layer.exl3_weight_names]
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        out = torch.empty((x2.shape[0], layer.exl3_out_total), dtype=x.dtype, device=x.device)
+        for run in runs:
+            run.fn(x2, *[getattr(layer, name) for name in run.params], *run.static, out, run.col)
         if bias is not None:
-            y = y + bias
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+            out += bias
+        return out.reshape(*x.shape[:-1], layer.exl3_out_total)
