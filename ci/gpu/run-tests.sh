@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Step 4 (GPU machine, repo root): the GPU-marked tests, through nox when it is installed, else the same pytest
+# selection. Arguments go to pytest. See ci/gpu/README.md.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+source ci/gpu/env.sh
+WAIT_BUILD=1 ci/gpu/setup.sh
+if python3 -c "import nox" 2>/dev/null; then
+  exec python3 -m nox -s gpu-tests -- "$@"
+fi
+exec python3 -m pytest -ra -p no:cacheprovider -m gpu packages/quantpack-exl3/tests "$@"

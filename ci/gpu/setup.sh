@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Steps 2 and 3 (GPU machine, repo root): install what travelled in .stage/, unpack the vLLM bundle once both
+# parts have arrived, build exllamav3's extension once per machine. Idempotent. See ci/gpu/README.md.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+source ci/gpu/env.sh
+mkdir -p /tmp/site /tmp/vllm-parts
+if compgen -G ".stage/whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .stage/whl/*.whl
+  echo "installed: $(ls .stage/whl | tr '\n' ' ')"
+fi
+for d in .stage/vllm-a .stage/vllm-b; do
+  [ -d "$d" ] && cp "$d"/part-* "$d"/sha256 /tmp/vllm-parts/ 2>/dev/null || true
+done
+if [ ! -f /tmp/site/vllm/__init__.py ] && [ -f /tmp/vllm-parts/part-00 ] && [ -f /tmp/vllm-parts/part-01 ]; then
+  cat /tmp/vllm-parts/part-00 /tmp/vllm-parts/part-01 > /tmp/vllm-slim.tar.xz
+  echo "$(cat /tmp/vllm-parts/sha256)  /tmp/vllm-slim.tar.xz" | sha256sum -c -
+  tar -xJf /tmp/vllm-slim.tar.xz -C /tmp/site
+  rm -f /tmp/vllm-slim.tar.xz
+  echo "vLLM bundle unpacked: $(python3 -c 'import vllm; print(vllm.__version__)')"
+fi
+# the extension: JIT-built on first import, cached in $TORCH_EXTENSIONS_DIR
+if ! [ -f /tmp/ext-built ]; then
+  if ! pgrep -f "exllamav3_ext-build" >/dev/null; then
+    setsid bash -c 'source ci/gpu/env.sh; exec -a exllamav3_ext-build python3 -c "
+from quantpack_exl3.backends.exllamav3 import load_extension; load_extension(); print(\"built\")
+" > /tmp/ext-build.log 2>&1 && touch /tmp/ext-built' < /dev/null &
+    echo "exllamav3 extension build started (log: /tmp/ext-build.log)"
+  fi
+  if [ "${WAIT_BUILD:-0}" = 1 ]; then
+    while ! [ -f /tmp/ext-built ]; do
+      if ! pgrep -f "exllamav3_ext-build" >/dev/null && ! [ -f /tmp/ext-built ]; then
+        echo "extension build failed:"; tail -30 /tmp/ext-build.log; exit 1
+      fi
+      sleep 5
+    done
+    echo "exllamav3 extension ready"
+  fi
+fi

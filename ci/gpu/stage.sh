@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Step 1 (here): stage what the GPU machine needs under .stage/ (git-ignored). See ci/gpu/README.md.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+stage=.stage
+bundle=${VLLM_BUNDLE:-$root/../shared/gpu/vllm-slim-0.25.1.tar.xz}
+rm -rf "$stage/whl" "$stage/vllm-a" "$stage/vllm-b"
+mkdir -p "$stage/whl" "$stage/vllm-a" "$stage/vllm-b"
+uv=(uv); command -v uv >/dev/null 2>&1 || uv=(python3 -m uv)
+for pkg in packages/quantpack-core packages/quantpack-exl3; do
+  "${uv[@]}" build --quiet --wheel --out-dir "$stage/whl" "$pkg"
+done
+python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$stage/whl" exllamav3==1.6.5 marisa-trie
+# two parts, so each run stays under the 64 MiB that travels with the checkout
+size=$(stat -c %s "$bundle")
+split -b $(( (size + 1) / 2 + 1 )) -d "$bundle" "$stage/part-"
+mv "$stage/part-00" "$stage/vllm-a/"
+mv "$stage/part-01" "$stage/vllm-b/"
+sha256sum "$bundle" | cut -d' ' -f1 > "$stage/vllm-a/sha256"
+cp "$stage/vllm-a/sha256" "$stage/vllm-b/sha256"
+du -sh "$stage"/*

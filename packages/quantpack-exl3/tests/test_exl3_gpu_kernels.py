@@ -1,0 +1,176 @@
+"""GPU tier: exllamav3's kernels through ``quantpack::exl3_gemm_``.
+
+For every tensor of the bundled packs and for random layers of every K and codebook over 1..4096 rows, the op's
+relative error against the fp64 reference (core codec) must be no worse than 1.1x that of exllamav3's own
+``LinearEXL3.forward`` against the same reference; results are never NaN, every column of the shard is written and
+no other. Plus opcheck, torch.compile without graph breaks, and CUDA-graph capture and replay.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantpack_core import Exl3Tensors, Pack, reference_linear
+from quantpack_core.synthetic import random_exl3_layer
+from quantpack_core.trellis import HALF_K
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier: nox -s gpu-tests)"),
+]
+
+EXL3_PACKS = [
+    "llama-tiny-exl3-4.0bpw-mul1",
+    "llama-tiny-exl3-4.0bpw-mcg",
+    "llama-tiny-exl3-3.0bpw-3inst-h8",
+    "llama-tiny-exl3-2.5bpw-mul1",
+    "qwen3_5-tiny-exl3-4.0bpw-mul1",
+]
+RANDOM_K = [1, 2, 2.5, 3, 4, 5, 6, 8]
+RANDOM_CASES = [(k, cb) for k in RANDOM_K for cb in ("3inst", "mcg", "mul1") if k not in HALF_K or cb == "mul1"]
+ROWS = [1, 2, 5, 16, 33, 144, 145, 1024, 4096]
+#: allowed ratio of our relative error to exllamav3's own, and an absolute floor for near-exact cases
+RATIO = 1.1
+FLOOR = 1e-4
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def backend():
+    """The exllamav3 backend; on a GPU machine its extension must import (a failure here fails the tier)."""
+    from quantpack_exl3.backends.exllamav3 import Exllamav3Backend, load_extension
+
+    load_extension()
+    return Exllamav3Backend
+
+
+def exllamav3_forward(t: Exl3Tensors, x16: torch.Tensor) -> torch.Tensor:
+    """exllamav3's own layer (``exllamav3.modules.quant.exl3.LinearEXL3``) on the same tensors."""
+    from exllamav3.modules.quant.exl3 import LinearEXL3
+
+    marker = (
+        {}
+        if t.codebook.marker is None
+        else {
+            t.codebook.marker: torch.tensor(
+                t.codebook.multiplier - (1 << 32) if t.codebook.multiplier >= 1 << 31 else t.codebook.multiplier,
+                dtype=torch.int32,
+                device=x16.device,
+            )
+        }
+    )
+    k, n = t.padded_shape
+    layer = LinearEXL3(None, k, n, suh=t.suh, svh=t.svh, trellis=t.trellis, key="test", **marker)
+    return layer.forward(x16, {}).float()
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.double() - ref).norm() / ref.norm())
+
+
+def check_shard(backend, t: Exl3Tensors, rows: int, seed: int):
+    """Run one shard through the op (fp32 and fp16 outputs) and exllamav3; compare with the fp64 reference."""
+    dev = torch.device("cuda")
+    t = Exl3Tensors(t.trellis.to(dev), t.suh.to(dev), t.svh.to(dev), t.codebook)
+    k, n = t.padded_shape
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x16 = torch.randn((rows, k), generator=g, device=dev).half()
+    ref = reference_linear(x16.double(), t, torch.float64)
+    theirs = rel_err(exllamav3_forward(t, x16), ref)
+    for dtype in (torch.float32, torch.float16):
+        kernel = backend.prepare_shard(t, k, n, dtype, dev)
+        out = torch.full((rows, n + 64), float("nan"), dtype=dtype, device=dev)
+        kernel.run(x16.to(dtype), *kernel.tensors.values(), *kernel.static, out, 32)
+        written = out[:, 32 : 32 + n]
+        assert torch.isfinite(written).all(), "NaN/inf in the result, or a column left unwritten"
+        assert torch.isnan(out[:, :32]).all() and torch.isnan(out[:, 32 + n :]).all(), "wrote outside its columns"
+        ours = rel_err(written, ref)
+        assert ours <= max(RATIO * theirs, FLOOR), (dtype, ours, theirs)
+    return theirs
+
+
+def pack_modules():
+    cases = []
+    for name in EXL3_PACKS:
+        pack = Pack.open(FIXTURES / name)
+        cases += [(name, key) for key, m in pack.modules.items() if m.format == "exl3"]
+    return cases
+
+
+@pytest.mark.parametrize("pack_name,module", pack_modules())
+def test_every_tensor_of_the_bundled_packs(backend, fixtures_dir, pack_name, module):
+    t = Pack.open(fixtures_dir / pack_name).exl3_tensors(module)
+    for rows in (1, 19, 300):
+        check_shard(backend, t, rows, seed=rows)
+
+
+@pytest.mark.parametrize("k_bits,codebook", RANDOM_CASES, ids=[f"K{k:g}-{cb}" for k, cb in RANDOM_CASES])
+@pytest.mark.parametrize("rows", ROWS)
+def test_random_layers(backend, k_bits, codebook, rows):
+    g = torch.Generator().manual_seed(int(k_bits * 10) + rows)
+    t = Exl3Tensors.from_tensors(random_exl3_layer(768, 512, k_bits, codebook, generator=g))
+    check_shard(backend, t, rows, seed=rows)
+
+
+def test_padded_layer_and_dtypes(backend):
+    """A 200 -> 300 layer stored 256 x 384: zero-extended input, trimmed output, bf16 / fp16 / fp32 activations."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(11)
+    t = Exl3Tensors.from_tensors(random_exl3_layer(200, 300, 4, "mul1", generator=g))
+    for dtype, tol in ((torch.float32, 2e-3), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)):
+        kernel = backend.prepare_shard(t, 200, 300, dtype, dev)
+        for rows in (1, 7, 200):
+            x = torch.randn((rows, 200), device=dev).to(dtype)
+            out = torch.empty((rows, 300), dtype=dtype, device=dev)
+            kernel.run(x, *kernel.tensors.values(), *kernel.static, out, 0)
+            ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=300)
+            assert rel_err(out.cpu(), ref) < tol, (dtype, rows)
+
+
+def test_opcheck(backend):
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(12)
+    t = Exl3Tensors.from_tensors(random_exl3_layer(256, 384, 3, "mcg", generator=g))
+    kernel = backend.prepare_shard(t, 256, 384, torch.float16, dev)
+    for rows in (1, 40, 200):
+        x = torch.randn((rows, 256), device=dev).half()
+        out = torch.zeros((rows, 400), dtype=torch.float16, device=dev)
+        torch.library.opcheck(
+            torch.ops.quantpack.exl3_gemm_.default, (x, *kernel.tensors.values(), *kernel.static, out, 16)
+        )
+
+
+def test_compiles_in_one_graph_and_captures_in_a_cuda_graph(backend):
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(13)
+    q = Exl3Tensors.from_tensors(random_exl3_layer(256, 256, 4, "mul1", generator=g))
+    k = Exl3Tensors.from_tensors(random_exl3_layer(256, 128, 2.5, "mul1", generator=g))
+    kq = backend.prepare_shard(q, 256, 256, torch.bfloat16, dev)
+    kk = backend.prepare_shard(k, 256, 128, torch.bfloat16, dev)
+
+    def fused(x):
+        out = torch.empty((x.shape[0], 384), dtype=x.dtype, device=x.device)
+        kq.run(x, *kq.tensors.values(), *kq.static, out, 0)
+        kk.run(x, *kk.tensors.values(), *kk.static, out, 256)
+        return torch.nn.functional.silu(out)
+
+    explained = torch._dynamo.explain(fused)(torch.randn((3, 256), device=dev).bfloat16())
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    compiled = torch.compile(fused, fullgraph=True, dynamic=True)
+    for rows in (1, 5, 150):
+        x = torch.randn((rows, 256), device=dev).bfloat16()
+        assert rel_err(compiled(x).float(), fused(x).double()) < 1e-2, rows
+
+    for rows in (1, 33, 145):  # fused-GEMM buckets and the reconstruct path
+        static_x = torch.randn((rows, 256), device=dev).bfloat16()
+        fused(static_x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = fused(static_x)
+        for _ in range(2):
+            static_x.copy_(torch.randn((rows, 256), device=dev).bfloat16())
+            graph.replay()
+            torch.cuda.synchronize()
+            assert rel_err(static_y.float(), fused(static_x).double()) < 1e-3, rows
