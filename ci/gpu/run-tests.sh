@@ -9,4 +9,4 @@ WAIT_BUILD=1 ci/gpu/setup.sh
 if python3 -c "import nox" 2>/dev/null; then
   exec python3 -m nox -s gpu-tests -- "$@"
 fi
-exec python3 -m pytest -ra -p no:cacheprovider -m gpu packages/quantpack-exl3/tests "$@"
+exec python3 -m pytest -ra -p no:cacheprovider --durations=15 -m gpu packages/quantpack-exl3/tests "$@"

@@ -20,17 +20,20 @@ if [ ! -f /tmp/site/vllm/__init__.py ] && [ -f /tmp/vllm-parts/part-00 ] && [ -f
   rm -f /tmp/vllm-slim.tar.xz
   echo "vLLM bundle unpacked: $(python3 -c 'import vllm; print(vllm.__version__)')"
 fi
-# the extension: JIT-built on first import, cached in $TORCH_EXTENSIONS_DIR
+# the extension: JIT-built on first import, cached in $TORCH_EXTENSIONS_DIR; built in the background (setsid) so it
+# survives this command, tracked through its pid file
+building() { [ -f /tmp/ext-build.pid ] && kill -0 "$(cat /tmp/ext-build.pid)" 2>/dev/null; }
 if ! [ -f /tmp/ext-built ]; then
-  if ! pgrep -f "exllamav3_ext-build" >/dev/null; then
-    setsid bash -c 'source ci/gpu/env.sh; exec -a exllamav3_ext-build python3 -c "
+  if ! building; then
+    setsid bash -c 'source ci/gpu/env.sh; python3 -c "
 from quantpack_exl3.backends.exllamav3 import load_extension; load_extension(); print(\"built\")
-" > /tmp/ext-build.log 2>&1 && touch /tmp/ext-built' < /dev/null &
+" > /tmp/ext-build.log 2>&1 && touch /tmp/ext-built' > /dev/null 2>&1 < /dev/null &
+    echo $! > /tmp/ext-build.pid
     echo "exllamav3 extension build started (log: /tmp/ext-build.log)"
   fi
   if [ "${WAIT_BUILD:-0}" = 1 ]; then
     while ! [ -f /tmp/ext-built ]; do
-      if ! pgrep -f "exllamav3_ext-build" >/dev/null && ! [ -f /tmp/ext-built ]; then
+      if ! building && ! [ -f /tmp/ext-built ]; then
         echo "extension build failed:"; tail -30 /tmp/ext-build.log; exit 1
       fi
       sleep 5

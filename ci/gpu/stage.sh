@@ -14,6 +14,9 @@ done
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$stage/whl" exllamav3==1.6.5 marisa-trie
+# the slim vLLM bundle lacks compressed-tensors (and its loguru), which vLLM imports as soon as any quantization
+# method is resolved
+python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$stage/whl" compressed-tensors==0.17.0 loguru
 # two parts, so each run stays under the 64 MiB that travels with the checkout
 size=$(stat -c %s "$bundle")
 split -b $(( (size + 1) / 2 + 1 )) -d "$bundle" "$stage/part-"

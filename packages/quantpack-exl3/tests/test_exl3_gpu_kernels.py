@@ -29,7 +29,7 @@ EXL3_PACKS = [
 ]
 RANDOM_K = [1, 2, 2.5, 3, 4, 5, 6, 8]
 RANDOM_CASES = [(k, cb) for k in RANDOM_K for cb in ("3inst", "mcg", "mul1") if k not in HALF_K or cb == "mul1"]
-ROWS = [1, 2, 5, 16, 33, 144, 145, 1024, 4096]
+ROWS = [1, 2, 7, 33, 145, 1024, 4096]
 #: allowed ratio of our relative error to exllamav3's own, and an absolute floor for near-exact cases
 RATIO = 1.1
 FLOOR = 1e-4
@@ -101,7 +101,7 @@ def pack_modules():
 @pytest.mark.parametrize("pack_name,module", pack_modules())
 def test_every_tensor_of_the_bundled_packs(backend, fixtures_dir, pack_name, module):
     t = Pack.open(fixtures_dir / pack_name).exl3_tensors(module)
-    for rows in (1, 19, 300):
+    for rows in (1, 300):  # the fused GEMM and the reconstruct path
         check_shard(backend, t, rows, seed=rows)
 
 
