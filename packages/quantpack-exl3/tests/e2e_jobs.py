@@ -59,6 +59,35 @@ def broken_pack(fixtures_dir: Path, dst: Path) -> Path:
     return dst
 
 
+def run_runner(jobs: dict[str, dict], tmp: Path, timeout: float) -> dict:
+    """Hand ``{job id: job}`` to one run of vllm_e2e.py; returns ``{job id: result}`` plus ``_log`` (its stderr
+    tail). Fails the calling test when the runner produced nothing."""
+    ids = list(jobs)
+    (tmp / "jobs.json").write_text(json.dumps([jobs[i] for i in ids]))
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), str(tmp / "jobs.json"), str(tmp / "results.json")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if not (tmp / "results.json").exists():
+        pytest.fail(f"the vLLM runner produced nothing (rc {proc.returncode}):\n{proc.stderr[-8000:]}")
+    results = json.loads((tmp / "results.json").read_text())
+    out = {i: r["result"] for i, r in zip(ids, results, strict=False)}
+    out["_log"] = proc.stderr[-8000:]
+    return out
+
+
+def get(results: dict, key: str) -> dict:
+    """One job's result; fails the test when the job did not run or raised."""
+    res = results.get(key)
+    if res is None:
+        pytest.fail(f"job {key} did not run; runner log tail:\n{results['_log']}")
+    if "failed" in res:
+        pytest.fail(f"job {key} failed: {res['failed']}\n{res['traceback']}")
+    return res
+
+
 def run_jobs(fixtures_dir: Path, tmp: Path) -> dict:
     """Every end-to-end job in one vLLM process; returns {job id: result}."""
     tokens = stdlib_tokens(fixtures_dir / MAIN_PACK / "tokenizer.json")
@@ -75,19 +104,7 @@ def run_jobs(fixtures_dir: Path, tmp: Path) -> dict:
     for dtype in ("float32", "bfloat16"):
         jobs[f"nll/{dtype}"] = {"kind": "nll", "pack": str(fixtures_dir / MAIN_PACK), "dtype": dtype, "tokens": tokens}
     jobs["bad"] = {"kind": "load_error", "pack": str(broken_pack(fixtures_dir, tmp / "broken"))}
-    ids = list(jobs)
-    (tmp / "jobs.json").write_text(json.dumps([jobs[i] for i in ids]))
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(tmp / "jobs.json"), str(tmp / "results.json")],
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    if not (tmp / "results.json").exists():
-        pytest.fail(f"the vLLM runner produced nothing (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
-    results = json.loads((tmp / "results.json").read_text())
-    out = {i: r["result"] for i, r in zip(ids, results, strict=False)}
+    out = run_runner(jobs, tmp, timeout=1500)
     out["_tokens"] = tokens
     out["_prompt_ids"] = torch.load(fixtures_dir / MAIN_PACK / "reference_logits.pt")["input_ids"][0, :32].tolist()
-    out["_log"] = proc.stderr[-6000:]
     return out

@@ -3,14 +3,11 @@
 against the core codec's dequantized weights in transformers), and identical greedy tokens eager and with
 torch.compile + CUDA graphs."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from e2e_jobs import LLAMA_PACKS
+from e2e_jobs import LLAMA_PACKS, get, run_runner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,7 +15,6 @@ pytestmark = [
 ]
 
 QWEN_PACK = "qwen3_5-tiny-exl3-4.0bpw-mul1"
-RUNNER = Path(__file__).with_name("vllm_e2e.py")
 #: the slim vLLM bundle of the GPU machine has no FlashAttention/FlashInfer binaries
 LLM_KWARGS = {
     "attention_backend": "TRITON_ATTN",
@@ -68,29 +64,7 @@ def gpu_e2e(fixtures_dir, tmp_path_factory):
         jobs[f"{name}/float16/eager"] = dict(base, dtype="float16", eager=True)
         jobs[f"{name}/float16/graphs"] = dict(base, dtype="float16", eager=False)
         jobs[f"{name}/bfloat16/eager"] = dict(base, dtype="bfloat16", eager=True)
-    ids = list(jobs)
-    (tmp / "jobs.json").write_text(json.dumps([jobs[i] for i in ids]))
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(tmp / "jobs.json"), str(tmp / "results.json")],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if not (tmp / "results.json").exists():
-        pytest.fail(f"the vLLM runner produced nothing (rc {proc.returncode}):\n{proc.stderr[-8000:]}")
-    results = json.loads((tmp / "results.json").read_text())
-    out = {i: r["result"] for i, r in zip(ids, results, strict=False)}
-    out["_log"] = proc.stderr[-8000:]
-    return out
-
-
-def get(results, key):
-    res = results.get(key)
-    if res is None:
-        pytest.fail(f"job {key} did not run; runner log tail:\n{results['_log']}")
-    if "failed" in res:
-        pytest.fail(f"job {key} failed: {res['failed']}\n{res['traceback']}")
-    return res
+    return run_runner(jobs, tmp, timeout=1800)
 
 
 @pytest.mark.parametrize("name", [*LLAMA_PACKS, QWEN_PACK])

@@ -3,16 +3,7 @@ prompt logprobs are compared with the logits exllamav3's own kernels produced (r
 
 import pytest
 import torch
-from e2e_jobs import LLAMA_PACKS, MAIN_PACK
-
-
-def get(e2e, key):
-    res = e2e.get(key)
-    if res is None:
-        pytest.fail(f"job {key} did not run; runner log tail:\n{e2e['_log']}")
-    if "failed" in res:
-        pytest.fail(f"job {key} failed: {res['failed']}\n{res['traceback']}")
-    return res
+from e2e_jobs import LLAMA_PACKS, MAIN_PACK, get
 
 
 @pytest.mark.parametrize("name", LLAMA_PACKS)
