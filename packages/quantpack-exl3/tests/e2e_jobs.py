@@ -104,7 +104,21 @@ def run_jobs(fixtures_dir: Path, tmp: Path) -> dict:
     for dtype in ("float32", "bfloat16"):
         jobs[f"nll/{dtype}"] = {"kind": "nll", "pack": str(fixtures_dir / MAIN_PACK), "dtype": dtype, "tokens": tokens}
     jobs["bad"] = {"kind": "load_error", "pack": str(broken_pack(fixtures_dir, tmp / "broken"))}
+    for name in LLAMA_PACKS:  # int8 embedding rows against the same pack with its bf16 table
+        from quantpack_core.embedding import convert_embedding_int8
+
+        int8 = convert_embedding_int8(fixtures_dir / name, tmp / f"{name}-int8").out_dir
+        jobs[f"logits/{name}/float32"]["save"] = str(tmp / f"{name}.lp.pt")
+        jobs[f"int8/{name}"] = {
+            "kind": "logits",
+            "pack": str(int8),
+            "dtype": "float32",
+            "eager": True,
+            "reference": str(fixtures_dir / name / "reference_logits.pt"),
+            "save": str(tmp / f"{name}-int8.lp.pt"),
+        }
     out = run_runner(jobs, tmp, timeout=1500)
+    out["_tmp"] = str(tmp)
     out["_tokens"] = tokens
     out["_prompt_ids"] = torch.load(fixtures_dir / MAIN_PACK / "reference_logits.pt")["input_ids"][0, :32].tolist()
     return out

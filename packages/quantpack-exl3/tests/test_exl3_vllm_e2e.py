@@ -57,3 +57,21 @@ def test_broken_pack_refused_at_startup(e2e):
     assert res["error_type"] == "PackError", res
     assert "model.layers.2.mlp.down_proj.trellis" in res["message"]
     assert "width 60" in res["message"] and "->" in res["message"]
+
+
+@pytest.mark.parametrize("name", LLAMA_PACKS)
+def test_int8_embedding_rows_cost_almost_nothing(e2e, figures, name):
+    """After `quantpack embed-int8`: vLLM's logits against the same pack with its bf16 table (KL <= 1e-3)."""
+    from pathlib import Path
+
+    from quantpack_core.compare import agreement
+
+    res, dense = get(e2e, f"int8/{name}"), get(e2e, f"logits/{name}/float32")
+    tmp = Path(e2e["_tmp"])
+    vs_dense = agreement(torch.load(tmp / f"{name}.lp.pt"), torch.load(tmp / f"{name}-int8.lp.pt"))
+    figures.append(
+        f"{name} int8 embedding rows, float32: KL vs bf16-table pack {vs_dense.kl:.3g} "
+        f"(top-1 {100 * vs_dense.top1:.2f}%); vs exllamav3 reference {res['kl']:.3g} (table: {dense['kl']:.3g})"
+    )
+    assert vs_dense.kl <= 1e-3
+    assert res["kl"] <= 1e-3

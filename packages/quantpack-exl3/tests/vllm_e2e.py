@@ -8,7 +8,8 @@ Usage: ``python vllm_e2e.py JOBS.json RESULTS.json``. Each job is a dict with ``
 
 * ``logits``: ``pack``, ``dtype``, ``eager``, optional ``reference`` (a ``.pt`` with ``input_ids`` and
   ``logits``; default the pack's ``reference_logits.pt``); full-vocabulary prompt logprobs of the reference input
-  ids, compared with its logits (KL, top-1), plus 16 greedy tokens from the first 32 ids.
+  ids, compared with its logits (KL, top-1), plus 16 greedy tokens from the first 32 ids; with ``save``, the
+  log-probability matrix is also written there (``torch.save``).
 * ``nll``: ``pack``, ``dtype``, ``tokens`` (list of token-id lists); mean next-token NLL from prompt logprobs.
 * ``load_error``: ``pack``; building the engine must fail; the error type and message are returned.
 
@@ -95,6 +96,8 @@ def run_logits(job: dict) -> dict:
     load_s = time.time() - t0
     lp = prompt_logprob_matrix(llm, ids, vocab)
     a = agreement(ref["logits"][0, : lp.shape[0]], lp)
+    if job.get("save"):
+        torch.save(lp, job["save"])
     tokens = greedy(llm, ids[:32], 16)
     release(llm)
     return {"kl": a.kl, "top1": a.top1, "positions": a.positions, "greedy": tokens, "load_s": load_s}

@@ -21,11 +21,13 @@ import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
 from quantpack_core.codebook import Codebook
+from quantpack_core.embedding import INT8_FORMAT
 from quantpack_core.errors import QuantpackError
 from quantpack_core.names import FUSED_LAYERS, constituents, normalize_prefix
 from quantpack_core.pack import MANIFEST_FILE, Pack
 
 from .backends import select_backend
+from .embedding import Exl3EmbeddingMethod
 from .linear import Exl3LinearMethod, LayerLoadError
 
 logger = logging.getLogger("vllm.quantpack.exl3")
@@ -34,7 +36,7 @@ METHOD = "exl3"
 
 
 def manifest_routes(tensor_storage: dict[str, Any]) -> dict[str, str]:
-    """Canonical module name -> ``"exl3"`` or ``"dense"`` from a pack's ``tensor_storage``.
+    """Canonical module name -> ``"exl3"``, ``"int8_rows"`` or ``"dense"`` from a pack's ``tensor_storage``.
 
     Args:
         tensor_storage: ``quantization_config.json``'s ``tensor_storage`` (module -> entry with ``stored_tensors``
@@ -50,9 +52,33 @@ def manifest_routes(tensor_storage: dict[str, Any]) -> dict[str, str]:
         stored = entry.get("stored_tensors") or {}
         if entry.get("quant_format") == METHOD or f"{module}.trellis" in stored:
             routes[normalize_prefix(module)] = "exl3"
+        elif entry.get("quant_format") == INT8_FORMAT or f"{module}.qweight" in stored:
+            routes[normalize_prefix(module)] = "int8_rows"
         elif f"{module}.weight" in stored:
             routes[normalize_prefix(module)] = "dense"
     return routes
+
+
+def untie_if_head_stored(pack: Pack, hf_config) -> bool:
+    """Packs from exllamav3 1.4 and older can say ``tie_word_embeddings: true`` and still ship their own quantized
+    ``lm_head``; the head in the pack wins (vLLM would otherwise skip loading it and reuse the embedding). Sets
+    ``tie_word_embeddings`` to False on the config (and its text config) in that case.
+
+    Returns:
+        whether the config was changed.
+    """
+    if hf_config is None or not any(normalize_prefix(k) == "lm_head" for k in pack.modules):
+        return False
+    changed = False
+    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
+        if cfg is not None and getattr(cfg, "tie_word_embeddings", False):
+            cfg.tie_word_embeddings = False
+            changed = True
+    if changed:
+        logger.warning(
+            "quantpack-exl3: %s says tie_word_embeddings but stores its own lm_head; serving the stored head", pack.path
+        )
+    return changed
 
 
 class UnsupportedLayerError(QuantpackError):
@@ -172,6 +198,7 @@ class Exl3Config(QuantizationConfig):
         if pack.manifest:
             self.routes = manifest_routes(pack.manifest)
             check_fused_routes(self.routes)
+        untie_if_head_stored(pack, hf_config)
         logger.info(
             "quantpack-exl3: %s: %d EXL3 modules (K histogram %s), backend %s",
             model_name,
@@ -239,14 +266,18 @@ class Exl3Config(QuantizationConfig):
 
         from .compat import routed_experts_class
 
+        route = self.route(prefix)
         if isinstance(layer, ParallelLMHead):
-            if self.route(prefix) == "dense":
+            if route == "dense":
                 return UnquantizedEmbeddingMethod()
+            if route == "int8_rows":
+                return Exl3EmbeddingMethod(prefix)
             return Exl3LinearMethod(self.backend, prefix, is_lm_head=True)
         if isinstance(layer, VocabParallelEmbedding):
-            return None  # the embedding table stays dense in this version
+            # a dense table known from the manifest goes to vLLM's own method; int8 rows, or an unknown table, here
+            return None if route == "dense" else Exl3EmbeddingMethod(prefix)
         if isinstance(layer, LinearBase):
-            if self.route(prefix) == "dense":
+            if route == "dense":
                 return UnquantizedLinearMethod()
             return Exl3LinearMethod(self.backend, prefix)
         experts = routed_experts_class()

@@ -326,6 +326,11 @@ class Exl3LinearMethod(LinearMethodBase):
             w = torch.nn.functional.pad(w, (0, 0, 0, plan.out_features - w.shape[0]))
         return w
 
+    def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
+        """A head tied to the embedding is the embedding module itself: its method's ``apply`` computes the logits
+        (vLLM >= 0.24 calls this from ``ParallelLMHead.tie_weights``)."""
+        return embed_tokens
+
     # ------------------------------------------------------------------------------------------------- apply
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -76,5 +76,9 @@ def register() -> None:
                 existing.__qualname__,
             )
     register_quantization_config("exl3")(Exl3Config)
+
+    from .layers import patch_embedding_constructors
+
+    patch_embedding_constructors()
     _registered = True
     logger.info("quantpack-exl3: quant_method 'exl3' registered")

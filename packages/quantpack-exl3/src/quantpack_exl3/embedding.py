@@ -1,0 +1,128 @@
+"""The token-embedding method for vLLM's ``VocabParallelEmbedding``: int8 rows or a dense table.
+
+vLLM keeps the embedding table on the device, where it is often the largest tensor of a pack. A pack converted with
+``quantpack embed-int8`` stores it as int8 rows (``qweight``) with one float32 scale per row (``scales``); this
+method keeps exactly that on the device and dequantizes only the rows a batch gathers, in float32 before casting to
+the model dtype. A pack with a dense ``weight`` table is served from that table, converted once to the model dtype.
+A module that receives no table at all (a speculative-decoding draft whose embedding vLLM replaces with the
+target's after loading) stays empty and raises if it is ever used.
+
+Follows vLLM's ``UnquantizedEmbeddingMethod`` (``vllm/model_executor/layers/vocab_parallel_embedding.py``: the
+``embedding`` / ``apply`` / ``tie_weights`` contract) and quantpack_core.embedding (the row format).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+from .linear import Exl3ShardParam, LayerLoadError
+
+EMBED_PLACEHOLDERS: dict[str, torch.dtype | None] = {"qweight": torch.int8, "scales": torch.float32, "weight": None}
+
+
+class Exl3EmbeddingMethod(QuantizeMethodBase):
+    """int8 rows with a per-row scale, or a dense table, whichever the pack carries.
+
+    Args:
+        prefix: the vLLM module name, for messages.
+    """
+
+    def __init__(self, prefix: str = ""):
+        self.prefix = prefix
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: object,
+    ) -> None:
+        """Register placeholders for ``qweight``, ``scales`` and ``weight``; vLLM's narrowing vocab loader in
+        ``extra_weight_attrs`` is not applied (the captured rows are cut to this rank at load)."""
+        for suffix, dtype in EMBED_PLACEHOLDERS.items():
+            layer.register_parameter(suffix, Exl3ShardParam(suffix, dtype or params_dtype, self.prefix))
+        layer.exl3_rows = sum(output_partition_sizes)
+        layer.exl3_width = input_size_per_partition
+        layer.exl3_params_dtype = params_dtype
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Check and place the table.
+
+        Raises:
+            LayerLoadError: ``qweight`` without ``scales`` (or the reverse), both int8 rows and a dense table, wrong
+                dtypes, or a table wider or longer than the layer.
+        """
+        got = {s: getattr(layer, s).shards.get(0) for s in EMBED_PLACEHOLDERS}
+        device = layer.qweight.device
+        for suffix in EMBED_PLACEHOLDERS:
+            getattr(layer, suffix).shards.clear()
+            delattr(layer, suffix)
+        q, s, w = got["qweight"], got["scales"], got["weight"]
+        layer.register_parameter("exl3_embed_q", None)
+        layer.register_parameter("exl3_embed_s", None)
+        if (q is None) != (s is None):
+            have, missing = ("qweight", "scales") if s is None else ("scales", "qweight")
+            raise LayerLoadError(
+                f"{self.prefix}: the pack has .{have} but no .{missing}; the int8 table is "
+                "incomplete - re-run `quantpack embed-int8` on the original pack"
+            )
+        if q is not None and w is not None:
+            raise LayerLoadError(
+                f"{self.prefix}: the pack stores both int8 rows (.qweight) and a dense .weight; keep one of them"
+            )
+        if q is not None:
+            if q.dtype != torch.int8 or q.dim() != 2 or s.shape != (q.shape[0],):
+                raise LayerLoadError(
+                    f"{self.prefix}: int8 rows must be int8 (rows, width) with (rows,) scales, got "
+                    f"{q.dtype} {list(q.shape)} and {s.dtype} {list(s.shape)}"
+                )
+            q = self._fit(q, "qweight", layer.exl3_rows, layer.exl3_width)
+            layer.register_parameter("exl3_embed_q", torch.nn.Parameter(q.to(device), requires_grad=False))
+            scales = torch.ones(layer.exl3_rows, dtype=torch.float32)
+            scales[: s.shape[0]] = s.float()
+            layer.register_parameter("exl3_embed_s", torch.nn.Parameter(scales.to(device), requires_grad=False))
+            layer.register_parameter("weight", None)  # vLLM's draft-sharing code looks the name up
+        elif w is not None:
+            w = self._fit(w, "weight", layer.exl3_rows, layer.exl3_width).to(
+                device=device, dtype=layer.exl3_params_dtype
+            )
+            layer.register_parameter("weight", torch.nn.Parameter(w, requires_grad=False))
+        else:
+            layer.register_parameter("weight", None)  # empty: shared from a target model after loading
+
+    def _fit(self, table: torch.Tensor, suffix: str, rows: int, width: int) -> torch.Tensor:
+        """Pad a ``(vocab, width)`` table to the layer's padded row count ``rows``."""
+        if table.dim() != 2 or table.shape[1] != width or table.shape[0] > rows:
+            raise LayerLoadError(
+                f"{self.prefix}: .{suffix} has shape {list(table.shape)}, the layer holds "
+                f"{rows} rows of width {width} - the pack does not match config.json"
+            )
+        if table.shape[0] < rows:
+            table = torch.cat([table, table.new_zeros((rows - table.shape[0], width))])
+        return table.contiguous()
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        """Rows of ``input_`` (int64 ids, any shape) -> ``(*input_.shape, width)`` in the model dtype."""
+        if layer.exl3_embed_q is not None:
+            rows = layer.exl3_embed_q[input_].to(torch.float32) * layer.exl3_embed_s[input_].unsqueeze(-1)
+            return rows.to(layer.exl3_params_dtype)
+        if layer.weight is None:
+            raise LayerLoadError(
+                f"{self.prefix}: this embedding has no table (a draft model's, meant to be shared "
+                "with its target) and was used before vLLM shared it"
+            )
+        return torch.nn.functional.embedding(input_, layer.weight)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of a head tied to this table: ``x @ table.T`` (the int8 table is dequantized for the call)."""
+        if layer.exl3_embed_q is not None:
+            w = (layer.exl3_embed_q.to(torch.float32) * layer.exl3_embed_s[:, None]).to(x.dtype)
+        elif layer.weight is not None:
+            w = layer.weight
+        else:
+            raise LayerLoadError(f"{self.prefix}: tied head over an embedding that has no table")
+        return torch.nn.functional.linear(x, w, bias)

@@ -1,0 +1,156 @@
+"""The embedding method on vLLM's VocabParallelEmbedding / ParallelLMHead: int8 rows, dense tables, tied heads,
+empty draft tables, and the errors."""
+
+import inspect
+
+import pytest
+import torch
+
+from quantpack_core import Pack
+from quantpack_core.embedding import convert_embedding_int8, dequantize_rows
+
+MAIN = "llama-tiny-exl3-4.0bpw-mul1"
+
+
+def cfg(vllm_layers, storage=None):
+    qc = {"quant_method": "exl3", "bits": 4}
+    if storage is not None:
+        qc["tensor_storage"] = storage
+    return vllm_layers.from_config(qc)
+
+
+def embed_layer(vllm_layers, storage=None, vocab=1024, dtype=torch.float32):
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    return VocabParallelEmbedding(
+        vocab, 256, params_dtype=dtype, quant_config=cfg(vllm_layers, storage), prefix="model.embed_tokens"
+    )
+
+
+def feed(layer, tensors):
+    for suffix, t in tensors.items():
+        p = getattr(layer, suffix)
+        p.weight_loader(p, t)
+
+
+@pytest.fixture(scope="module")
+def int8_pack(fixtures_dir, tmp_path_factory):
+    return Pack.open(convert_embedding_int8(fixtures_dir / MAIN, tmp_path_factory.mktemp("int8") / "p").out_dir)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_through_vllm_embedding(vllm_layers, int8_pack, figures, dtype):
+    from quantpack_exl3.embedding import Exl3EmbeddingMethod
+
+    layer = embed_layer(vllm_layers, int8_pack.manifest, dtype=dtype)
+    assert isinstance(layer.quant_method, Exl3EmbeddingMethod)
+    t = int8_pack.module_tensors("model.embed_tokens")
+    feed(layer, t)
+    layer.quant_method.process_weights_after_loading(layer)
+    ids = torch.tensor([[0, 5, 1023], [77, 77, 300]])
+    rows = layer(ids)
+    expect = dequantize_rows(t["qweight"], t["scales"])[ids].to(dtype)
+    assert rows.shape == (2, 3, 256) and rows.dtype == dtype
+    assert torch.equal(rows, expect)
+    on_device = sum(p.numel() * p.element_size() for p in layer.parameters())
+    dense = 1024 * 256 * torch.finfo(dtype).bits // 8
+    figures.append(
+        f"embedding on the device ({dtype}): int8 rows + scales {on_device} bytes vs {dense} dense "
+        f"(1/{dense / on_device:.2f})"
+    )
+    assert on_device == 1024 * 256 + 1024 * 4
+    assert layer.weight is None  # the name stays, for vLLM code that looks it up
+
+
+def test_dense_table_and_tied_head(vllm_layers, fixtures_dir):
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    pack = Pack.open(fixtures_dir / MAIN)
+    layer = embed_layer(vllm_layers)  # no manifest: the method takes either form
+    w = pack.get_tensor("model.embed_tokens.weight")
+    feed(layer, {"weight": w})
+    layer.quant_method.process_weights_after_loading(layer)
+    ids = torch.tensor([3, 9, 1000])
+    assert torch.equal(layer(ids), w.float()[ids])
+    head = ParallelLMHead(1024, 256, quant_config=cfg(vllm_layers), prefix="lm_head", params_dtype=torch.float32)
+    tied = head.tie_weights(layer)
+    assert tied is layer
+    x = torch.randn(2, 256)
+    assert torch.allclose(tied.quant_method.apply(tied, x), x @ w.float().T, atol=1e-5)
+
+
+def test_shorter_table_is_padded_to_vllm_rows(vllm_layers):
+    layer = embed_layer(vllm_layers, vocab=1000)  # vLLM pads 1000 rows to 1024
+    w = torch.randn(1000, 256)
+    feed(layer, {"weight": w})
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.weight.shape == (1024, 256) and torch.equal(layer.weight[:1000], w)
+
+
+def test_empty_table_raises_only_when_used(vllm_layers):
+    from quantpack_exl3.linear import LayerLoadError
+
+    layer = embed_layer(vllm_layers)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.weight is None
+    with pytest.raises(LayerLoadError, match=r"no table .*draft"):
+        layer(torch.tensor([1]))
+
+
+@pytest.mark.parametrize("case", ["qweight only", "both", "wide"])
+def test_bad_tables(vllm_layers, int8_pack, case):
+    from quantpack_exl3.linear import LayerLoadError
+
+    t = int8_pack.module_tensors("model.embed_tokens")
+    layer = embed_layer(vllm_layers)
+    if case == "qweight only":
+        feed(layer, {"qweight": t["qweight"]})
+        match = "has .qweight but no .scales"
+    elif case == "both":
+        feed(layer, {**t, "weight": torch.zeros(1024, 256)})
+        match = "both int8 rows"
+    else:
+        feed(layer, {"weight": torch.zeros(1024, 300)})
+        match = r"shape \[1024, 300\].*1024 rows of width 256"
+    with pytest.raises(LayerLoadError, match=match):
+        layer.quant_method.process_weights_after_loading(layer)
+
+
+def test_tied_config_with_a_stored_head_is_untied(fixtures_dir):
+    from transformers import AutoConfig
+
+    from quantpack_exl3.config import untie_if_head_stored
+
+    cfg_ = AutoConfig.from_pretrained(fixtures_dir / MAIN)
+    cfg_.tie_word_embeddings = True
+    assert untie_if_head_stored(Pack.open(fixtures_dir / MAIN), cfg_)
+    assert cfg_.tie_word_embeddings is False
+
+
+def test_layers_built_without_a_quant_config_get_the_exl3_one(vllm_layers):
+    """Model files such as qwen3_next.py build embed_tokens and lm_head without a quant config; while an EXL3 model
+    is being built they receive it (ParallelLMHead passes it on positionally), and otherwise nothing changes."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    from quantpack_exl3.embedding import Exl3EmbeddingMethod
+    from quantpack_exl3.layers import patch_embedding_constructors
+    from quantpack_exl3.linear import Exl3LinearMethod
+
+    assert patch_embedding_constructors() is False  # register() installed it already
+    exl3 = cfg(vllm_layers)
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"), quant_config=exl3)):
+        embed = VocabParallelEmbedding(1024, 256, prefix="model.embed_tokens")
+        head = ParallelLMHead(1024, 256, prefix="lm_head")
+        explicit = None
+        if "quant_method" in inspect.signature(VocabParallelEmbedding.__init__).parameters:  # vLLM >= 0.31
+            explicit = VocabParallelEmbedding(1024, 256, quant_method=UnquantizedEmbeddingMethod())
+    assert isinstance(embed.quant_method, Exl3EmbeddingMethod)
+    assert isinstance(head.quant_method, Exl3LinearMethod)
+    assert explicit is None or isinstance(explicit.quant_method, UnquantizedEmbeddingMethod)
+    plain = VocabParallelEmbedding(1024, 256)  # the fixture's current config has no quant config
+    assert isinstance(plain.quant_method, UnquantizedEmbeddingMethod)
