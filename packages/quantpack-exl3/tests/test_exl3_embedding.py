@@ -154,3 +154,16 @@ def test_layers_built_without_a_quant_config_get_the_exl3_one(vllm_layers):
     assert explicit is None or isinstance(explicit.quant_method, UnquantizedEmbeddingMethod)
     plain = VocabParallelEmbedding(1024, 256)  # the fixture's current config has no quant config
     assert isinstance(plain.quant_method, UnquantizedEmbeddingMethod)
+
+
+def test_draft_head_without_weights_stays_empty(vllm_layers):
+    """A draft's lm_head gets no tensors (vLLM shares the target's after loading): loading passes, use says why."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    from quantpack_exl3.linear import LayerLoadError
+
+    head = ParallelLMHead(1024, 256, quant_config=cfg(vllm_layers), prefix="lm_head", params_dtype=torch.float32)
+    head.quant_method.process_weights_after_loading(head)
+    assert not hasattr(head, "weight") and not list(head.parameters())
+    with pytest.raises(LayerLoadError, match=r"received no weights .*draft"):
+        head.quant_method.apply(head, torch.randn(1, 256))

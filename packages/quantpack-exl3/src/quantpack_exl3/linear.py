@@ -253,6 +253,13 @@ class Exl3LinearMethod(LinearMethodBase):
                 f"{', '.join(n.rsplit('.', 1)[-1] for n in self._labels(len(layer.exl3_partitions)))}"
             )
         if not has_exl3 and not has_dense:
+            if self.is_lm_head:
+                # A speculative-decoding draft's head: vLLM replaces it with the target's after loading. Left
+                # empty; apply() says so if it is ever used.
+                for suffix in PLACEHOLDERS:
+                    delattr(layer, suffix)
+                layer.exl3_empty_head = True
+                return
             raise LayerLoadError(
                 f"{self.prefix}: no tensor of this layer was loaded (neither .trellis nor .weight); "
                 "the pack lacks it - check that the pack matches config.json's architecture"
@@ -338,6 +345,11 @@ class Exl3LinearMethod(LinearMethodBase):
         shard, each writing its columns of one preallocated output, then ``bias``."""
         runs = layer.exl3_runs
         if not runs:
+            if getattr(layer, "exl3_empty_head", False):
+                raise LayerLoadError(
+                    f"{self.prefix}: this head received no weights (a draft model's, meant to be "
+                    "shared with its target) and was used before vLLM shared it"
+                )
             raise LayerLoadError(f"{self.prefix}: forward before process_weights_after_loading built its weights")
         x2 = x.reshape(-1, x.shape[-1])
         out = torch.empty((x2.shape[0], layer.exl3_out_total), dtype=x.dtype, device=x.device)
