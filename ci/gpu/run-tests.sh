@@ -6,7 +6,9 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 source ci/gpu/env.sh
 WAIT_BUILD=1 ci/gpu/setup.sh
-if python3 -c "import nox" 2>/dev/null; then
-  exec python3 -m nox -s gpu-tests -- "$@"
+if PYTHONPATH=/tmp/nox-site:$PYTHONPATH python3 -c "import nox" 2>/dev/null; then
+  # the session drops QUANTPACK_NOX_SITE from the tests' PYTHONPATH again (see noxfile.py)
+  export QUANTPACK_NOX_SITE=/tmp/nox-site
+  PYTHONPATH=/tmp/nox-site:$PYTHONPATH exec python3 -m nox -s gpu-tests -- "$@"
 fi
-exec python3 -m pytest -ra -p no:cacheprovider --durations=15 -m gpu packages/quantpack-exl3/tests "$@"
+exec python3 -m pytest -ra -p no:cacheprovider --durations=15 -m gpu "${@:-packages/quantpack-exl3/tests}"

@@ -6,9 +6,18 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 source ci/gpu/env.sh
 mkdir -p /tmp/site /tmp/vllm-parts
+# the wheels, once per set of wheels (runs in parallel must not reinstall under each other)
 if compgen -G ".stage/whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .stage/whl/*.whl
-  echo "installed: $(ls .stage/whl | tr '\n' ' ')"
+  stamp=$(cat .stage/whl/*.whl | sha256sum | cut -d' ' -f1)
+  if [ "$(cat /tmp/site/.quantpack-wheels 2>/dev/null)" != "$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .stage/whl/*.whl
+    echo "$stamp" > /tmp/site/.quantpack-wheels
+    echo "installed: $(ls .stage/whl | tr '\n' ' ')"
+  fi
+fi
+if compgen -G ".stage/nox/*.whl" >/dev/null && ! [ -d /tmp/nox-site/nox ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/nox-site .stage/nox/*.whl
+  echo "nox installed into /tmp/nox-site"
 fi
 for d in .stage/vllm-a .stage/vllm-b; do
   [ -d "$d" ] && cp "$d"/part-* "$d"/sha256 /tmp/vllm-parts/ 2>/dev/null || true
@@ -19,6 +28,18 @@ if [ ! -f /tmp/site/vllm/__init__.py ] && [ -f /tmp/vllm-parts/part-00 ] && [ -f
   tar -xJf /tmp/vllm-slim.tar.xz -C /tmp/site
   rm -f /tmp/vllm-slim.tar.xz
   echo "vLLM bundle unpacked: $(python3 -c 'import vllm; print(vllm.__version__)')"
+fi
+# a prebuilt extension (staged from an earlier build on an identical machine, see stage.sh) saves the build
+if [ -f .stage/ext/exllamav3_ext.so.xz ] && ! [ -f /tmp/ext-built ]; then
+  mkdir -p /tmp/ext-prebuilt
+  xz -dc .stage/ext/exllamav3_ext.so.xz > /tmp/ext-prebuilt/exllamav3_ext.so
+  if python3 -c "from quantpack_exl3.backends.exllamav3 import load_extension; load_extension()"; then
+    touch /tmp/ext-built
+    echo "exllamav3 extension: prebuilt one loaded"
+  else
+    rm -f /tmp/ext-prebuilt/exllamav3_ext.so
+    echo "exllamav3 extension: the prebuilt one does not load here; building"
+  fi
 fi
 # the extension: JIT-built on first import, cached in $TORCH_EXTENSIONS_DIR; built in the background (setsid) so it
 # survives this command, tracked through its pid file

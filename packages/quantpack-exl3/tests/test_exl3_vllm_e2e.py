@@ -75,3 +75,7 @@ def test_int8_embedding_rows_cost_almost_nothing(e2e, figures, name):
     )
     assert vs_dense.kl <= 1e-3
     assert res["kl"] <= 1e-3
+    # the table vLLM serves is the int8 one (a dense fallback would also give a small KL)
+    emb = [v for k, v in res["vocab_modules"].items() if k.endswith("embed_tokens")]
+    assert len(emb) == 1 and emb[0]["method"] == "Exl3EmbeddingMethod", res["vocab_modules"]
+    assert emb[0]["params"].get("exl3_embed_q") == "int8" and emb[0]["params"].get("weight") is None

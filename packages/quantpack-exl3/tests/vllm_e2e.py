@@ -9,7 +9,9 @@ Usage: ``python vllm_e2e.py JOBS.json RESULTS.json``. Each job is a dict with ``
 * ``logits``: ``pack``, ``dtype``, ``eager``, optional ``reference`` (a ``.pt`` with ``input_ids`` and
   ``logits``; default the pack's ``reference_logits.pt``); full-vocabulary prompt logprobs of the reference input
   ids, compared with its logits (KL, top-1), plus 16 greedy tokens from the first 32 ids; with ``save``, the
-  log-probability matrix is also written there (``torch.save``).
+  log-probability matrix is also written there (``torch.save``). Also reported: the quant method and parameter
+  dtypes of every vocabulary module (embedding, lm_head) as vLLM built them, and the process's host RSS before
+  building the engine and after loading.
 * ``nll``: ``pack``, ``dtype``, ``tokens`` (list of token-id lists); mean next-token NLL from prompt logprobs.
 * ``load_error``: ``pack``; building the engine must fail; the error type and message are returned.
 
@@ -57,6 +59,31 @@ def release(llm) -> None:
     cleanup_dist_env_and_memory()
 
 
+def rss_mib() -> float:
+    """This process's resident host memory in MiB (Linux ``/proc/self/status``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def vocab_modules(model) -> dict:
+    """``{module name: {"class", "method", "params": {name: dtype}}}`` for every vocabulary-parallel module (the
+    embedding, lm_head) of a built vLLM model."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, VocabParallelEmbedding):
+            out[name] = {
+                "class": type(m).__name__,
+                "method": type(getattr(m, "quant_method", None)).__name__,
+                "params": {n: str(p.dtype).removeprefix("torch.") for n, p in m.named_parameters(recurse=False)},
+            }
+    return out
+
+
 def prompt_logprob_matrix(llm, ids: list[int], vocab: int):
     """Full-vocabulary log-probabilities of positions 1..len-1 (row i predicts ids[i + 1])."""
     import torch
@@ -74,13 +101,18 @@ def prompt_logprob_matrix(llm, ids: list[int], vocab: int):
     return lp
 
 
-def greedy(llm, ids: list[int], n: int) -> list[int]:
+def greedy(llm, ids: list[int], n: int) -> tuple[list[int], list[dict[int, float]]]:
+    """``n`` greedy tokens after ``ids``, and at each step the two most likely tokens with their logprobs."""
     from vllm import SamplingParams
 
     out = llm.generate(
-        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), use_tqdm=False
+        [{"prompt_token_ids": ids}],
+        SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2),
+        use_tqdm=False,
     )
-    return list(out[0].outputs[0].token_ids)
+    seq = out[0].outputs[0]
+    top2 = [{tok: v.logprob for tok, v in step.items() if v.rank is not None and v.rank <= 2} for step in seq.logprobs]
+    return list(seq.token_ids), top2
 
 
 def run_logits(job: dict) -> dict:
@@ -91,16 +123,28 @@ def run_logits(job: dict) -> dict:
     ref = torch.load(job.get("reference") or os.path.join(job["pack"], "reference_logits.pt"))
     ids = ref["input_ids"][0].tolist()
     vocab = ref["logits"].shape[-1]
+    rss_before = rss_mib()
     t0 = time.time()
     llm = make_llm(job, job["dtype"], job["eager"], vocab)
     load_s = time.time() - t0
+    rss_after = rss_mib()
+    modules = llm.apply_model(vocab_modules)[0]
     lp = prompt_logprob_matrix(llm, ids, vocab)
     a = agreement(ref["logits"][0, : lp.shape[0]], lp)
     if job.get("save"):
         torch.save(lp, job["save"])
-    tokens = greedy(llm, ids[:32], 16)
+    tokens, top2 = greedy(llm, ids[:32], 16)
     release(llm)
-    return {"kl": a.kl, "top1": a.top1, "positions": a.positions, "greedy": tokens, "load_s": load_s}
+    return {
+        "kl": a.kl,
+        "top1": a.top1,
+        "positions": a.positions,
+        "greedy": tokens,
+        "greedy_top2": [{str(k): v for k, v in step.items()} for step in top2],
+        "load_s": load_s,
+        "vocab_modules": modules,
+        "rss_mib": [rss_before, rss_after],
+    }
 
 
 def run_nll(job: dict) -> dict:
@@ -136,10 +180,20 @@ def main(jobs_path: str, results_path: str) -> None:
     results = []
     for job in jobs:
         t0 = time.time()
-        try:
-            res = RUNNERS[job["kind"]](job)
-        except Exception as e:
-            res = {"failed": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        for attempt in range(2):
+            try:
+                res = RUNNERS[job["kind"]](job)
+            except Exception as e:
+                res = {"failed": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+                # vLLM's GPU memory profiling fails when another process on the same GPU frees memory meanwhile
+                # (e.g. a parallel test run ending); that says nothing about the job, so it gets a second try
+                if attempt == 0 and "Error in memory profiling" in str(e):
+                    from vllm.distributed import cleanup_dist_env_and_memory
+
+                    gc.collect()
+                    cleanup_dist_env_and_memory()
+                    continue
+            break
         res["seconds"] = time.time() - t0
         results.append({"job": job, "result": res})
         gc.collect()

@@ -1,0 +1,86 @@
+"""quantpack-families on vLLM's CPU build: which fixes register where, and the Qwen3.5 name mapping on the bundled
+Qwen3.5 pack (the model class itself needs torchvision; it is exercised end to end by the GPU tier on vLLM 0.25.1,
+which lacks the architecture)."""
+
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
+
+
+@pytest.fixture
+def fresh_plugin():
+    """The plugin module with its once-per-process guard reset, and vLLM's registry restored afterwards."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from quantpack_families import plugin
+
+    saved, saved_hooks = dict(ModelRegistry.models), dict(MODELS_CONFIG_MAP)
+    plugin._registered = False
+    yield plugin
+    ModelRegistry.models.clear()
+    ModelRegistry.models.update(saved)
+    MODELS_CONFIG_MAP.clear()
+    MODELS_CONFIG_MAP.update(saved_hooks)
+    plugin._registered = False
+
+
+def registered_target(arch: str) -> str:
+    from vllm import ModelRegistry
+
+    m = ModelRegistry.models[arch]
+    return f"{m.module_name}:{m.class_name}"
+
+
+def test_known_architectures_are_left_to_vllm(fresh_plugin):
+    """This vLLM registers Qwen3_5ForCausalLM itself (0.29+): the plugin must not replace it."""
+    before = registered_target("Qwen3_5ForCausalLM")
+    fresh_plugin.register()
+    assert registered_target("Qwen3_5ForCausalLM") == before
+    assert before.startswith("vllm.")
+
+
+def test_missing_architecture_is_registered(fresh_plugin):
+    """As on vLLM 0.20 - 0.28, where the name is not registered: the fix class is, with the Qwen3.5 config hook
+    (Gated DeltaNet state dtype) vLLM runs by architecture name."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models import config as model_configs
+
+    del ModelRegistry.models["Qwen3_5ForCausalLM"]
+    del model_configs.MODELS_CONFIG_MAP["Qwen3_5ForCausalLM"]
+    fresh_plugin.register()
+    assert registered_target("Qwen3_5ForCausalLM") == "quantpack_families.qwen3_5:Qwen3_5TextForCausalLM"
+    hook = model_configs.MODELS_CONFIG_MAP["Qwen3_5ForCausalLM"]
+    assert hook is model_configs.Qwen3_5ForConditionalGenerationConfig
+    fresh_plugin.register()  # idempotent
+    assert registered_target("Qwen3_5ForCausalLM") == "quantpack_families.qwen3_5:Qwen3_5TextForCausalLM"
+
+
+def test_entry_point_is_installed():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("quantpack_families") == "quantpack_families.plugin:register"
+
+
+def test_qwen3_5_pack_names_map_onto_the_text_model():
+    """Every tensor of the bundled Qwen3.5 pack maps, through vLLM's WeightsMapper and the fix's prefixes, to a
+    name under the text model's modules (``model.layers``, ``model.embed_tokens``, ``model.norm``, ``lm_head``)."""
+    from safetensors import safe_open
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from quantpack_families.mappings import QWEN3_5_TEXT_PREFIXES
+
+    mapper = WeightsMapper(orig_to_new_prefix=QWEN3_5_TEXT_PREFIXES)
+    with safe_open(str(FIXTURES / "qwen3_5-tiny-exl3-4.0bpw-mul1" / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert any(n.startswith("model.language_model.") for n in names)
+    mapped = mapper.apply_list(names)
+    assert len(mapped) == len(names)
+    roots = ("model.layers.", "model.embed_tokens.", "model.norm.", "lm_head.")
+    assert all(m.startswith(roots) for m in mapped), [m for m in mapped if not m.startswith(roots)]
+    assert mapper.apply_list(["mtp.fc.weight", "model.visual.blocks.0.attn.qkv.weight"]) == []
