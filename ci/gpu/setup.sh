@@ -19,15 +19,19 @@ if compgen -G ".stage/nox/*.whl" >/dev/null && ! [ -d /tmp/nox-site/nox ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/nox-site .stage/nox/*.whl
   echo "nox installed into /tmp/nox-site"
 fi
-for d in .stage/vllm-a .stage/vllm-b; do
-  [ -d "$d" ] && cp "$d"/part-* "$d"/sha256 /tmp/vllm-parts/ 2>/dev/null || true
+for d in .stage/vllm-a .stage/vllm-b .stage/vllm-c; do
+  [ -d "$d" ] && cp "$d"/part-* "$d"/sha256 "$d"/parts /tmp/vllm-parts/ 2>/dev/null || true
 done
-if [ ! -f /tmp/site/vllm/__init__.py ] && [ -f /tmp/vllm-parts/part-00 ] && [ -f /tmp/vllm-parts/part-01 ]; then
-  cat /tmp/vllm-parts/part-00 /tmp/vllm-parts/part-01 > /tmp/vllm-slim.tar.xz
+parts=$(cat /tmp/vllm-parts/parts 2>/dev/null || echo 0)
+have=$(find /tmp/vllm-parts -name 'part-*' | wc -l)
+if [ ! -f /tmp/site/vllm/__init__.py ] && [ "$parts" -gt 0 ] && [ "$have" -eq "$parts" ]; then
+  cat /tmp/vllm-parts/part-* > /tmp/vllm-slim.tar.xz
   echo "$(cat /tmp/vllm-parts/sha256)  /tmp/vllm-slim.tar.xz" | sha256sum -c -
   tar -xJf /tmp/vllm-slim.tar.xz -C /tmp/site
   rm -f /tmp/vllm-slim.tar.xz
   echo "vLLM bundle unpacked: $(python3 -c 'import vllm; print(vllm.__version__)')"
+elif [ ! -f /tmp/site/vllm/__init__.py ]; then
+  echo "vLLM bundle: $have of $parts parts here so far"
 fi
 # a prebuilt extension (staged from an earlier build on an identical machine, see stage.sh) saves the build
 if [ -f .stage/ext/exllamav3_ext.so.xz ] && ! [ -f /tmp/ext-built ]; then

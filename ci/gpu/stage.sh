@@ -5,8 +5,8 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 stage=.stage
 bundle=${VLLM_BUNDLE:-$root/../shared/gpu/vllm-slim-0.25.1.tar.xz}
-rm -rf "$stage/whl" "$stage/nox" "$stage/vllm-a" "$stage/vllm-b"
-mkdir -p "$stage/whl" "$stage/nox" "$stage/vllm-a" "$stage/vllm-b"
+rm -rf "$stage/whl" "$stage/nox"
+mkdir -p "$stage/whl" "$stage/nox"
 uv=(uv); command -v uv >/dev/null 2>&1 || uv=(python3 -m uv)
 for pkg in packages/quantpack-core packages/quantpack-exl3 packages/quantpack-families; do
   "${uv[@]}" build --quiet --wheel --out-dir "$stage/whl" "$pkg"
@@ -29,11 +29,15 @@ if [ -n "${EXL3_EXT_SO_XZ:-}" ]; then
   mkdir -p "$stage/ext"
   cp "$EXL3_EXT_SO_XZ" "$stage/ext/exllamav3_ext.so.xz"
 fi
-# two parts, so each run stays under the 64 MiB that travels with the checkout
-size=$(stat -c %s "$bundle")
-split -b $(( (size + 1) / 2 + 1 )) -d "$bundle" "$stage/part-"
-mv "$stage/part-00" "$stage/vllm-a/"
-mv "$stage/part-01" "$stage/vllm-b/"
-sha256sum "$bundle" | cut -d' ' -f1 > "$stage/vllm-a/sha256"
-cp "$stage/vllm-a/sha256" "$stage/vllm-b/sha256"
+# the bundle in three parts (.stage/vllm-a, -b, -c), so that each run stays under the 64 MiB that travels with the
+# checkout (about 31 MB of it tracked files)
+rm -rf "$stage/vllm-a" "$stage/vllm-b" "$stage/vllm-c" "$stage"/part-*
+split -n 3 -d "$bundle" "$stage/part-"
+for i in 0 1 2; do
+  d="$stage/vllm-$(echo abc | cut -c$((i + 1)))"
+  mkdir -p "$d"
+  mv "$stage/part-0$i" "$d/"
+  sha256sum "$bundle" | cut -d' ' -f1 > "$d/sha256"
+  echo 3 > "$d/parts"
+done
 du -sh "$stage"/*
