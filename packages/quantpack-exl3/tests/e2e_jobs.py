@@ -19,6 +19,8 @@ LLAMA_PACKS = [
     "llama-tiny-exl3-2.5bpw-mul1",
 ]
 MAIN_PACK = LLAMA_PACKS[0]
+#: a one-layer EAGLE draft for MAIN_PACK without embed_tokens / lm_head (fixtures/tools/make_llama_eagle_draft.py)
+DRAFT = "llama-tiny-eagle-draft"
 STDLIB_FILES = [
     "textwrap.py",
     "heapq.py",
@@ -120,6 +122,18 @@ def run_jobs(fixtures_dir: Path, tmp: Path) -> dict:
             "eager": True,
             "reference": str(fixtures_dir / name / "reference_logits.pt"),
             "save": str(tmp / f"{name}-int8.lp.pt"),
+        }
+    # speculative decoding: the EAGLE draft ships no embedding / lm_head and must use the target's (EXL3 head, bf16
+    # or int8 table); 4 prompts of 32 tokens, 32 greedy tokens each, with and without the draft
+    prompts = [row[:32] for row in tokens[:4]]
+    for kind, target in (("table", fixtures_dir / MAIN_PACK), ("int8", tmp / f"{MAIN_PACK}-int8")):
+        jobs[f"spec/{kind}"] = {
+            "kind": "spec",
+            "pack": str(target),
+            "draft": str(fixtures_dir / DRAFT),
+            "dtype": "float32",
+            "prompts": prompts,
+            "tokens": 32,
         }
     out = run_runner(jobs, tmp, timeout=1500)
     out["_tmp"] = str(tmp)

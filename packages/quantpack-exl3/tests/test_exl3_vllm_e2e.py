@@ -79,3 +79,24 @@ def test_int8_embedding_rows_cost_almost_nothing(e2e, figures, name):
     emb = [v for k, v in res["vocab_modules"].items() if k.endswith("embed_tokens")]
     assert len(emb) == 1 and emb[0]["method"] == "Exl3EmbeddingMethod", res["vocab_modules"]
     assert emb[0]["params"].get("exl3_embed_q") == "int8" and emb[0]["params"].get("weight") is None
+
+
+@pytest.mark.parametrize("kind", ["table", "int8"])
+def test_eagle_draft_shares_the_exl3_targets_embedding_and_head(e2e, figures, kind):
+    """A one-layer EAGLE draft that ships no embed_tokens / lm_head serves with the EXL3 target on CPU: vLLM shares
+    the target's modules, quant methods included (bf16 or int8 table, EXL3 head); greedy output equals the
+    non-speculative output, and the draft's tokens are accepted."""
+    res = get(e2e, f"spec/{kind}")
+    mods = res["draft_vocab_modules"]
+    rate = res["accepted"] / max(res["drafted"], 1)
+    figures.append(
+        f"EAGLE draft, target {MAIN_PACK} ({kind} embedding), float32: {res['accepted']:.0f} of {res['drafted']:.0f} "
+        f"draft tokens accepted ({100 * rate:.1f}%); draft vocab modules {mods}"
+    )
+    assert res["spec"] == res["plain"]
+    assert res["drafted"] > 0 and res["accepted"] > 0
+    emb = [v for k, v in mods.items() if k.endswith("embed_tokens")]
+    assert len(emb) == 1 and emb[0]["shared_with_target"], mods
+    assert mods["lm_head"]["shared_with_target"] and mods["lm_head"]["method"] == "Exl3LinearMethod", mods
+    if kind == "int8":
+        assert emb[0]["method"] == "Exl3EmbeddingMethod" and emb[0]["params"].get("exl3_embed_q") == "int8", mods

@@ -14,6 +14,10 @@ Usage: ``python vllm_e2e.py JOBS.json RESULTS.json``. Each job is a dict with ``
   building the engine and after loading.
 * ``nll``: ``pack``, ``dtype``, ``tokens`` (list of token-id lists); mean next-token NLL from prompt logprobs.
 * ``load_error``: ``pack``; building the engine must fail; the error type and message are returned.
+* ``spec``: ``pack``, ``draft`` (a draft model folder), ``dtype``, ``prompts`` (token-id lists), ``tokens``; greedy
+  continuations with speculative decoding (``method``, default ``"eagle"``, ``num_speculative_tokens``, default 3)
+  and without, the draft's acceptance counts, and the quant methods of the draft's vocabulary modules after vLLM
+  shared them with the target.
 
 Every job may add ``llm_kwargs`` (extra ``vllm.LLM`` arguments, e.g. the attention backend on a GPU) and
 ``register`` (architecture -> ``module:Class`` to register with vLLM first, when vLLM lacks that name).
@@ -162,6 +166,73 @@ def run_nll(job: dict) -> dict:
     return {"nll": nll / count, "tokens": count}
 
 
+def counter(llm, name: str) -> float:
+    """Sum of a vLLM counter metric (``LLM.get_metrics``) over its label sets; 0 when absent."""
+    return float(sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name))
+
+
+def run_spec(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=job["tokens"], temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
+    llm = make_llm(job, job["dtype"], True)
+    plain = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    release(llm)
+    # the engine must be gone before the next one is built: dropping it later would tear down the new engine's
+    # distributed groups
+    del llm
+    gc.collect()
+    spec = {
+        "method": job.get("method", "eagle"),
+        "model": job["draft"],
+        "num_speculative_tokens": job.get("num_speculative_tokens", 3),
+    }
+    llm = LLM(
+        model=job["pack"],
+        dtype=job["dtype"],
+        enforce_eager=True,
+        max_model_len=512,
+        distributed_executor_backend="uni",
+        seed=0,
+        speculative_config=spec,
+        disable_log_stats=False,
+        **(job.get("llm_kwargs") or {}),
+    )
+
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    with_spec = [list(o.outputs[0].token_ids) for o in outs]
+    drafted = counter(llm, "vllm:spec_decode_num_draft_tokens")
+    accepted = counter(llm, "vllm:spec_decode_num_accepted_tokens")
+    draft_modules = llm.collective_rpc(_draft_vocab_modules)[0]
+    release(llm)
+    return {
+        "plain": plain,
+        "spec": with_spec,
+        "drafted": drafted,
+        "accepted": accepted,
+        "draft_vocab_modules": draft_modules,
+    }
+
+
+def _draft_vocab_modules(worker) -> dict:
+    """On a worker: the vocabulary modules of the speculative-decoding draft model, with their ids, and whether each
+    is the target's own module (shared after loading)."""
+    runner = worker.model_runner
+    drafter = getattr(runner, "drafter", None)
+    draft = getattr(drafter, "model", None)
+    if draft is None:
+        return {"error": f"no draft model on {type(runner).__name__}"}
+    target_ids = {id(m) for m in runner.model.modules()}
+    out = vocab_modules(draft)
+    for name, m in draft.named_modules():
+        if name in out:
+            out[name]["shared_with_target"] = id(m) in target_ids
+    if hasattr(drafter, "model") and hasattr(draft, "lm_head") and "lm_head" not in out:
+        out["lm_head"] = {"class": type(draft.lm_head).__name__, "shared_with_target": id(draft.lm_head) in target_ids}
+    return out
+
+
 def run_load_error(job: dict) -> dict:
     try:
         llm = make_llm(job, "float32", True)
@@ -171,7 +242,7 @@ def run_load_error(job: dict) -> dict:
     return {"error_type": None, "message": ""}
 
 
-RUNNERS = {"logits": run_logits, "nll": run_nll, "load_error": run_load_error}
+RUNNERS = {"logits": run_logits, "nll": run_nll, "load_error": run_load_error, "spec": run_spec}
 
 
 def main(jobs_path: str, results_path: str) -> None:
