@@ -123,7 +123,11 @@ def gpu_tests(session: nox.Session) -> None:
     nox_site = os.environ.get("QUANTPACK_NOX_SITE")
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != nox_site]
     # test files or node ids among the arguments narrow the selection; otherwise every GPU test
-    given = any(os.path.exists(a.split("::")[0]) for a in session.posargs if not a.startswith("-"))
+    given = any(
+        a.split("::")[0].endswith(".py") and os.path.exists(a.split("::")[0])
+        for a in session.posargs
+        if not a.startswith("-")
+    )
     tests = [] if given else ["packages/quantpack-exl3/tests"]
     session.run(
         "python3",

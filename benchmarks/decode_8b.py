@@ -9,7 +9,8 @@ Measured per engine: tokens per second of greedy batch-1 decoding (256 tokens af
 time of a 1-token generation, best of 3), and for vLLM the process's host RSS before building the engine and after
 loading (host copies of the weights must not stay behind) and the GPU memory the model weights take.
 
-Usage (GPU machine, after ci/gpu/setup.sh): ``python3 benchmarks/decode_8b.py [--pack DIR] [--json OUT]``.
+Usage (GPU machine, after ci/gpu/setup.sh): ``source ci/gpu/env.sh && python3 benchmarks/decode_8b.py [--pack DIR]
+[--json OUT]``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ DECODE_TOKENS = 256
 
 
 def make_pack(path: Path) -> Path:
-    """Write the synthetic 8B-shaped pack (about 5.5 GB) unless it is already there."""
+    """Write the synthetic 8B-shaped pack (4.6 GiB) unless it is already there."""
     if (path / "config.json").exists():
         return path
     import torch

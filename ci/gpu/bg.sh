@@ -15,6 +15,10 @@ case "${1:-}" in
   start)
     name=$2
     shift 2
+    if running "$name"; then
+      echo "bg.sh: $name is already running (pid $(cat "/tmp/bg/$name.pid"))" >&2
+      exit 2
+    fi
     rm -f "/tmp/bg/$name.rc" "/tmp/bg/$name.log"
     printf '%q ' "$@" > "/tmp/bg/$name.cmd"
     setsid bash -c "source ci/gpu/env.sh; bash /tmp/bg/$name.cmd > /tmp/bg/$name.log 2>&1; echo \$? > /tmp/bg/$name.rc" \
@@ -46,7 +50,7 @@ case "${1:-}" in
     for n in "$@"; do cp /tmp/bg/"$n".* "$dest"/ 2>/dev/null || true; done
     ;;
   *)
-    sed -n '2,9p' "$0"
+    sed -n '2,8p' "$0"
     exit 2
     ;;
 esac

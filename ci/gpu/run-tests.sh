@@ -6,9 +6,16 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 source ci/gpu/env.sh
 WAIT_BUILD=1 ci/gpu/setup.sh
+if ! python3 -c "import vllm" 2>/dev/null; then
+  echo "run-tests.sh: vLLM is not unpacked yet (all bundle parts must have travelled: see ci/gpu/README.md)" >&2
+  exit 2
+fi
 if PYTHONPATH=/tmp/nox-site:$PYTHONPATH python3 -c "import nox" 2>/dev/null; then
   # the session drops QUANTPACK_NOX_SITE from the tests' PYTHONPATH again (see noxfile.py)
   export QUANTPACK_NOX_SITE=/tmp/nox-site
   PYTHONPATH=/tmp/nox-site:$PYTHONPATH exec python3 -m nox -s gpu-tests -- "$@"
 fi
-exec python3 -m pytest -ra -p no:cacheprovider --durations=15 -m gpu "${@:-packages/quantpack-exl3/tests}"
+# as the nox session: test files among the arguments narrow the selection, otherwise every GPU test
+paths=(packages/quantpack-exl3/tests)
+for a in "$@"; do case "$a" in *.py | *.py::*) paths=() ;; esac; done
+exec python3 -m pytest -ra -p no:cacheprovider --durations=15 -m gpu "${paths[@]}" "$@"

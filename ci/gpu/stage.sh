@@ -5,6 +5,10 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 stage=.stage
 bundle=${VLLM_BUNDLE:-$root/../shared/gpu/vllm-slim-0.25.1.tar.xz}
+if [ ! -f "$bundle" ]; then
+  echo "stage.sh: no vLLM bundle at $bundle; set VLLM_BUNDLE=/path/to/vllm-slim-0.25.1.tar.xz (see ci/gpu/README.md)" >&2
+  exit 2
+fi
 rm -rf "$stage/whl" "$stage/nox"
 mkdir -p "$stage/whl" "$stage/nox"
 uv=(uv); command -v uv >/dev/null 2>&1 || uv=(python3 -m uv)

@@ -81,3 +81,13 @@ def test_cli(fixtures_dir, tmp_path):
     assert res.exit_code == 2 and "--out DIR, or --in-place" in res.output
     res = runner.invoke(main, ["inspect", str(tmp_path / "o")])
     assert res.exit_code == 0 and "lm_head" in res.output and "K=4: 28" in res.output
+    (tmp_path / "a-file").write_text("")
+    res = runner.invoke(main, ["embed-int8", str(fixtures_dir / MAIN), "--out", str(tmp_path / "a-file")])
+    assert res.exit_code == 2 and "Not a directory" in res.output and res.exception.__class__ is SystemExit
+    # written files get the usual permissions, not tempfile's 0600
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.safetensors", "quantization_config.json"):
+        assert (tmp_path / "o" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name

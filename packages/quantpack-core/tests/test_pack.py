@@ -251,3 +251,36 @@ def test_write_pack_never_overwrites(tmp_path, fixtures_dir):
     shutil.copytree(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1", dst)
     with pytest.raises(FileExistsError):
         write_pack(dst, base_tensors(), CONFIG)
+
+
+@pytest.mark.parametrize(
+    "file,edit,needle",
+    [
+        ("config.json", lambda d: [], "config.json: is list"),
+        ("config.json", lambda d: {**d, "quantization_config": "exl3"}, "quantization_config: is str"),
+        ("quantization_config.json", lambda d: {**d, "tensor_storage": [1, 2]}, "tensor_storage: is list"),
+        (
+            "quantization_config.json",
+            lambda d: {**d, "tensor_storage": {**d["tensor_storage"], "lm_head": "x"}},
+            "tensor_storage.lm_head: is str",
+        ),
+        (
+            "quantization_config.json",
+            lambda d: {
+                **d,
+                "tensor_storage": {
+                    **d["tensor_storage"],
+                    "lm_head": {"stored_tensors": {"lm_head.suh": {"shape": None, "dtype": "float16"}}},
+                },
+            },
+            "gives the shape None",
+        ),
+    ],
+    ids=["config-list", "qc-string", "storage-list", "entry-string", "shape-null"],
+)
+def test_json_of_the_wrong_structure(tmp_path, file, edit, needle):
+    """Valid JSON of the wrong shape is a listed problem, never a TypeError from deep inside."""
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG)
+    f = path / file
+    f.write_text(json.dumps(edit(json.loads(f.read_text()))))
+    expect_problem(path, file, needle)

@@ -48,7 +48,7 @@ def test_conflicting_plugin_is_named_with_the_fix(monkeypatch):
     with pytest.raises(
         plugin.PluginConflictError,
         match=r"flint_vllm, orcasaq2.*pip uninstall flint_vllm orcasaq2"
-        r".*VLLM_PLUGINS=quantpack_exl3",
+        r".*VLLM_PLUGINS=quantpack_exl3,quantpack_families",
     ):
         plugin.register()
 
@@ -61,6 +61,9 @@ def test_vllm_plugins_leaving_them_out_is_accepted(monkeypatch):
     assert plugin.conflicting_plugins() == []
     monkeypatch.setenv("VLLM_PLUGINS", "quantpack_exl3,orcasaq2")
     assert plugin.conflicting_plugins() == ["orcasaq2"]
+    # vLLM does not strip the names: " orcasaq2" is not loaded, so it is no conflict either
+    monkeypatch.setenv("VLLM_PLUGINS", "quantpack_exl3, orcasaq2")
+    assert plugin.conflicting_plugins() == []
 
 
 def test_config_claims_exl3_without_a_flag():

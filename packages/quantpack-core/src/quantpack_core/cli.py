@@ -60,7 +60,7 @@ def embed_int8(pack: Path, out: Path | None, in_place: bool) -> None:
         _fail(ValueError("give --out DIR, or --in-place (not both)"))
     try:
         r = convert_embedding_int8(pack, out, in_place=in_place)
-    except (QuantpackError, FileExistsError) as e:
+    except (QuantpackError, OSError) as e:  # OSError: an --out that is a file, or cannot be created
         _fail(e)
     click.echo(
         f"{r.module}: {r.shape[0]} x {r.shape[1]} table, {r.bytes_before / 2**20:.2f} MiB -> "

@@ -210,6 +210,7 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | 
     os.close(fd)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        _default_mode(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -220,4 +221,12 @@ def _atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json.tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    _default_mode(tmp)
     os.replace(tmp, path)
+
+
+def _default_mode(path: str) -> None:
+    """Give a file made by ``tempfile.mkstemp`` (mode 0600) the mode a plain ``open`` would: 0666 minus the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)

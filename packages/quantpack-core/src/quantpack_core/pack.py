@@ -208,6 +208,13 @@ class Pack:
     def _problem(self, module: str, tensor: str, what: str, fix: str) -> None:
         self._problems.append(Problem(module, tensor, what, fix))
 
+    def _object(self, value, where: str) -> dict:
+        """``value`` if it is a JSON object, else ``{}`` after recording a problem naming ``where``."""
+        if isinstance(value, dict):
+            return value
+        self._problem("", where, f"is {type(value).__name__} {str(value)[:60]!r}, not a JSON object", FIX_REDOWNLOAD)
+        return {}
+
     def _scan(self) -> None:
         if not self.path.is_dir():
             what = "is a file, not a directory" if self.path.exists() else "does not exist"
@@ -218,24 +225,39 @@ class Pack:
             self._problem("", "config.json", "missing", "point at the pack's folder (it holds config.json)")
         else:
             try:
-                self.config = json.loads(cfg.read_text())
+                self.config = self._object(json.loads(cfg.read_text()), "config.json")
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 self._problem("", "config.json", f"not valid JSON ({e})", FIX_REDOWNLOAD)
-        qc = (
-            self.config.get("quantization_config")
-            or (self.config.get("text_config") or {}).get("quantization_config")
-            or {}
+        text_config = self._object(self.config.get("text_config") or {}, "config.json: text_config")
+        qc = self._object(
+            self.config.get("quantization_config") or text_config.get("quantization_config") or {},
+            "config.json: quantization_config",
         )
         self.quant_config = dict(qc)
         self._config_method = str(qc.get("quant_method", "")).lower()
         mf = self.path / MANIFEST_FILE
         if mf.is_file():
             try:
-                extra = json.loads(mf.read_text())
+                extra = self._object(json.loads(mf.read_text()), MANIFEST_FILE)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 self._problem("", MANIFEST_FILE, f"not valid JSON ({e})", FIX_REDOWNLOAD)
                 extra = {}
-            self.manifest = dict(extra.get("tensor_storage") or {})
+            storage = self._object(extra.get("tensor_storage") or {}, f"{MANIFEST_FILE}: tensor_storage")
+            self.manifest = {}
+            for module, entry in storage.items():
+                entry = self._object(entry or {}, f"{MANIFEST_FILE}: tensor_storage.{module}")
+                stored = self._object(entry.get("stored_tensors") or {}, f"{MANIFEST_FILE}: {module}.stored_tensors")
+                for name, desc in list(stored.items()):
+                    desc = self._object(desc or {}, f"{MANIFEST_FILE}: {module}.stored_tensors.{name}")
+                    shape = desc.get("shape")
+                    if "shape" in desc and not (
+                        isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
+                    ):
+                        what = f"{MANIFEST_FILE} gives the shape {shape!r}, not a list of sizes"
+                        self._problem(module, name, what, FIX_REDOWNLOAD)
+                        desc = {k: v for k, v in desc.items() if k != "shape"}
+                    stored[name] = desc
+                self.manifest[module] = {**entry, "stored_tensors": stored}
             for k, v in extra.items():
                 if k != "tensor_storage":
                     self.quant_config.setdefault(k, v)

@@ -33,7 +33,8 @@ def conflicting_plugins() -> list[str]:
         sorted entry-point names.
     """
     allowed = os.environ.get("VLLM_PLUGINS")
-    allowed_set = None if allowed is None else {p.strip() for p in allowed.split(",")}
+    # vLLM splits VLLM_PLUGINS on commas without stripping (vllm/plugins/__init__.py); so do we
+    allowed_set = None if allowed is None else set(allowed.split(","))
     return sorted(
         {
             ep.name
@@ -41,6 +42,17 @@ def conflicting_plugins() -> list[str]:
             if ep.name in CONFLICTS and (allowed_set is None or ep.name in allowed_set)
         }
     )
+
+
+def providers(names: list[str]) -> list[str]:
+    """The distributions (what ``pip uninstall`` takes) that provide these ``vllm.general_plugins`` entry points;
+    the entry-point name where the distribution is unknown."""
+    out = []
+    for ep in entry_points(group="vllm.general_plugins"):
+        if ep.name in names:
+            dist = getattr(ep, "dist", None)
+            out.append(dist.name if dist is not None else ep.name)
+    return sorted(set(out))
 
 
 def register() -> None:
@@ -57,8 +69,9 @@ def register() -> None:
     if found:
         raise PluginConflictError(
             f"quantpack-exl3 replaces the vLLM plugin(s) {', '.join(found)}, which are installed here and would "
-            f"register the same 'exl3' method: uninstall them (pip uninstall {' '.join(found)}), or leave them out "
-            f"with VLLM_PLUGINS={ENTRY_POINT} (add any other plugin you need, comma-separated)"
+            f"register the same 'exl3' method: uninstall them (pip uninstall {' '.join(providers(found))}), or leave "
+            f"them out with VLLM_PLUGINS={ENTRY_POINT},quantpack_families (add any other plugin you need, "
+            "comma-separated)"
         )
 
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config

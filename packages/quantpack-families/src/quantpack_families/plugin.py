@@ -39,7 +39,10 @@ def register() -> None:
             continue
         ModelRegistry.register_model(arch, target)
         # vLLM runs per-architecture config hooks (e.g. the Gated DeltaNet state dtype) by name
-        if hook is not None and arch not in model_configs.MODELS_CONFIG_MAP and hasattr(model_configs, hook):
-            model_configs.MODELS_CONFIG_MAP[arch] = getattr(model_configs, hook)
+        if hook is not None and arch not in model_configs.MODELS_CONFIG_MAP:
+            if hasattr(model_configs, hook):
+                model_configs.MODELS_CONFIG_MAP[arch] = getattr(model_configs, hook)
+            else:
+                logger.warning("quantpack-families: this vLLM has no %s; %s runs without that config hook", hook, arch)
         logger.info("quantpack-families: registered %s -> %s (%s)", arch, target, why)
     _registered = True
