@@ -190,11 +190,19 @@ class Exl3Config(QuantizationConfig):
 
         Raises:
             PackError: the pack is unsound (every problem is listed, each with module, tensor and fix).
+            UnsupportedLayerError: the pack has EXL3 MoE experts (refused here, in the process the user started,
+                rather than minutes later in vLLM's worker).
         """
         if not os.path.isdir(model_name):
             self._fetch_manifest(model_name, revision)
             return
         pack = Pack.open(model_name)
+        experts = sorted(n for n, m in pack.modules.items() if m.format == "exl3" and ".experts." in n)
+        if experts:
+            raise UnsupportedLayerError(
+                f"{model_name}: {len(experts)} EXL3 MoE expert modules (e.g. {experts[0]}); EXL3 expert banks are not "
+                "supported by quantpack-exl3 0.1 yet, so this pack cannot be served by this version"
+            )
         if pack.manifest:
             self.routes = manifest_routes(pack.manifest)
             check_fused_routes(self.routes)
