@@ -36,7 +36,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
-def make_llm(job: dict, dtype: str, eager: bool, max_logprobs: int = 1024):
+def make_llm(job: dict, dtype: str, eager: bool, max_logprobs: int = 1024, **extra):
+    """A ``vllm.LLM`` for ``job["pack"]`` (in-process engine, uni-process executor); ``extra`` and the job's
+    ``llm_kwargs`` go to ``vllm.LLM`` too."""
     from vllm import LLM, ModelRegistry
 
     for arch, target in (job.get("register") or {}).items():
@@ -50,6 +52,7 @@ def make_llm(job: dict, dtype: str, eager: bool, max_logprobs: int = 1024):
         max_logprobs=max_logprobs,
         distributed_executor_backend="uni",
         seed=0,
+        **extra,
         **(job.get("llm_kwargs") or {}),
     )
 
@@ -172,7 +175,7 @@ def counter(llm, name: str) -> float:
 
 
 def run_spec(job: dict) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=job["tokens"], temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
@@ -188,17 +191,8 @@ def run_spec(job: dict) -> dict:
         "model": job["draft"],
         "num_speculative_tokens": job.get("num_speculative_tokens", 3),
     }
-    llm = LLM(
-        model=job["pack"],
-        dtype=job["dtype"],
-        enforce_eager=True,
-        max_model_len=512,
-        distributed_executor_backend="uni",
-        seed=0,
-        speculative_config=spec,
-        disable_log_stats=False,
-        **(job.get("llm_kwargs") or {}),
-    )
+    # vLLM's default max_logprobs (20); the acceptance counters need its stats on
+    llm = make_llm(job, job["dtype"], True, 20, speculative_config=spec, disable_log_stats=False)
 
     outs = llm.generate(prompts, params, use_tqdm=False)
     with_spec = [list(o.outputs[0].token_ids) for o in outs]
