@@ -222,8 +222,6 @@ def _draft_vocab_modules(worker) -> dict:
     for name, m in draft.named_modules():
         if name in out:
             out[name]["shared_with_target"] = id(m) in target_ids
-    if hasattr(drafter, "model") and hasattr(draft, "lm_head") and "lm_head" not in out:
-        out["lm_head"] = {"class": type(draft.lm_head).__name__, "shared_with_target": id(draft.lm_head) in target_ids}
     return out
 
 

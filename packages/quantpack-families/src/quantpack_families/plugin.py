@@ -31,12 +31,13 @@ def register() -> None:
     if _registered:
         return
     from vllm import ModelRegistry
-    from vllm.model_executor.models import config as model_configs
 
     known = set(ModelRegistry.get_supported_archs())
     for arch, (target, hook, why) in ARCHITECTURES.items():
         if arch in known:
             continue
+        from vllm.model_executor.models import config as model_configs  # only where a fix applies
+
         ModelRegistry.register_model(arch, target)
         # vLLM runs per-architecture config hooks (e.g. the Gated DeltaNet state dtype) by name
         if hook is not None and arch not in model_configs.MODELS_CONFIG_MAP:
