@@ -19,6 +19,16 @@ LLAMA_PACKS = [
     "llama-tiny-exl3-2.5bpw-mul1",
 ]
 MAIN_PACK = LLAMA_PACKS[0]
+#: Qwen3-MoE packs (8 experts, top-2): two exllamav3 quantizations and one with four (K gate/up, K down) groups
+MOE_PACKS = [
+    "qwen3moe-tiny-exl3-4.0bpw-mul1",
+    "qwen3moe-tiny-exl3-3.0bpw-mul1-hq",
+    "qwen3moe-tiny-exl3-mixed-k",
+]
+MIXED_PACK = MOE_PACKS[2]
+#: Qwen3-Next: GDN + gated attention, 8 experts + a shared expert; its vLLM file builds embed_tokens / lm_head
+#: without a quant config. vLLM's CPU GDN kernel takes bfloat16 only.
+NEXT_PACK = "qwen3next-tiny-exl3-4.0bpw-mul1"
 #: a one-layer EAGLE draft for MAIN_PACK without embed_tokens / lm_head (fixtures/tools/make_llama_eagle_draft.py)
 DRAFT = "llama-tiny-eagle-draft"
 STDLIB_FILES = [
@@ -122,6 +132,37 @@ def run_jobs(fixtures_dir: Path, tmp: Path) -> dict:
             "eager": True,
             "reference": str(fixtures_dir / name / "reference_logits.pt"),
             "save": str(tmp / f"{name}-int8.lp.pt"),
+        }
+    # MoE: every Qwen3-MoE pack in float32 with the routers' picks recorded; the mixed-K pack also compiled and
+    # in bfloat16; Qwen3-Next (bfloat16 only on CPU) with its bf16 table and after embed-int8
+    for name in MOE_PACKS:
+        jobs[f"moe/{name}"] = {
+            "kind": "logits",
+            "pack": str(fixtures_dir / name),
+            "dtype": "float32",
+            "eager": True,
+            "routing": True,
+            "save": str(tmp / f"{name}.lp.pt"),
+        }
+    jobs["moe/compiled"] = {
+        "kind": "logits",
+        "pack": str(fixtures_dir / MIXED_PACK),
+        "dtype": "float32",
+        "eager": False,
+    }
+    jobs["moe/bf16"] = {"kind": "logits", "pack": str(fixtures_dir / MIXED_PACK), "dtype": "bfloat16", "eager": True}
+    from quantpack_core.embedding import convert_embedding_int8
+
+    next_int8 = convert_embedding_int8(fixtures_dir / NEXT_PACK, tmp / f"{NEXT_PACK}-int8").out_dir
+    for kind, pack in (("table", fixtures_dir / NEXT_PACK), ("int8", next_int8)):
+        jobs[f"next/{kind}"] = {
+            "kind": "logits",
+            "pack": str(pack),
+            "dtype": "bfloat16",
+            "eager": True,
+            "routing": True,
+            "reference": str(fixtures_dir / NEXT_PACK / "reference_logits.pt"),
+            "save": str(tmp / f"next-{kind}.lp.pt"),
         }
     # speculative decoding: the EAGLE draft ships no embedding / lm_head and must use the target's (EXL3 head, bf16
     # or int8 table); 4 prompts of 32 tokens, 32 greedy tokens each, with and without the draft

@@ -166,12 +166,3 @@ def test_unfused_layer_is_named_by_its_module(vllm_layers):
         GeometryError, match=r"down_proj: model.layers.0.mlp.down_proj stores a 512x256 .*needs 640x256"
     ):
         process(layer)
-
-
-def test_moe_pack_refused_when_the_config_is_built(vllm_layers, fixtures_dir):
-    """A pack with EXL3 experts is refused by the config check in the user's process, naming an expert module."""
-    from quantpack_exl3.config import UnsupportedLayerError
-
-    cfg = vllm_layers({"quant_method": "exl3"})
-    with pytest.raises(UnsupportedLayerError, match=r"EXL3 MoE expert modules \(e\.g\. model\.layers\.0\.mlp\.experts"):
-        cfg.maybe_update_config(str(fixtures_dir / "qwen3next-tiny-exl3-4.0bpw-mul1"))

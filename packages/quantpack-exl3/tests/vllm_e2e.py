@@ -11,7 +11,8 @@ Usage: ``python vllm_e2e.py JOBS.json RESULTS.json``. Each job is a dict with ``
   ids, compared with its logits (KL, top-1), plus 16 greedy tokens from the first 32 ids; with ``save``, the
   log-probability matrix is also written there (``torch.save``). Also reported: the quant method and parameter
   dtypes of every vocabulary module (embedding, lm_head) as vLLM built them, and the process's host RSS before
-  building the engine and after loading.
+  building the engine and after loading. With ``routing``, also the expert ids each MoE layer's router picked
+  during the prompt pass (needs ``eager``).
 * ``nll``: ``pack``, ``dtype``, ``tokens`` (list of token-id lists); mean next-token NLL from prompt logprobs.
 * ``load_error``: ``pack``; building the engine must fail; the error type and message are returned.
 * ``spec``: ``pack``, ``draft`` (a draft model folder), ``dtype``, ``prompts`` (token-id lists), ``tokens``; greedy
@@ -91,6 +92,38 @@ def vocab_modules(model) -> dict:
     return out
 
 
+def install_routing_probe(model) -> int:
+    """Wrap the router of every vLLM MoE layer (``MoERunner.router.select_experts``, vLLM 0.25+) so that the expert
+    ids it picks are recorded, call by call; returns how many layers were wrapped."""
+    record: dict[str, list] = {}
+    for name, m in model.named_modules():
+        router = getattr(m, "router", None)
+        if router is None or not hasattr(m, "routed_experts") or not hasattr(router, "select_experts"):
+            continue
+
+        def probe(*args, _select=router.select_experts, _name=name, **kwargs):
+            weights, ids = _select(*args, **kwargs)
+            record.setdefault(_name, []).append(ids.detach().to("cpu", copy=True))
+            return weights, ids
+
+        router.select_experts = probe
+        record[name] = []
+    model._quantpack_routing = record
+    return len(record)
+
+
+def routing_record(model) -> dict:
+    """``{layer index: [call -> (T, top_k) expert ids as lists]}`` of the probes of :func:`install_routing_probe`."""
+    import re
+
+    out = {}
+    for name, calls in model._quantpack_routing.items():
+        layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+        out[layer] = [c.tolist() for c in calls]
+        calls.clear()
+    return out
+
+
 def prompt_logprob_matrix(llm, ids: list[int], vocab: int):
     """Full-vocabulary log-probabilities of positions 1..len-1 (row i predicts ids[i + 1])."""
     import torch
@@ -136,7 +169,10 @@ def run_logits(job: dict) -> dict:
     load_s = time.time() - t0
     rss_after = rss_mib()
     modules = llm.apply_model(vocab_modules)[0]
+    if job.get("routing"):
+        llm.apply_model(install_routing_probe)
     lp = prompt_logprob_matrix(llm, ids, vocab)
+    routing = llm.apply_model(routing_record)[0] if job.get("routing") else None
     a = agreement(ref["logits"][0, : lp.shape[0]], lp)
     if job.get("save"):
         torch.save(lp, job["save"])
@@ -151,6 +187,8 @@ def run_logits(job: dict) -> dict:
         "load_s": load_s,
         "vocab_modules": modules,
         "rss_mib": [rss_before, rss_after],
+        "routing": routing,
+        "save": job.get("save"),
     }
 
 

@@ -29,6 +29,7 @@ from quantpack_core.pack import MANIFEST_FILE, Pack
 from .backends import select_backend
 from .embedding import Exl3EmbeddingMethod
 from .linear import Exl3LinearMethod, LayerLoadError
+from .moe import Exl3MoEMethod
 
 logger = logging.getLogger("vllm.quantpack.exl3")
 
@@ -190,19 +191,11 @@ class Exl3Config(QuantizationConfig):
 
         Raises:
             PackError: the pack is unsound (every problem is listed, each with module, tensor and fix).
-            UnsupportedLayerError: the pack has EXL3 MoE experts (refused here, in the process the user started,
-                rather than minutes later in vLLM's worker).
         """
         if not os.path.isdir(model_name):
             self._fetch_manifest(model_name, revision)
             return
         pack = Pack.open(model_name)
-        experts = sorted(n for n, m in pack.modules.items() if m.format == "exl3" and ".experts." in n)
-        if experts:
-            raise UnsupportedLayerError(
-                f"{model_name}: {len(experts)} EXL3 MoE expert modules (e.g. {experts[0]}); EXL3 expert banks are not "
-                "supported by quantpack-exl3 0.1 yet, so this pack cannot be served by this version"
-            )
         if pack.manifest:
             self.routes = manifest_routes(pack.manifest)
             check_fused_routes(self.routes)
@@ -258,12 +251,18 @@ class Exl3Config(QuantizationConfig):
             )
         return next(iter(kinds.values()), None)
 
+    def expert_routes(self, prefix: str) -> set[str]:
+        """Kinds (``"exl3"``, ``"dense"``) the manifest gives the expert modules under the MoE layer ``prefix``
+        (``...mlp.experts``); empty without a manifest."""
+        key = normalize_prefix(prefix) + "."
+        return {kind for name, kind in self.routes.items() if name.startswith(key)}
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method for one layer vLLM builds.
 
         Raises:
             LayerLoadError: a fused layer that mixes EXL3 and dense modules in the pack.
-            UnsupportedLayerError: an MoE expert layer (EXL3 expert banks are not in this version).
+            LayerLoadError: an MoE layer whose experts the pack stores partly as EXL3 and partly dense.
         """
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
         from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -290,8 +289,13 @@ class Exl3Config(QuantizationConfig):
             return Exl3LinearMethod(self.backend, prefix)
         experts = routed_experts_class()
         if experts is not None and isinstance(layer, experts):
-            raise UnsupportedLayerError(
-                f"{prefix}: EXL3 MoE expert banks are not supported by quantpack-exl3 0.1 yet; this pack's experts "
-                "cannot be served by this version"
-            )
+            kinds = self.expert_routes(prefix)
+            if kinds == {"dense"}:
+                return None  # vLLM's unquantized MoE method loads per-expert .weight tensors
+            if len(kinds) > 1:
+                raise LayerLoadError(
+                    f"{prefix}: the pack stores some experts of this layer as EXL3 trellis and others as dense "
+                    "weights; one MoE layer is one bank - re-quantize the pack with one setting for all of its experts"
+                )
+            return Exl3MoEMethod(layer.moe_config, self.backend, prefix)
         return None

@@ -109,3 +109,120 @@ def exl3_gemm_(
     Source: exllamav3's ``LinearEXL3.forward`` (``exllamav3/modules/quant/exl3.py``).
     """
     torch.ops.quantpack.exl3_gemm_(x, trellis, suh, svh, codebook, k_bits, out_features, out, col)
+
+
+# ------------------------------------------------------------------------------------------------ MoE: reference
+
+
+def _reference_moe(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, out
+) -> None:
+    inter = w2.shape[1]
+    ids = topk_ids.reshape(x.shape[0], -1).long()
+    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    for e in ids.unique().tolist():  # the op is opaque to torch.compile: a data-dependent loop is fine here
+        tok, j = (ids == e).nonzero(as_tuple=True)
+        h = x[tok] @ w13[e]
+        a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        acc.index_add_(0, tok, (a @ w2[e]).float() * topk_weights[tok, j, None].float())
+    out.copy_(acc)
+
+
+_define(
+    "exl3_moe_reference_",
+    "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, Tensor(a!) out) -> ()",
+    {"CompositeExplicitAutograd": _reference_moe},
+    _no_result,
+)
+
+
+def exl3_moe_reference_(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Routed experts through the reference backend: ``out[t] = sum_j w[t, j] * (silu(x W1) * (x W3)) W2`` of expert
+    ``topk_ids[t, j]``.
+
+    Args:
+        x: ``(T, H)`` activations, the model dtype.
+        topk_ids: ``(T, top_k)`` logical expert ids; topk_weights: ``(T, top_k)`` routing weights.
+        w13: ``(E, H, 2I)`` dense ``[W1 | W3]`` per expert (dequantized at load), x's dtype.
+        w2: ``(E, I, H)`` dense ``W2`` per expert.
+        out: ``(T, H)``, written in place (sums accumulate in float32).
+
+    Source: exllamav3 ``BlockSparseMLP.forward`` (per-expert gate / up / down, weighted sum);
+    ``quantpack_core.moe.reference_moe_forward`` is the float64 oracle of the same sum.
+    """
+    torch.ops.quantpack.exl3_moe_reference_(x, topk_ids, topk_weights, w13, w2, out)
+
+
+# ------------------------------------------------------------------------------------------------ MoE: exllamav3
+
+
+def _exl3_moe_cuda(
+    x, topk_ids, topk_weights, perm, tables, w13_trellis, w2_trellis, w13_suh, w13_svh, w2_suh, w2_svh,
+    codebook: int, group_lo, group_hi, k_gu, k_d, out,
+) -> None:  # fmt: skip
+    from .backends.exllamav3 import run_exl3_moe
+
+    bank = {
+        "w13_trellis": w13_trellis, "w2_trellis": w2_trellis, "w13_suh": w13_suh, "w13_svh": w13_svh,
+        "w2_suh": w2_suh, "w2_svh": w2_svh,
+    }  # fmt: skip
+    run_exl3_moe(x, topk_ids, topk_weights, perm, tables, bank, codebook, group_lo, group_hi, k_gu, k_d, out)
+
+
+_define(
+    "exl3_moe_",
+    "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor perm, Tensor tables, Tensor w13_trellis, "
+    "Tensor w2_trellis, Tensor w13_suh, Tensor w13_svh, Tensor w2_suh, Tensor w2_svh, int codebook, int[] group_lo, "
+    "int[] group_hi, float[] k_gu, float[] k_d, Tensor(a!) out) -> ()",
+    {"CUDA": _exl3_moe_cuda},
+    _no_result,
+)
+
+
+def exl3_moe_(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    perm: torch.Tensor,
+    tables: torch.Tensor,
+    w13_trellis: torch.Tensor,
+    w2_trellis: torch.Tensor,
+    w13_suh: torch.Tensor,
+    w13_svh: torch.Tensor,
+    w2_suh: torch.Tensor,
+    w2_svh: torch.Tensor,
+    codebook: int,
+    group_lo: list[int],
+    group_hi: list[int],
+    k_gu: list[float],
+    k_d: list[float],
+    out: torch.Tensor,
+) -> None:
+    """Routed experts of an EXL3 bank through exllamav3's multi-matrix kernels (``exl3_mgemm``), one launch per
+    K group and projection; see :func:`quantpack_exl3.backends.exllamav3.run_exl3_moe`.
+
+    Args:
+        x: ``(T, hidden)`` activations (cast to fp16 for the kernels, zero-extended to the stored width).
+        topk_ids, topk_weights: ``(T, top_k)`` logical expert ids and routing weights.
+        perm: int64 ``(E,)`` logical expert -> physical slot of the bank.
+        tables: int64 ``(9, E)`` device pointers per slot: gate trellis / suh / svh, up ..., down ... (rows in that
+            order), from :meth:`quantpack_core.moe.Exl3MoeBank.pointer_tables`.
+        w13_trellis ... w2_svh: the bank's six tensors (see :mod:`quantpack_core.moe`); the tables point into them.
+        codebook: 0 = 3INST, 1 = mcg, 2 = mul1.
+        group_lo, group_hi, k_gu, k_d: the bank's K groups (slot ranges and their K).
+        out: ``(T, hidden)``, written in place.
+
+    Source: exllamav3 ``BlockSparseMLP.forward`` and ``exllamav3_ext/quant/exl3_gemm.cu`` (``exl3_mgemm``: expert
+    pointer tables, index filtering by slot range, weighted per-token reduction).
+    """
+    torch.ops.quantpack.exl3_moe_(
+        x, topk_ids, topk_weights, perm, tables, w13_trellis, w2_trellis, w13_suh, w13_svh, w2_suh, w2_svh,
+        codebook, group_lo, group_hi, k_gu, k_d, out,
+    )  # fmt: skip

@@ -33,3 +33,21 @@ def dense_kernel(weight: torch.Tensor, dtype: torch.dtype, device: torch.device)
     converted once, run through ``quantpack::exl3_reference_gemm_`` on any device."""
     w = weight.to(device=device, dtype=dtype).t().contiguous()
     return ShardKernel(exl3_reference_gemm_, {"weight": w}, w.shape[1])
+
+
+@dataclass(frozen=True)
+class MoeRun:
+    """One prepared MoE expert bank: how ``Exl3MoEMethod.apply`` runs it.
+
+    Attributes:
+        fn: the op wrapper, ``fn(x, topk_ids, topk_weights, *tensors.values(), *static, out)``; one registered custom
+            op call that writes ``out (T, hidden)``.
+        tensors: device tensors the op reads (registered as parameters of the layer, so they count with it).
+        static: Python scalars / lists after the tensors.
+        keep: tensors the op reaches only through pointer tables (the bank), registered too so they stay alive.
+    """
+
+    fn: Callable[..., None]
+    tensors: dict[str, torch.Tensor]
+    static: tuple = field(default=())
+    keep: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from quantpack_core.codec import Exl3Tensors, dequantize
+from quantpack_core.moe import Exl3MoeBank, dequantize_expert
 
-from ..ops import exl3_reference_gemm_
-from .base import ShardKernel, dense_kernel
+from ..ops import exl3_moe_reference_, exl3_reference_gemm_
+from .base import MoeRun, ShardKernel, dense_kernel
 
 
 class ReferenceBackend:
@@ -50,3 +51,28 @@ class ReferenceBackend:
         return ShardKernel(exl3_reference_gemm_, {"weight": w}, out_features)
 
     prepare_dense = staticmethod(dense_kernel)
+
+    @staticmethod
+    def prepare_moe(bank: Exl3MoeBank, hidden: int, inter: int, dtype: torch.dtype, device: torch.device) -> MoeRun:
+        """Dense per-expert weights of a loaded bank (decoded by the core codec in float32, trimmed to the layer's
+        logical sizes, kept in the model dtype), run by ``quantpack::exl3_moe_reference_``.
+
+        Args:
+            bank: the layer's loaded :class:`~quantpack_core.moe.Exl3MoeBank` (freed by the caller afterwards).
+            hidden, inter: the layer's logical hidden and intermediate sizes (<= the stored, padded ones).
+            dtype: model dtype; device: where the weights live.
+
+        Returns:
+            a :class:`MoeRun` over ``w13 (E, hidden, 2 * inter)`` and ``w2 (E, inter, hidden)``.
+
+        Source: ``quantpack_core.moe.dequantize_expert`` (seed 001's views, the core codec).
+        """
+        e_num = bank.num_experts
+        w13 = torch.empty((e_num, hidden, 2 * inter), dtype=dtype, device=device)
+        w2 = torch.empty((e_num, inter, hidden), dtype=dtype, device=device)
+        for e in range(e_num):
+            w1, w3, wd = dequantize_expert(bank, e, torch.float32)
+            w13[e, :, :inter] = w1[:hidden, :inter]
+            w13[e, :, inter:] = w3[:hidden, :inter]
+            w2[e] = wd[:inter, :hidden]
+        return MoeRun(exl3_moe_reference_, {"w13": w13, "w2": w2})

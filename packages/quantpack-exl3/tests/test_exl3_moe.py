@@ -1,0 +1,193 @@
+"""Exl3MoEMethod on one expert layer, in process on CPU: loading a pack's experts by name, the bank it builds, the
+reference backend's forward against the core's float64 oracle, and every refusal with its message.
+
+The layer here is a plain ``torch.nn.Module`` carrying what vLLM's ``RoutedExperts`` hands the method (its name, the
+checkpoint projection names); the method, the bank, the codec and the op are the real ones. End to end through
+vLLM's own MoE layer: test_exl3_moe_e2e.py."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from quantpack_core import CodecError, GeometryError
+from quantpack_core.moe import Exl3MoeBank, plan_moe_layer, reference_moe_forward
+from quantpack_core.trellis import k_from_width
+
+pytest.importorskip("vllm")
+
+LAYER = "model.layers.1.mlp.experts"
+HIGH, LOW, MIXED = "qwen3moe-tiny-exl3-4.0bpw-mul1", "qwen3moe-tiny-exl3-3.0bpw-mul1-hq", "qwen3moe-tiny-exl3-mixed-k"
+E, H, INTER = 8, 256, 256
+
+
+def moe_config(**over):
+    cfg = dict(
+        activation=SimpleNamespace(value="silu"),
+        is_act_and_mul=True,
+        has_bias=False,
+        tp_size=1,
+        moe_parallel_config=SimpleNamespace(use_ep=False),
+    )
+    cfg.update(over)
+    return SimpleNamespace(**cfg)
+
+
+def expert_tensors(pack_dir, layer=LAYER) -> dict[str, torch.Tensor]:
+    """The layer's expert tensors of a pack, named as vLLM hands them to the layer (``7.gate_proj.trellis``)."""
+    out = {}
+    with safe_open(pack_dir / "model.safetensors", "pt") as f:
+        for key in f.keys():
+            if key.startswith(layer + "."):
+                out[key.removeprefix(layer + ".")] = f.get_tensor(key)
+    return out
+
+
+def make_layer(**over):
+    from quantpack_exl3.backends.reference import ReferenceBackend
+    from quantpack_exl3.moe import Exl3MoEMethod
+
+    method = Exl3MoEMethod(moe_config(**over), ReferenceBackend, LAYER)
+    layer = torch.nn.Module()
+    layer.layer_name = LAYER
+    method.create_weights(layer, E, H, INTER, torch.float32)
+    return method, layer
+
+
+def load(layer, tensors: dict[str, torch.Tensor]) -> list[str]:
+    return list(layer.load_weights(tensors.items()))
+
+
+def oracle_bank(tensors: dict[str, torch.Tensor]) -> Exl3MoeBank:
+    """A second bank built straight from the pack tensors by the core (no vLLM method involved)."""
+    proj = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    k_bits = [
+        tuple(k_from_width(tensors[f"{e}.{p}.trellis"].shape[2]) for p in ("gate_proj", "up_proj", "down_proj"))
+        for e in range(E)
+    ]
+    bank = Exl3MoeBank(plan_moe_layer(LAYER, k_bits, H, INTER, codebook="mul1"))
+    bank.allocate("cpu")
+    for name, t in tensors.items():
+        e, p, kind = name.split(".")
+        bank.load_piece(int(e), proj[p], kind, t)
+    return bank
+
+
+@pytest.mark.parametrize("pack", [HIGH, MIXED])
+def test_forward_matches_the_float64_oracle(fixtures_dir, pack):
+    """Every token routed to two experts (chosen to cover every K group of the mixed pack); the method's output
+    equals the core's float64 per-expert loop over the same pack tensors."""
+    method, layer = make_layer()
+    tensors = expert_tensors(fixtures_dir / pack)
+    names = load(layer, tensors)
+    assert set(names) == {f"{f}_{s}" for f in ("w13", "w2") for s in ("trellis", "suh", "svh", "mul1")}
+    method.process_weights_after_loading(layer)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(24)])
+    w = torch.rand(24, 2, generator=g).softmax(-1)
+    got = method.apply(layer, x, w, ids.to(torch.int32))
+    want = reference_moe_forward(oracle_bank(tensors), x, ids, w)
+    rel = ((got.double() - want).norm() / want.norm()).item()
+    assert rel < 1e-5, rel
+    assert got.dtype == torch.float32 and got.shape == x.shape
+
+
+def test_mixed_pack_plans_four_k_groups(fixtures_dir):
+    method, layer = make_layer()
+    load(layer, expert_tensors(fixtures_dir / MIXED))
+    method.process_weights_after_loading(layer)
+    assert layer.exl3_moe_w13.shape == (E, H, 2 * INTER)
+    assert not hasattr(layer, "w13_trellis")  # placeholders dropped after the bank is built
+
+
+def test_missing_expert_is_named(fixtures_dir):
+    from quantpack_exl3.linear import LayerLoadError
+
+    method, layer = make_layer()
+    tensors = {k: v for k, v in expert_tensors(fixtures_dir / HIGH).items() if not k.startswith("5.up_proj.")}
+    load(layer, tensors)
+    with pytest.raises(LayerLoadError, match=r"layers\.1\.mlp\.experts: no EXL3 trellis for experts 5\.up_proj"):
+        method.process_weights_after_loading(layer)
+
+
+def test_gate_and_up_of_one_expert_at_different_k_refused(fixtures_dir):
+    """Expert 2 with gate_proj at K=3 and up_proj at K=4: the bank runs w1 and w3 of a slot with one K."""
+    method, layer = make_layer()
+    tensors = expert_tensors(fixtures_dir / HIGH)
+    low = expert_tensors(fixtures_dir / LOW)
+    tensors.update({k: v for k, v in low.items() if k.startswith("2.gate_proj.")})
+    load(layer, tensors)
+    with pytest.raises(GeometryError, match=r"expert 2: w1 \(gate_proj\) has K=3 but w3 \(up_proj\) has K=4"):
+        method.process_weights_after_loading(layer)
+
+
+def test_two_codebooks_in_one_layer_refused(fixtures_dir):
+    method, layer = make_layer()
+    tensors = expert_tensors(fixtures_dir / HIGH)
+    del tensors["6.down_proj.mul1"]
+    tensors["6.down_proj.mcg"] = torch.tensor(0xCBAC1FED - 2**32, dtype=torch.int32)  # a well-formed mcg marker
+    load(layer, tensors)
+    with pytest.raises(CodecError, match=r"several codebooks: .*mcg \(e\.g\. expert 6 down_proj\)"):
+        method.process_weights_after_loading(layer)
+
+
+def test_wrong_hidden_size_refused(fixtures_dir):
+    """A config that says hidden 384 for a pack made at 256: named with both sizes, before any forward."""
+    from quantpack_exl3.backends.reference import ReferenceBackend
+    from quantpack_exl3.moe import Exl3MoEMethod
+
+    method = Exl3MoEMethod(moe_config(), ReferenceBackend, LAYER)
+    layer = torch.nn.Module()
+    method.create_weights(layer, E, 384, INTER, torch.float32)
+    load(layer, expert_tensors(fixtures_dir / HIGH))
+    with pytest.raises(GeometryError, match=r"expert 0 gate_proj stores a 256x256 .*needs 384x256 \(hidden 384"):
+        method.process_weights_after_loading(layer)
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("0.gate_up_proj.trellis", r"not a per-expert EXL3 tensor"),
+        ("3.gate_proj.weight", r"not a per-expert EXL3 tensor"),
+        ("8.gate_proj.trellis", r"names expert 8, but the layer has 8 experts"),
+    ],
+)
+def test_foreign_checkpoint_names_refused(name, match):
+    from quantpack_exl3.linear import LayerLoadError
+
+    _, layer = make_layer()
+    with pytest.raises(LayerLoadError, match=match):
+        load(layer, {name: torch.zeros(16, 16, 64, dtype=torch.int16)})
+
+
+def test_tensor_arriving_twice_refused(fixtures_dir):
+    from quantpack_exl3.linear import LayerLoadError
+
+    _, layer = make_layer()
+    t = expert_tensors(fixtures_dir / HIGH)["0.gate_proj.suh"]
+    with pytest.raises(LayerLoadError, match=r"expert 0 gate_proj\.suh arrived twice"):
+        load(layer, {"0.gate_proj.suh": t, "model.layers.1.mlp.experts.0.gate_proj.suh": t})
+
+
+@pytest.mark.parametrize(
+    ("over", "match"),
+    [
+        ({"activation": SimpleNamespace(value="gelu")}, r"activation 'gelu'"),
+        ({"is_act_and_mul": False}, r"not gated"),
+        ({"has_bias": True}, r"expert biases"),
+        ({"moe_parallel_config": SimpleNamespace(use_ep=True)}, r"expert parallelism .*--enable-expert-parallel"),
+        ({"swiglu_limit": 7.0}, r"clamped SwiGLU"),
+    ],
+)
+def test_unsupported_layer_kinds_refused_at_create(over, match):
+    from quantpack_exl3.moe import UnsupportedMoeError
+
+    with pytest.raises(UnsupportedMoeError, match=match):
+        make_layer(**over)
+
+
+def test_tensor_parallel_refused_until_supported():
+    with pytest.raises(GeometryError, match=r"tensor parallelism splits this MoE layer over 2 ranks"):
+        make_layer(tp_size=2)
