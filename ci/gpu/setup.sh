@@ -40,6 +40,11 @@ if [ -f .stage/ext/exllamav3_ext.so.xz ] && ! [ -f /tmp/ext-built ]; then
   if python3 -c "from quantpack_exl3.backends.exllamav3 import load_extension; load_extension()"; then
     touch /tmp/ext-built
     echo "exllamav3 extension: prebuilt one loaded"
+    # a JIT build started by an earlier run (before the prebuilt one arrived) would only compete for the cores
+    if [ -f /tmp/ext-build.pid ] && kill -0 "$(cat /tmp/ext-build.pid)" 2>/dev/null; then
+      kill -- -"$(cat /tmp/ext-build.pid)" 2>/dev/null || kill "$(cat /tmp/ext-build.pid)" 2>/dev/null || true
+      echo "stopped the JIT build started earlier"
+    fi
   else
     rm -f /tmp/ext-prebuilt/exllamav3_ext.so
     echo "exllamav3 extension: the prebuilt one does not load here; building"
