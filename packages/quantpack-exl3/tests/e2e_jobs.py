@@ -176,7 +176,7 @@ def run_jobs(fixtures_dir: Path, tmp: Path) -> dict:
             "prompts": prompts,
             "tokens": 32,
         }
-    out = run_runner(jobs, tmp, timeout=1500)
+    out = run_runner(jobs, tmp, timeout=2400)
     out["_tmp"] = str(tmp)
     out["_tokens"] = tokens
     out["_prompt_ids"] = torch.load(fixtures_dir / MAIN_PACK / "reference_logits.pt")["input_ids"][0, :32].tolist()

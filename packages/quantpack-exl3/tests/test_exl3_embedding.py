@@ -167,3 +167,54 @@ def test_draft_head_without_weights_stays_empty(vllm_layers):
     assert not hasattr(head, "weight") and not list(head.parameters())
     with pytest.raises(LayerLoadError, match=r"received no weights .*draft"):
         head.quant_method.apply(head, torch.randn(1, 256))
+
+
+#: a compressed-tensors checkpoint config that quantizes only the embedding (4-bit int, groups of 128)
+CT_EMBEDDING = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["re:.*embed_tokens$"],
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": 128,
+                "dynamic": False,
+            },
+        }
+    },
+    "ignore": [],
+    "quantization_status": "compressed",
+}
+
+
+def test_compressed_tensors_embedding_only_where_a_family_announces_it(vllm_layers):
+    """A compressed-tensors config reaches an embedding built without one only inside embedding_prefix(...), with
+    the announced name (its scheme matches by name); once per announcement; never the head."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    from quantpack_exl3.layers import embedding_prefix
+
+    ct = CompressedTensorsConfig.from_config(CT_EMBEDDING)
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"), quant_config=ct)):
+        silent = VocabParallelEmbedding(1024, 256)
+        with embedding_prefix("model.embed_tokens"):
+            head = ParallelLMHead(1024, 256)
+            announced = VocabParallelEmbedding(1024, 256)
+            second = VocabParallelEmbedding(1024, 256)
+    assert isinstance(silent.quant_method, UnquantizedEmbeddingMethod)
+    assert isinstance(head.quant_method, UnquantizedEmbeddingMethod)
+    assert type(announced.quant_method).__name__ == "CompressedTensorsEmbeddingWNA16Int"
+    assert {n for n, _ in announced.named_parameters()} >= {"weight_packed", "weight_scale"}
+    assert isinstance(second.quant_method, UnquantizedEmbeddingMethod)

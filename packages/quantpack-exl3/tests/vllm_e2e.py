@@ -100,13 +100,18 @@ def install_routing_probe(model) -> int:
         router = getattr(m, "router", None)
         if router is None or not hasattr(m, "routed_experts") or not hasattr(router, "select_experts"):
             continue
+        method = m.routed_experts.quant_method
+        # where the method routes itself (Exl3MoEMethod on CPU with vLLM 0.29), its own route() picks the experts
+        own = method.is_monolithic and hasattr(method, "route")
+        owner, attr = (method, "route") if own else (router, "select_experts")
+        select = getattr(owner, attr)
 
-        def probe(*args, _select=router.select_experts, _name=name, **kwargs):
+        def probe(*args, _select=select, _name=name, **kwargs):
             weights, ids = _select(*args, **kwargs)
             record.setdefault(_name, []).append(ids.detach().to("cpu", copy=True))
             return weights, ids
 
-        router.select_experts = probe
+        setattr(owner, attr, probe)
         record[name] = []
     model._quantpack_routing = record
     return len(record)

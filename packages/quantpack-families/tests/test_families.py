@@ -84,3 +84,67 @@ def test_qwen3_5_pack_names_map_onto_the_text_model():
     roots = ("model.layers.", "model.embed_tokens.", "model.norm.", "lm_head.")
     assert all(m.startswith(roots) for m in mapped), [m for m in mapped if not m.startswith(roots)]
     assert mapper.apply_list(["mtp.fc.weight", "model.visual.blocks.0.attn.qkv.weight"]) == []
+
+
+def test_model_init_announces_its_embedding_to_compressed_tensors():
+    """A model class wrapped by announce.wrap_init builds its unnamed embedding with the compressed-tensors config
+    and the name '<prefix>.embed_tokens' (vLLM's Qwen3NextModel / Qwen3_5Model build it with neither)."""
+    import tempfile
+
+    import torch
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import cleanup_dist_env_and_memory, init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    from quantpack_exl3.plugin import register as register_exl3
+    from quantpack_families.announce import wrap_init
+
+    register_exl3()  # installs the embedding constructor wrap
+
+    class TinyModel(torch.nn.Module):  # stands in for the model file's class: same signature, same unnamed embedding
+        def __init__(self, *, vllm_config, prefix: str = ""):
+            super().__init__()
+            self.embed_tokens = VocabParallelEmbedding(1024, 256)
+
+    assert wrap_init(TinyModel) and not wrap_init(TinyModel)
+    ct = CompressedTensorsConfig.from_config(
+        {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {
+                "g": {
+                    "targets": ["re:.*embed_tokens$"],
+                    "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+                }
+            },
+            "ignore": [],
+        }
+    )
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    own_world = not model_parallel_is_initialized()  # another test module may have set up the one-rank world
+    with tempfile.TemporaryDirectory() as tmp:
+        vc = VllmConfig(device_config=DeviceConfig("cpu"), quant_config=ct)
+        with set_current_vllm_config(vc):
+            if own_world:
+                init_distributed_environment(1, 0, f"file://{tmp}/d", 0, backend="gloo")
+                initialize_model_parallel(1, 1)
+            try:
+                model = TinyModel(vllm_config=vc, prefix="model")
+            finally:
+                if own_world:
+                    cleanup_dist_env_and_memory()
+    assert type(model.embed_tokens.quant_method).__name__ == "CompressedTensorsEmbeddingWNA16Int"
+
+
+def test_vllm_model_modules_are_patched_when_imported():
+    """The post-import hook wraps Qwen3NextModel when vLLM imports qwen3_next.py (here, or already imported)."""
+    from quantpack_families.announce import _MARK, install
+
+    install()
+    from vllm.model_executor.models.qwen3_next import Qwen3NextModel
+
+    assert getattr(Qwen3NextModel.__init__, _MARK, False)

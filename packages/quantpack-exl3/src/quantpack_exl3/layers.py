@@ -6,7 +6,11 @@ model files build ``embed_tokens`` and/or ``lm_head`` without it (``qwen3_next.p
 load: vLLM's dense layer looks for ``.weight`` and meets ``.trellis`` / ``.qweight``.
 
 The two constructors are wrapped once per process: when the caller passed no quant config (and no preselected
-method) while the model being built is an EXL3 one, the current ``Exl3Config`` is filled in. Arguments are bound
+method) while the model being built is an EXL3 one, the current ``Exl3Config`` is filled in. A compressed-tensors
+checkpoint can quantize its embedding too (``re:.*embed_tokens$``, WNA16), but compressed-tensors picks a layer's
+scheme by its name, which an embedding built without ``prefix`` lacks; so its config is filled in only for the
+embedding a family module announced with :func:`embedding_prefix` (quantpack-families does so for Qwen3-Next and
+Qwen3.5), and with that name. Arguments are bound
 against the real signature, because ``ParallelLMHead`` passes ``quant_config`` to its parent positionally. Layers of
 models built with any other quantization, or none, are untouched.
 
@@ -16,6 +20,8 @@ Follows vLLM's ``VocabParallelEmbedding.__init__`` / ``ParallelLMHead.__init__``
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import logging
@@ -23,23 +29,56 @@ import logging
 logger = logging.getLogger("vllm.quantpack.exl3")
 
 _MARK = "_quantpack_exl3_wrapped"
+_announced: contextvars.ContextVar[str | None] = contextvars.ContextVar("quantpack_embedding_prefix", default=None)
+
+
+@contextlib.contextmanager
+def embedding_prefix(prefix: str):
+    """While a model builds its layers: the next ``VocabParallelEmbedding`` built without a quant config is the
+    module ``prefix`` (e.g. ``model.embed_tokens``). Used by family fixes around a model's ``__init__``.
+
+    Source: seed 000 (``layers.py``: ``embedding_prefix`` / ``take_embedding_prefix``).
+    """
+    token = _announced.set(prefix)
+    try:
+        yield
+    finally:
+        _announced.reset(token)
+
+
+def take_embedding_prefix() -> str | None:
+    """The announced embedding name, once (later embeddings of the same model get None)."""
+    prefix = _announced.get()
+    if prefix is not None:
+        _announced.set(None)
+    return prefix
+
+
+def current_quant_config():
+    """The quant config of the model vLLM is building, or None (no config is being built, or no quantization)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return getattr(get_current_vllm_config(), "quant_config", None)
+    except Exception:  # no config is being built (unit tests, tools)
+        return None
 
 
 def current_exl3_config():
     """The quant config of the model vLLM is building, if it is an ``Exl3Config``; else None."""
-    try:
-        from vllm.config import get_current_vllm_config
-
-        cfg = get_current_vllm_config()
-    except Exception:  # no config is being built (unit tests, tools)
-        return None
     from .config import Exl3Config
 
-    qc = getattr(cfg, "quant_config", None)
+    qc = current_quant_config()
     return qc if isinstance(qc, Exl3Config) else None
 
 
-def _wrap(init):
+def _is_head(module) -> bool:
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    return isinstance(module, ParallelLMHead)
+
+
+def _wrap(init, is_head: bool):
     sig = inspect.signature(init)
 
     @functools.wraps(init)
@@ -54,6 +93,13 @@ def _wrap(init):
             if qc is not None:
                 args_["quant_config"] = qc
                 return init(*bound.args, **bound.kwargs)
+            if not is_head and "prefix" in sig.parameters and not _is_head(self):
+                prefix = take_embedding_prefix()
+                qc = current_quant_config() if prefix is not None else None
+                if qc is not None and qc.get_name() == "compressed-tensors":
+                    args_["quant_config"] = qc
+                    args_["prefix"] = prefix
+                    return init(*bound.args, **bound.kwargs)
         return init(self, *args, **kwargs)
 
     setattr(__init__, _MARK, True)
@@ -72,7 +118,7 @@ def patch_embedding_constructors() -> bool:
     for cls in (vpe.VocabParallelEmbedding, vpe.ParallelLMHead):
         init = cls.__dict__.get("__init__")
         if init is not None and not getattr(init, _MARK, False):
-            cls.__init__ = _wrap(init)
+            cls.__init__ = _wrap(init, cls is vpe.ParallelLMHead)
             installed = True
     if installed:
         logger.debug("quantpack-exl3: embed_tokens / lm_head receive the EXL3 quant config when a model omits it")

@@ -171,6 +171,20 @@ def load_expert_weights(layer: torch.nn.Module, weights: Iterable[tuple[str, tor
         yield param_name
 
 
+@functools.cache
+def _cpu_without_router() -> bool:
+    """On CPU, and vLLM has no ``CPURouter`` (0.29 and older): its runner's router would call a CUDA-only op."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    try:
+        import vllm.model_executor.layers.fused_moe.router.cpu_router  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
 class Exl3MoEMethod(FusedMoEMethodBase):
     """MoE method for EXL3 expert banks (per-expert K, one codebook per layer), see the module docstring.
 
@@ -189,6 +203,12 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         super().__init__(moe)
         self.backend = backend
         self.prefix = prefix
+        # decided here, not in the property: torch.compile traces the property on CPU and cannot import there
+        self._cpu_select_experts = None
+        if _cpu_without_router():
+            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import select_experts
+
+            self._cpu_select_experts = select_experts
 
     # ------------------------------------------------------------------------------------------------ create
 
@@ -262,6 +282,13 @@ class Exl3MoEMethod(FusedMoEMethodBase):
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         """No vLLM modular kernel runs this layer, so there is no quant config for one (vLLM accepts None)."""
         return None
+
+    @property
+    def is_monolithic(self) -> bool:
+        """True where vLLM's runner cannot route for this method: on CPU before vLLM 0.31, whose router calls
+        ``_moe_C.topk_softmax``, a CUDA-only op (0.31 added ``CPURouter``). Then :meth:`apply_monolithic` routes with
+        vLLM's own CPU routing function. Everywhere else vLLM's router picks the experts and calls :meth:`apply`."""
+        return self._cpu_select_experts is not None
 
     # -------------------------------------------------------------------------------------------------- load
 
@@ -358,6 +385,35 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         logger.debug("quantpack-exl3: %s: %d experts, K (gate+up/down) groups %s", self.prefix, num, hist)
 
     # ------------------------------------------------------------------------------------------------- apply
+
+    def route(self, layer: torch.nn.Module, x: torch.Tensor, router_logits: torch.Tensor):
+        """Expert choice on CPU where vLLM's runner has no CPU router (see :attr:`is_monolithic`): vLLM's own CPU
+        routing (``fused_moe/experts/cpu_moe.py::select_experts``) with the layer's routing settings.
+
+        Returns:
+            ``(topk_weights float32 (T, k), topk_ids int32 (T, k))``.
+        """
+        return self._cpu_select_experts(
+            hidden_states=x,
+            router_logits=router_logits,
+            top_k=layer.top_k,
+            use_grouped_topk=layer.use_grouped_topk,
+            renormalize=layer.renormalize,
+            topk_group=layer.topk_group,
+            num_expert_group=layer.num_expert_group,
+            custom_routing_function=layer.custom_routing_function,
+            scoring_func=layer.scoring_func,
+            routed_scaling_factor=layer.routed_scaling_factor,
+            e_score_correction_bias=layer.e_score_correction_bias,
+        )
+
+    def apply_monolithic(
+        self, layer: torch.nn.Module, x: torch.Tensor, router_logits: torch.Tensor, input_ids=None, **_: object
+    ) -> torch.Tensor:
+        """Route with :meth:`route`, then :meth:`apply` (the CPU path of vLLM 0.29 and older; see
+        :attr:`is_monolithic`)."""
+        topk_weights, topk_ids = self.route(layer, x, router_logits)
+        return self.apply(layer, x, topk_weights, topk_ids)
 
     def apply(
         self,

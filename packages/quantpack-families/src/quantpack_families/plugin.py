@@ -32,6 +32,9 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
+    from .announce import install
+
+    install()  # embedding names for compressed-tensors embeddings (see announce.py)
     known = set(ModelRegistry.get_supported_archs())
     for arch, (target, hook, why) in ARCHITECTURES.items():
         if arch in known:
