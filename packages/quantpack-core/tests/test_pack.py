@@ -284,3 +284,52 @@ def test_json_of_the_wrong_structure(tmp_path, file, edit, needle):
     f = path / file
     f.write_text(json.dumps(edit(json.loads(f.read_text()))))
     expect_problem(path, file, needle)
+
+
+def moe_copy(fixtures_dir, tmp_path, edit, config_edit=None) -> Path:
+    """A copy of the mixed-K Qwen3-MoE pack without its manifest, tensors changed by ``edit(tensors)``."""
+    from safetensors.torch import load_file
+
+    src = fixtures_dir / "qwen3moe-tiny-exl3-mixed-k"
+    dst = tmp_path / "moe"
+    shutil.copytree(src, dst)
+    (dst / "quantization_config.json").unlink()
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    (dst / "model.safetensors").unlink()
+    save_file(tensors, str(dst / "model.safetensors"))
+    if config_edit:
+        cfg = json.loads((dst / "config.json").read_text())
+        config_edit(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_moe_expert_missing_a_projection(fixtures_dir, tmp_path):
+    def drop(t):
+        for k in [k for k in t if k.startswith("model.layers.1.mlp.experts.5.up_proj.")]:
+            del t[k]
+
+    path = moe_copy(fixtures_dir, tmp_path, drop)
+    expect_problem(path, "model.layers.1.mlp.experts.5.up_proj", "expert 5 has no EXL3 up_proj")
+
+
+def test_moe_gate_and_up_at_different_k(fixtures_dir, tmp_path):
+    def swap(t):  # expert 0's gate is K=4; expert 1's (K=3) takes its place
+        for s in ("trellis", "suh", "svh", "mul1"):
+            t[f"model.layers.0.mlp.experts.0.gate_proj.{s}"] = t[f"model.layers.0.mlp.experts.1.gate_proj.{s}"].clone()
+
+    expect_problem(moe_copy(fixtures_dir, tmp_path, swap), "experts.0.up_proj", "gate K=3 but up K=4")
+
+
+def test_moe_expert_count_against_config(fixtures_dir, tmp_path):
+    path = moe_copy(fixtures_dir, tmp_path, lambda t: None, lambda c: c.update(num_experts=16))
+    expect_problem(path, "model.layers.0.mlp.experts", "experts 0..7 in this layer, config.json says 16")
+
+
+def test_moe_layer_with_two_codebooks(fixtures_dir, tmp_path):
+    def to_3inst(t):
+        del t["model.layers.1.mlp.experts.3.down_proj.mul1"]
+
+    path = moe_copy(fixtures_dir, tmp_path, to_3inst)
+    expect_problem(path, "model.layers.1.mlp.experts", "several codebooks (3inst, mul1)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -55,6 +56,9 @@ EXL3_SUFFIXES = frozenset({"trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "
 
 FIX_REDOWNLOAD = "re-download the pack (or re-run exllamav3's converter); the file on disk is not what it wrote"
 FIX_REQUANTIZE = "re-quantize this module with exllamav3, or re-download the pack"
+
+
+_EXPERT_MODULE = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
 
 
 @dataclass(frozen=True)
@@ -431,7 +435,74 @@ class Pack:
         for m in self.modules.values():
             if m.format == "exl3":
                 out.extend(self._exl3_problems(m, check_values))
+        out.extend(self._moe_problems())
         out.extend(self._manifest_problems())
+        return out
+
+    def _configured_experts(self) -> int | None:
+        for cfg in (self.config, self.config.get("text_config") or {}):
+            for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+                if isinstance(cfg.get(key), int):
+                    return cfg[key]
+        return None
+
+    def _moe_problems(self) -> list[Problem]:
+        """EXL3 MoE layers as a whole: every expert has every projection the others have, gate and up of an expert
+        share K (the bank runs them at one width), one codebook per layer, and as many experts as config.json says.
+        Source: seed 001 (the bank's rules); quantpack_core.moe.plan_moe_layer enforces the same at load."""
+        layers: dict[str, dict[int, dict[str, ModuleInfo]]] = {}
+        for m in self.modules.values():
+            hit = _EXPERT_MODULE.match(m.key)
+            if hit and m.format == "exl3":
+                layers.setdefault(hit["layer"], {}).setdefault(int(hit["e"]), {})[hit["proj"]] = m
+        out: list[Problem] = []
+        configured = self._configured_experts()
+        for layer, experts in sorted(layers.items()):
+            projs = sorted({p for e in experts.values() for p in e})
+            count = max(experts) + 1
+            if configured is not None and count != configured:
+                out.append(
+                    Problem(
+                        layer,
+                        f"{layer}.{max(experts)}.{projs[0]}.trellis",
+                        f"the pack has EXL3 experts 0..{max(experts)} in this layer, config.json says {configured} "
+                        "experts",
+                        "use the config.json the pack was made with",
+                    )
+                )
+            for e in range(count):
+                for p in projs:
+                    if p not in experts.get(e, {}):
+                        out.append(
+                            Problem(
+                                f"{layer}.{e}.{p}",
+                                f"{layer}.{e}.{p}.trellis",
+                                f"expert {e} has no EXL3 {p} while other experts of the layer do",
+                                "re-download the pack (a file or tensor is missing) or re-quantize the layer",
+                            )
+                        )
+                mods = experts.get(e, {})
+                pair = [mods[p] for p in ("gate_proj", "up_proj", "w1", "w3") if p in mods]
+                if len(pair) == 2 and pair[0].k_bits is not None and pair[0].k_bits != pair[1].k_bits:
+                    out.append(
+                        Problem(
+                            pair[1].key,
+                            f"{pair[1].key}.trellis",
+                            f"expert {e}: gate K={pair[0].k_bits:g} but up K={pair[1].k_bits:g}; an EXL3 expert bank "
+                            "runs an expert's gate and up projections at one K",
+                            "re-quantize the layer with one bitrate for each expert's gate_proj and up_proj",
+                        )
+                    )
+            codebooks = {m.codebook for e in experts.values() for m in e.values() if m.codebook is not None}
+            if len(codebooks) > 1:
+                out.append(
+                    Problem(
+                        layer,
+                        f"{layer}.*",
+                        f"the layer's experts use several codebooks ({', '.join(sorted(c.value for c in codebooks))})",
+                        "re-quantize the layer with one codebook: an expert bank holds one",
+                    )
+                )
         return out
 
     def _exl3_problems(self, m: ModuleInfo, check_values: bool) -> list[Problem]:

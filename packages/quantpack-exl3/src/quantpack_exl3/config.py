@@ -22,13 +22,12 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from quantpack_core.codebook import Codebook
 from quantpack_core.embedding import INT8_FORMAT
-from quantpack_core.errors import QuantpackError
 from quantpack_core.names import FUSED_LAYERS, constituents, normalize_prefix
 from quantpack_core.pack import MANIFEST_FILE, Pack
 
 from .backends import select_backend
 from .embedding import Exl3EmbeddingMethod
-from .linear import Exl3LinearMethod, LayerLoadError
+from .linear import Exl3LinearMethod, LayerLoadError, UnsupportedLayerError  # noqa: F401  (re-exported)
 from .moe import Exl3MoEMethod
 
 logger = logging.getLogger("vllm.quantpack.exl3")
@@ -80,10 +79,6 @@ def untie_if_head_stored(pack: Pack, hf_config) -> bool:
             "quantpack-exl3: %s says tie_word_embeddings but stores its own lm_head; serving the stored head", pack.path
         )
     return changed
-
-
-class UnsupportedLayerError(QuantpackError):
-    """A layer kind this version of quantpack-exl3 cannot serve."""
 
 
 def check_fused_routes(routes: dict[str, str]) -> None:

@@ -49,6 +49,10 @@ class LayerLoadError(QuantpackError):
     """A layer's loaded tensors do not fit it; raised while loading, before any forward pass."""
 
 
+class UnsupportedLayerError(QuantpackError):
+    """A layer kind this version of quantpack-exl3 cannot serve; raised when vLLM builds the layer."""
+
+
 class Exl3ShardParam(BasevLLMParameter):
     """Empty placeholder for one checkpoint suffix of a layer; the real tensors land in :attr:`shards`.
 

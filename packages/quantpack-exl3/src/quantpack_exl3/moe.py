@@ -32,11 +32,11 @@ import torch
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
 from quantpack_core.codec import Exl3Tensors
-from quantpack_core.errors import CodecError, GeometryError, QuantpackError
+from quantpack_core.errors import CodecError, GeometryError
 from quantpack_core.hadamard import HAD_BLOCK
 from quantpack_core.moe import PROJ_DOWN, PROJ_GATE, PROJ_MODULES, PROJ_UP, PROJECTIONS, Exl3MoeBank, plan_moe_layer
 
-from .linear import LayerLoadError
+from .linear import LayerLoadError, UnsupportedLayerError
 
 logger = logging.getLogger("vllm.quantpack.exl3")
 
@@ -54,7 +54,7 @@ EXPERT_PARTS: dict[str, torch.dtype] = {
 STACK = {PROJ_GATE: "w13", PROJ_UP: "w13", PROJ_DOWN: "w2"}
 
 
-class UnsupportedMoeError(QuantpackError):
+class UnsupportedMoeError(UnsupportedLayerError):
     """An MoE layer configuration this version cannot serve (named with the reason and the way out)."""
 
 
@@ -73,16 +73,18 @@ class Exl3ExpertParam(torch.nn.Parameter):
         suffix: checkpoint suffix (``trellis``, ``suh`` ...).
         family: ``"w13"`` or ``"w2"``.
         layer_name: the vLLM module, for messages.
+        num_experts: experts of the layer (ids outside ``[0, num_experts)`` are refused).
         captured: ``(global expert id, "w1" | "w3" | "w2") -> tensor`` (views of the checkpoint until processed).
     """
 
-    def __new__(cls, suffix: str, family: str, layer_name: str):
+    def __new__(cls, suffix: str, family: str, layer_name: str, num_experts: int):
         return super().__new__(cls, torch.empty(0, dtype=EXPERT_PARTS[suffix]), requires_grad=False)
 
-    def __init__(self, suffix: str, family: str, layer_name: str):
+    def __init__(self, suffix: str, family: str, layer_name: str, num_experts: int):
         self.suffix = suffix
         self.family = family
         self.layer_name = layer_name
+        self.num_experts = num_experts
         self.captured: dict[tuple[int, str], torch.Tensor] = {}
         self.weight_loader = self._capture
 
@@ -106,6 +108,12 @@ class Exl3ExpertParam(torch.nn.Parameter):
             raise LayerLoadError(
                 f"{self.layer_name}: {shard_id} ({PROJ_MODULES[shard_id]}) tensor routed to {self.family}_"
                 f"{self.suffix}; the model's expert mapping does not match the checkpoint"
+            )
+        if not 0 <= int(expert_id) < self.num_experts:
+            raise LayerLoadError(
+                f"{self.layer_name}: {weight_name or PROJ_MODULES[shard_id]}.{self.suffix} is for expert "
+                f"{expert_id}, but the layer has {self.num_experts} experts (config.json's expert count) - use the "
+                "config the pack was made with"
             )
         key = (int(expert_id), shard_id)
         if key in self.captured:
@@ -269,7 +277,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             )
         for family in ("w13", "w2"):
             for suffix in EXPERT_PARTS:
-                layer.register_parameter(f"{family}_{suffix}", Exl3ExpertParam(suffix, family, self.prefix))
+                param = Exl3ExpertParam(suffix, family, self.prefix, int(num_experts))
+                layer.register_parameter(f"{family}_{suffix}", param)
         layer.exl3_prefix = self.prefix
         layer.exl3_num_experts = int(num_experts)
         layer.exl3_hidden = int(hidden_size)
@@ -329,7 +338,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             LayerLoadError: an expert projection missing or corrupt.
             GeometryError: stored sizes that are not the layer's sizes padded to 128, or w1 / w3 of one expert at
                 different K (from the plan).
-            CodecError: experts of one layer in different codebooks (from the plan / bank).
+            CodecError: experts of one layer in different codebooks.
         """
         if getattr(layer, "exl3_moe_run", None) is not None:
             return

@@ -1,6 +1,6 @@
 """Announce the embedding name of model files that build ``embed_tokens`` without ``prefix`` or quant config.
 
-vLLM's ``Qwen3NextModel`` (qwen3_next.py) and ``Qwen3_5Model`` (qwen3_5.py) build
+vLLM's ``Qwen3NextModel`` (qwen3_next.py) and ``Qwen3_5Model`` (qwen3_5.py), and their MTP drafts, build
 ``VocabParallelEmbedding(vocab, hidden)`` with neither, so a compressed-tensors checkpoint that quantizes its
 embedding (``re:.*embed_tokens$``) cannot reach it: compressed-tensors matches schemes by layer name. Their
 ``__init__`` is wrapped to run inside :func:`quantpack_exl3.layers.embedding_prefix` with the module's real name
@@ -25,6 +25,9 @@ logger = logging.getLogger("vllm.quantpack.families")
 MODELS = {
     "vllm.model_executor.models.qwen3_next": ("Qwen3NextModel",),
     "vllm.model_executor.models.qwen3_5": ("Qwen3_5Model",),
+    # their multi-token-prediction drafts build an unnamed embedding too
+    "vllm.model_executor.models.qwen3_next_mtp": ("Qwen3NextMultiTokenPredictor",),
+    "vllm.model_executor.models.qwen3_5_mtp": ("Qwen3_5MultiTokenPredictor",),
 }
 _MARK = "_quantpack_announces_embedding"
 
