@@ -191,3 +191,15 @@ def test_unsupported_layer_kinds_refused_at_create(over, match):
 def test_tensor_parallel_refused_until_supported():
     with pytest.raises(GeometryError, match=r"tensor parallelism splits this MoE layer over 2 ranks"):
         make_layer(tp_size=2)
+
+
+def test_expert_loader_called_directly_refuses_unknown_experts(fixtures_dir):
+    """Model files with their own loops call the parameter's weight_loader with an expert id (vLLM's signature); an
+    id outside the layer is named there, not deep in the bank."""
+    from quantpack_exl3.linear import LayerLoadError
+
+    _, layer = make_layer()
+    t = expert_tensors(fixtures_dir / HIGH)["0.gate_proj.trellis"]
+    with pytest.raises(LayerLoadError, match=r"is for expert 9, but the layer has 8 experts"):
+        layer.w13_trellis.weight_loader(layer.w13_trellis, t, "experts.9.gate_proj.trellis", "w1", 9, True)
+    assert layer.w13_trellis.weight_loader(layer.w13_trellis, t, "experts.0.gate_proj.trellis", "w1", 0, True)
