@@ -42,9 +42,8 @@ def make_pack(path: Path, mixed: bool) -> Path:
     if (path / "config.json").exists():
         return path
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from quantpack_core.synthetic import random_exl3_layer, write_pack
+    from quantpack_core.synthetic import random_exl3_layer, write_pack, write_word_tokenizer
 
     s = SHAPE
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -105,23 +104,8 @@ def make_pack(path: Path, mixed: bool) -> Path:
         "eos_token_id": 2,
         "dtype": "bfloat16",
     }
-    qc = {
-        "quant_method": "exl3",
-        "version": "1.6.5",
-        "bits": 4.0,
-        "head_bits": 6,
-        "codebook": "mul1",
-        "calibration": {"rows": 0, "cols": 0},
-        "out_scales": "auto",
-    }
-    write_pack(path, tensors, config, shards=16, quant_config=qc)
-    vocab = {f"t{i}": i for i in range(s["vocab"])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "t1", "eos_token": "t2", "tokenizer_class": "PreTrainedTokenizerFast"})
-    )
+    write_pack(path, tensors, config, shards=16)  # the default quant config: exl3, 4 bits, head 6, mul1
+    write_word_tokenizer(path, s["vocab"])
     return path
 
 

@@ -149,3 +149,22 @@ def write_pack(
         weight_map.update({n: fname for n in part})
     (path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     return path
+
+
+def write_word_tokenizer(path: str | os.PathLike, vocab: int) -> None:
+    """Write a word-level tokenizer covering ``vocab`` ids (``t0`` ... ``t{vocab-1}``, whitespace-split; ``t1`` BOS,
+    ``t2`` EOS) into a pack folder, for synthetic packs served by token ids (benchmarks). Needs ``tokenizers``.
+
+    Files: ``tokenizer.json`` and ``tokenizer_config.json`` (``PreTrainedTokenizerFast``); existing ones are replaced.
+    """
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = Path(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "t1", "eos_token": "t2", "tokenizer_class": "PreTrainedTokenizerFast"})
+    )

@@ -36,20 +36,13 @@ from quantpack_core.errors import CodecError, GeometryError
 from quantpack_core.hadamard import HAD_BLOCK
 from quantpack_core.moe import PROJ_DOWN, PROJ_GATE, PROJ_MODULES, PROJ_UP, PROJECTIONS, Exl3MoeBank, plan_moe_layer
 
-from .linear import LayerLoadError, UnsupportedLayerError
+from .linear import EXL3_PARTS, PLACEHOLDERS, LayerLoadError, UnsupportedLayerError
 
 logger = logging.getLogger("vllm.quantpack.exl3")
 
-#: checkpoint suffix -> dtype of the placeholder (what an EXL3 pack stores per expert projection)
-EXPERT_PARTS: dict[str, torch.dtype] = {
-    "trellis": torch.int16,
-    "suh": torch.float16,
-    "svh": torch.float16,
-    "su": torch.int16,  # legacy packed signs
-    "sv": torch.int16,
-    "mcg": torch.int32,
-    "mul1": torch.int32,
-}
+#: checkpoint suffix -> dtype of the placeholder (what an EXL3 pack stores per expert projection): the linear
+#: method's EXL3 suffixes
+EXPERT_PARTS: dict[str, torch.dtype] = {s: PLACEHOLDERS[s] for s in EXL3_PARTS}
 #: vLLM's shard id -> the stacked parameter family it belongs to
 STACK = {PROJ_GATE: "w13", PROJ_UP: "w13", PROJ_DOWN: "w2"}
 
