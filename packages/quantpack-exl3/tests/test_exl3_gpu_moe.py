@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from quantpack_core.moe import PROJ_MODULES, Exl3MoeBank, plan_moe_layer, reference_moe_forward
+from quantpack_core.moe import Exl3MoeBank, bank_from_tensors, plan_moe_layer, reference_moe_forward
 from quantpack_core.synthetic import random_exl3_layer
-from quantpack_core.trellis import k_from_width
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,25 +38,9 @@ def backend():
 
 
 def pack_bank(pack: str, layer: str = "model.layers.0.mlp.experts") -> Exl3MoeBank:
-    tensors = {}
-    with safe_open(FIXTURES / pack / "model.safetensors", "pt") as f:
-        for key in f.keys():
-            if key.startswith(layer + ".") and not key.endswith(".mul1"):
-                tensors[key.removeprefix(layer + ".")] = f.get_tensor(key)
-    num = 1 + max(int(k.split(".")[0]) for k in tensors)
-    proj = {v: k for k, v in PROJ_MODULES.items()}
-    k_bits = [
-        tuple(k_from_width(tensors[f"{e}.{PROJ_MODULES[p]}.trellis"].shape[2]) for p in ("w1", "w3", "w2"))
-        for e in range(num)
-    ]
-    hidden = tensors["0.gate_proj.suh"].shape[0]
-    inter = tensors["0.gate_proj.svh"].shape[0]
-    bank = Exl3MoeBank(plan_moe_layer(layer, k_bits, hidden, inter, codebook="mul1"))
-    bank.allocate("cuda")
-    for name, t in tensors.items():
-        e, p, kind = name.split(".")
-        bank.load_piece(int(e), proj[p], kind, t)
-    return bank
+    from test_exl3_moe import expert_tensors, grouped
+
+    return bank_from_tensors(layer, grouped(expert_tensors(FIXTURES / pack, layer)), "cuda")
 
 
 def random_bank(ks, hidden: int, inter: int, codebook: str, seed: int = 0) -> Exl3MoeBank:

@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 
 from quantpack_core import CodecError, GeometryError
-from quantpack_core.moe import Exl3MoeBank, plan_moe_layer, reference_moe_forward
-from quantpack_core.trellis import k_from_width
+from quantpack_core.codec import Exl3Tensors
+from quantpack_core.moe import PROJ_MODULES, Exl3MoeBank, bank_from_tensors, reference_moe_forward
 
 pytest.importorskip("vllm")
 
@@ -59,19 +59,33 @@ def load(layer, tensors: dict[str, torch.Tensor]) -> list[str]:
     return list(layer.load_weights(tensors.items()))
 
 
-def oracle_bank(tensors: dict[str, torch.Tensor]) -> Exl3MoeBank:
-    """A second bank built straight from the pack tensors by the core (no vLLM method involved)."""
-    proj = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-    k_bits = [
-        tuple(k_from_width(tensors[f"{e}.{p}.trellis"].shape[2]) for p in ("gate_proj", "up_proj", "down_proj"))
-        for e in range(E)
-    ]
-    bank = Exl3MoeBank(plan_moe_layer(LAYER, k_bits, H, INTER, codebook="mul1"))
-    bank.allocate("cpu")
+def grouped(tensors: dict[str, torch.Tensor]) -> dict[tuple[int, str], Exl3Tensors]:
+    """``7.gate_proj.trellis``-named tensors -> ``{(7, "w1"): Exl3Tensors}`` (the core's bank input)."""
+    proj = {v: k for k, v in PROJ_MODULES.items()}
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
         e, p, kind = name.split(".")
-        bank.load_piece(int(e), proj[p], kind, t)
-    return bank
+        parts.setdefault((int(e), proj[p]), {})[kind] = t
+    return {key: Exl3Tensors.from_tensors(ts) for key, ts in parts.items()}
+
+
+def oracle_bank(tensors: dict[str, torch.Tensor]) -> Exl3MoeBank:
+    """A second bank built straight from the pack tensors by the core (no vLLM method involved)."""
+    return bank_from_tensors(LAYER, grouped(tensors), "cpu")
+
+
+def test_grouped_path_views_are_the_banks_slots(fixtures_dir):
+    """The CUDA op's per-expert path rebuilds each slot's views from the group list; they must be the bank's."""
+    from quantpack_exl3.backends.exllamav3 import _slot_tensors
+
+    bank = oracle_bank(expert_tensors(fixtures_dir / MIXED))
+    groups = [(g.lo, g.hi, g.k_gu, g.k_d) for g in bank.plan.groups]
+    for slot, (gate, up, down, k_gu, k_d) in enumerate(_slot_tensors(bank.tensors, groups, H, INTER)):
+        want = bank.slot_views(slot)
+        for got, view in ((gate, want.w1), (up, want.w3), (down, want.w2)):
+            for a, b in zip(got, (view.trellis, view.suh, view.svh), strict=True):
+                assert a.data_ptr() == b.data_ptr() and a.shape == b.shape
+        assert (k_gu, k_d) == (want.w1.k, want.w2.k)
 
 
 @pytest.mark.parametrize("pack", [HIGH, MIXED])
@@ -200,6 +214,6 @@ def test_expert_loader_called_directly_refuses_unknown_experts(fixtures_dir):
 
     _, layer = make_layer()
     t = expert_tensors(fixtures_dir / HIGH)["0.gate_proj.trellis"]
-    with pytest.raises(LayerLoadError, match=r"is for expert 9, but the layer has 8 experts"):
+    with pytest.raises(LayerLoadError, match=r"names expert 9, but the layer has 8 experts"):
         layer.w13_trellis.weight_loader(layer.w13_trellis, t, "experts.9.gate_proj.trellis", "w1", 9, True)
     assert layer.w13_trellis.weight_loader(layer.w13_trellis, t, "experts.0.gate_proj.trellis", "w1", 0, True)

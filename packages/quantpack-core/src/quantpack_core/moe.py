@@ -392,17 +392,7 @@ def plan_moe_layer(
             groups[-1] = KGroup(g.k_gu, g.k_d, g.lo, slot + 1)
         else:
             groups.append(KGroup(b.k_gu, b.k_d, slot, slot + 1))
-    tiles = (hidden // TILE) * ((i1 - i0) // TILE)
-    words13 = tuple(tiles * width_from_k(bits[e].k_gu) for e in order)
-    words2 = tuple(tiles * width_from_k(bits[e].k_d) for e in order)
-    off1, off3, off2 = [], [], []
-    a13 = a2 = 0
-    for n13, n2 in zip(words13, words2, strict=True):
-        off1.append(a13)
-        off3.append(a13 + n13)
-        a13 += 2 * n13
-        off2.append(a2)
-        a2 += n2
+    words13, words2, off1, off3, off2 = bank_layout([(bits[e].k_gu, bits[e].k_d) for e in order], hidden, i1 - i0)
     return MoePlan(
         layer=layer,
         hidden=hidden,
@@ -418,12 +408,87 @@ def plan_moe_layer(
         inter_local=i1 - i0,
         words_w13=words13,
         words_w2=words2,
-        off_w1=tuple(off1),
-        off_w3=tuple(off3),
-        off_w2=tuple(off2),
-        total_w13=a13,
-        total_w2=a2,
+        off_w1=off1,
+        off_w3=off3,
+        off_w2=off2,
+        total_w13=sum(2 * n for n in words13),
+        total_w2=sum(words2),
     )
+
+
+def bank_layout(
+    slot_bits: Sequence[tuple[float, float]], hidden: int, inter_local: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Where each slot's trellises sit in the two flat trellis banks.
+
+    Args:
+        slot_bits: ``(K of w1 / w3, K of w2)`` per physical slot, in slot order.
+        hidden: stored hidden size ``H``; inter_local: this rank's intermediate channels ``I_loc``.
+
+    Returns:
+        ``(words_w13, words_w2, off_w1, off_w3, off_w2)``, one entry per slot: the int16 words of one w1 / w3
+        trellis and of the w2 trellis, and their offsets (``[w1 | w3]`` back to back in ``w13_trellis``).
+
+    Raises:
+        CodecError: an illegal K.
+
+    Source: seed 001 (``BankLayout.build``).
+    """
+    tiles = (hidden // TILE) * (inter_local // TILE)
+    words13 = tuple(tiles * width_from_k(k_gu) for k_gu, _ in slot_bits)
+    words2 = tuple(tiles * width_from_k(k_d) for _, k_d in slot_bits)
+    off1, off3, off2 = [], [], []
+    a13 = a2 = 0
+    for n13, n2 in zip(words13, words2, strict=True):
+        off1.append(a13)
+        off3.append(a13 + n13)
+        a13 += 2 * n13
+        off2.append(a2)
+        a2 += n2
+    return words13, words2, tuple(off1), tuple(off3), tuple(off2)
+
+
+def bank_from_tensors(
+    layer: str, experts: Mapping[tuple[int, str], Exl3Tensors], device: torch.device | str | None = None
+) -> Exl3MoeBank:
+    """Plan a layer's bank from its experts' full EXL3 tensors (the K each one holds) and load them into it.
+
+    Args:
+        layer: module name, for messages.
+        experts: ``(logical expert, "w1" | "w3" | "w2") -> tensors`` for experts ``0..E-1``, as the pack stores them
+            (sizes padded to 128).
+        device: where the bank lives (None: torch's default device).
+
+    Returns:
+        the loaded :class:`Exl3MoeBank` (tensor parallel size 1).
+
+    Raises:
+        KeyError: an expert or projection missing (check completeness first for a named error).
+        CodecError: experts of the layer in several codebooks, or an illegal K.
+        GeometryError: w1 / w3 of an expert at different K, or shapes that differ between experts.
+
+    Source: seed 001 (``LayerPlan`` from the pack's own K, then ``Exl3Bank.load_piece`` per tensor).
+    """
+    where = layer or "MoE layer"
+    codebooks: dict[Codebook, tuple[int, str]] = {}
+    for (e, proj), t in sorted(experts.items()):
+        codebooks.setdefault(t.codebook, (e, proj))
+    if len(codebooks) > 1:
+        listing = ", ".join(f"{cb.value} (e.g. expert {e} {PROJ_MODULES[p]})" for cb, (e, p) in codebooks.items())
+        raise CodecError(
+            f"{where}: the layer's experts use several codebooks: {listing}. Rule: one expert bank holds one "
+            "codebook (the grouped kernels take it per launch) - re-quantize the layer with one codebook"
+        )
+    num = 1 + max(e for e, _ in experts)
+    k_bits = [tuple(experts[(e, p)].k_bits for p in PROJECTIONS) for e in range(num)]
+    hidden, inter = experts[(0, PROJ_GATE)].padded_shape
+    bank = Exl3MoeBank(plan_moe_layer(layer, k_bits, hidden, inter, codebook=next(iter(codebooks))))
+    bank.allocate(device)
+    for (e, proj), t in experts.items():
+        bank.load_piece(e, proj, "trellis", t.trellis)
+        bank.load_piece(e, proj, "suh", t.suh.to(torch.float16))
+        bank.load_piece(e, proj, "svh", t.svh.to(torch.float16))
+    return bank
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ def _is_head(module) -> bool:
     return isinstance(module, ParallelLMHead)
 
 
-def _wrap(init, is_head: bool):
+def _wrap(init):
     sig = inspect.signature(init)
 
     @functools.wraps(init)
@@ -93,7 +93,8 @@ def _wrap(init, is_head: bool):
             if qc is not None:
                 args_["quant_config"] = qc
                 return init(*bound.args, **bound.kwargs)
-            if not is_head and "prefix" in sig.parameters and not _is_head(self):
+            # never a head: ParallelLMHead's own wrapper and its call of the parent constructor both see one
+            if "prefix" in sig.parameters and not _is_head(self):
                 prefix = take_embedding_prefix()
                 qc = current_quant_config() if prefix is not None else None
                 if qc is not None and qc.get_name() == "compressed-tensors":
@@ -118,7 +119,7 @@ def patch_embedding_constructors() -> bool:
     for cls in (vpe.VocabParallelEmbedding, vpe.ParallelLMHead):
         init = cls.__dict__.get("__init__")
         if init is not None and not getattr(init, _MARK, False):
-            cls.__init__ = _wrap(init, cls is vpe.ParallelLMHead)
+            cls.__init__ = _wrap(init)
             installed = True
     if installed:
         logger.debug("quantpack-exl3: embed_tokens / lm_head receive the EXL3 quant config when a model omits it")

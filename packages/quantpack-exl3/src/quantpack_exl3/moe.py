@@ -34,7 +34,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from quantpack_core.codec import Exl3Tensors
 from quantpack_core.errors import CodecError, GeometryError
 from quantpack_core.hadamard import HAD_BLOCK
-from quantpack_core.moe import PROJ_DOWN, PROJ_GATE, PROJ_MODULES, PROJ_UP, PROJECTIONS, Exl3MoeBank, plan_moe_layer
+from quantpack_core.moe import PROJ_DOWN, PROJ_GATE, PROJ_MODULES, PROJ_UP, PROJECTIONS, bank_from_tensors
 
 from .linear import EXL3_PARTS, PLACEHOLDERS, LayerLoadError, UnsupportedLayerError
 
@@ -104,9 +104,9 @@ class Exl3ExpertParam(torch.nn.Parameter):
             )
         if not 0 <= int(expert_id) < self.num_experts:
             raise LayerLoadError(
-                f"{self.layer_name}: {weight_name or PROJ_MODULES[shard_id]}.{self.suffix} is for expert "
-                f"{expert_id}, but the layer has {self.num_experts} experts (config.json's expert count) - use the "
-                "config the pack was made with"
+                f"{self.layer_name}: checkpoint tensor {weight_name or PROJ_MODULES[shard_id] + '.' + self.suffix!r} "
+                f"names expert {expert_id}, but the layer has {self.num_experts} experts (config.json's expert count) "
+                "- use the config the pack was made with"
             )
         key = (int(expert_id), shard_id)
         if key in self.captured:
@@ -148,7 +148,6 @@ def load_expert_weights(layer: torch.nn.Module, weights: Iterable[tuple[str, tor
         getattr(layer, "ckpt_down_proj_name", None) or "down_proj": PROJ_DOWN,
     }
     name_of = getattr(layer, "layer_name", None) or getattr(layer, "exl3_prefix", "MoE layer")
-    num_experts = layer.exl3_num_experts
     for name, tensor in weights:
         m = _EXPERT_NAME.match(name)
         proj = projs.get(m.group(2)) if m else None
@@ -159,12 +158,7 @@ def load_expert_weights(layer: torch.nn.Module, weights: Iterable[tuple[str, tor
                 f"(<expert>.{{{', '.join(projs)}}}.{{{', '.join(EXPERT_PARTS)}}}); stacked or dense experts in an "
                 "EXL3 layer are not supported - quantize every expert with exllamav3, or keep the whole layer dense"
             )
-        expert = int(m.group(1))
-        if not 0 <= expert < num_experts:
-            raise LayerLoadError(
-                f"{name_of}: checkpoint tensor {name!r} names expert {expert}, but the layer has {num_experts} "
-                "experts (config.json's expert count) - use the config the pack was made with"
-            )
+        expert = int(m.group(1))  # the placeholder's loader refuses ids outside the layer
         param_name = f"{STACK[proj]}_{suffix}"
         getattr(layer, param_name).weight_loader(
             getattr(layer, param_name), tensor, weight_name=name, shard_id=proj, expert_id=expert
@@ -340,7 +334,6 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         hidden, inter = layer.exl3_hidden, layer.exl3_intermediate
         want = {PROJ_GATE: (_padded(hidden), _padded(inter)), PROJ_UP: (_padded(hidden), _padded(inter))}
         want[PROJ_DOWN] = (_padded(inter), _padded(hidden))
-        codebooks = {}
         for (e, proj), t in tensors.items():
             if t.padded_shape != want[proj]:
                 k, n = t.padded_shape
@@ -349,24 +342,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                     f"layer needs {want[proj][0]}x{want[proj][1]} (hidden {hidden}, intermediate {inter}, padded to "
                     "128): the pack does not match config.json - use the config the pack was made with"
                 )
-            codebooks.setdefault(t.codebook, (e, proj))
-        if len(codebooks) > 1:
-            listing = ", ".join(f"{cb.value} (e.g. expert {e} {PROJ_MODULES[p]})" for cb, (e, p) in codebooks.items())
-            raise CodecError(
-                f"{self.prefix}: the layer's experts use several codebooks: {listing}. Rule: one expert bank holds "
-                "one codebook (the grouped kernels take it per launch) - re-quantize the layer with one codebook"
-            )
-        k_bits = [tuple(tensors[(e, p)].k_bits for p in PROJECTIONS) for e in range(num)]
-        plan = plan_moe_layer(
-            self.prefix, k_bits, _padded(hidden), _padded(inter), codebook=next(iter(codebooks)).value
-        )
         device = layer.w13_trellis.device
-        bank = Exl3MoeBank(plan)
-        bank.allocate(device)
-        for (e, proj), t in tensors.items():
-            bank.load_piece(e, proj, "trellis", t.trellis)
-            bank.load_piece(e, proj, "suh", t.suh.to(torch.float16))
-            bank.load_piece(e, proj, "svh", t.svh.to(torch.float16))
+        bank = bank_from_tensors(self.prefix, tensors, device)
         for f in ("w13", "w2"):
             for s in EXPERT_PARTS:
                 getattr(layer, f"{f}_{s}").captured.clear()
@@ -376,12 +353,10 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         for name, tensor in run.tensors.items():
             layer.register_parameter(f"exl3_moe_{name}", torch.nn.Parameter(tensor, requires_grad=False))
             names.append(f"exl3_moe_{name}")
-        for name, tensor in run.keep.items():  # reached through pointer tables only; kept alive with the layer
-            layer.register_parameter(f"exl3_moe_bank_{name}", torch.nn.Parameter(tensor, requires_grad=False))
         layer.exl3_moe_params = tuple(names)
         layer.exl3_moe_run = run
         hist: dict[str, int] = {}
-        for g in plan.groups:
+        for g in bank.plan.groups:
             key = f"{g.k_gu:g}/{g.k_d:g}"
             hist[key] = hist.get(key, 0) + g.size
         logger.debug("quantpack-exl3: %s: %d experts, K (gate+up/down) groups %s", self.prefix, num, hist)

@@ -44,10 +44,8 @@ class MoeRun:
             op call that writes ``out (T, hidden)``.
         tensors: device tensors the op reads (registered as parameters of the layer, so they count with it).
         static: Python scalars / lists after the tensors.
-        keep: tensors the op reaches only through pointer tables (the bank), registered too so they stay alive.
     """
 
     fn: Callable[..., None]
     tensors: dict[str, torch.Tensor]
     static: tuple = field(default=())
-    keep: dict[str, torch.Tensor] = field(default_factory=dict)

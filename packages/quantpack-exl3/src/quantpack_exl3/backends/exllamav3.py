@@ -31,7 +31,7 @@ import torch
 
 from quantpack_core.codebook import Codebook
 from quantpack_core.codec import Exl3Tensors
-from quantpack_core.moe import BANK_TENSORS, Exl3MoeBank
+from quantpack_core.moe import BANK_TENSORS, Exl3MoeBank, bank_layout
 from quantpack_core.trellis import width_from_k
 
 from ..ops import exl3_gemm_, exl3_moe_
@@ -253,23 +253,20 @@ def _moe_slots(xh, ids, weights, tables, mcg, mul1, groups, inter, acc) -> None:
 
 def _slot_tensors(bank: dict[str, torch.Tensor], groups, hidden: int, inter: int):
     """Per physical slot: ``(gate, up, down, k_gu, k_d)`` with each projection as ``(trellis, suh, svh)`` views of
-    the bank (the offsets of :func:`quantpack_core.moe.plan_moe_layer`, recomputed from the groups' K)."""
-    tiles = (hidden // 16) * (inter // 16)
+    the bank, at the offsets :func:`quantpack_core.moe.bank_layout` gives the plan."""
+    slot_bits = [(k_gu, k_d) for lo, hi, k_gu, k_d in groups for _ in range(lo, hi)]
+    words13, words2, off1, off3, off2 = bank_layout(slot_bits, hidden, inter)
+    t13, t2 = bank["w13_trellis"], bank["w2_trellis"]
     out = []
-    o13 = o2 = 0
-    for lo, hi, k_gu, k_d in groups:
-        w13, w2 = width_from_k(k_gu), width_from_k(k_d)
-        for slot in range(lo, hi):
-            n13, n2 = tiles * w13, tiles * w2
-            t1 = bank["w13_trellis"][o13 : o13 + n13].view(hidden // 16, inter // 16, w13)
-            t3 = bank["w13_trellis"][o13 + n13 : o13 + 2 * n13].view(hidden // 16, inter // 16, w13)
-            t2 = bank["w2_trellis"][o2 : o2 + n2].view(inter // 16, hidden // 16, w2)
-            gate = (t1, bank["w13_suh"][slot, 0], bank["w13_svh"][slot, 0])
-            up = (t3, bank["w13_suh"][slot, 1], bank["w13_svh"][slot, 1])
-            down = (t2, bank["w2_suh"][slot], bank["w2_svh"][slot])
-            out.append((gate, up, down, k_gu, k_d))
-            o13 += 2 * n13
-            o2 += n2
+    for slot, (k_gu, k_d) in enumerate(slot_bits):
+        gu_shape = (hidden // 16, inter // 16, width_from_k(k_gu))
+        w1 = t13[off1[slot] : off1[slot] + words13[slot]].view(gu_shape)
+        w3 = t13[off3[slot] : off3[slot] + words13[slot]].view(gu_shape)
+        gate = (w1, bank["w13_suh"][slot, 0], bank["w13_svh"][slot, 0])
+        up = (w3, bank["w13_suh"][slot, 1], bank["w13_svh"][slot, 1])
+        down_trellis = t2[off2[slot] : off2[slot] + words2[slot]].view(inter // 16, hidden // 16, width_from_k(k_d))
+        down = (down_trellis, bank["w2_suh"][slot], bank["w2_svh"][slot])
+        out.append((gate, up, down, k_gu, k_d))
     return out
 
 
