@@ -56,3 +56,11 @@ def e2e(fixtures_dir, tmp_path_factory):
     from e2e_jobs import run_jobs
 
     return run_jobs(fixtures_dir, tmp_path_factory.mktemp("e2e"))
+
+
+@pytest.fixture(scope="session")
+def e2e_tp(fixtures_dir, tmp_path_factory):
+    """Results of the tensor-parallel (TP 2) end-to-end jobs (see e2e_jobs.run_tp_jobs), once per session."""
+    from e2e_jobs import run_tp_jobs
+
+    return run_tp_jobs(fixtures_dir, tmp_path_factory.mktemp("e2e_tp"))

@@ -181,3 +181,31 @@ def run_jobs(fixtures_dir: Path, tmp: Path) -> dict:
     out["_tokens"] = tokens
     out["_prompt_ids"] = torch.load(fixtures_dir / MAIN_PACK / "reference_logits.pt")["input_ids"][0, :32].tolist()
     return out
+
+
+#: every EXL3 pack vLLM serves on CPU (Qwen3.5's vLLM file imports torchvision, which the CPU environment lacks)
+TP_PACKS = [*LLAMA_PACKS, *MOE_PACKS, NEXT_PACK]
+
+
+def tp_dtype(name: str) -> str:
+    """float32, except Qwen3-Next (vLLM's CPU GDN kernel takes bfloat16 only)."""
+    return "bfloat16" if name == NEXT_PACK else "float32"
+
+
+def run_tp_jobs(fixtures_dir: Path, tmp: Path) -> dict:
+    """Every CPU-servable pack at tensor-parallel size 2 (two vLLM CPU workers, one core each), eager, its
+    log-probabilities saved; in one runner process. Returns {pack: result}."""
+    jobs = {
+        name: {
+            "kind": "logits",
+            "pack": str(fixtures_dir / name),
+            "dtype": tp_dtype(name),
+            "eager": True,
+            "tp": 2,
+            # vLLM binds each CPU worker's threads to a NUMA node unless told which cores to use
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+            "save": str(tmp / f"tp2-{name}.lp.pt"),
+        }
+        for name in TP_PACKS
+    }
+    return run_runner(jobs, tmp, timeout=2400)

@@ -202,11 +202,6 @@ def test_unsupported_layer_kinds_refused_at_create(over, match):
         make_layer(**over)
 
 
-def test_tensor_parallel_refused_until_supported():
-    with pytest.raises(GeometryError, match=r"tensor parallelism splits this MoE layer over 2 ranks"):
-        make_layer(tp_size=2)
-
-
 def test_expert_loader_called_directly_refuses_unknown_experts(fixtures_dir):
     """Model files with their own loops call the parameter's weight_loader with an expert id (vLLM's signature); an
     id outside the layer is named there, not deep in the bank."""

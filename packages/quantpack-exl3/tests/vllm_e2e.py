@@ -20,12 +20,16 @@ Usage: ``python vllm_e2e.py JOBS.json RESULTS.json``. Each job is a dict with ``
   and without, the draft's acceptance counts, and the quant methods of the draft's vocabulary modules after vLLM
   shared them with the target.
 
-Every job may add ``llm_kwargs`` (extra ``vllm.LLM`` arguments, e.g. the attention backend on a GPU) and
-``register`` (architecture -> ``module:Class`` to register with vLLM first, when vLLM lacks that name).
+Every job may add ``llm_kwargs`` (extra ``vllm.LLM`` arguments, e.g. the attention backend on a GPU),
+``register`` (architecture -> ``module:Class`` to register with vLLM first, when vLLM lacks that name), ``tp``
+(tensor-parallel size: worker processes through vLLM's multiprocessing executor; the model is then not inspected
+in this process, so ``vocab_modules`` and ``routing`` are left out) and ``env`` (environment variables set while the
+job runs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -38,14 +42,14 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def make_llm(job: dict, dtype: str, eager: bool, max_logprobs: int = 1024, **extra):
-    """A ``vllm.LLM`` for ``job["pack"]`` (in-process engine, uni-process executor); ``extra`` and the job's
-    ``llm_kwargs`` go to ``vllm.LLM`` too."""
+    """A ``vllm.LLM`` for ``job["pack"]`` (in-process engine, uni-process executor; with ``tp`` > 1, that many
+    worker processes); ``extra`` and the job's ``llm_kwargs`` go to ``vllm.LLM`` too, the latter last."""
     from vllm import LLM, ModelRegistry
 
     for arch, target in (job.get("register") or {}).items():
         if arch not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(arch, target)
-    return LLM(
+    kwargs = dict(
         model=job["pack"],
         dtype=dtype,
         enforce_eager=eager,
@@ -53,9 +57,27 @@ def make_llm(job: dict, dtype: str, eager: bool, max_logprobs: int = 1024, **ext
         max_logprobs=max_logprobs,
         distributed_executor_backend="uni",
         seed=0,
-        **extra,
-        **(job.get("llm_kwargs") or {}),
     )
+    if job.get("tp", 1) > 1:
+        kwargs.update(tensor_parallel_size=job["tp"], distributed_executor_backend="mp")
+    kwargs.update(extra)
+    kwargs.update(job.get("llm_kwargs") or {})
+    return LLM(**kwargs)
+
+
+@contextlib.contextmanager
+def job_env(job: dict):
+    """The job's ``env`` variables while it runs (e.g. vLLM's CPU thread binding for two CPU workers)."""
+    saved = {k: os.environ.get(k) for k in job.get("env") or {}}
+    os.environ.update(job.get("env") or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def release(llm) -> None:
@@ -173,11 +195,12 @@ def run_logits(job: dict) -> dict:
     llm = make_llm(job, job["dtype"], job["eager"], vocab)
     load_s = time.time() - t0
     rss_after = rss_mib()
-    modules = llm.apply_model(vocab_modules)[0]
-    if job.get("routing"):
+    in_process = job.get("tp", 1) == 1  # the model is inspected in this process only without worker processes
+    modules = llm.apply_model(vocab_modules)[0] if in_process else None
+    if job.get("routing") and in_process:
         llm.apply_model(install_routing_probe)
     lp = prompt_logprob_matrix(llm, ids, vocab)
-    routing = llm.apply_model(routing_record)[0] if job.get("routing") else None
+    routing = llm.apply_model(routing_record)[0] if job.get("routing") and in_process else None
     a = agreement(ref["logits"][0, : lp.shape[0]], lp)
     if job.get("save"):
         torch.save(lp, job["save"])
@@ -288,7 +311,8 @@ def main(jobs_path: str, results_path: str) -> None:
         t0 = time.time()
         for attempt in range(2):
             try:
-                res = RUNNERS[job["kind"]](job)
+                with job_env(job):
+                    res = RUNNERS[job["kind"]](job)
             except Exception as e:
                 res = {"failed": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
                 # vLLM's GPU memory profiling fails when another process on the same GPU frees memory meanwhile

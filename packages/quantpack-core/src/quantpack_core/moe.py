@@ -449,7 +449,11 @@ def bank_layout(
 
 
 def bank_from_tensors(
-    layer: str, experts: Mapping[tuple[int, str], Exl3Tensors], device: torch.device | str | None = None
+    layer: str,
+    experts: Mapping[tuple[int, str], Exl3Tensors],
+    device: torch.device | str | None = None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> Exl3MoeBank:
     """Plan a layer's bank from its experts' full EXL3 tensors (the K each one holds) and load them into it.
 
@@ -458,14 +462,16 @@ def bank_from_tensors(
         experts: ``(logical expert, "w1" | "w3" | "w2") -> tensors`` for experts ``0..E-1``, as the pack stores them
             (sizes padded to 128).
         device: where the bank lives (None: torch's default device).
+        tp_size, tp_rank: the tensor-parallel rank whose share of the intermediate channels the bank keeps.
 
     Returns:
-        the loaded :class:`Exl3MoeBank` (tensor parallel size 1).
+        the loaded :class:`Exl3MoeBank` of that rank.
 
     Raises:
         KeyError: an expert or projection missing (check completeness first for a named error).
         CodecError: experts of the layer in several codebooks, or an illegal K.
-        GeometryError: w1 / w3 of an expert at different K, or shapes that differ between experts.
+        GeometryError: w1 / w3 of an expert at different K, shapes that differ between experts, or a TP cut off a
+            128-channel block (:func:`tp_shard`).
 
     Source: seed 001 (``LayerPlan`` from the pack's own K, then ``Exl3Bank.load_piece`` per tensor).
     """
@@ -482,7 +488,10 @@ def bank_from_tensors(
     num = 1 + max(e for e, _ in experts)
     k_bits = [tuple(experts[(e, p)].k_bits for p in PROJECTIONS) for e in range(num)]
     hidden, inter = experts[(0, PROJ_GATE)].padded_shape
-    bank = Exl3MoeBank(plan_moe_layer(layer, k_bits, hidden, inter, codebook=next(iter(codebooks))))
+    plan = plan_moe_layer(
+        layer, k_bits, hidden, inter, codebook=next(iter(codebooks)), tp_size=tp_size, tp_rank=tp_rank
+    )
+    bank = Exl3MoeBank(plan)
     bank.allocate(device)
     for (e, proj), t in experts.items():
         bank.load_piece(e, proj, "trellis", t.trellis)

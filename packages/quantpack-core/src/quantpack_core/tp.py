@@ -5,19 +5,26 @@ its rows (input features) or columns (output features) is again an EXL3 tensor e
 128-feature blocks: the trellis is cut between 16x16 tiles and suh / svh are cut alongside. A rank's share that
 falls inside a block cannot be cut out; then (seed 000, ``_cut_tp``):
 
-* **column parallel** (the rank owns output features ``[o0, o1)``): the rank keeps the whole tensor and selects its
-  columns of the full product;
+* **column parallel** (the rank owns some output features of the tensor): the rank keeps the whole tensor and
+  selects its columns of the full product;
 * **row parallel** (the rank owns input features ``[i0, i1)`` and the ranks' outputs are summed): the rank keeps the
   whole matrix and zero-extends its input slice to the full width at ``[i0, i1)``, so its product is exactly its
   part of the sum.
 
-vLLM splits evenly: rank ``r`` of ``tp`` owns features ``[r * n / tp, (r + 1) * n / tp)`` of a layer of ``n``
-logical features (``n`` divisible by ``tp``). Plain torch; no vLLM import. Source: seed 000 (``tp_ranges``,
-``_cut_tp``: block-aligned slices, whole-tensor fallbacks); docs/exl3-format.md (the tile and block layout).
+A column cut may own several ranges of one tensor: a fused shard such as Qwen3.5's ``in_proj_qkv`` (three of
+``in_proj_qkvz``'s four partitions) gives the rank one range per partition. vLLM splits each partition evenly: rank
+``r`` of ``tp`` owns ``[r * n / tp, (r + 1) * n / tp)`` of a partition of ``n`` logical features, except the key /
+value partitions of ``QKVParallelLinear`` when there are fewer KV heads than ranks: then ``replicas`` consecutive
+ranks share one head, and rank ``r`` owns head ``r // replicas``.
+
+Plain torch; no vLLM import. Source: seed 000 (``tp_ranges``, ``_cut_tp``: block-aligned slices, whole-tensor
+fallbacks); vLLM ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` (``vllm/model_executor/layers/linear.py``:
+the per-partition split and ``num_kv_head_replicas``); docs/exl3-format.md (the tile and block layout).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,19 +40,40 @@ ROW = "row"
 
 @dataclass(frozen=True)
 class TpCut:
-    """One rank's part of one EXL3 tensor.
+    """One rank's part of one tensor of a layer.
 
     Attributes:
         kind: ``"column"`` (output features split) or ``"row"`` (input features split).
-        start, stop: the rank's logical features ``[start, stop)`` along the split side.
-        sliced: True when ``[start, stop)`` covers whole 128-feature blocks and the tensor itself is cut; False for
-            the whole-tensor fallback.
+        ranges: the rank's logical features along the split side, as ``[start, stop)`` ranges in the tensor's own
+            feature order (one range, except a column cut of a tensor that covers several partitions).
+        features: the tensor's logical features along the split side.
+        sliced: True when every range covers whole 128-feature blocks (the last may end at ``features`` inside the
+            padded last block) and the tensor itself is cut; False for the whole-tensor fallback.
     """
 
     kind: str
-    start: int
-    stop: int
+    ranges: tuple[tuple[int, int], ...]
+    features: int
     sliced: bool
+
+    @property
+    def start(self) -> int:
+        """First feature of the first range."""
+        return self.ranges[0][0]
+
+    @property
+    def stop(self) -> int:
+        """End of the last range."""
+        return self.ranges[-1][1]
+
+    @property
+    def width(self) -> int:
+        """Features the rank owns (sum of its ranges)."""
+        return sum(b - a for a, b in self.ranges)
+
+    def columns(self) -> list[int]:
+        """The owned features, in order (the columns a fallback selects from the full product)."""
+        return [i for a, b in self.ranges for i in range(a, b)]
 
 
 def tp_range(features: int, tp_size: int, tp_rank: int, layer: str = "") -> tuple[int, int]:
@@ -66,8 +94,33 @@ def tp_range(features: int, tp_size: int, tp_rank: int, layer: str = "") -> tupl
     return tp_rank * share, (tp_rank + 1) * share
 
 
+def on_blocks(ranges: Sequence[tuple[int, int]], features: int) -> bool:
+    """Whether every range starts on a 128-feature block and ends on one (or at ``features``, in the padded block)."""
+    return all(a % HAD_BLOCK == 0 and (b % HAD_BLOCK == 0 or b == features) for a, b in ranges)
+
+
+def make_cut(kind: str, ranges: Sequence[tuple[int, int]], features: int) -> TpCut:
+    """A :class:`TpCut` for explicit ranges: sliced when :func:`on_blocks`, else the whole-tensor fallback.
+
+    Raises:
+        ValueError: unknown ``kind``, no range, ranges out of order or outside ``[0, features)``, or several ranges
+            for a row cut.
+    """
+    if kind not in (COLUMN, ROW):
+        raise ValueError(f"unknown split {kind!r}: expected {COLUMN!r} or {ROW!r}")
+    ranges = tuple((int(a), int(b)) for a, b in ranges)
+    if not ranges or (kind == ROW and len(ranges) > 1):
+        raise ValueError(f"a {kind} cut needs {'one range' if kind == ROW else 'at least one range'}, got {ranges}")
+    prev = 0
+    for a, b in ranges:
+        if not prev <= a < b <= features:
+            raise ValueError(f"cut ranges {ranges} are not ordered, disjoint ranges inside [0, {features})")
+        prev = b
+    return TpCut(kind, ranges, features, on_blocks(ranges, features))
+
+
 def plan_cut(kind: str, features: int, tp_size: int, tp_rank: int, layer: str = "") -> TpCut:
-    """How rank ``tp_rank`` holds its part of a layer split along ``kind``.
+    """How rank ``tp_rank`` holds its part of a one-partition layer split evenly along ``kind``.
 
     Args:
         kind: ``"column"`` or ``"row"``.
@@ -76,40 +129,91 @@ def plan_cut(kind: str, features: int, tp_size: int, tp_rank: int, layer: str = 
         layer: module name for messages.
 
     Returns:
-        a :class:`TpCut`; ``sliced`` when both ends fall on 128-feature block boundaries (a rank whose end is the
-        layer's last logical feature may end inside the last, padded block).
+        a :class:`TpCut` with one range; ``sliced`` when both ends fall on 128-feature block boundaries (a rank whose
+        end is the layer's last logical feature may end inside the last, padded block).
 
     Raises:
         ValueError: unknown ``kind`` or a bad rank. GeometryError: an uneven split (:func:`tp_range`).
     """
-    if kind not in (COLUMN, ROW):
-        raise ValueError(f"unknown split {kind!r}: expected {COLUMN!r} or {ROW!r}")
     start, stop = tp_range(features, tp_size, tp_rank, layer)
-    aligned = start % HAD_BLOCK == 0 and (stop % HAD_BLOCK == 0 or stop == features)
-    return TpCut(kind, start, stop, aligned)
+    return make_cut(kind, [(start, stop)], features)
+
+
+def partition_ranges(
+    local_sizes: Sequence[int],
+    parts: Sequence[int],
+    tp_size: int,
+    tp_rank: int,
+    replicas: Sequence[int] | None = None,
+) -> tuple[list[tuple[int, int]], int]:
+    """The ranges a column-parallel rank owns of one tensor that covers partitions ``parts`` of a fused layer.
+
+    Args:
+        local_sizes: per partition of the layer, the features each rank holds (vLLM's ``output_partition_sizes``).
+        parts: the partitions the tensor covers, in its own order (e.g. ``(0, 1, 2)`` for Qwen3.5's
+            ``in_proj_qkv``; ``(1,)`` for ``k_proj``).
+        tp_size, tp_rank: the rank.
+        replicas: per partition, how many consecutive ranks hold the same features (``QKVParallelLinear``'s
+            ``num_kv_head_replicas`` for k and v; 1 elsewhere). None: 1 everywhere.
+
+    Returns:
+        ``(ranges, features)``: the rank's ranges in the tensor's logical feature order, and the tensor's logical
+        width (sum of its partitions' full sizes ``local * tp_size / replicas``).
+
+    Raises:
+        ValueError: a bad rank, a partition index out of range, or a replica count not dividing ``tp_size``.
+    """
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size}: need tp_size >= 1 and 0 <= tp_rank < tp_size")
+    reps = list(replicas) if replicas is not None else [1] * len(local_sizes)
+    ranges, offset = [], 0
+    for j in parts:
+        if not 0 <= j < len(local_sizes):
+            raise ValueError(f"partition {j} outside the layer's {len(local_sizes)} partitions")
+        rep = reps[j]
+        if rep < 1 or tp_size % rep:
+            raise ValueError(f"partition {j}: {rep} replicas do not divide {tp_size} ranks")
+        local = local_sizes[j]
+        start = (tp_rank // rep) * local
+        ranges.append((offset + start, offset + start + local))
+        offset += local * tp_size // rep
+    return ranges, offset
 
 
 def cut_tensors(t: Exl3Tensors, cut: TpCut) -> Exl3Tensors:
-    """The rank's EXL3 tensors: a block-aligned slice, or the whole tensor for a fallback cut.
+    """The rank's EXL3 tensors: its block-aligned slices, or the whole tensor for a fallback cut.
 
     Args:
-        t: the layer's full tensors (as the pack stores them).
-        cut: from :func:`plan_cut`.
+        t: the tensor's full EXL3 tensors (as the pack stores them).
+        cut: from :func:`plan_cut` or :func:`make_cut`.
 
     Returns:
-        for a sliced column cut, trellis tiles ``[:, start/16 : ceil(stop/128)*8]`` with svh alongside; for a sliced
-        row cut, trellis tiles ``[start/16 : ..., :]`` with suh alongside (stored ends rounded up to the block);
-        otherwise ``t`` itself.
+        for a sliced column cut, the trellis tile columns of every range (each range's stored end rounded up to the
+        block) concatenated, with svh alongside; for a sliced row cut, trellis tile rows ``[start/16 : ...]`` with
+        suh alongside; otherwise ``t`` itself.
 
     Source: seed 000 (``_cut_tp``).
     """
     if not cut.sliced:
         return t
-    a = cut.start
-    b = -(-cut.stop // HAD_BLOCK) * HAD_BLOCK
+    spans = [(a, -(-b // HAD_BLOCK) * HAD_BLOCK) for a, b in cut.ranges]
     if cut.kind == COLUMN:
-        return Exl3Tensors(t.trellis[:, a // TILE : b // TILE].contiguous(), t.suh, t.svh[a:b].contiguous(), t.codebook)
+        trellis = torch.cat([t.trellis[:, a // TILE : b // TILE] for a, b in spans], 1).contiguous()
+        svh = torch.cat([t.svh[a:b] for a, b in spans]).contiguous()
+        return Exl3Tensors(trellis, t.suh, svh, t.codebook)
+    (a, b) = spans[0]
     return Exl3Tensors(t.trellis[a // TILE : b // TILE].contiguous(), t.suh[a:b].contiguous(), t.svh, t.codebook)
+
+
+def cut_dense(w: torch.Tensor, cut: TpCut) -> torch.Tensor:
+    """The rank's part of a dense ``(out, in)`` weight (dense weights have no blocks: always sliced exactly).
+
+    Returns:
+        column cut: the rows of every range, concatenated; row cut: columns ``[start, stop)``.
+    """
+    if cut.kind == COLUMN:
+        return torch.cat([w[a:b] for a, b in cut.ranges]).contiguous()
+    return w[:, cut.start : cut.stop].contiguous()
 
 
 def rank_forward(x: torch.Tensor, kept: Exl3Tensors, cut: TpCut, full_in: int, dtype=torch.float64) -> torch.Tensor:
@@ -121,15 +225,22 @@ def rank_forward(x: torch.Tensor, kept: Exl3Tensors, cut: TpCut, full_in: int, d
         dtype: compute dtype.
 
     Returns:
-        column cut: the rank's output columns ``(..., stop - start)``; row cut: the rank's partial sum over all
-        output columns (summing the ranks' results gives the layer's output).
+        column cut: the rank's output columns ``(..., cut.width)``; row cut: the rank's partial sum over all output
+        columns (summing the ranks' results gives the layer's output).
     """
-    width = cut.stop - cut.start
     if cut.kind == COLUMN:
-        y = reference_linear(x, kept, dtype)
-        return y[..., :width] if cut.sliced else y[..., cut.start : cut.stop]
+        if cut.sliced:
+            return reference_linear(x, kept, dtype, out_features=cut.width)
+        y = reference_linear(x, kept, dtype, out_features=cut.features)
+        return y[..., cut.columns()]
     if cut.sliced:
         return reference_linear(x, kept, dtype)
     full = torch.zeros(*x.shape[:-1], full_in, dtype=x.dtype, device=x.device)
     full[..., cut.start : cut.stop] = x
     return reference_linear(full, kept, dtype)
+
+
+def sliced_tp_sizes(features: Sequence[int], limit: int = 16) -> list[int]:
+    """Tensor-parallel sizes up to ``limit`` that split every one of ``features`` evenly into whole 128-feature
+    blocks per rank (the sizes at which no fallback is needed), for messages."""
+    return [d for d in range(1, limit + 1) if all(n % d == 0 and (n // d) % HAD_BLOCK == 0 for n in features)]

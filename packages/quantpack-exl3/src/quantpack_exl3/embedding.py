@@ -42,9 +42,16 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
         **extra_weight_attrs: object,
     ) -> None:
         """Register placeholders for ``qweight``, ``scales`` and ``weight``; vLLM's narrowing vocab loader in
-        ``extra_weight_attrs`` is not applied (the captured rows are cut to this rank at load)."""
+        ``extra_weight_attrs`` is not applied: the whole table is captured and, under tensor parallelism, this rank
+        keeps its vocabulary rows (``layer.shard_indices``' ``org_vocab_start_index`` to ``org_vocab_end_index``)
+        at the top of its partition, the rest zero, as vLLM lays out a dense partition."""
         for suffix, dtype in EMBED_PLACEHOLDERS.items():
             layer.register_parameter(suffix, Exl3ShardParam(suffix, dtype or params_dtype, self.prefix))
+        si = getattr(layer, "shard_indices", None)
+        tp_size = int(getattr(layer, "tp_size", 1) or 1)
+        layer.exl3_vocab_rows = (
+            (int(si.org_vocab_start_index), int(si.org_vocab_end_index)) if tp_size > 1 and si is not None else None
+        )
         layer.exl3_rows = sum(output_partition_sizes)
         layer.exl3_width = input_size_per_partition
         layer.exl3_params_dtype = params_dtype
@@ -62,6 +69,9 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
             getattr(layer, suffix).shards.clear()
             delattr(layer, suffix)
         q, s, w = got["qweight"], got["scales"], got["weight"]
+        if layer.exl3_vocab_rows is not None:  # this rank's vocabulary rows of the whole table
+            a, b = layer.exl3_vocab_rows
+            q, s, w = (None if t is None else self._rank_rows(t, a, b) for t in (q, s, w))
         layer.register_parameter("exl3_embed_q", None)
         layer.register_parameter("exl3_embed_s", None)
         if (q is None) != (s is None):
@@ -93,6 +103,15 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
             layer.register_parameter("weight", torch.nn.Parameter(w, requires_grad=False))
         else:
             layer.register_parameter("weight", None)  # empty: shared from a target model after loading
+
+    def _rank_rows(self, table: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of a whole ``(vocab, ...)`` table (``scales`` too)."""
+        if table.dim() < 1 or table.shape[0] < stop:
+            raise LayerLoadError(
+                f"{self.prefix}: the pack's table has {table.shape[0] if table.dim() else 0} rows, this "
+                f"tensor-parallel rank needs rows {start} to {stop} - the pack does not match config.json"
+            )
+        return table[start:stop]
 
     def _fit(self, table: torch.Tensor, suffix: str, rows: int, width: int) -> torch.Tensor:
         """Pad a ``(vocab, width)`` table to the layer's padded row count ``rows``."""

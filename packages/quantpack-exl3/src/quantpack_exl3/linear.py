@@ -19,6 +19,7 @@ parameters) and exllamav3's ``LinearEXL3`` (padding: inputs zero-extended to the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -30,6 +31,9 @@ from quantpack_core.codec import Exl3Tensors
 from quantpack_core.errors import CodecError, GeometryError, QuantpackError
 from quantpack_core.hadamard import HAD_BLOCK
 from quantpack_core.names import expand_fused, shard_partitions, shard_slot
+from quantpack_core.tp import COLUMN, ROW, TpCut, cut_dense, cut_tensors, make_cut, partition_ranges, sliced_tp_sizes
+
+logger = logging.getLogger("vllm.quantpack.exl3")
 
 #: checkpoint suffix -> dtype of its placeholder (and of what the pack stores)
 PLACEHOLDERS: dict[str, torch.dtype | None] = {
@@ -140,6 +144,44 @@ def _padded(n: int) -> int:
     return (n + HAD_BLOCK - 1) // HAD_BLOCK * HAD_BLOCK
 
 
+@dataclass(frozen=True)
+class LinearTp:
+    """How tensor parallelism splits one vLLM linear layer on this rank (read from the layer when vLLM builds it).
+
+    Attributes:
+        kind: ``"column"`` (output features split; the input is whole) or ``"row"`` (input features split; vLLM
+            all-reduces the ranks' outputs).
+        size, rank: tensor-parallel size and this rank.
+        in_features: the layer's full logical input features (row: ``size`` times the rank's input).
+        local_sizes: per output partition, the features this rank produces (vLLM's ``output_partition_sizes``).
+        replicas: per output partition, how many consecutive ranks hold the same features (``QKVParallelLinear``'s
+            ``num_kv_head_replicas`` for k and v, else 1).
+
+    Source: vLLM ``ColumnParallelLinear`` / ``MergedColumnParallelLinear`` / ``QKVParallelLinear`` /
+    ``RowParallelLinear`` / ``ParallelLMHead`` (the splits they apply to a dense weight in their loaders).
+    """
+
+    kind: str
+    size: int
+    rank: int
+    in_features: int
+    local_sizes: tuple[int, ...]
+    replicas: tuple[int, ...]
+
+    def cut(self, partitions: tuple[int, ...]) -> TpCut:
+        """The cut of one checkpoint tensor that covers ``partitions`` of the layer's outputs (all of the input, for
+        a row cut)."""
+        if self.kind == ROW:
+            local = self.in_features // self.size
+            return make_cut(ROW, [(self.rank * local, (self.rank + 1) * local)], self.in_features)
+        ranges, features = partition_ranges(self.local_sizes, partitions, self.size, self.rank, self.replicas)
+        return make_cut(COLUMN, ranges, features)
+
+
+#: (layer kind, geometry) already reported, so a model with 64 identical layers logs each fallback once
+_reported: set[tuple] = set()
+
+
 class Exl3LinearMethod(LinearMethodBase):
     """Linear method for EXL3 layers (and dense layers a pack stores as ``.weight``), per shard.
 
@@ -167,19 +209,14 @@ class Exl3LinearMethod(LinearMethodBase):
         **extra_weight_attrs: object,
     ) -> None:
         """Register the placeholders; see :class:`Exl3ShardParam`. ``extra_weight_attrs`` (vLLM's own narrowing
-        weight_loader) is deliberately not applied.
+        weight_loader) is deliberately not applied: whole checkpoint tensors are captured on every rank and each
+        rank keeps its part when the layer is processed (:class:`LinearTp`).
 
         Raises:
-            GeometryError: for a tensor-parallel split (not supported by this version).
+            GeometryError: a tensor-parallel ``ParallelLMHead`` whose vocabulary does not fill every rank's
+                partition (vLLM pads it; an EXL3 head is cut to whole vocabulary rows only).
         """
-        if input_size_per_partition != input_size or (
-            sum(output_partition_sizes) != output_size and not self.is_lm_head
-        ):
-            raise GeometryError(
-                f"{self.prefix}: tensor parallelism splits this layer ({input_size}x{output_size} -> "
-                f"{input_size_per_partition}x{sum(output_partition_sizes)} per rank), which quantpack-exl3 "
-                "0.1 cannot serve yet; run with --tensor-parallel-size 1"
-            )
+        layer.exl3_tp = self._tp_layout(layer, input_size_per_partition, output_partition_sizes, input_size)
         for suffix, dtype in PLACEHOLDERS.items():
             layer.register_parameter(suffix, Exl3ShardParam(suffix, dtype or params_dtype, self.prefix))
         layer.exl3_in_features = input_size_per_partition
@@ -187,6 +224,67 @@ class Exl3LinearMethod(LinearMethodBase):
         layer.exl3_params_dtype = params_dtype
         layer.exl3_runs: list[ShardRun] = []
         layer.exl3_out_total = sum(output_partition_sizes)
+        layer.exl3_out_width = sum(output_partition_sizes)
+        layer.exl3_row_pad = None
+        layer.exl3_col_select = None
+
+    def _tp_layout(self, layer: torch.nn.Module, in_local: int, partitions: list[int], in_full: int) -> LinearTp | None:
+        """This rank's split of the layer, or None when the layer is whole on every rank (TP 1, replicated layers,
+        ``disable_tp``)."""
+        size = int(getattr(layer, "tp_size", 1) or 1)
+        if size == 1:
+            return None
+        rank = int(getattr(layer, "tp_rank", 0) or 0)
+        if self.is_lm_head:
+            vocab = int(getattr(layer, "org_vocab_size", 0) or 0)
+            if vocab != partitions[0] * size:
+                raise GeometryError(
+                    f"{self.prefix}: the vocabulary ({vocab} rows) does not fill the {size} tensor-parallel "
+                    f"partitions of {partitions[0]} rows vLLM pads it to, so the last rank's partition is padded. "
+                    "Rule: an EXL3 head is cut to whole vocabulary rows per rank and padded partitions are not "
+                    f"supported -> serve this pack with --tensor-parallel-size 1, or re-quantize it with a "
+                    f"vocabulary padded to a multiple of {64 * size}"
+                )
+            return LinearTp(COLUMN, size, rank, in_full, tuple(partitions), (1,))
+        if in_local != in_full:
+            tp = LinearTp(ROW, size, rank, in_full, tuple(partitions), (1,) * len(partitions))
+        else:
+            replicas = [1] * len(partitions)
+            kv_replicas = int(getattr(layer, "num_kv_head_replicas", 1) or 1)
+            if hasattr(layer, "total_num_kv_heads") and len(partitions) == 3:  # QKVParallelLinear: q, k, v
+                replicas[1] = replicas[2] = kv_replicas
+            tp = LinearTp(COLUMN, size, rank, in_full, tuple(partitions), tuple(replicas))
+        self._report_fallbacks(tp)
+        return tp
+
+    def _report_fallbacks(self, tp: LinearTp) -> None:
+        """Log, before any weight is loaded, the partitions whose rank share falls inside a 128-feature block (they
+        will run the whole-tensor fallback) with the rule and the sizes that avoid it; once per layer kind."""
+        if tp.kind == ROW:
+            cuts = {"input": tp.cut(())}
+            features = [tp.in_features]
+        else:
+            cuts = {f"output partition {j}": tp.cut((j,)) for j in range(len(tp.local_sizes))}
+            features = [c.features for c in cuts.values()]
+        off = [
+            f"{name} ({c.features} features, {c.width} on rank {tp.rank})" for name, c in cuts.items() if not c.sliced
+        ]
+        key = (self.prefix.rsplit(".", 1)[-1], tp.kind, tp.size, tp.in_features, tp.local_sizes)
+        if not off or key in _reported or tp.rank != 0:
+            return
+        _reported.add(key)
+        ok = sliced_tp_sizes(features) or ["none"]
+        logger.warning(
+            "quantpack-exl3: %s (and layers like it): at tensor-parallel size %d, %s fall inside a %d-feature "
+            "Hadamard block, so each rank keeps the whole EXL3 tensor behind them and %s (exact, at the cost of "
+            "memory and compute). Tensor-parallel sizes that cut this layer on whole blocks: %s",
+            self.prefix,
+            tp.size,
+            ", ".join(off),
+            HAD_BLOCK,
+            "zero-extends its input slice" if tp.kind == ROW else "selects its output columns",
+            ", ".join(map(str, ok)),
+        )
 
     # -------------------------------------------------------------------------------------------------- load
 
@@ -270,29 +368,55 @@ class Exl3LinearMethod(LinearMethodBase):
             )
         device = self._device(layer, captured)
         dtype = layer.exl3_params_dtype
-        kernels = []
-        if has_exl3:
-            for plan in self._plans(layer, captured, "exl3"):
+        tp: LinearTp | None = layer.exl3_tp
+        kernels, selects = [], []
+        for plan in self._plans(layer, captured, "exl3" if has_exl3 else "dense"):
+            cut = tp.cut(plan.partitions) if tp is not None else None
+            in_f, out_f = self._full_sizes(plan, cut)
+            select = None
+            if has_exl3:
                 t = self._shard_tensors(captured, plan)
-                self._check_geometry(t, plan)
-                kernels.append(self.backend.prepare_shard(t, plan.in_features, plan.out_features, dtype, device))
-        else:
-            for plan in self._plans(layer, captured, "dense"):
-                w = self._fit_dense(captured["weight"].shards[plan.slot], plan)
+                self._check_geometry(t, plan, in_f, out_f)
+                if cut is not None and cut.sliced:
+                    t = cut_tensors(t, cut)
+                    in_f, out_f = (cut.width, out_f) if cut.kind == ROW else (in_f, cut.width)
+                elif cut is not None and cut.kind == ROW:  # whole matrix, input zero-extended to full width
+                    layer.exl3_row_pad = (cut.start, cut.features - cut.stop)
+                elif cut is not None:  # whole tensor, this rank's columns selected from the full product
+                    select = cut.columns()
+                kernels.append(self.backend.prepare_shard(t, in_f, out_f, dtype, device))
+            else:
+                w = self._fit_dense(captured["weight"].shards[plan.slot], plan, in_f, out_f)
+                if cut is not None:
+                    w = cut_dense(w, cut)
                 kernels.append(self.backend.prepare_dense(w, dtype, device))
+            selects.append(select)
         for suffix, param in captured.items():
             param.shards.clear()
             param.shard_ids.clear()
             delattr(layer, suffix)
-        col = 0
-        for i, kernel in enumerate(kernels):
+        col, columns = 0, []
+        for i, (kernel, select) in enumerate(zip(kernels, selects, strict=True)):
             names = []
             for name, tensor in kernel.tensors.items():
                 layer.register_parameter(f"exl3_{i}_{name}", torch.nn.Parameter(tensor, requires_grad=False))
                 names.append(f"exl3_{i}_{name}")
             layer.exl3_runs.append(ShardRun(kernel.run, tuple(names), kernel.static, col))
+            columns.extend(range(col, col + kernel.out_features) if select is None else [col + c for c in select])
             col += kernel.out_features
         layer.exl3_out_total = col
+        layer.exl3_out_width = len(columns)
+        if any(s is not None for s in selects):
+            layer.exl3_col_select = torch.tensor(columns, dtype=torch.int64, device=device)
+
+    @staticmethod
+    def _full_sizes(plan: ShardPlan, cut: TpCut | None) -> tuple[int, int]:
+        """The logical (in, out) features of the whole checkpoint tensor behind ``plan``."""
+        if cut is None:
+            return plan.in_features, plan.out_features
+        if cut.kind == ROW:
+            return cut.features, plan.out_features
+        return plan.in_features, cut.features
 
     @staticmethod
     def _device(layer: torch.nn.Module, captured: dict[str, Exl3ShardParam]) -> torch.device:
@@ -309,32 +433,27 @@ class Exl3LinearMethod(LinearMethodBase):
                 f"{plan.label} is incomplete or corrupt - re-download or re-quantize it"
             ) from None
 
-    def _check_geometry(self, t: Exl3Tensors, plan: ShardPlan) -> None:
+    def _check_geometry(self, t: Exl3Tensors, plan: ShardPlan, in_f: int, out_f: int) -> None:
         k, n = t.padded_shape
-        want_k = _padded(plan.in_features)
-        want_n = _padded(plan.out_features)
-        ok_n = n == want_n or (self.is_lm_head and n >= plan.out_features and n - plan.out_features < HAD_BLOCK)
+        want_k = _padded(in_f)
+        want_n = _padded(out_f)
+        ok_n = n == want_n or (self.is_lm_head and n >= out_f and n - out_f < HAD_BLOCK)
         if k != want_k or not ok_n:
             raise GeometryError(
                 f"{self.prefix}: {self._shard_name(plan)} stores a {k}x{n} (in x out) EXL3 matrix, "
-                f"the model's layer needs {plan.in_features}x{plan.out_features} (stored as {want_k}x{want_n} after "
+                f"the model's layer needs {in_f}x{out_f} (stored as {want_k}x{want_n} after "
                 "padding to 128): the pack does not match config.json - use the config the pack was made with"
             )
 
-    def _fit_dense(self, w: torch.Tensor, plan: ShardPlan) -> torch.Tensor:
-        if (
-            w.dim() != 2
-            or w.shape[1] != plan.in_features
-            or w.shape[0] > plan.out_features
-            or (w.shape[0] < plan.out_features and not self.is_lm_head)
-        ):
+    def _fit_dense(self, w: torch.Tensor, plan: ShardPlan, in_f: int, out_f: int) -> torch.Tensor:
+        if w.dim() != 2 or w.shape[1] != in_f or w.shape[0] > out_f or (w.shape[0] < out_f and not self.is_lm_head):
             raise GeometryError(
                 f"{self.prefix}: dense {self._shard_name(plan)} has shape "
-                f"{list(w.shape)}, the layer needs [{plan.out_features}, {plan.in_features}] "
+                f"{list(w.shape)}, the layer needs [{out_f}, {in_f}] "
                 "(out x in) - the pack does not match config.json"
             )
-        if w.shape[0] < plan.out_features:  # a dense lm_head over the unpadded vocabulary
-            w = torch.nn.functional.pad(w, (0, 0, 0, plan.out_features - w.shape[0]))
+        if w.shape[0] < out_f:  # a dense lm_head over the unpadded vocabulary
+            w = torch.nn.functional.pad(w, (0, 0, 0, out_f - w.shape[0]))
         return w
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
@@ -345,8 +464,10 @@ class Exl3LinearMethod(LinearMethodBase):
     # ------------------------------------------------------------------------------------------------- apply
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x (..., in)`` -> ``(..., sum of output partitions)`` in ``x``'s dtype: one registered custom op per
-        shard, each writing its columns of one preallocated output, then ``bias``."""
+        """``x (..., in)`` -> ``(..., sum of output partitions)`` in ``x``'s dtype (this rank's input and output
+        features under tensor parallelism): one registered custom op per shard, each writing its columns of one
+        output; then, for whole-tensor fallbacks, this rank's columns are selected (column parallel) or its input was
+        zero-extended first (row parallel); then ``bias``."""
         runs = layer.exl3_runs
         if not runs:
             if getattr(layer, "exl3_empty_head", False):
@@ -356,9 +477,13 @@ class Exl3LinearMethod(LinearMethodBase):
                 )
             raise LayerLoadError(f"{self.prefix}: forward before process_weights_after_loading built its weights")
         x2 = x.reshape(-1, x.shape[-1])
+        if layer.exl3_row_pad is not None:  # a row-parallel fallback: this rank's input slice at its place
+            x2 = torch.nn.functional.pad(x2, layer.exl3_row_pad)
         out = torch.empty((x2.shape[0], layer.exl3_out_total), dtype=x.dtype, device=x.device)
         for run in runs:
             run.fn(x2, *[getattr(layer, name) for name in run.params], *run.static, out, run.col)
+        if layer.exl3_col_select is not None:  # a column-parallel fallback: this rank's columns
+            out = out.index_select(1, layer.exl3_col_select)
         if bias is not None:
             out += bias
-        return out.reshape(*x.shape[:-1], layer.exl3_out_total)
+        return out.reshape(*x.shape[:-1], layer.exl3_out_width)

@@ -45,6 +45,8 @@ logger = logging.getLogger("vllm.quantpack.exl3")
 EXPERT_PARTS: dict[str, torch.dtype] = {s: PLACEHOLDERS[s] for s in EXL3_PARTS}
 #: vLLM's shard id -> the stacked parameter family it belongs to
 STACK = {PROJ_GATE: "w13", PROJ_UP: "w13", PROJ_DOWN: "w2"}
+#: (tp size, intermediate size) of whole-layer fallbacks already announced
+_reported: set[tuple[int, int]] = set()
 
 
 class UnsupportedMoeError(UnsupportedLayerError):
@@ -191,7 +193,11 @@ class Exl3MoEMethod(FusedMoEMethodBase):
     Raises (from :meth:`create_weights`):
         UnsupportedMoeError: expert parallelism, a non-gated or non-SiLU activation, expert biases, routing weights
             applied on the input, or SwiGLU limits (each named, with the way out).
-        GeometryError: a tensor-parallel cut (issue of a later version; TP 1 here).
+
+    Tensor parallelism: each rank keeps its share of every expert's intermediate channels (``w1`` / ``w3`` column
+    parallel, ``w2`` row parallel; vLLM all-reduces the ranks' partial sums) when the share is whole 128-channel
+    blocks (seed 001). Otherwise (e.g. 128 channels over 2 ranks) rank 0 keeps and runs the whole layer and the other
+    ranks return zeros, which the all-reduce adds: exact, announced with a warning when the layer is built.
     """
 
     def __init__(self, moe, backend, prefix: str = ""):
@@ -257,11 +263,9 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         """
         self._check_supported(layer)
         tp_size = int(getattr(self.moe, "tp_size", 1) or 1)
-        if tp_size > 1:
-            raise GeometryError(
-                f"{self.prefix}: tensor parallelism splits this MoE layer over {tp_size} ranks, which quantpack-exl3 "
-                "0.1 cannot serve yet; run with --tensor-parallel-size 1"
-            )
+        tp_rank = int(getattr(self.moe, "tp_rank", 0) or 0)
+        inter_full = int(intermediate_size_per_partition) * tp_size
+        layer.exl3_tp = (tp_size, tp_rank, self._tp_sliced(inter_full, tp_size))
         for family in ("w13", "w2"):
             for suffix in EXPERT_PARTS:
                 param = Exl3ExpertParam(suffix, family, self.prefix, int(num_experts))
@@ -269,11 +273,40 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         layer.exl3_prefix = self.prefix
         layer.exl3_num_experts = int(num_experts)
         layer.exl3_hidden = int(hidden_size)
-        layer.exl3_intermediate = int(intermediate_size_per_partition)
+        layer.exl3_intermediate = inter_full
         layer.exl3_params_dtype = params_dtype
         layer.exl3_moe_run = None
+        layer.exl3_moe_idle = False
         # An instance attribute shadows RoutedExperts.load_weights (MoERunner.load_weights delegates to it).
         layer.load_weights = functools.partial(load_expert_weights, layer)
+
+    def _tp_sliced(self, inter: int, tp_size: int) -> bool:
+        """Whether this layer's experts are cut along their intermediate channels (each rank a whole number of
+        128-channel blocks); if not, the whole-layer fallback is announced here, before any weight is loaded."""
+        if tp_size == 1:
+            return True
+        blocks = _padded(inter) // HAD_BLOCK
+        if blocks % tp_size == 0:
+            return True
+        key = (tp_size, inter)
+        if key not in _reported and int(getattr(self.moe, "tp_rank", 0) or 0) == 0:
+            _reported.add(key)
+            ok = ", ".join(str(d) for d in range(1, min(blocks, 64) + 1) if blocks % d == 0)
+            logger.warning(
+                "quantpack-exl3: %s (and MoE layers like it): the experts' intermediate size %d (%d Hadamard blocks "
+                "of %d, stored %d) cannot be cut over %d tensor-parallel ranks on whole blocks, so rank 0 keeps and "
+                "runs every expert of the layer whole and the other ranks add zero to vLLM's all-reduce (exact; "
+                "memory and compute of the routed experts fall on rank 0). Tensor-parallel sizes that cut these "
+                "experts on whole blocks: %s",
+                self.prefix,
+                inter,
+                blocks,
+                HAD_BLOCK,
+                _padded(inter),
+                tp_size,
+                ok,
+            )
+        return False
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         """No vLLM modular kernel runs this layer, so there is no quant config for one (vLLM accepts None)."""
@@ -327,7 +360,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 different K (from the plan).
             CodecError: experts of one layer in different codebooks.
         """
-        if getattr(layer, "exl3_moe_run", None) is not None:
+        if getattr(layer, "exl3_moe_run", None) is not None or getattr(layer, "exl3_moe_idle", False):
             return
         tensors = self._expert_tensors(layer)
         num = layer.exl3_num_experts
@@ -343,11 +376,21 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                     "128): the pack does not match config.json - use the config the pack was made with"
                 )
         device = layer.w13_trellis.device
-        bank = bank_from_tensors(self.prefix, tensors, device)
+        tp_size, tp_rank, sliced = layer.exl3_tp
+        idle = not sliced and tp_rank != 0
+        bank = None
+        if not idle:
+            # a sliced rank keeps its intermediate channels; the whole-layer fallback's rank 0 keeps everything
+            bank = bank_from_tensors(self.prefix, tensors, device, *((tp_size, tp_rank) if sliced else (1, 0)))
         for f in ("w13", "w2"):
             for s in EXPERT_PARTS:
                 getattr(layer, f"{f}_{s}").captured.clear()
                 delattr(layer, f"{f}_{s}")
+        if idle:
+            layer.exl3_moe_idle = True
+            return
+        if sliced and tp_size > 1:  # the rank's logical channels (the stored ones past the layer's are padding)
+            inter = min(bank.plan.inter_local, max(0, inter - bank.plan.inter_start))
         run = self.backend.prepare_moe(bank, hidden, inter, layer.exl3_params_dtype, device)
         names = []
         for name, tensor in run.tensors.items():
@@ -415,6 +458,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         Raises:
             LayerLoadError: used before ``process_weights_after_loading``.
         """
+        if layer.exl3_moe_idle:  # whole-layer TP fallback: rank 0 computes the layer, this rank adds zero
+            return torch.zeros_like(x)
         run = layer.exl3_moe_run
         if run is None:
             raise LayerLoadError(f"{self.prefix}: forward before process_weights_after_loading built the bank")
