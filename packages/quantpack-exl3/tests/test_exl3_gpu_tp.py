@@ -68,16 +68,6 @@ def check(res: dict, name: str, reference, figures, label: str) -> None:
         assert res["top1"] >= 0.99
 
 
-#: measured on nvidia-h200-x2 with vLLM 0.25.1: every pack at size 2 gives KL ~2 (top-1 84-89%), with exllamav3's
-#: kernels and with the reference backend alike, while the same packs at size 2 on CPU (vLLM 0.29 and 0.32, float32
-#: and float16) equal size 1, exllamav3's GEMM is right on every cut shape on both GPUs, and a dense model at size 2
-#: is right on the same machine. The cause is not found yet.
-CUDA_TP_OPEN = pytest.mark.xfail(
-    strict=True, reason="TP 2 on CUDA (vLLM 0.25.1): KL ~2 against the reference, cause not found (see the module)"
-)
-
-
-@CUDA_TP_OPEN
 @pytest.mark.parametrize("name", PACKS)
 def test_tp2_matches_reference(gpu_tp, figures, fixtures_dir, name):
     res = get(gpu_tp, f"{name}/tp2/eager")
@@ -85,7 +75,6 @@ def test_tp2_matches_reference(gpu_tp, figures, fixtures_dir, name):
     check(res, name, ref, figures, "TP 2 eager")
 
 
-@CUDA_TP_OPEN
 @pytest.mark.parametrize("name", [LLAMA_PACKS[0], MIXED_PACK])
 def test_tp2_graphs(gpu_tp, figures, fixtures_dir, name):
     res = get(gpu_tp, f"{name}/tp2/graphs")

@@ -290,11 +290,27 @@ def test_one_fused_shard_split_evenly(vllm_layers, monkeypatch, tp):
 # ------------------------------------------------------------------------------------ vocabulary: head, embedding
 
 
+@pytest.mark.parametrize("keeps_tp_rank", [True, False])
 @pytest.mark.parametrize("tp", [2, 4, 8])
-def test_lm_head_vocab_rows(vllm_layers, monkeypatch, fixtures_dir, tp):
-    """The fixture's EXL3 head (1024 rows): 512 / 256 / 128 rows per rank, each rank's logits its vocabulary rows."""
+def test_lm_head_vocab_rows(vllm_layers, monkeypatch, fixtures_dir, tp, keeps_tp_rank):
+    """The fixture's EXL3 head (1024 rows): 512 / 256 / 128 rows per rank, each rank's logits its vocabulary rows;
+    the rank is read from vLLM's vocabulary split, also where the layer keeps no ``tp_rank`` (vLLM 0.25's
+    ``VocabParallelEmbedding``: simulated by hiding the attribute while the method creates its weights)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
+    from quantpack_exl3.linear import Exl3LinearMethod
+
+    if not keeps_tp_rank:
+        create = Exl3LinearMethod.create_weights
+
+        def without_tp_rank(self, layer, *args, **kwargs):
+            saved = layer.__dict__.pop("tp_rank")
+            try:
+                return create(self, layer, *args, **kwargs)
+            finally:
+                layer.__dict__["tp_rank"] = saved
+
+        monkeypatch.setattr(Exl3LinearMethod, "create_weights", without_tp_rank)
     pack = Pack.open(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1")
     cfg = make_config(vllm_layers, pack)
     head = pack.module_tensors("lm_head")

@@ -234,9 +234,17 @@ class Exl3LinearMethod(LinearMethodBase):
         size = int(getattr(layer, "tp_size", 1) or 1)
         if size == 1:
             return None
-        rank = int(getattr(layer, "tp_rank", 0) or 0)
+        rank = getattr(layer, "tp_rank", None)
+        if rank is None:  # vLLM before 0.26 keeps no tp_rank on a VocabParallelEmbedding
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            rank = get_tensor_model_parallel_rank()
+        rank = int(rank)
         if self.is_lm_head:
             vocab = int(getattr(layer, "org_vocab_size", 0) or 0)
+            si = getattr(layer, "shard_indices", None)
+            if si is not None:  # the rank vLLM split the vocabulary for (its own record, on every version)
+                rank = int(si.org_vocab_start_index) // partitions[0]
             if vocab != partitions[0] * size:
                 raise GeometryError(
                     f"{self.prefix}: the vocabulary ({vocab} rows) does not fill the {size} tensor-parallel "
