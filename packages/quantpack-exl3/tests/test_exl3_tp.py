@@ -230,7 +230,7 @@ def test_dense_shards_are_cut_exactly(vllm_layers, monkeypatch):
 # ----------------------------------------------------------------- in_proj_qkvz: tuple shard ids, one fused shard
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, 4, 8])
 def test_in_proj_qkvz_tuple_shards_of_the_qwen3_5_fixture(vllm_layers, monkeypatch, fixtures_dir, tp):
     """Qwen3.5: in_proj_qkv arrives as shard (0, 1, 2) over partitions [key, key, value], in_proj_z as 3. At TP 2 the
     qkv shard's three ranges are inside blocks (fallback) while z's is a whole block (sliced): one layer, both."""
