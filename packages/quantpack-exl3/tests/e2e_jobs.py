@@ -94,6 +94,13 @@ def run_runner(jobs: dict[str, dict], tmp: Path, timeout: float) -> dict:
     return out
 
 
+def per_position_kl(ref_logits: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """KL(reference || served) per position, nats: ``ref_logits (1, T, V)`` (logits or log-probabilities) against
+    ``lp (T', V)`` log-probabilities, over the first ``T'`` positions, in float64."""
+    a = ref_logits[0, : lp.shape[0]].double().log_softmax(-1)
+    return (a.exp() * (a - lp.double())).sum(-1)
+
+
 def get(results: dict, key: str) -> dict:
     """One job's result; fails the test when the job did not run or raised."""
     res = results.get(key)

@@ -9,7 +9,7 @@ embedding, the experts' intermediate cut (Qwen3-MoE, 128 channels per rank) and 
 
 import pytest
 import torch
-from e2e_jobs import LLAMA_PACKS, MIXED_PACK, MOE_PACKS, NEXT_PACK, get, run_runner
+from e2e_jobs import LLAMA_PACKS, MIXED_PACK, MOE_PACKS, NEXT_PACK, get, per_position_kl, run_runner
 from test_exl3_gpu_vllm import LLM_KWARGS, QWEN_LLM_KWARGS, QWEN_PACK, qwen_reference
 
 pytestmark = [
@@ -44,11 +44,6 @@ def gpu_tp(fixtures_dir, tmp_path_factory):
     out = run_runner(jobs, tmp, timeout=1800)
     out["_qref"] = str(qref)
     return out
-
-
-def per_position_kl(ref_logits: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
-    a = ref_logits[0, : lp.shape[0]].double().log_softmax(-1)
-    return (a.exp() * (a - lp.double())).sum(-1)
 
 
 def check(res: dict, name: str, reference, figures, label: str) -> None:

@@ -10,7 +10,7 @@ import functools
 
 import pytest
 import torch
-from e2e_jobs import MIXED_PACK, MOE_PACKS, NEXT_PACK, get
+from e2e_jobs import MIXED_PACK, MOE_PACKS, NEXT_PACK, get, per_position_kl
 
 from quantpack_core.compare import agreement
 
@@ -36,12 +36,6 @@ def exact_reference(pack_dir) -> tuple[torch.Tensor, dict[int, torch.Tensor], di
     for h in hooks:
         h.remove()
     return logits, router_top_k(model, ids), probs
-
-
-def per_position_kl(ref_logits: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
-    a = ref_logits[0, : lp.shape[0]].double().log_softmax(-1)
-    b = lp.double()
-    return (a.exp() * (a - b)).sum(-1)
 
 
 @pytest.mark.parametrize("name", MOE_PACKS)
