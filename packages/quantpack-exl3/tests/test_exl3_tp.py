@@ -327,6 +327,34 @@ def test_lm_head_vocab_rows(vllm_layers, monkeypatch, fixtures_dir, tp, keeps_tp
     assert not any(fallback_of(la) for la in layers)
 
 
+def test_lm_head_off_block_rows_fall_back_and_say_so(vllm_layers, monkeypatch, caplog):
+    """1088 rows (17 x 64) over 2 ranks: 544 rows each, not whole 128-row blocks. Every rank keeps the whole head and
+    selects its rows; the fallback is announced once, when the head is built."""
+    import logging
+
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    import quantpack_exl3.linear as lin
+
+    monkeypatch.setattr(lin, "_reported", set())
+    cfg = make_config(vllm_layers)
+    head = synthetic(256, 1088, 6.0, seed=7)
+    x = torch.randn(3, 256)
+    with caplog.at_level(logging.WARNING, logger="vllm.quantpack.exl3"):
+        y, layers = run_ranks(
+            monkeypatch,
+            2,
+            lambda: ParallelLMHead(1088, 256, quant_config=cfg, prefix="lm_head"),
+            [(None, head)],
+            x,
+            "column",
+        )
+    assert rel_err(y, ref(x, [head], [1088])) < TOL
+    assert all(fallback_of(la) for la in layers)
+    notes = [r.getMessage() for r in caplog.records if "Hadamard block" in r.getMessage()]
+    assert len(notes) == 1 and "lm_head" in notes[0] and "544 of 1088 features" in notes[0], notes
+
+
 def test_lm_head_padded_partition_refused_when_built(vllm_layers, monkeypatch):
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 

@@ -251,9 +251,12 @@ class Exl3LinearMethod(LinearMethodBase):
                     f"partitions of {partitions[0]} rows vLLM pads it to, so the last rank's partition is padded. "
                     "Rule: an EXL3 head is cut to whole vocabulary rows per rank and padded partitions are not "
                     f"supported -> serve this pack with --tensor-parallel-size 1, or re-quantize it with a "
-                    f"vocabulary padded to a multiple of {64 * size}"
+                    f"vocabulary padded to a multiple of {64 * size} (of {HAD_BLOCK * size} for each rank's rows to "
+                    "be whole Hadamard blocks, with no whole-tensor fallback)"
                 )
-            return LinearTp(COLUMN, size, rank, in_full, tuple(partitions), (1,))
+            tp = LinearTp(COLUMN, size, rank, in_full, tuple(partitions), (1,))
+            self._report_fallbacks(tp)
+            return tp
         if in_local != in_full:
             tp = LinearTp(ROW, size, rank, in_full, tuple(partitions), (1,) * len(partitions))
         else:
@@ -274,18 +277,16 @@ class Exl3LinearMethod(LinearMethodBase):
         else:
             cuts = {f"output partition {j}": tp.cut((j,)) for j in range(len(tp.local_sizes))}
             features = [c.features for c in cuts.values()]
-        off = [
-            f"{name} ({c.features} features, {c.width} on rank {tp.rank})" for name, c in cuts.items() if not c.sliced
-        ]
+        off = [f"{name} ({c.width} of {c.features} features)" for name, c in cuts.items() if not c.sliced]
         key = (self.prefix.rsplit(".", 1)[-1], tp.kind, tp.size, tp.in_features, tp.local_sizes)
         if not off or key in _reported or tp.rank != 0:
             return
         _reported.add(key)
         ok = sliced_tp_sizes(features) or ["none"]
         logger.warning(
-            "quantpack-exl3: %s (and layers like it): at tensor-parallel size %d, %s fall inside a %d-feature "
-            "Hadamard block, so each rank keeps the whole EXL3 tensor behind them and %s (exact, at the cost of "
-            "memory and compute). Tensor-parallel sizes that cut this layer on whole blocks: %s",
+            "quantpack-exl3: %s (and layers like it) at tensor-parallel size %d: each rank's share of %s lies "
+            "inside a %d-feature Hadamard block, so every rank keeps the whole EXL3 tensor there and %s (exact; "
+            "costs memory and compute). Sizes up to 16 that cut this layer alone on whole blocks: %s",
             self.prefix,
             tp.size,
             ", ".join(off),

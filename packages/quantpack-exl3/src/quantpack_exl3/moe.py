@@ -293,17 +293,18 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             _reported.add(key)
             ok = ", ".join(str(d) for d in range(1, min(blocks, 64) + 1) if blocks % d == 0)
             logger.warning(
-                "quantpack-exl3: %s (and MoE layers like it): the experts' intermediate size %d (%d Hadamard blocks "
-                "of %d, stored %d) cannot be cut over %d tensor-parallel ranks on whole blocks, so rank 0 keeps and "
-                "runs every expert of the layer whole and the other ranks add zero to vLLM's all-reduce (exact; "
-                "memory and compute of the routed experts fall on rank 0). Tensor-parallel sizes that cut these "
-                "experts on whole blocks: %s",
+                "quantpack-exl3: %s (and MoE layers like it) at tensor-parallel size %d: the experts' intermediate "
+                "size %d (stored %d, %d Hadamard block%s of %d) cannot be cut into whole blocks per rank, so rank 0 "
+                "keeps and runs every expert of the layer whole and the other ranks add zero to vLLM's all-reduce "
+                "(exact; the routed experts' memory and compute fall on rank 0). Sizes that cut these experts on "
+                "whole blocks: %s",
                 self.prefix,
-                inter,
-                blocks,
-                HAD_BLOCK,
-                _padded(inter),
                 tp_size,
+                inter,
+                _padded(inter),
+                blocks,
+                "" if blocks == 1 else "s",
+                HAD_BLOCK,
                 ok,
             )
         return False
