@@ -36,6 +36,7 @@ from .codebook import Codebook
 from .codec import Exl3Tensors, check_marker, dequantize
 from .errors import CodecError, GeometryError
 from .hadamard import HAD_BLOCK
+from .tp import check_rank, sliced_tp_sizes
 from .trellis import TILE, check_k_codebook, k_from_width, width_from_k
 
 #: vLLM's FusedMoE shard ids: w1 = gate_proj, w3 = up_proj, w2 = down_proj.
@@ -70,10 +71,6 @@ def trellis_shape(rows: int, cols: int, k: float) -> tuple[int, int, int]:
     return rows // TILE, cols // TILE, width_from_k(k)
 
 
-def _block_divisors(blocks: int, limit: int = 64) -> list[int]:
-    return [d for d in range(1, min(blocks, limit) + 1) if blocks % d == 0]
-
-
 def tp_shard(intermediate: int, tp_size: int, tp_rank: int, layer: str = "") -> tuple[int, int]:
     """The intermediate channels one tensor-parallel rank keeps of every expert.
 
@@ -94,8 +91,7 @@ def tp_shard(intermediate: int, tp_size: int, tp_rank: int, layer: str = "") -> 
     Source: seed 001 (``tp_shard``: each rank keeps ``[rank * I_loc, (rank + 1) * I_loc)``; "exact because the cut is
     128-aligned").
     """
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size}: need tp_size >= 1 and 0 <= tp_rank < tp_size")
+    check_rank(tp_size, tp_rank)
     if intermediate % HAD_BLOCK or intermediate <= 0:
         raise GeometryError(
             f"{layer or 'MoE layer'}: the experts' stored intermediate size is {intermediate}, not a positive "
@@ -105,7 +101,7 @@ def tp_shard(intermediate: int, tp_size: int, tp_rank: int, layer: str = "") -> 
     blocks = intermediate // HAD_BLOCK
     if blocks % tp_size:
         share = intermediate / tp_size
-        ok = ", ".join(str(d) for d in _block_divisors(blocks))
+        ok = ", ".join(str(d) for d in sliced_tp_sizes([intermediate], limit=64))
         raise GeometryError(
             f"{layer or 'MoE layer'}: cannot cut the experts' intermediate dimension ({intermediate} channels = "
             f"{blocks} Hadamard blocks of {HAD_BLOCK}) over {tp_size} tensor-parallel ranks: each rank would keep "

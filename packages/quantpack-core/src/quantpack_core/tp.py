@@ -76,6 +76,12 @@ class TpCut:
         return [i for a, b in self.ranges for i in range(a, b)]
 
 
+def check_rank(tp_size: int, tp_rank: int) -> None:
+    """Raise ``ValueError`` unless ``0 <= tp_rank < tp_size`` and ``tp_size >= 1``."""
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size}: need tp_size >= 1 and 0 <= tp_rank < tp_size")
+
+
 def tp_range(features: int, tp_size: int, tp_rank: int, layer: str = "") -> tuple[int, int]:
     """vLLM's even split: the features ``[start, stop)`` rank ``tp_rank`` of ``tp_size`` owns.
 
@@ -83,8 +89,7 @@ def tp_range(features: int, tp_size: int, tp_rank: int, layer: str = "") -> tupl
         ValueError: a bad rank.
         GeometryError: ``features`` not divisible by ``tp_size`` (vLLM refuses such a split too; named here first).
     """
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size}: need tp_size >= 1 and 0 <= tp_rank < tp_size")
+    check_rank(tp_size, tp_rank)
     if features % tp_size:
         raise GeometryError(
             f"{layer or 'layer'}: {features} features cannot be split evenly over {tp_size} tensor-parallel ranks "
@@ -163,8 +168,7 @@ def partition_ranges(
     Raises:
         ValueError: a bad rank, a partition index out of range, or a replica count not dividing ``tp_size``.
     """
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tensor-parallel rank {tp_rank} of {tp_size}: need tp_size >= 1 and 0 <= tp_rank < tp_size")
+    check_rank(tp_size, tp_rank)
     reps = list(replicas) if replicas is not None else [1] * len(local_sizes)
     ranges, offset = [], 0
     for j in parts:

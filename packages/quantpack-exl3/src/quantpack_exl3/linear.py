@@ -31,7 +31,17 @@ from quantpack_core.codec import Exl3Tensors
 from quantpack_core.errors import CodecError, GeometryError, QuantpackError
 from quantpack_core.hadamard import HAD_BLOCK
 from quantpack_core.names import expand_fused, shard_partitions, shard_slot
-from quantpack_core.tp import COLUMN, ROW, TpCut, cut_dense, cut_tensors, make_cut, partition_ranges, sliced_tp_sizes
+from quantpack_core.tp import (
+    COLUMN,
+    ROW,
+    TpCut,
+    cut_dense,
+    cut_tensors,
+    make_cut,
+    partition_ranges,
+    plan_cut,
+    sliced_tp_sizes,
+)
 
 logger = logging.getLogger("vllm.quantpack.exl3")
 
@@ -172,8 +182,7 @@ class LinearTp:
         """The cut of one checkpoint tensor that covers ``partitions`` of the layer's outputs (all of the input, for
         a row cut)."""
         if self.kind == ROW:
-            local = self.in_features // self.size
-            return make_cut(ROW, [(self.rank * local, (self.rank + 1) * local)], self.in_features)
+            return plan_cut(ROW, self.in_features, self.size, self.rank)
         ranges, features = partition_ranges(self.local_sizes, partitions, self.size, self.rank, self.replicas)
         return make_cut(COLUMN, ranges, features)
 

@@ -35,6 +35,7 @@ from quantpack_core.codec import Exl3Tensors
 from quantpack_core.errors import CodecError, GeometryError
 from quantpack_core.hadamard import HAD_BLOCK
 from quantpack_core.moe import PROJ_DOWN, PROJ_GATE, PROJ_MODULES, PROJ_UP, PROJECTIONS, bank_from_tensors
+from quantpack_core.tp import sliced_tp_sizes
 
 from .linear import EXL3_PARTS, PLACEHOLDERS, LayerLoadError, UnsupportedLayerError
 
@@ -291,7 +292,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         key = (tp_size, inter)
         if key not in _reported and int(getattr(self.moe, "tp_rank", 0) or 0) == 0:
             _reported.add(key)
-            ok = ", ".join(str(d) for d in range(1, min(blocks, 64) + 1) if blocks % d == 0)
+            ok = ", ".join(str(d) for d in sliced_tp_sizes([_padded(inter)], limit=64))
             logger.warning(
                 "quantpack-exl3: %s (and MoE layers like it) at tensor-parallel size %d: the experts' intermediate "
                 "size %d (stored %d, %d Hadamard block%s of %d) cannot be cut into whole blocks per rank, so rank 0 "
