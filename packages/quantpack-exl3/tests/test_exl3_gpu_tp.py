@@ -30,7 +30,8 @@ def gpu_tp(fixtures_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_tp")
     qref = qwen_reference(fixtures_dir, tmp / "qwen_reference.pt")
     jobs = {}
-    # Qwen3-Next at size 1 first: engines of size 2 (worker processes) left GPU memory held in this process's runs
+    # Qwen3-Next at size 1 first, on GPUs no size-2 engine has used yet (those engines' worker processes once held
+    # their memory after the job; vllm_e2e.release now shuts them down)
     next_kwargs = {"kind": "logits", "pack": str(fixtures_dir / NEXT_PACK), "llm_kwargs": QWEN_LLM_KWARGS}
     jobs[f"{NEXT_PACK}/tp1/eager"] = dict(next_kwargs, dtype="float16", eager=True, save=str(tmp / "next-tp1.lp.pt"))
     for name in PACKS:

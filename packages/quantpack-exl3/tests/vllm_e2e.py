@@ -81,9 +81,15 @@ def job_env(job: dict):
 
 
 def release(llm) -> None:
-    """Drop an in-process engine and what it holds (distributed state, device memory) before the next one."""
+    """Drop an in-process engine and what it holds (distributed state, device memory) before the next one.
+
+    With worker processes (``tp`` > 1) the engine is shut down first (``EngineCore.shutdown``: the executor stops
+    its workers): otherwise they live until the engine is garbage-collected, holding their GPU memory, and the next
+    engine fails vLLM's free-memory check at start."""
     from vllm.distributed import cleanup_dist_env_and_memory
 
+    if llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size > 1:
+        llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
     cleanup_dist_env_and_memory()
