@@ -208,7 +208,8 @@ def cpu_pair() -> str | None:
 
 def run_tp_jobs(fixtures_dir: Path, tmp: Path) -> dict:
     """Every CPU-servable pack at tensor-parallel size 2 (two vLLM CPU workers, one core each), eager, its
-    log-probabilities saved; in one runner process. Returns {pack: result}."""
+    log-probabilities saved, and the EAGLE draft with the main pack at size 2 (both engines' workers); in one runner
+    process. Returns {pack: result, "spec": result}."""
     bind = cpu_pair()
     if bind is None:
         pytest.skip("tensor parallelism on CPU needs two cores (one per vLLM CPU worker)")
@@ -224,5 +225,18 @@ def run_tp_jobs(fixtures_dir: Path, tmp: Path) -> dict:
             "save": str(tmp / f"tp2-{name}.lp.pt"),
         }
         for name in TP_PACKS
+    }
+    # the draft's embedding and head are the target's vocabulary-parallel modules at size 2 too; the prompts are
+    # the size-1 spec jobs' (run_e2e_jobs)
+    tokens = stdlib_tokens(fixtures_dir / MAIN_PACK / "tokenizer.json")
+    jobs["spec"] = {
+        "kind": "spec",
+        "pack": str(fixtures_dir / MAIN_PACK),
+        "draft": str(fixtures_dir / DRAFT),
+        "dtype": "float32",
+        "prompts": [row[:32] for row in tokens[:4]],
+        "tokens": 32,
+        "tp": 2,
+        "env": {"VLLM_CPU_OMP_THREADS_BIND": bind},
     }
     return run_runner(jobs, tmp, timeout=2400)

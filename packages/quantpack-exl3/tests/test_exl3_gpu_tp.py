@@ -4,8 +4,13 @@ its prompt log-probabilities are compared with each pack's reference as at size 
 
 Size 2 exercises every cut (see test_exl3_tp_e2e.py): block-aligned slices, the column and row fallbacks, a fused
 layer with both (qkv_proj: q sliced, k / v whole), Qwen3.5's tuple shard ids, the vocabulary-parallel head and
-embedding, the experts' intermediate cut (Qwen3-MoE, 128 channels per rank) and their whole-layer fallback
-(Qwen3-Next: 64 per rank). Qwen3-Next also runs at size 1 here (its first GPU run)."""
+embedding, the experts' intermediate cut (Qwen3-MoE, 128 channels per rank) and their expert-split fallback
+(Qwen3-Next: 64 per rank, so each rank runs half the experts whole). Qwen3-Next also runs at size 1 here.
+
+``QUANTPACK_GPU_TP_ONLY=qwen3next,mixed`` (substrings of job names) runs only the matching jobs; the other tests
+skip."""
+
+import os
 
 import pytest
 import torch
@@ -23,6 +28,8 @@ pytestmark = [
 PACKS = [*LLAMA_PACKS, QWEN_PACK, *MOE_PACKS, NEXT_PACK]
 #: packs with a router: a rounding difference can flip a near-tie of two expert scores and move that one token
 ROUTED = {*MOE_PACKS, NEXT_PACK}
+#: job-name substrings to run (all jobs when empty)
+ONLY = [s for s in os.environ.get("QUANTPACK_GPU_TP_ONLY", "").split(",") if s]
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +47,21 @@ def gpu_tp(fixtures_dir, tmp_path_factory):
         if name == QWEN_PACK:
             base["reference"] = str(qref)
         jobs[f"{name}/tp2/eager"] = dict(base, eager=True, tp=2, save=str(tmp / f"{name}-tp2.lp.pt"))
-    for name in (LLAMA_PACKS[0], MIXED_PACK):  # the fallbacks' index_select / zero-extension under graph capture
+    # under graph capture: the fallbacks' index_select / zero-extension, and the expert split's -1 picks
+    for name in (LLAMA_PACKS[0], MIXED_PACK, NEXT_PACK):
         jobs[f"{name}/tp2/graphs"] = dict(jobs[f"{name}/tp2/eager"], eager=False, save=str(tmp / f"{name}-g.lp.pt"))
+    jobs = {k: v for k, v in jobs.items() if not ONLY or any(s in k for s in ONLY)}
     out = run_runner(jobs, tmp, timeout=1800)
+    out["_jobs"] = sorted(jobs)
     out["_qref"] = str(qref)
     return out
+
+
+def result(results: dict, key: str) -> dict:
+    """The job's result; skips a job left out by ``QUANTPACK_GPU_TP_ONLY``."""
+    if key not in results["_jobs"]:
+        pytest.skip(f"{key} not selected by QUANTPACK_GPU_TP_ONLY={','.join(ONLY)}")
+    return get(results, key)
 
 
 def check(res: dict, name: str, reference, figures, label: str) -> None:
@@ -66,17 +83,17 @@ def check(res: dict, name: str, reference, figures, label: str) -> None:
 
 @pytest.mark.parametrize("name", PACKS)
 def test_tp2_matches_reference(gpu_tp, figures, fixtures_dir, name):
-    res = get(gpu_tp, f"{name}/tp2/eager")
+    res = result(gpu_tp, f"{name}/tp2/eager")
     ref = gpu_tp["_qref"] if name == QWEN_PACK else fixtures_dir / name / "reference_logits.pt"
     check(res, name, ref, figures, "TP 2 eager")
 
 
-@pytest.mark.parametrize("name", [LLAMA_PACKS[0], MIXED_PACK])
+@pytest.mark.parametrize("name", [LLAMA_PACKS[0], MIXED_PACK, NEXT_PACK])
 def test_tp2_graphs(gpu_tp, figures, fixtures_dir, name):
-    res = get(gpu_tp, f"{name}/tp2/graphs")
+    res = result(gpu_tp, f"{name}/tp2/graphs")
     check(res, name, fixtures_dir / name / "reference_logits.pt", figures, "TP 2 compile + graphs")
 
 
 def test_qwen3_next_tp1_on_cuda(gpu_tp, figures, fixtures_dir):
-    res = get(gpu_tp, f"{NEXT_PACK}/tp1/eager")
+    res = result(gpu_tp, f"{NEXT_PACK}/tp1/eager")
     check(res, NEXT_PACK, fixtures_dir / NEXT_PACK / "reference_logits.pt", figures, "TP 1 eager")

@@ -404,10 +404,11 @@ def make_rank_layer(tp, rank, inter=256):
     return method, layer
 
 
-@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("tp", [2, 4, 8, 16])
 def test_experts_summed_over_ranks(fixtures_dir, tp):
-    """The fixture's experts (intermediate 256): at TP 2 each rank keeps one 128-channel block of every expert; at
-    4 and 8 the share is inside a block and rank 0 runs the whole layer while the others add zero."""
+    """The fixture's 8 experts (intermediate 256): at TP 2 each rank keeps one 128-channel block of every expert; at
+    4 and 8 the share is inside a block and the experts are split whole (rank r keeps experts r, r + tp, ...), each
+    rank adding only its experts' picks; at 16 half the ranks hold no expert and add zero."""
     tensors = expert_tensors(fixtures_dir / HIGH)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, H, generator=g)
@@ -419,12 +420,17 @@ def test_experts_summed_over_ranks(fixtures_dir, tp):
         load(layer, tensors)
         method.process_weights_after_loading(layer)
         part = method.apply(layer, x, w, ids.to(torch.int32))
+        mine = list(range(rank, E, tp))
         if tp == 2:
             assert layer.exl3_moe_w2.shape == (E, 128, H)  # this rank's intermediate block of every expert
+        elif mine:
+            assert layer.exl3_moe_w2.shape == (len(mine), 256, H)  # this rank's experts, whole
+            # alone, the rank's part is the layer restricted to its own experts' picks
+            own = torch.isin(ids, torch.tensor(mine))
+            want_part = reference_moe_forward(oracle_bank(tensors), x, ids, w * own)
+            assert rel_err(part, want_part) < TOL
         else:
-            assert layer.exl3_moe_idle == (rank != 0)
-            if rank:
-                assert not part.any()
+            assert layer.exl3_moe_idle and not part.any()
         total = total + part
     want = reference_moe_forward(oracle_bank(tensors), x, ids, w)
     assert rel_err(total, want) < TOL

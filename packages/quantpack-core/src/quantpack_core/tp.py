@@ -248,3 +248,29 @@ def sliced_tp_sizes(features: Sequence[int], limit: int = 16) -> list[int]:
     """Tensor-parallel sizes up to ``limit`` that split every one of ``features`` evenly into whole 128-feature
     blocks per rank (the sizes at which no fallback is needed), for messages."""
     return [d for d in range(1, limit + 1) if all(n % d == 0 and (n // d) % HAD_BLOCK == 0 for n in features)]
+
+
+def expert_split(num_experts: int, tp_size: int, tp_rank: int) -> list[int]:
+    """The whole experts rank ``tp_rank`` keeps and runs when a MoE layer's intermediate share is inside a
+    128-channel block (the experts' fallback): experts ``e`` with ``e % tp_size == tp_rank``, so every rank holds at
+    most ``ceil(E / tp)`` experts whole and the ranks' outputs, each the sum over its own routed experts, add up to
+    the layer's output in vLLM's all-reduce. Ranks past ``num_experts - 1`` keep none.
+
+    Args:
+        num_experts: the layer's experts ``E`` (logical ids ``0..E-1``).
+        tp_size, tp_rank: the tensor-parallel size and this rank.
+
+    Returns:
+        the rank's logical expert ids, ascending (``[]`` for a rank without experts).
+
+    Raises:
+        ValueError: a bad rank, or ``num_experts < 1``.
+
+    Source: vLLM's round-robin expert placement (``fused_moe/expert_map_manager.py``, ``expert_placement_strategy=
+    "round_robin"``: the same experts per rank, the others mapped to -1); seed 001 cuts the intermediate channels
+    instead, and this split takes over where that cut would leave a block.
+    """
+    check_rank(tp_size, tp_rank)
+    if num_experts < 1:
+        raise ValueError(f"a MoE layer needs at least one expert, got {num_experts}")
+    return list(range(tp_rank, num_experts, tp_size))

@@ -35,7 +35,7 @@ from quantpack_core.codec import Exl3Tensors
 from quantpack_core.errors import CodecError, GeometryError
 from quantpack_core.hadamard import HAD_BLOCK
 from quantpack_core.moe import PROJ_DOWN, PROJ_GATE, PROJ_MODULES, PROJ_UP, PROJECTIONS, bank_from_tensors
-from quantpack_core.tp import sliced_tp_sizes
+from quantpack_core.tp import expert_split, sliced_tp_sizes
 
 from .linear import EXL3_PARTS, PLACEHOLDERS, LayerLoadError, UnsupportedLayerError
 
@@ -46,7 +46,7 @@ logger = logging.getLogger("vllm.quantpack.exl3")
 EXPERT_PARTS: dict[str, torch.dtype] = {s: PLACEHOLDERS[s] for s in EXL3_PARTS}
 #: vLLM's shard id -> the stacked parameter family it belongs to
 STACK = {PROJ_GATE: "w13", PROJ_UP: "w13", PROJ_DOWN: "w2"}
-#: (tp size, intermediate size) of whole-layer fallbacks already announced
+#: (tp size, intermediate size) of expert-split fallbacks already announced
 _reported: set[tuple[int, int]] = set()
 
 
@@ -197,8 +197,10 @@ class Exl3MoEMethod(FusedMoEMethodBase):
 
     Tensor parallelism: each rank keeps its share of every expert's intermediate channels (``w1`` / ``w3`` column
     parallel, ``w2`` row parallel; vLLM all-reduces the ranks' partial sums) when the share is whole 128-channel
-    blocks (seed 001). Otherwise (e.g. 128 channels over 2 ranks) rank 0 keeps and runs the whole layer and the other
-    ranks return zeros, which the all-reduce adds: exact, announced with a warning when the layer is built.
+    blocks (seed 001). Otherwise (e.g. 128 channels over 2 ranks) the experts are split whole instead: rank ``r`` of
+    ``tp`` keeps and runs experts ``e % tp == r`` (:func:`quantpack_core.tp.expert_split`, vLLM's round-robin
+    placement), each routed pick runs on the one rank that holds its expert, and vLLM's all-reduce adds the ranks'
+    sums: exact, announced with a warning when the layer is built.
     """
 
     def __init__(self, moe, backend, prefix: str = ""):
@@ -278,6 +280,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         layer.exl3_params_dtype = params_dtype
         layer.exl3_moe_run = None
         layer.exl3_moe_idle = False
+        layer.exl3_moe_local_ids = None
         # An instance attribute shadows RoutedExperts.load_weights (MoERunner.load_weights delegates to it).
         layer.load_weights = functools.partial(load_expert_weights, layer)
 
@@ -295,10 +298,10 @@ class Exl3MoEMethod(FusedMoEMethodBase):
             ok = ", ".join(str(d) for d in sliced_tp_sizes([_padded(inter)], limit=64))
             logger.warning(
                 "quantpack-exl3: %s (and MoE layers like it) at tensor-parallel size %d: the experts' intermediate "
-                "size %d (stored %d, %d Hadamard block%s of %d) cannot be cut into whole blocks per rank, so rank 0 "
-                "keeps and runs every expert of the layer whole and the other ranks add zero to vLLM's all-reduce "
-                "(exact; the routed experts' memory and compute fall on rank 0). Sizes that cut these experts on "
-                "whole blocks: %s",
+                "size %d (stored %d, %d Hadamard block%s of %d) cannot be cut into whole blocks per rank, so the "
+                "experts are split whole instead: rank r keeps and runs experts e with e %% %d == r, and vLLM's "
+                "all-reduce adds the ranks' sums (exact; a rank's share of the routed work follows the router). "
+                "Sizes that cut these experts on whole blocks: %s",
                 self.prefix,
                 tp_size,
                 inter,
@@ -306,6 +309,7 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 blocks,
                 "" if blocks == 1 else "s",
                 HAD_BLOCK,
+                tp_size,
                 ok,
             )
         return False
@@ -379,18 +383,27 @@ class Exl3MoEMethod(FusedMoEMethodBase):
                 )
         device = layer.w13_trellis.device
         tp_size, tp_rank, sliced = layer.exl3_tp
-        idle = not sliced and tp_rank != 0
+        # a sliced rank keeps its intermediate channels of every expert; otherwise it keeps its experts whole
+        local = None if sliced else expert_split(num, tp_size, tp_rank)
+        idle = local == []
         bank = None
-        if not idle:
-            # a sliced rank keeps its intermediate channels; the whole-layer fallback's rank 0 keeps everything
-            bank = bank_from_tensors(self.prefix, tensors, device, *((tp_size, tp_rank) if sliced else (1, 0)))
+        if local:
+            tensors = {(i, proj): tensors[(e, proj)] for i, e in enumerate(local) for proj in PROJECTIONS}
+            bank = bank_from_tensors(self.prefix, tensors, device)
+        elif not idle:
+            bank = bank_from_tensors(self.prefix, tensors, device, tp_size, tp_rank)
         for f in ("w13", "w2"):
             for s in EXPERT_PARTS:
                 getattr(layer, f"{f}_{s}").captured.clear()
                 delattr(layer, f"{f}_{s}")
-        if idle:
+        if idle:  # more ranks than experts: this one holds none
             layer.exl3_moe_idle = True
             return
+        if local:
+            # logical expert -> this rank's bank id, -1 for the experts other ranks hold (the ops skip those picks)
+            local_ids = torch.full((num,), -1, dtype=torch.int64)
+            local_ids[local] = torch.arange(len(local))
+            layer.exl3_moe_local_ids = torch.nn.Parameter(local_ids.to(device), requires_grad=False)
         if sliced and tp_size > 1:  # the rank's logical channels (the stored ones past the layer's are padding)
             inter = min(bank.plan.inter_local, max(0, inter - bank.plan.inter_start))
         run = self.backend.prepare_moe(bank, hidden, inter, layer.exl3_params_dtype, device)
@@ -460,11 +473,13 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         Raises:
             LayerLoadError: used before ``process_weights_after_loading``.
         """
-        if layer.exl3_moe_idle:  # whole-layer TP fallback: rank 0 computes the layer, this rank adds zero
+        if layer.exl3_moe_idle:  # expert split with more ranks than experts: this rank holds none, adds zero
             return torch.zeros_like(x)
         run = layer.exl3_moe_run
         if run is None:
             raise LayerLoadError(f"{self.prefix}: forward before process_weights_after_loading built the bank")
+        if layer.exl3_moe_local_ids is not None:  # expert split: picks of other ranks' experts become -1
+            topk_ids = layer.exl3_moe_local_ids[topk_ids.long()]
         out = torch.empty_like(x)
         run.fn(x, topk_ids, topk_weights, *[getattr(layer, n) for n in layer.exl3_moe_params], *run.static, out)
         return out

@@ -121,6 +121,8 @@ def _reference_moe(
     ids = topk_ids.reshape(x.shape[0], -1).long()
     acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
     for e in ids.unique().tolist():  # the op is opaque to torch.compile: a data-dependent loop is fine here
+        if e < 0:  # an expert another tensor-parallel rank holds
+            continue
         tok, j = (ids == e).nonzero(as_tuple=True)
         h = x[tok] @ w13[e]
         a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
@@ -145,11 +147,12 @@ def exl3_moe_reference_(
     out: torch.Tensor,
 ) -> None:
     """Routed experts through the reference backend: ``out[t] = sum_j w[t, j] * (silu(x W1) * (x W3)) W2`` of expert
-    ``topk_ids[t, j]``.
+    ``topk_ids[t, j]``, over the picks whose id is not -1.
 
     Args:
         x: ``(T, H)`` activations, the model dtype.
-        topk_ids: ``(T, top_k)`` logical expert ids; topk_weights: ``(T, top_k)`` routing weights.
+        topk_ids: ``(T, top_k)`` expert ids of the bank, or -1 for a pick this bank does not hold (an expert of
+            another tensor-parallel rank; it adds nothing); topk_weights: ``(T, top_k)`` routing weights.
         w13: ``(E, H, 2I)`` dense ``[W1 | W3]`` per expert (dequantized at load), x's dtype.
         w2: ``(E, I, H)`` dense ``W2`` per expert.
         out: ``(T, H)``, written in place (sums accumulate in float32).
@@ -210,8 +213,9 @@ def exl3_moe_(
 
     Args:
         x: ``(T, hidden)`` activations (cast to fp16 for the kernels, zero-extended to the stored width).
-        topk_ids, topk_weights: ``(T, top_k)`` logical expert ids and routing weights.
-        perm: int64 ``(E,)`` logical expert -> physical slot of the bank.
+        topk_ids, topk_weights: ``(T, top_k)`` expert ids of the bank (or -1: an expert another tensor-parallel rank
+            holds; the pick adds nothing) and routing weights.
+        perm: int64 ``(E + 1,)`` expert id -> physical slot of the bank, then -1 (what id -1 indexes).
         tables: int64 ``(9, E)`` device pointers per slot: gate trellis / suh / svh, up ..., down ... (rows in that
             order), from :meth:`quantpack_core.moe.Exl3MoeBank.pointer_tables`.
         w13_trellis ... w2_svh: the bank's six tensors (see :mod:`quantpack_core.moe`); the tables point into them.

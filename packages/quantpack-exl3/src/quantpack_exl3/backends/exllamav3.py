@@ -274,13 +274,13 @@ def _moe_grouped(xh, ids, weights, slot_tensors, codebook: int, inter: int, acc)
     """Per-expert path for large batches outside graph capture: gather each expert's tokens, three GEMMs each."""
     top_k = ids.shape[1]
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=len(slot_tensors)).tolist()  # the one host sync of this path
+    order = torch.argsort(flat, stable=True)  # picks of -1 (experts of other ranks) sort first and are skipped
+    counts = torch.bincount(flat + 1, minlength=len(slot_tensors) + 1).tolist()  # the one host sync of this path
     tok_sorted = order // top_k
     w_sorted = weights.reshape(-1)[order].float()
     hidden = acc.shape[1]
-    start = 0
-    for slot, count in enumerate(counts):
+    start = counts[0]
+    for slot, count in enumerate(counts[1:]):
         if count == 0:
             continue
         tok = tok_sorted[start : start + count]
@@ -318,7 +318,8 @@ def run_exl3_moe(
     K groups runs each group over all slots, with the expert index of every slot outside the group set to -1 (the
     kernel skips such slots; the kernel's own index-range filter is not used). Shapes depend only on ``T``: nothing
     is synchronized with the host. Larger eager batches run expert by expert over the expert's gathered tokens (one
-    host sync for the counts), so each expert is decoded once per call.
+    host sync for the counts), so each expert is decoded once per call. A pick of id -1 (an expert another
+    tensor-parallel rank holds) maps through ``perm``'s last entry to slot -1 and is skipped on both paths.
     """
     tokens = x.shape[0]
     if tokens == 0:
@@ -350,14 +351,16 @@ def prepare_moe(bank: Exl3MoeBank, hidden: int, inter: int, dtype: torch.dtype, 
         dtype: the model dtype; device: the GPU.
 
     Returns:
-        a :class:`MoeRun`: the op reads the permutation, the ``(9, E)`` pointer table and the bank tensors.
+        a :class:`MoeRun`: the op reads the permutation (``(E + 1,)``, last -1), the ``(9, E)`` pointer table and
+        the bank tensors.
 
     Source: seed 001 (``Exl3Bank.tables``); exllamav3 ``MultiLinear`` (``ptrs_trellis`` / ``ptrs_suh`` / ``ptrs_svh``).
     """
     plan = bank.plan
     t = bank.pointer_tables()
     tables = torch.stack([getattr(p, f) for p in (t.gate, t.up, t.down) for f in ("trellis", "suh", "svh")]).to(device)
-    perm = torch.tensor(plan.perm, dtype=torch.int64, device=device)
+    # a trailing -1: the op's id -1 (an expert of another tensor-parallel rank) indexes it and stays -1
+    perm = torch.tensor([*plan.perm, -1], dtype=torch.int64, device=device)
     static = (
         CODEBOOK_IDS[plan.codebook],
         [g.lo for g in plan.groups],
