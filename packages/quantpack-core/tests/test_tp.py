@@ -4,11 +4,13 @@ slices and for the whole-tensor fallbacks of cuts inside a 128-feature block."""
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from quantpack_core import GeometryError, reference_linear
 from quantpack_core.codec import Exl3Tensors
 from quantpack_core.synthetic import random_exl3_layer
-from quantpack_core.tp import COLUMN, ROW, cut_tensors, plan_cut, rank_forward
+from quantpack_core.tp import COLUMN, ROW, cut_tensors, expert_split, plan_cut, rank_forward
 
 # (in, out) logical features, all divisible by 8 (vLLM splits evenly); 640 at TP 2 gives 320 per rank (inside a
 # block), 200 is a padded layer
@@ -60,3 +62,22 @@ def test_which_cuts_are_sliced():
 def test_uneven_split_named():
     with pytest.raises(GeometryError, match=r"down_proj: 200 features cannot be split evenly over 3"):
         plan_cut(ROW, 200, 3, 0, "model.layers.0.mlp.down_proj")
+
+
+@given(experts=st.integers(1, 300), tp=st.integers(1, 64))
+def test_expert_split_places_every_expert_once(experts, tp):
+    """The ranks' expert sets partition 0..E-1, each at most ceil(E / tp) experts, and match vLLM's round-robin
+    expert map (``fused_moe/expert_map_manager.py``: rank r holds r, r + tp, ...)."""
+    parts = [expert_split(experts, tp, r) for r in range(tp)]
+    flat = sorted(e for p in parts for e in p)
+    assert flat == list(range(experts))
+    assert max(len(p) for p in parts) == -(-experts // tp)
+    for r, p in enumerate(parts):
+        assert all(e % tp == r for e in p)
+
+
+def test_expert_split_refuses_bad_input():
+    with pytest.raises(ValueError):
+        expert_split(8, 4, 4)
+    with pytest.raises(ValueError):
+        expert_split(0, 2, 0)

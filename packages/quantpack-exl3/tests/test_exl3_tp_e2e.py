@@ -21,11 +21,17 @@ TP1_JOB = {
 }
 
 
+#: a reference top-2 margin (nats) within which bfloat16 rounding may flip the top-1 (4 steps of 1/16)
+BF16_TIE = 0.25
+
+
 @pytest.mark.parametrize("name", TP_PACKS)
-def test_tp2_equals_tp1(e2e_tp, e2e, figures, name):
+def test_tp2_equals_tp1(e2e_tp, e2e, figures, fixtures_dir, name):
     """float32: the two sizes differ only by the order of the all-reduce's sums (KL <= 1e-6, same greedy tokens).
-    Qwen3-Next runs in bfloat16, where that reordering rounds differently and can flip a router near-tie, so its
-    bound is the size-1 test's own (2e-3 without the worst position)."""
+    Qwen3-Next runs in bfloat16, where that reordering rounds differently (its experts are split whole over the
+    ranks, so each rank's partial sum is rounded before the all-reduce) and can flip a router near-tie, so its KL
+    bound is the size-1 test's own (2e-3 without the worst position), and its top-1 must match the reference
+    wherever the reference's lead is beyond bfloat16 rounding (:data:`BF16_TIE`)."""
     tp2, tp1 = get(e2e_tp, name), get(e2e, TP1_JOB[name])
     lp2, lp1 = torch.load(tp2["save"]), torch.load(tp1["save"])
     a = agreement(lp1, lp2)  # both are log-probabilities; agreement takes the first as logits (log_softmax = id)
@@ -40,7 +46,13 @@ def test_tp2_equals_tp1(e2e_tp, e2e, figures, name):
         assert abs(tp2["kl"] - tp1["kl"]) <= 1e-6
     else:
         assert per_pos.sort().values[:-1].mean() <= 2e-3
-        assert tp2["top1"] >= 0.97
+        # bfloat16 logits of ~10 are rounded to 1/16: a top-1 whose lead over the runner-up (in the reference) is
+        # within a few such steps may flip; every clearer one must not
+        ref = torch.load(fixtures_dir / name / "reference_logits.pt")["logits"][0, : lp2.shape[0]].float()
+        top2 = ref.log_softmax(-1).topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > BF16_TIE
+        assert (lp2.argmax(-1) == ref.argmax(-1))[clear].all()
+        assert tp2["top1"] >= 0.95
 
 
 def test_eagle_draft_at_tp2(e2e_tp, e2e, figures):
