@@ -167,6 +167,10 @@ def test_llama_fixture_layers_at_tp2_and_tp4(vllm_layers, monkeypatch, fixtures_
             )
             assert rel_err(y, ref(x, [tensors], [256])) < TOL, (tp, name)
             assert all(fallback_of(la) != sliced for la in layers), (tp, name)
+            # each rank holds only the 128-row blocks its input share touches, not the whole matrix
+            share = width // tp
+            kept = [min(-(-(r + 1) * share // 128) * 128, width) - r * share // 128 * 128 for r in range(tp)]
+            assert [la.exl3_0_weight.shape[0] for la in layers] == kept, (tp, name)
 
 
 # ----------------------------------------------------------------------------- gate_up / down, row and column

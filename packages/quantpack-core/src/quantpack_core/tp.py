@@ -3,13 +3,14 @@
 An EXL3 weight is ``W = diag(suh) H What H diag(svh)`` with 128-wide Hadamard blocks on both sides, so a slice of
 its rows (input features) or columns (output features) is again an EXL3 tensor exactly when the slice covers whole
 128-feature blocks: the trellis is cut between 16x16 tiles and suh / svh are cut alongside. A rank's share that
-falls inside a block cannot be cut out; then (seed 000, ``_cut_tp``):
+starts or ends inside a block cannot be cut out exactly; then the rank keeps the whole blocks its share touches
+(its *spans*: at most one partly foreign block at each end of each range) and (seed 000's ``_cut_tp`` fallbacks,
+applied to those blocks instead of the whole tensor):
 
-* **column parallel** (the rank owns some output features of the tensor): the rank keeps the whole tensor and
-  selects its columns of the full product;
-* **row parallel** (the rank owns input features ``[i0, i1)`` and the ranks' outputs are summed): the rank keeps the
-  whole matrix and zero-extends its input slice to the full width at ``[i0, i1)``, so its product is exactly its
-  part of the sum.
+* **column parallel** (the rank owns some output features of the tensor): it selects its columns of the spans'
+  product;
+* **row parallel** (the rank owns input features ``[i0, i1)`` and the ranks' outputs are summed): it zero-extends
+  its input slice to the span's width at its place, so its product is exactly its part of the sum.
 
 A column cut may own several ranges of one tensor: a fused shard such as Qwen3.5's ``in_proj_qkv`` (three of
 ``in_proj_qkvz``'s four partitions) gives the rank one range per partition. vLLM splits each partition evenly: rank
@@ -18,8 +19,9 @@ value partitions of ``QKVParallelLinear`` when there are fewer KV heads than ran
 ranks share one head, and rank ``r`` owns head ``r // replicas``.
 
 Plain torch; no vLLM import. Source: seed 000 (``tp_ranges``, ``_cut_tp``: block-aligned slices, whole-tensor
-fallbacks); vLLM ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` (``vllm/model_executor/layers/linear.py``:
-the per-partition split and ``num_kv_head_replicas``); docs/exl3-format.md (the tile and block layout).
+fallbacks, narrowed here to the share's blocks); vLLM ``QKVParallelLinear`` / ``MergedColumnParallelLinear``
+(``vllm/model_executor/layers/linear.py``: the per-partition split and ``num_kv_head_replicas``);
+docs/exl3-format.md (the tile and block layout).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class TpCut:
             feature order (one range, except a column cut of a tensor that covers several partitions).
         features: the tensor's logical features along the split side.
         sliced: True when every range covers whole 128-feature blocks (the last may end at ``features`` inside the
-            padded last block) and the tensor itself is cut; False for the whole-tensor fallback.
+            padded last block) and exactly the share is kept; False for the fallback, which keeps the share's
+            blocks (:attr:`spans`) and selects or zero-extends within them.
     """
 
     kind: str
@@ -72,8 +75,48 @@ class TpCut:
         return sum(b - a for a, b in self.ranges)
 
     def columns(self) -> list[int]:
-        """The owned features, in order (the columns a fallback selects from the full product)."""
+        """The owned features, in order."""
         return [i for a, b in self.ranges for i in range(a, b)]
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """The stored features the rank keeps, as ``[start, stop)`` spans of whole 128-feature blocks: each range
+        widened to the blocks it touches (the last may end at the stored, padded end), overlapping or touching spans
+        merged. For a sliced cut these are the ranges' own blocks."""
+        out: list[tuple[int, int]] = []
+        for a, b in self.ranges:
+            lo, hi = a // HAD_BLOCK * HAD_BLOCK, -(-b // HAD_BLOCK) * HAD_BLOCK
+            if out and lo <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], hi))
+            else:
+                out.append((lo, hi))
+        return tuple(out)
+
+    @property
+    def kept_features(self) -> int:
+        """Logical features of the kept spans: their widths, the last one's cut at ``features`` (the stored
+        padding past the layer's features is not a feature). Equals :attr:`width` for a sliced cut."""
+        spans = self.spans
+        return sum(b - a for a, b in spans) - max(0, spans[-1][1] - self.features)
+
+    def kept_positions(self) -> list[int]:
+        """The owned features' positions among the kept spans' features, in order: the columns a column-parallel
+        fallback selects from the spans' product."""
+        out, offset = [], 0
+        spans = iter(self.spans)
+        lo, hi = next(spans)
+        for a, b in self.ranges:
+            while a >= hi:
+                offset += hi - lo
+                lo, hi = next(spans)
+            out.extend(range(offset + a - lo, offset + b - lo))
+        return out
+
+    def row_pad(self) -> tuple[int, int]:
+        """Row cut: the zeros ``(before, after)`` that put the rank's input slice at its place in the kept span's
+        logical width (``(0, 0)`` for a sliced cut)."""
+        lo = self.spans[0][0]
+        return self.start - lo, self.kept_features - (self.stop - lo)
 
 
 def check_rank(tp_size: int, tp_rank: int) -> None:
@@ -105,7 +148,7 @@ def on_blocks(ranges: Sequence[tuple[int, int]], features: int) -> bool:
 
 
 def make_cut(kind: str, ranges: Sequence[tuple[int, int]], features: int) -> TpCut:
-    """A :class:`TpCut` for explicit ranges: sliced when :func:`on_blocks`, else the whole-tensor fallback.
+    """A :class:`TpCut` for explicit ranges: sliced when :func:`on_blocks`, else the fallback on the ranges' blocks.
 
     Raises:
         ValueError: unknown ``kind``, no range, ranges out of order or outside ``[0, features)``, or several ranges
@@ -185,22 +228,22 @@ def partition_ranges(
 
 
 def cut_tensors(t: Exl3Tensors, cut: TpCut) -> Exl3Tensors:
-    """The rank's EXL3 tensors: its block-aligned slices, or the whole tensor for a fallback cut.
+    """The rank's EXL3 tensors: the whole blocks of its :attr:`TpCut.spans` (for a sliced cut, exactly its share).
 
     Args:
         t: the tensor's full EXL3 tensors (as the pack stores them).
         cut: from :func:`plan_cut` or :func:`make_cut`.
 
     Returns:
-        for a sliced column cut, the trellis tile columns of every range (each range's stored end rounded up to the
-        block) concatenated, with svh alongside; for a sliced row cut, trellis tile rows ``[start/16 : ...]`` with
-        suh alongside; otherwise ``t`` itself.
+        column cut: the trellis tile columns of every span concatenated, with svh alongside; row cut: the trellis
+        tile rows of the span with suh alongside; ``t`` itself when the spans are the whole stored width.
 
     Source: seed 000 (``_cut_tp``).
     """
-    if not cut.sliced:
+    spans = cut.spans
+    stored = t.svh.shape[0] if cut.kind == COLUMN else t.suh.shape[0]
+    if spans == ((0, stored),):
         return t
-    spans = [(a, -(-b // HAD_BLOCK) * HAD_BLOCK) for a, b in cut.ranges]
     if cut.kind == COLUMN:
         trellis = torch.cat([t.trellis[:, a // TILE : b // TILE] for a, b in spans], 1).contiguous()
         svh = torch.cat([t.svh[a:b] for a, b in spans]).contiguous()
@@ -220,28 +263,24 @@ def cut_dense(w: torch.Tensor, cut: TpCut) -> torch.Tensor:
     return w[:, cut.start : cut.stop].contiguous()
 
 
-def rank_forward(x: torch.Tensor, kept: Exl3Tensors, cut: TpCut, full_in: int, dtype=torch.float64) -> torch.Tensor:
+def rank_forward(x: torch.Tensor, kept: Exl3Tensors, cut: TpCut, dtype=torch.float64) -> torch.Tensor:
     """Reference forward of one rank's part (the oracle of the TP tests and the rule the kernels follow).
 
     Args:
-        x: column cut: the full input ``(..., full_in)``; row cut: the rank's input slice ``(..., stop - start)``.
-        kept: :func:`cut_tensors`' result. cut: the rank's cut. full_in: the layer's logical input features.
+        x: column cut: the full input ``(..., in)``; row cut: the rank's input slice ``(..., stop - start)``.
+        kept: :func:`cut_tensors`' result. cut: the rank's cut.
         dtype: compute dtype.
 
     Returns:
-        column cut: the rank's output columns ``(..., cut.width)``; row cut: the rank's partial sum over all output
-        columns (summing the ranks' results gives the layer's output).
+        column cut: the rank's output columns ``(..., cut.width)``, selected from the spans' product
+        (:meth:`TpCut.kept_positions`) for a fallback; row cut: the rank's partial sum over all output columns, its
+        input zero-extended to the span (:meth:`TpCut.row_pad`) for a fallback (summing the ranks' results gives the
+        layer's output).
     """
     if cut.kind == COLUMN:
-        if cut.sliced:
-            return reference_linear(x, kept, dtype, out_features=cut.width)
-        y = reference_linear(x, kept, dtype, out_features=cut.features)
-        return y[..., cut.columns()]
-    if cut.sliced:
-        return reference_linear(x, kept, dtype)
-    full = torch.zeros(*x.shape[:-1], full_in, dtype=x.dtype, device=x.device)
-    full[..., cut.start : cut.stop] = x
-    return reference_linear(full, kept, dtype)
+        y = reference_linear(x, kept, dtype, out_features=cut.kept_features)
+        return y if cut.sliced else y[..., cut.kept_positions()]
+    return reference_linear(torch.nn.functional.pad(x, cut.row_pad()), kept, dtype)
 
 
 def sliced_tp_sizes(features: Sequence[int], limit: int = 16) -> list[int]:

@@ -261,7 +261,7 @@ class Exl3LinearMethod(LinearMethodBase):
                     "Rule: an EXL3 head is cut to whole vocabulary rows per rank and padded partitions are not "
                     f"supported -> serve this pack with --tensor-parallel-size 1, or re-quantize it with a "
                     f"vocabulary padded to a multiple of {64 * size} (of {HAD_BLOCK * size} for each rank's rows to "
-                    "be whole Hadamard blocks, with no whole-tensor fallback)"
+                    "be whole Hadamard blocks, with no fallback)"
                 )
             tp = LinearTp(COLUMN, size, rank, in_full, tuple(partitions), (1,))
             self._report_fallbacks(tp)
@@ -279,7 +279,8 @@ class Exl3LinearMethod(LinearMethodBase):
 
     def _report_fallbacks(self, tp: LinearTp) -> None:
         """Log, before any weight is loaded, the partitions whose rank share falls inside a 128-feature block (they
-        will run the whole-tensor fallback) with the rule and the sizes that avoid it; once per layer kind."""
+        will run the fallback on the blocks it touches) with the rule and the sizes that avoid it; once per layer
+        kind."""
         if tp.kind == ROW:
             cuts = {"input": tp.cut(())}
             features = [tp.in_features]
@@ -294,8 +295,9 @@ class Exl3LinearMethod(LinearMethodBase):
         ok = sliced_tp_sizes(features) or ["none"]
         logger.warning(
             "quantpack-exl3: %s (and layers like it) at tensor-parallel size %d: each rank's share of %s lies "
-            "inside a %d-feature Hadamard block, so every rank keeps the whole EXL3 tensor there and %s (exact; "
-            "costs memory and compute). Sizes up to 16 that cut this layer alone on whole blocks: %s",
+            "inside a %d-feature Hadamard block, so every rank keeps the whole blocks its share touches (up to one "
+            "block more at each end) and %s (exact; costs that memory and compute). Sizes up to 16 that cut this "
+            "layer alone on whole blocks: %s",
             self.prefix,
             tp.size,
             ", ".join(off),
@@ -395,13 +397,13 @@ class Exl3LinearMethod(LinearMethodBase):
             if has_exl3:
                 t = self._shard_tensors(captured, plan)
                 self._check_geometry(t, plan, in_f, out_f)
-                if cut is not None and cut.sliced:
+                if cut is not None:  # the blocks the rank's share touches (exactly its share when sliced)
                     t = cut_tensors(t, cut)
-                    in_f, out_f = (cut.width, out_f) if cut.kind == ROW else (in_f, cut.width)
-                elif cut is not None and cut.kind == ROW:  # whole matrix, input zero-extended to full width
-                    layer.exl3_row_pad = (cut.start, cut.features - cut.stop)
-                elif cut is not None:  # whole tensor, this rank's columns selected from the full product
-                    select = cut.columns()
+                    in_f, out_f = (cut.kept_features, out_f) if cut.kind == ROW else (in_f, cut.kept_features)
+                    if not cut.sliced and cut.kind == ROW:  # fallback: input zero-extended to the kept span
+                        layer.exl3_row_pad = cut.row_pad()
+                    elif not cut.sliced:  # fallback: this rank's columns selected from the kept spans' product
+                        select = cut.kept_positions()
                 kernels.append(self.backend.prepare_shard(t, in_f, out_f, dtype, device))
             else:
                 w = self._fit_dense(captured["weight"].shards[plan.slot], plan, in_f, out_f)
@@ -484,8 +486,9 @@ class Exl3LinearMethod(LinearMethodBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x (..., in)`` -> ``(..., sum of output partitions)`` in ``x``'s dtype (this rank's input and output
         features under tensor parallelism): one registered custom op per shard, each writing its columns of one
-        output; then, for whole-tensor fallbacks, this rank's columns are selected (column parallel) or its input was
-        zero-extended first (row parallel); then ``bias``."""
+        output; then, for fallbacks (shares off the blocks), this rank's columns are selected from the kept blocks'
+        product (column parallel) or its input was zero-extended to the kept blocks first (row parallel); then
+        ``bias``."""
         runs = layer.exl3_runs
         if not runs:
             if getattr(layer, "exl3_empty_head", False):
