@@ -208,8 +208,9 @@ def cpu_pair() -> str | None:
 
 def run_tp_jobs(fixtures_dir: Path, tmp: Path) -> dict:
     """Every CPU-servable pack at tensor-parallel size 2 (two vLLM CPU workers, one core each), eager, its
-    log-probabilities saved, and the EAGLE draft with the main pack at size 2 (both engines' workers); in one runner
-    process. Returns {pack: result, "spec": result}."""
+    log-probabilities saved; the mixed-K MoE pack also at size 4 (two workers per core; its 256 channels over 4
+    ranks split the experts whole); and the EAGLE draft with the main pack at size 2; in one runner process.
+    Returns {pack: result, "tp4/<pack>": result, "spec": result}."""
     bind = cpu_pair()
     if bind is None:
         pytest.skip("tensor parallelism on CPU needs two cores (one per vLLM CPU worker)")
@@ -226,6 +227,10 @@ def run_tp_jobs(fixtures_dir: Path, tmp: Path) -> dict:
         }
         for name in TP_PACKS
     }
+    a, b = bind.split("|")
+    jobs[f"tp4/{MIXED_PACK}"] = dict(
+        jobs[MIXED_PACK], tp=4, env={"VLLM_CPU_OMP_THREADS_BIND": f"{a}|{b}|{a}|{b}"}, save=str(tmp / "tp4-mixed.lp.pt")
+    )
     # the draft's embedding and head are the target's vocabulary-parallel modules at size 2 too; the prompts are
     # the size-1 spec jobs' (run_e2e_jobs)
     tokens = stdlib_tokens(fixtures_dir / MAIN_PACK / "tokenizer.json")

@@ -332,8 +332,9 @@ def test_lm_head_vocab_rows(vllm_layers, monkeypatch, fixtures_dir, tp, keeps_tp
 
 
 def test_lm_head_off_block_rows_fall_back_and_say_so(vllm_layers, monkeypatch, caplog):
-    """1088 rows (17 x 64) over 2 ranks: 544 rows each, not whole 128-row blocks. Every rank keeps the whole head and
-    selects its rows; the fallback is announced once, when the head is built."""
+    """1088 rows (17 x 64) over 2 ranks: 544 rows each, not whole 128-row blocks. Each rank keeps the blocks its rows
+    touch (rank 0: rows 0-639, rank 1: 512-1087) and selects its rows; the fallback is announced once, when the head
+    is built."""
     import logging
 
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
@@ -355,6 +356,7 @@ def test_lm_head_off_block_rows_fall_back_and_say_so(vllm_layers, monkeypatch, c
         )
     assert rel_err(y, ref(x, [head], [1088])) < TOL
     assert all(fallback_of(la) for la in layers)
+    assert [la.exl3_0_weight.shape[1] for la in layers] == [640, 576]
     notes = [r.getMessage() for r in caplog.records if "Hadamard block" in r.getMessage()]
     assert len(notes) == 1 and "lm_head" in notes[0] and "544 of 1088 features" in notes[0], notes
 
@@ -409,10 +411,19 @@ def make_rank_layer(tp, rank, inter=256):
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8, 16])
-def test_experts_summed_over_ranks(fixtures_dir, tp):
+def test_experts_summed_over_ranks(fixtures_dir, monkeypatch, caplog, tp):
     """The fixture's 8 experts (intermediate 256): at TP 2 each rank keeps one 128-channel block of every expert; at
-    4 and 8 the share is inside a block and the experts are split whole (rank r keeps experts r, r + tp, ...), each
-    rank adding only its experts' picks; at 16 half the ranks hold no expert and add zero."""
+    4 and 8 the share is inside a block and the experts are split whole (rank r keeps experts r, r + tp, ...: vLLM's
+    own round-robin expert map), each rank adding only its experts' picks; at 16 half the ranks hold no expert and
+    add zero. The split is announced once, by rank 0, when the layer is built."""
+    import logging
+
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    import quantpack_exl3.moe as moe_mod
+
+    monkeypatch.setattr(moe_mod, "_reported", set())
+    caplog.set_level(logging.WARNING, logger="vllm.quantpack.exl3")
     tensors = expert_tensors(fixtures_dir / HIGH)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, H, generator=g)
@@ -429,6 +440,8 @@ def test_experts_summed_over_ranks(fixtures_dir, tp):
             assert layer.exl3_moe_w2.shape == (E, 128, H)  # this rank's intermediate block of every expert
         elif mine:
             assert layer.exl3_moe_w2.shape == (len(mine), 256, H)  # this rank's experts, whole
+            vllm_map = determine_expert_map(tp, rank, E, "round_robin")[1]
+            assert layer.exl3_moe_local_ids.tolist() == vllm_map.tolist()
             # alone, the rank's part is the layer restricted to its own experts' picks
             own = torch.isin(ids, torch.tensor(mine))
             want_part = reference_moe_forward(oracle_bank(tensors), x, ids, w * own)
@@ -438,3 +451,8 @@ def test_experts_summed_over_ranks(fixtures_dir, tp):
         total = total + part
     want = reference_moe_forward(oracle_bank(tensors), x, ids, w)
     assert rel_err(total, want) < TOL
+    notes = [r.getMessage() for r in caplog.records if "split whole" in r.getMessage()]
+    if tp == 2:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and f"e % {tp} == r" in notes[0] and notes[0].endswith("instead: 2"), notes

@@ -3,13 +3,24 @@ CPU worker processes, gloo), and its prompt log-probabilities equal the same pac
 
 At size 2 the packs exercise every cut: block-aligned slices (q_proj, o_proj, lm_head, Qwen3-MoE experts at 128
 channels per rank), column fallbacks (k / v at 64 per rank, gate_up at 320, Qwen3-Next's in_proj_qkvz and shared
-expert), row fallbacks (down_proj at 320) and the experts' whole-layer fallback (Qwen3-Next: 128 channels). The
+expert), row fallbacks (down_proj at 320) and the experts' split by whole experts (Qwen3-Next: 128 channels; the mixed-K
+pack also at size 4, float32, two workers per core). The
 size-1 runs are the session's other end-to-end jobs (test_exl3_vllm_e2e.py, test_exl3_moe_e2e.py), themselves
 checked against exllamav3's and the exact references."""
 
 import pytest
 import torch
-from e2e_jobs import LLAMA_PACKS, MAIN_PACK, MOE_PACKS, NEXT_PACK, TP_PACKS, get, per_position_kl, tp_dtype
+from e2e_jobs import (
+    LLAMA_PACKS,
+    MAIN_PACK,
+    MIXED_PACK,
+    MOE_PACKS,
+    NEXT_PACK,
+    TP_PACKS,
+    get,
+    per_position_kl,
+    tp_dtype,
+)
 
 from quantpack_core.compare import agreement
 
@@ -53,6 +64,10 @@ def test_tp2_equals_tp1(e2e_tp, e2e, figures, fixtures_dir, name):
         clear = (top2[:, 0] - top2[:, 1]) > BF16_TIE
         assert (lp2.argmax(-1) == ref.argmax(-1))[clear].all()
         assert tp2["top1"] >= 0.95
+        # and against size 1 by the same rule, with size 1's own leads
+        lead1 = lp1.topk(2, dim=-1).values
+        clear1 = (lead1[:, 0] - lead1[:, 1]) > BF16_TIE
+        assert (lp2.argmax(-1) == lp1.argmax(-1))[clear1].all()
 
 
 def test_eagle_draft_at_tp2(e2e_tp, e2e, figures):
@@ -72,3 +87,18 @@ def test_eagle_draft_at_tp2(e2e_tp, e2e, figures):
     emb = [v for k, v in mods.items() if k.endswith("embed_tokens")]
     assert len(emb) == 1 and emb[0]["shared_with_target"], mods
     assert mods["lm_head"]["shared_with_target"] and mods["lm_head"]["method"] == "Exl3LinearMethod", mods
+
+
+def test_mixed_k_experts_split_whole_at_tp4(e2e_tp, e2e, figures):
+    """float32, size 4: the mixed-K pack's 256 intermediate channels give 64 per rank, inside a block, so each rank
+    runs its 2 of the 8 experts whole (vLLM's round-robin map); the all-reduce of the four ranks' sums equals size 1
+    up to summation order (KL <= 1e-6, same greedy tokens)."""
+    tp4, tp1 = get(e2e_tp, f"tp4/{MIXED_PACK}"), get(e2e, TP1_JOB[MIXED_PACK])
+    lp4, lp1 = torch.load(tp4["save"]), torch.load(tp1["save"])
+    a = agreement(lp1, lp4)
+    figures.append(
+        f"{MIXED_PACK} TP 4 (float32, experts split whole): KL vs TP 1 {a.kl:.3g}, vs reference {tp4['kl']:.3g} "
+        f"(TP 1: {tp1['kl']:.3g}), load {tp4['load_s']:.0f} s"
+    )
+    assert a.kl <= 1e-6
+    assert tp4["greedy"] == tp1["greedy"]

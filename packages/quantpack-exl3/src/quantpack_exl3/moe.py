@@ -286,7 +286,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
 
     def _tp_sliced(self, inter: int, tp_size: int) -> bool:
         """Whether this layer's experts are cut along their intermediate channels (each rank a whole number of
-        128-channel blocks); if not, the whole-layer fallback is announced here, before any weight is loaded."""
+        128-channel blocks); if not, the expert split that replaces the cut is announced here, before any weight is
+        loaded."""
         if tp_size == 1:
             return True
         blocks = _padded(inter) // HAD_BLOCK
@@ -295,13 +296,15 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         key = (tp_size, inter)
         if key not in _reported and int(getattr(self.moe, "tp_rank", 0) or 0) == 0:
             _reported.add(key)
-            ok = ", ".join(str(d) for d in sliced_tp_sizes([_padded(inter)], limit=64))
+            sizes = [d for d in sliced_tp_sizes([_padded(inter)], limit=64) if d > 1]
+            ok = ", ".join(map(str, sizes)) if sizes else "none above 1"
             logger.warning(
                 "quantpack-exl3: %s (and MoE layers like it) at tensor-parallel size %d: the experts' intermediate "
                 "size %d (stored %d, %d Hadamard block%s of %d) cannot be cut into whole blocks per rank, so the "
                 "experts are split whole instead: rank r keeps and runs experts e with e %% %d == r, and vLLM's "
-                "all-reduce adds the ranks' sums (exact; a rank's share of the routed work follows the router). "
-                "Sizes that cut these experts on whole blocks: %s",
+                "all-reduce adds the ranks' sums (exact up to the rounding of each rank's partial sum to the model "
+                "dtype, as for any row-parallel layer; a rank's share of the routed work follows the router). "
+                "Tensor-parallel sizes that cut these experts on whole blocks instead: %s",
                 self.prefix,
                 tp_size,
                 inter,

@@ -240,7 +240,8 @@ def _moe_slots(xh, ids, weights, tables, mcg, mul1, groups, inter, acc) -> None:
             idx = flat_ids
         else:
             # the group's slots index its own table slice; every other slot gets -1, which the kernel skips (no
-            # product, and left out of the weighted sum of its token)
+            # product, and left out of the weighted sum of its token; a token whose slots are all -1 gets a zero
+            # row of c: test_exl3_gpu_moe.py's absent-expert cases check both on exllamav3 1.6.5)
             idx = torch.where((flat_ids >= lo) & (flat_ids < hi), flat_ids - lo, -1)
         ext.exl3_mgemm(a, tab[0], g, tab[1], ah_in, tab[2], idx, None, k_gu, -1, mcg, mul1, -1, -1, 0, 1)
         ext.exl3_mgemm(a, tab[3], u, tab[4], ah_in, tab[5], idx, None, k_gu, -1, mcg, mul1, -1, -1, 0, 1)
@@ -328,6 +329,7 @@ def run_exl3_moe(
     hidden = out.shape[1]
     hidden_stored = bank["w13_suh"].shape[2]
     inter = bank["w2_suh"].shape[1]
+    # ids are >= 0 or -1 (the method's expert-split map emits no other negative): -1 indexes perm's trailing -1
     ids = perm[topk_ids.long()]
     weights = topk_weights.to(torch.float16)
     xh = x.to(torch.float16)
