@@ -245,3 +245,16 @@ def run_tp_jobs(fixtures_dir: Path, tmp: Path) -> dict:
         "env": {"VLLM_CPU_OMP_THREADS_BIND": bind},
     }
     return run_runner(jobs, tmp, timeout=2400)
+
+
+def check_draft_shares_target(res: dict) -> dict:
+    """A ``spec`` job's checks: greedy output with the draft equals the output without it, draft tokens were
+    accepted, and the draft's embedding and head are the target's own modules (the head an EXL3 one). Returns the
+    draft's embedding entry of ``draft_vocab_modules``."""
+    mods = res["draft_vocab_modules"]
+    assert res["spec"] == res["plain"]
+    assert res["drafted"] > 0 and res["accepted"] > 0
+    emb = [v for k, v in mods.items() if k.endswith("embed_tokens")]
+    assert len(emb) == 1 and emb[0]["shared_with_target"], mods
+    assert mods["lm_head"]["shared_with_target"] and mods["lm_head"]["method"] == "Exl3LinearMethod", mods
+    return emb[0]
