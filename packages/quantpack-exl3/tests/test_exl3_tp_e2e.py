@@ -3,10 +3,9 @@ CPU worker processes, gloo), and its prompt log-probabilities equal the same pac
 
 At size 2 the packs exercise every cut: block-aligned slices (q_proj, o_proj, lm_head, Qwen3-MoE experts at 128
 channels per rank), column fallbacks (k / v at 64 per rank, gate_up at 320, Qwen3-Next's in_proj_qkvz and shared
-expert), row fallbacks (down_proj at 320) and the experts' split by whole experts (Qwen3-Next: 128 channels; the mixed-K
-pack also at size 4, float32, two workers per core). The
-size-1 runs are the session's other end-to-end jobs (test_exl3_vllm_e2e.py, test_exl3_moe_e2e.py), themselves
-checked against exllamav3's and the exact references."""
+expert), row fallbacks (down_proj at 320) and the experts' split by whole experts (Qwen3-Next: 128 channels; the
+mixed-K pack also at size 4, float32, two workers per core). The size-1 runs are the session's other end-to-end jobs
+(test_exl3_vllm_e2e.py, test_exl3_moe_e2e.py), themselves checked against exllamav3's and the exact references."""
 
 import pytest
 import torch
@@ -37,6 +36,13 @@ TP1_JOB = {
 BF16_TIE = 0.25
 
 
+def clear_leads(logits: torch.Tensor) -> torch.Tensor:
+    """Per position of ``(P, vocab)`` logits (or log-probabilities): whether the top token leads the runner-up by
+    more than :data:`BF16_TIE` nats."""
+    top2 = logits.float().log_softmax(-1).topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]) > BF16_TIE
+
+
 @pytest.mark.parametrize("name", TP_PACKS)
 def test_tp2_equals_tp1(e2e_tp, e2e, figures, fixtures_dir, name):
     """float32: the two sizes differ only by the order of the all-reduce's sums (KL <= 1e-6, same greedy tokens).
@@ -60,15 +66,11 @@ def test_tp2_equals_tp1(e2e_tp, e2e, figures, fixtures_dir, name):
         assert per_pos.sort().values[:-1].mean() <= 2e-3
         # bfloat16 logits of ~10 are rounded to 1/16: a top-1 whose lead over the runner-up (in the reference) is
         # within a few such steps may flip; every clearer one must not
-        ref = torch.load(fixtures_dir / name / "reference_logits.pt")["logits"][0, : lp2.shape[0]].float()
-        top2 = ref.log_softmax(-1).topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > BF16_TIE
-        assert (lp2.argmax(-1) == ref.argmax(-1))[clear].all()
+        ref = torch.load(fixtures_dir / name / "reference_logits.pt")["logits"][0, : lp2.shape[0]]
+        assert (lp2.argmax(-1) == ref.argmax(-1))[clear_leads(ref)].all()
         assert tp2["top1"] >= 0.95
         # and against size 1 by the same rule, with size 1's own leads
-        lead1 = lp1.topk(2, dim=-1).values
-        clear1 = (lead1[:, 0] - lead1[:, 1]) > BF16_TIE
-        assert (lp2.argmax(-1) == lp1.argmax(-1))[clear1].all()
+        assert (lp2.argmax(-1) == lp1.argmax(-1))[clear_leads(lp1)].all()
 
 
 def test_eagle_draft_at_tp2(e2e_tp, e2e, figures):

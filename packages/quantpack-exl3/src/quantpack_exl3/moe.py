@@ -200,7 +200,8 @@ class Exl3MoEMethod(FusedMoEMethodBase):
     blocks (seed 001). Otherwise (e.g. 128 channels over 2 ranks) the experts are split whole instead: rank ``r`` of
     ``tp`` keeps and runs experts ``e % tp == r`` (:func:`quantpack_core.tp.expert_split`, vLLM's round-robin
     placement), each routed pick runs on the one rank that holds its expert, and vLLM's all-reduce adds the ranks'
-    sums: exact, announced with a warning when the layer is built.
+    sums (exact up to the rounding of each rank's partial sum to the model dtype, as for any row-parallel layer);
+    announced with a warning when the layer is built.
     """
 
     def __init__(self, moe, backend, prefix: str = ""):
@@ -388,18 +389,17 @@ class Exl3MoEMethod(FusedMoEMethodBase):
         tp_size, tp_rank, sliced = layer.exl3_tp
         # a sliced rank keeps its intermediate channels of every expert; otherwise it keeps its experts whole
         local = None if sliced else expert_split(num, tp_size, tp_rank)
-        idle = local == []
         bank = None
-        if local:
+        if local is None:
+            bank = bank_from_tensors(self.prefix, tensors, device, tp_size, tp_rank)
+        elif local:
             tensors = {(i, proj): tensors[(e, proj)] for i, e in enumerate(local) for proj in PROJECTIONS}
             bank = bank_from_tensors(self.prefix, tensors, device)
-        elif not idle:
-            bank = bank_from_tensors(self.prefix, tensors, device, tp_size, tp_rank)
         for f in ("w13", "w2"):
             for s in EXPERT_PARTS:
                 getattr(layer, f"{f}_{s}").captured.clear()
                 delattr(layer, f"{f}_{s}")
-        if idle:  # more ranks than experts: this one holds none
+        if bank is None:  # expert split with more ranks than experts: this one holds none
             layer.exl3_moe_idle = True
             return
         if local:
