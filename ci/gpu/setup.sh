@@ -37,7 +37,7 @@ fi
 if [ -f .stage/ext/exllamav3_ext.so.xz ] && ! [ -f /tmp/ext-built ]; then
   mkdir -p /tmp/ext-prebuilt
   xz -dc .stage/ext/exllamav3_ext.so.xz > /tmp/ext-prebuilt/exllamav3_ext.so
-  if python3 -c "from quantpack_exl3.backends.exllamav3 import load_extension; load_extension()"; then
+  if python3 -c "from quantpack_exl3.backends.exllamav3.extension import load_extension; load_extension()"; then
     touch /tmp/ext-built
     echo "exllamav3 extension: prebuilt one loaded"
     # a JIT build started by an earlier run (before the prebuilt one arrived) would only compete for the cores
@@ -56,7 +56,7 @@ building() { [ -f /tmp/ext-build.pid ] && kill -0 "$(cat /tmp/ext-build.pid)" 2>
 if ! [ -f /tmp/ext-built ]; then
   if ! building; then
     setsid bash -c 'source ci/gpu/env.sh; python3 -c "
-from quantpack_exl3.backends.exllamav3 import load_extension; load_extension(); print(\"built\")
+from quantpack_exl3.backends.exllamav3.extension import load_extension; load_extension(); print(\"built\")
 " > /tmp/ext-build.log 2>&1 && touch /tmp/ext-built' > /dev/null 2>&1 < /dev/null &
     echo $! > /tmp/ext-build.pid
     echo "exllamav3 extension build started (log: /tmp/ext-build.log)"

@@ -6,7 +6,7 @@ import torch
 from scalar_exl3 import codebook_value, decode_tile
 
 from quantpack_core import LEGAL_K, Codebook, codebook_table, decode_tiles, width_from_k
-from quantpack_core.trellis import HALF_K
+from quantpack_core.codec.trellis import HALF_K
 
 CASES = [(k, cb) for k in LEGAL_K for cb in ("3inst", "mcg", "mul1") if k not in HALF_K or cb == "mul1"]
 

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantpack_core import CodecError, Exl3Tensors, GeometryError, dequantize, reference_linear
+from quantpack_core.codec.trellis import LEGAL_K, width_from_k
 from quantpack_core.moe import (
     BANK_TENSORS,
     PROJECTIONS,
@@ -22,7 +23,6 @@ from quantpack_core.moe import (
     trellis_shape,
 )
 from quantpack_core.synthetic import random_exl3_layer
-from quantpack_core.trellis import LEGAL_K, width_from_k
 
 LAYER = "model.layers.5.mlp.experts"
 H, INTER = 128, 1024  # 8 Hadamard blocks of intermediate channels: tp_size 8 leaves one block per rank

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantpack_core import GeometryError, reference_linear
-from quantpack_core.codec import Exl3Tensors
+from quantpack_core.codec import Exl3Tensors, cut_tensors, rank_forward
 from quantpack_core.synthetic import random_exl3_layer
-from quantpack_core.tp import COLUMN, ROW, cut_tensors, expert_split, make_cut, plan_cut, rank_forward
+from quantpack_core.tp import COLUMN, ROW, expert_split, make_cut, plan_cut
 
 # (in, out) logical features, all divisible by 8 (vLLM splits evenly); 640 at TP 2 gives 320 per rank (inside a
 # block), 200 is a padded layer

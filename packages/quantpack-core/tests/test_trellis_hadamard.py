@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quantpack_core import CodecError, GeometryError, had128, hadamard_matrix, k_from_width, width_from_k
-from quantpack_core.trellis import LEGAL_K, tile_placement
+from quantpack_core.codec.trellis import LEGAL_K, tile_placement
 
 
 @pytest.mark.parametrize("k", LEGAL_K)

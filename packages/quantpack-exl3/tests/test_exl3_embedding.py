@@ -40,10 +40,10 @@ def int8_pack(fixtures_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_rows_through_vllm_embedding(vllm_layers, int8_pack, figures, dtype):
-    from quantpack_exl3.embedding import Exl3EmbeddingMethod
+    from quantpack_core.vllm.embedding import Int8RowsEmbeddingMethod
 
     layer = embed_layer(vllm_layers, int8_pack.manifest, dtype=dtype)
-    assert isinstance(layer.quant_method, Exl3EmbeddingMethod)
+    assert isinstance(layer.quant_method, Int8RowsEmbeddingMethod)
     t = int8_pack.module_tensors("model.embed_tokens")
     feed(layer, t)
     layer.quant_method.process_weights_after_loading(layer)
@@ -88,7 +88,7 @@ def test_shorter_table_is_padded_to_vllm_rows(vllm_layers):
 
 
 def test_empty_table_raises_only_when_used(vllm_layers):
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     layer = embed_layer(vllm_layers)
     layer.quant_method.process_weights_after_loading(layer)
@@ -99,7 +99,7 @@ def test_empty_table_raises_only_when_used(vllm_layers):
 
 @pytest.mark.parametrize("case", ["qweight only", "both", "wide"])
 def test_bad_tables(vllm_layers, int8_pack, case):
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     t = int8_pack.module_tensors("model.embed_tokens")
     layer = embed_layer(vllm_layers)
@@ -119,11 +119,11 @@ def test_bad_tables(vllm_layers, int8_pack, case):
 def test_tied_config_with_a_stored_head_is_untied(fixtures_dir):
     from transformers import AutoConfig
 
-    from quantpack_exl3.config import untie_if_head_stored
+    from quantpack_core.vllm.config import untie_if_head_stored
 
     cfg_ = AutoConfig.from_pretrained(fixtures_dir / MAIN)
     cfg_.tie_word_embeddings = True
-    assert untie_if_head_stored(Pack.open(fixtures_dir / MAIN), cfg_)
+    assert untie_if_head_stored(list(Pack.open(fixtures_dir / MAIN).modules), cfg_, MAIN)
     assert cfg_.tie_word_embeddings is False
 
 
@@ -137,9 +137,9 @@ def test_layers_built_without_a_quant_config_get_the_exl3_one(vllm_layers):
         VocabParallelEmbedding,
     )
 
-    from quantpack_exl3.embedding import Exl3EmbeddingMethod
-    from quantpack_exl3.layers import patch_embedding_constructors
-    from quantpack_exl3.linear import Exl3LinearMethod
+    from quantpack_core.vllm.embedding import Int8RowsEmbeddingMethod
+    from quantpack_core.vllm.layers import patch_embedding_constructors
+    from quantpack_exl3.methods import Exl3LinearMethod
 
     assert patch_embedding_constructors() is False  # register() installed it already
     exl3 = cfg(vllm_layers)
@@ -149,7 +149,7 @@ def test_layers_built_without_a_quant_config_get_the_exl3_one(vllm_layers):
         explicit = None
         if "quant_method" in inspect.signature(VocabParallelEmbedding.__init__).parameters:  # vLLM >= 0.31
             explicit = VocabParallelEmbedding(1024, 256, quant_method=UnquantizedEmbeddingMethod())
-    assert isinstance(embed.quant_method, Exl3EmbeddingMethod)
+    assert isinstance(embed.quant_method, Int8RowsEmbeddingMethod)
     assert isinstance(head.quant_method, Exl3LinearMethod)
     assert explicit is None or isinstance(explicit.quant_method, UnquantizedEmbeddingMethod)
     plain = VocabParallelEmbedding(1024, 256)  # the fixture's current config has no quant config
@@ -160,7 +160,7 @@ def test_draft_head_without_weights_stays_empty(vllm_layers):
     """A draft's lm_head gets no tensors (vLLM shares the target's after loading): loading passes, use says why."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     head = ParallelLMHead(1024, 256, quant_config=cfg(vllm_layers), prefix="lm_head", params_dtype=torch.float32)
     head.quant_method.process_weights_after_loading(head)
@@ -204,7 +204,7 @@ def test_compressed_tensors_embedding_only_where_a_family_announces_it(vllm_laye
         VocabParallelEmbedding,
     )
 
-    from quantpack_exl3.layers import embedding_prefix
+    from quantpack_core.vllm.layers import embedding_prefix
 
     ct = CompressedTensorsConfig.from_config(CT_EMBEDDING)
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"), quant_config=ct)):

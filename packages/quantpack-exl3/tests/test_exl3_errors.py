@@ -39,7 +39,7 @@ def process(layer):
 
 
 def test_fused_layer_mixing_trellis_and_dense(vllm_layers):
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     layer = layer_qkv(vllm_layers)
     load(layer, shard(256), "q")
@@ -50,7 +50,7 @@ def test_fused_layer_mixing_trellis_and_dense(vllm_layers):
 
 
 def test_missing_shard(vllm_layers):
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     layer = layer_qkv(vllm_layers)
     load(layer, shard(256), "q")
@@ -60,7 +60,7 @@ def test_missing_shard(vllm_layers):
 
 
 def test_shard_vectors_without_trellis(vllm_layers):
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     layer = layer_qkv(vllm_layers)
     load(layer, shard(256), "q")
@@ -73,7 +73,7 @@ def test_shard_vectors_without_trellis(vllm_layers):
 
 
 def test_shard_missing_svh(vllm_layers):
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     layer = layer_qkv(vllm_layers)
     load(layer, shard(256), "q")
@@ -86,7 +86,7 @@ def test_shard_missing_svh(vllm_layers):
 
 
 def test_shard_arriving_twice(vllm_layers):
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     layer = layer_qkv(vllm_layers)
     load(layer, shard(256), "q")
@@ -104,7 +104,7 @@ def test_stored_shape_does_not_fit_the_layer(vllm_layers):
 
 
 def test_illegal_trellis_at_load(vllm_layers):
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     layer = layer_qkv(vllm_layers)
     q = shard(256)
@@ -117,7 +117,7 @@ def test_illegal_trellis_at_load(vllm_layers):
 
 
 def test_layer_with_nothing_loaded(vllm_layers):
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     layer = layer_qkv(vllm_layers)
     with pytest.raises(LayerLoadError, match="no tensor of this layer was loaded"):
@@ -126,7 +126,7 @@ def test_layer_with_nothing_loaded(vllm_layers):
 
 def test_manifest_mixing_exl3_and_dense_behind_one_layer(vllm_layers):
     """Refused when the config is built (in vLLM's front-end process), before any layer exists."""
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     storage = {
         "model.layers.0.mlp.gate_proj": {"quant_format": "exl3", "stored_tensors": {}},
@@ -142,16 +142,19 @@ def test_unknown_codebook_name_in_config_is_only_informational(vllm_layers):
 
 
 def test_bad_backend_choice(vllm_layers, monkeypatch):
-    from quantpack_exl3.backends import BackendUnavailableError, select_backend
+    from quantpack_core.errors import BackendUnavailableError
+    from quantpack_core.kernels import Platform
+    from quantpack_exl3.config import Exl3Config
 
     monkeypatch.setenv("QUANTPACK_EXL3_BACKEND", "marlin")
     with pytest.raises(BackendUnavailableError, match="QUANTPACK_EXL3_BACKEND='marlin'"):
-        select_backend("cpu")
+        Exl3Config.resolve_kernels(Platform("cpu"))
     monkeypatch.delenv("QUANTPACK_EXL3_BACKEND")
     with pytest.raises(BackendUnavailableError, match="QUANTPACK_EXL3_BACKEND=reference"):
-        select_backend("cuda")
+        Exl3Config.resolve_kernels(Platform("cuda", 90))  # no exllamav3 extension on this CPU machine
     monkeypatch.setenv("QUANTPACK_EXL3_BACKEND", "reference")
-    assert select_backend("cuda").name == "reference"
+    linear, experts = Exl3Config.resolve_kernels(Platform("cuda", 90))
+    assert [k.name for k in linear] == [k.name for k in experts] == ["reference"]
 
 
 def test_unfused_layer_is_named_by_its_module(vllm_layers):

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from ops_check import opcheck
 
 from quantpack_core import Exl3Tensors, Pack, reference_linear
+from quantpack_core.codec.trellis import HALF_K
 from quantpack_core.synthetic import random_exl3_layer
-from quantpack_core.trellis import HALF_K
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,13 +37,34 @@ FLOOR = 1e-4
 FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
 
 
+class Exllamav3Shards:
+    """The exllamav3 linear kernel, prepared for a whole (unsharded) shard of the given logical size on this GPU."""
+
+    @staticmethod
+    def prepare_shard(t: Exl3Tensors, in_f: int, out_f: int, dtype: torch.dtype, device: torch.device):
+        from quantpack_core.kernels import TP_WHOLE
+        from quantpack_exl3.backends.exllamav3 import Exllamav3LinearKernel
+        from quantpack_exl3.format import EXL3
+
+        spec = EXL3.spec(t, current_platform(), in_f, out_f, dtype, TP_WHOLE)
+        assert Exllamav3LinearKernel.can_implement(spec) == (True, None)
+        return Exllamav3LinearKernel.prepare(t, spec, device)
+
+
+def current_platform():
+    from quantpack_core.kernels import CUDA, Platform
+
+    major, minor = torch.cuda.get_device_capability()
+    return Platform(CUDA, capability=major * 10 + minor)
+
+
 @pytest.fixture(scope="module")
 def backend():
-    """The exllamav3 backend; on a GPU machine its extension must import (a failure here fails the tier)."""
-    from quantpack_exl3.backends.exllamav3 import Exllamav3Backend, load_extension
+    """The exllamav3 kernel; on a GPU machine its extension must import (a failure here fails the tier)."""
+    from quantpack_exl3.backends.exllamav3 import Exllamav3LinearKernel
 
-    load_extension()
-    return Exllamav3Backend
+    assert Exllamav3LinearKernel.available(current_platform()) == (True, None)
+    return Exllamav3Shards
 
 
 def exllamav3_forward(t: Exl3Tensors, x16: torch.Tensor) -> torch.Tensor:
@@ -136,9 +158,7 @@ def test_opcheck(backend):
     for rows in (1, 40, 200):
         x = torch.randn((rows, 256), device=dev).half()
         out = torch.zeros((rows, 400), dtype=torch.float16, device=dev)
-        torch.library.opcheck(
-            torch.ops.quantpack.exl3_gemm_.default, (x, *kernel.tensors.values(), *kernel.static, out, 16)
-        )
+        opcheck("exl3_gemm_", (x, *kernel.tensors.values(), *kernel.static, out, 16))
 
 
 def test_compiles_in_one_graph_and_captures_in_a_cuda_graph(backend):
@@ -174,3 +194,19 @@ def test_compiles_in_one_graph_and_captures_in_a_cuda_graph(backend):
             graph.replay()
             torch.cuda.synchronize()
             assert rel_err(static_y.float(), fused(static_x).double()) < 1e-3, rows
+
+
+def test_this_gpu_chooses_exllamav3_for_every_k_and_codebook():
+    """On the GPU machine itself, with real availability: the platform's priority list takes every K and codebook
+    to the exllamav3 kernel, with no kernel declining before it (the support matrix's CUDA rows, on a device)."""
+    from quantpack_core.kernels import TP_WHOLE, LinearSpec, choose_kernel
+    from quantpack_exl3.config import Exl3Config
+
+    linear, experts = Exl3Config.resolve_kernels(current_platform())
+    assert [k.name for k in linear] == [k.name for k in experts] == ["exllamav3"]
+    for k_bits, codebook in RANDOM_CASES:
+        spec = LinearSpec(
+            current_platform(), "exl3", k_bits, codebook, 4096, 14336, 4096, 14336, torch.bfloat16, TP_WHOLE
+        )
+        choice = choose_kernel(linear, spec, "test")
+        assert choice.kernel.name == "exllamav3" and choice.declined == ()

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from ops_check import opcheck
+from test_exl3_gpu_kernels import current_platform
 
 from quantpack_core.moe import Exl3MoeBank, bank_from_tensors, plan_moe_layer, reference_moe_forward
 from quantpack_core.synthetic import random_exl3_layer
@@ -29,12 +31,26 @@ TOKENS = [1, 3, 64, 100, 600]
 TOL = 3e-3
 
 
+class Exllamav3Banks:
+    """The exllamav3 expert kernel, prepared for a whole (unsharded) bank on this GPU."""
+
+    @staticmethod
+    def prepare_moe(bank: Exl3MoeBank, hidden: int, inter: int, dtype: torch.dtype, device: torch.device):
+        from quantpack_core.kernels import TP_WHOLE
+        from quantpack_exl3.backends.exllamav3 import Exllamav3ExpertKernel
+        from quantpack_exl3.format import EXL3
+
+        spec = EXL3.expert_spec(bank, current_platform(), dtype, TP_WHOLE)
+        assert Exllamav3ExpertKernel.can_implement(spec) == (True, None)
+        return Exllamav3ExpertKernel.prepare(bank, spec, hidden, inter, device)
+
+
 @pytest.fixture(scope="module")
 def backend():
-    from quantpack_exl3.backends.exllamav3 import Exllamav3Backend, load_extension
+    from quantpack_exl3.backends.exllamav3 import Exllamav3ExpertKernel
 
-    load_extension()
-    return Exllamav3Backend
+    assert Exllamav3ExpertKernel.available(current_platform()) == (True, None)
+    return Exllamav3Banks
 
 
 def pack_bank(pack: str, layer: str = "model.layers.0.mlp.experts") -> Exl3MoeBank:
@@ -76,7 +92,7 @@ def check(backend, bank: Exl3MoeBank, hidden: int, tokens: int, top_k: int, seed
         gone = ids % 3 == absent
         given, w_ref = torch.where(gone, -1, ids), torch.where(gone, 0.0, w)
     out = torch.full_like(x, float("nan"))
-    run.fn(x, given, w, *run.tensors.values(), *run.static, out)
+    run.run(x, given, w, *run.tensors.values(), *run.static, out)
     xp = torch.nn.functional.pad(x.double(), (0, bank.plan.hidden - hidden))
     ref = reference_moe_forward(bank, xp, ids, w_ref)[:, :hidden]
     assert not out.isnan().any()
@@ -138,11 +154,7 @@ def test_opcheck(backend):
     x = torch.randn(5, 256, device="cuda", dtype=torch.float16)
     ids, w = routing(5, 8, 2, 0)
     out = torch.empty_like(x)
-    torch.library.opcheck(
-        torch.ops.quantpack.exl3_moe_.default,
-        (x, ids, w, *run.tensors.values(), *run.static, out),
-        test_utils=("test_schema", "test_faketensor"),
-    )
+    opcheck("exl3_moe_", (x, ids, w, *run.tensors.values(), *run.static, out), ("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("tokens", [4, 100])
@@ -157,7 +169,7 @@ def test_cuda_graph_capture_and_replay(backend, tokens):
     out = torch.empty_like(x)
 
     def step():
-        run.fn(x, ids, w, *run.tensors.values(), *run.static, out)
+        run.run(x, ids, w, *run.tensors.values(), *run.static, out)
 
     step()  # warm: kernel selection happens eagerly
     torch.cuda.synchronize()

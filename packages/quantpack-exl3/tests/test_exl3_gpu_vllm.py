@@ -134,8 +134,8 @@ def test_qwen3_5_int8_embedding_on_cuda(gpu_e2e, figures):
     res, dense = get(gpu_e2e, "qwen-int8"), get(gpu_e2e, f"{QWEN_PACK}/float16/eager")
     emb = vocab_module(res, "embed_tokens")
     figures.append(f"GPU {QWEN_PACK} int8 embedding float16: KL {res['kl']:.3g} (bf16 table: {dense['kl']:.3g}), {emb}")
-    assert emb["method"] == "Exl3EmbeddingMethod"
-    assert emb["params"].get("exl3_embed_q") == "int8" and emb["params"].get("weight") is None
+    assert emb["method"] == "Int8RowsEmbeddingMethod"
+    assert emb["params"].get("qweight") == "int8" and emb["params"].get("weight") is None
     assert vocab_module(res, "lm_head")["method"] == "Exl3LinearMethod"
     assert res["kl"] <= 5e-4 and res["top1"] >= 0.99
 

@@ -340,7 +340,7 @@ def test_host_copies_released_after_load(vllm_layers, llama):
     del tensors
     finish(layer)
     names = dict(layer.named_parameters())
-    assert set(names) == {"exl3_0_weight"}, names  # no placeholder left
+    assert set(names) == {"shard0_weight"}, names  # no placeholder left
     import gc
 
     gc.collect()
@@ -364,7 +364,7 @@ def test_dense_layers_stored_in_pack_converted_once(vllm_layers):
     feed(layer, {"weight": wb}, 0)
     feed(layer, {"weight": wa}, 1)
     finish(layer)
-    assert layer.exl3_0_weight.dtype == layer.exl3_1_weight.dtype == torch.bfloat16
+    assert layer.shard0_weight.dtype == layer.shard1_weight.dtype == torch.bfloat16
     x = torch.randn(3, 256).to(torch.bfloat16)
     y = layer.quant_method.apply(layer, x)
     assert rel_err(y, x.double() @ torch.cat([wb, wa]).double().T) < 2e-2

@@ -44,11 +44,17 @@ def expert_tensors(pack_dir, layer=LAYER) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_layer(**over):
-    from quantpack_exl3.backends.reference import ReferenceBackend
-    from quantpack_exl3.moe import Exl3MoEMethod
+def exl3_config():
+    """An EXL3 config on this (CPU) platform: its expert kernel is the reference one."""
+    from quantpack_exl3.config import Exl3Config
 
-    method = Exl3MoEMethod(moe_config(**over), ReferenceBackend, LAYER)
+    return Exl3Config.from_config({"quant_method": "exl3"})
+
+
+def make_layer(**over):
+    from quantpack_exl3.methods import Exl3MoEMethod
+
+    method = Exl3MoEMethod(moe_config(**over), exl3_config(), LAYER)
     layer = torch.nn.Module()
     layer.layer_name = LAYER
     method.create_weights(layer, E, H, INTER, torch.float32)
@@ -76,7 +82,7 @@ def oracle_bank(tensors: dict[str, torch.Tensor]) -> Exl3MoeBank:
 
 def test_grouped_path_views_are_the_banks_slots(fixtures_dir):
     """The CUDA op's per-expert path rebuilds each slot's views from the group list; they must be the bank's."""
-    from quantpack_exl3.backends.exllamav3 import _slot_tensors
+    from quantpack_exl3.backends.exllamav3.moe import _slot_tensors
 
     bank = oracle_bank(expert_tensors(fixtures_dir / MIXED))
     groups = [(g.lo, g.hi, g.k_gu, g.k_d) for g in bank.plan.groups]
@@ -112,12 +118,12 @@ def test_mixed_pack_plans_four_k_groups(fixtures_dir):
     method, layer = make_layer()
     load(layer, expert_tensors(fixtures_dir / MIXED))
     method.process_weights_after_loading(layer)
-    assert layer.exl3_moe_w13.shape == (E, H, 2 * INTER)
+    assert layer.bank_w13.shape == (E, H, 2 * INTER)
     assert not hasattr(layer, "w13_trellis")  # placeholders dropped after the bank is built
 
 
 def test_missing_expert_is_named(fixtures_dir):
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     method, layer = make_layer()
     tensors = {k: v for k, v in expert_tensors(fixtures_dir / HIGH).items() if not k.startswith("5.up_proj.")}
@@ -149,10 +155,9 @@ def test_two_codebooks_in_one_layer_refused(fixtures_dir):
 
 def test_wrong_hidden_size_refused(fixtures_dir):
     """A config that says hidden 384 for a pack made at 256: named with both sizes, before any forward."""
-    from quantpack_exl3.backends.reference import ReferenceBackend
-    from quantpack_exl3.moe import Exl3MoEMethod
+    from quantpack_exl3.methods import Exl3MoEMethod
 
-    method = Exl3MoEMethod(moe_config(), ReferenceBackend, LAYER)
+    method = Exl3MoEMethod(moe_config(), exl3_config(), LAYER)
     layer = torch.nn.Module()
     method.create_weights(layer, E, 384, INTER, torch.float32)
     load(layer, expert_tensors(fixtures_dir / HIGH))
@@ -169,7 +174,7 @@ def test_wrong_hidden_size_refused(fixtures_dir):
     ],
 )
 def test_foreign_checkpoint_names_refused(name, match):
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     _, layer = make_layer()
     with pytest.raises(LayerLoadError, match=match):
@@ -177,7 +182,7 @@ def test_foreign_checkpoint_names_refused(name, match):
 
 
 def test_tensor_arriving_twice_refused(fixtures_dir):
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     _, layer = make_layer()
     t = expert_tensors(fixtures_dir / HIGH)["0.gate_proj.suh"]
@@ -196,7 +201,7 @@ def test_tensor_arriving_twice_refused(fixtures_dir):
     ],
 )
 def test_unsupported_layer_kinds_refused_at_create(over, match):
-    from quantpack_exl3.moe import UnsupportedMoeError
+    from quantpack_core.errors import UnsupportedMoeError
 
     with pytest.raises(UnsupportedMoeError, match=match):
         make_layer(**over)
@@ -205,7 +210,7 @@ def test_unsupported_layer_kinds_refused_at_create(over, match):
 def test_expert_loader_called_directly_refuses_unknown_experts(fixtures_dir):
     """Model files with their own loops call the parameter's weight_loader with an expert id (vLLM's signature); an
     id outside the layer is named there, not deep in the bank."""
-    from quantpack_exl3.linear import LayerLoadError
+    from quantpack_core.errors import LayerLoadError
 
     _, layer = make_layer()
     t = expert_tensors(fixtures_dir / HIGH)["0.gate_proj.trellis"]

@@ -127,9 +127,9 @@ def test_qwen3_next_serves_with_exl3_head_and_its_table(e2e, figures, fixtures_d
     modules = res["vocab_modules"]
     assert modules["lm_head"]["method"] == "Exl3LinearMethod"
     embed = modules["model.embed_tokens"]
-    assert embed["method"] == "Exl3EmbeddingMethod"
+    assert embed["method"] == "Int8RowsEmbeddingMethod"
     if kind == "int8":
-        assert embed["params"] == {"exl3_embed_q": "int8", "exl3_embed_s": "float32"}
+        assert embed["params"] == {"qweight": "int8", "scales": "float32"}
     kl = per_position_kl(
         torch.load(fixtures_dir / NEXT_PACK / "reference_logits.pt")["logits"], torch.load(res["save"])
     )

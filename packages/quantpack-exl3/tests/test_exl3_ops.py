@@ -1,22 +1,56 @@
-"""The registered custom ops: schema, fake implementation and eager implementation agree (torch.library.opcheck),
-each writes exactly its columns of the shared output, and torch.compile traces through them in one graph."""
+"""The registered custom ops: schema, fake implementation and eager implementation agree (the shared ``opcheck``
+helper, on every op the project defines), each writes exactly its columns of the shared output, and torch.compile
+traces through them in one graph."""
 
 import pytest
 import torch
+from ops_check import COVERED, opcheck
 
-from quantpack_exl3 import ops
+from quantpack_core.dense import dense_gemm_
+from quantpack_core.ops import defined_ops
+
+
+def test_every_op_the_project_defines_has_an_opcheck_case():
+    import quantpack_exl3.backends.exllamav3.ops
+    import quantpack_exl3.backends.reference.ops  # noqa: F401
+
+    assert set(defined_ops()) == set(COVERED), set(defined_ops()) ^ set(COVERED)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_reference_gemm_opcheck_and_columns(dtype, rows):
+def test_dense_gemm_opcheck_and_columns(dtype, rows):
     x = torch.randn(rows, 256).to(dtype)
     w = torch.randn(256, 384).to(dtype)
     out = torch.full((rows, 500), float("nan"), dtype=dtype)
-    torch.library.opcheck(torch.ops.quantpack.exl3_reference_gemm_.default, (x, w, out.clone(), 100))
-    ops.exl3_reference_gemm_(x, w, out, 100)
+    opcheck("dense_gemm_", (x, w, out.clone(), 100))
+    dense_gemm_(x, w, out, 100)
     assert torch.isnan(out[:, :100]).all() and torch.isnan(out[:, 484:]).all()
     assert torch.allclose(out[:, 100:484].float(), x.float() @ w.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_reference_moe_opcheck(tokens):
+    """The CPU MoE op, picks of id -1 (another rank's experts) included, against a per-token float64 sum."""
+    from quantpack_exl3.backends.reference.ops import exl3_moe_reference_
+
+    g = torch.Generator().manual_seed(tokens)
+    e, h, i = 4, 64, 32
+    w13, w2 = torch.randn(e, h, 2 * i, generator=g) / 8, torch.randn(e, i, h, generator=g) / 8
+    x = torch.randn(tokens, h, generator=g)
+    ids = torch.randint(-1, e, (tokens, 2), generator=g, dtype=torch.int32)
+    w = torch.rand(tokens, 2, generator=g)
+    opcheck("exl3_moe_reference_", (x, ids, w, w13, w2, torch.empty_like(x)))
+    out = torch.empty_like(x)
+    exl3_moe_reference_(x, ids, w, w13, w2, out)
+    want = torch.zeros(tokens, h, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(2):
+            ex = int(ids[t, j])
+            if ex >= 0:
+                hh = x[t].double() @ w13[ex].double()
+                want[t] += w[t, j].double() * (torch.nn.functional.silu(hh[:i]) * hh[i:]) @ w2[ex].double()
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_compiles_without_graph_break():
@@ -24,8 +58,8 @@ def test_compiles_without_graph_break():
 
     def f(x):
         out = torch.empty((x.shape[0], 320))
-        ops.exl3_reference_gemm_(x * 2, w1, out, 0)
-        ops.exl3_reference_gemm_(x * 2, w2, out, 256)
+        dense_gemm_(x * 2, w1, out, 0)
+        dense_gemm_(x * 2, w2, out, 256)
         return torch.relu(out) + 1
 
     explained = torch._dynamo.explain(f)(torch.randn(5, 128))

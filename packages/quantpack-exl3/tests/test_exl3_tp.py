@@ -21,7 +21,7 @@ from quantpack_core.synthetic import random_exl3_layer
 pytest.importorskip("vllm")
 
 from test_exl3_layers import feed, make_config, rel_err
-from test_exl3_moe import HIGH, LAYER, E, H, expert_tensors, load, moe_config, oracle_bank
+from test_exl3_moe import HIGH, LAYER, E, H, exl3_config, expert_tensors, load, moe_config, oracle_bank
 
 TOL = 1e-5
 
@@ -75,7 +75,7 @@ def run_ranks(monkeypatch, tp, build, shards, x, kind):
 
 
 def fallback_of(layer):
-    return layer.exl3_col_select is not None or layer.exl3_row_pad is not None
+    return layer.quant_state.col_select or layer.quant_state.row_pad is not None
 
 
 # ---------------------------------------------------------------------------------- qkv with GQA (fixture + wide)
@@ -170,7 +170,7 @@ def test_llama_fixture_layers_at_tp2_and_tp4(vllm_layers, monkeypatch, fixtures_
             # each rank holds only the 128-row blocks its input share touches, not the whole matrix
             share = width // tp
             kept = [min(-(-(r + 1) * share // 128) * 128, width) - r * share // 128 * 128 for r in range(tp)]
-            assert [la.exl3_0_weight.shape[0] for la in layers] == kept, (tp, name)
+            assert [la.shard0_weight.shape[0] for la in layers] == kept, (tp, name)
 
 
 # ----------------------------------------------------------------------------- gate_up / down, row and column
@@ -288,7 +288,7 @@ def test_one_fused_shard_split_evenly(vllm_layers, monkeypatch, tp):
     )
     assert rel_err(y, ref(x, [t], [2048])) < TOL
     assert not any(fallback_of(la) for la in layers)  # 1024 / 512 / 256 per rank
-    assert layers[0].exl3_0_weight.shape == (256, 2048 // tp)  # the rank holds only its columns
+    assert layers[0].shard0_weight.shape == (256, 2048 // tp)  # the rank holds only its columns
 
 
 # ------------------------------------------------------------------------------------ vocabulary: head, embedding
@@ -302,7 +302,7 @@ def test_lm_head_vocab_rows(vllm_layers, monkeypatch, fixtures_dir, tp, keeps_tp
     ``VocabParallelEmbedding``: simulated by hiding the attribute while the method creates its weights)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    from quantpack_exl3.linear import Exl3LinearMethod
+    from quantpack_exl3.methods import Exl3LinearMethod
 
     if not keeps_tp_rank:
         create = Exl3LinearMethod.create_weights
@@ -339,7 +339,7 @@ def test_lm_head_off_block_rows_fall_back_and_say_so(vllm_layers, monkeypatch, c
 
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    import quantpack_exl3.linear as lin
+    import quantpack_core.vllm.linear as lin
 
     monkeypatch.setattr(lin, "_reported", set())
     cfg = make_config(vllm_layers)
@@ -356,7 +356,7 @@ def test_lm_head_off_block_rows_fall_back_and_say_so(vllm_layers, monkeypatch, c
         )
     assert rel_err(y, ref(x, [head], [1088])) < TOL
     assert all(fallback_of(la) for la in layers)
-    assert [la.exl3_0_weight.shape[1] for la in layers] == [640, 576]
+    assert [la.shard0_weight.shape[1] for la in layers] == [640, 576]
     notes = [r.getMessage() for r in caplog.records if "Hadamard block" in r.getMessage()]
     assert len(notes) == 1 and "lm_head" in notes[0] and "544 of 1088 features" in notes[0], notes
 
@@ -391,7 +391,7 @@ def test_int8_embedding_rows_per_rank(vllm_layers, monkeypatch, tp, vocab):
             layer = VocabParallelEmbedding(vocab, 256, quant_config=cfg, prefix="model.embed_tokens")
         feed(layer, {"qweight": q, "scales": s})
         layer.quant_method.process_weights_after_loading(layer)
-        assert layer.exl3_embed_q.shape[0] == layer.num_embeddings_per_partition  # only this rank's rows
+        assert layer.qweight.shape[0] == layer.num_embeddings_per_partition  # only this rank's rows
         total = total + layer.forward(ids)
     torch.testing.assert_close(total, dequantize_rows(q, s)[ids].float(), rtol=0, atol=0)
 
@@ -400,10 +400,9 @@ def test_int8_embedding_rows_per_rank(vllm_layers, monkeypatch, tp, vocab):
 
 
 def make_rank_layer(tp, rank, inter=256):
-    from quantpack_exl3.backends.reference import ReferenceBackend
-    from quantpack_exl3.moe import Exl3MoEMethod
+    from quantpack_exl3.methods import Exl3MoEMethod
 
-    method = Exl3MoEMethod(moe_config(tp_size=tp, tp_rank=rank), ReferenceBackend, LAYER)
+    method = Exl3MoEMethod(moe_config(tp_size=tp, tp_rank=rank), exl3_config(), LAYER)
     layer = torch.nn.Module()
     layer.layer_name = LAYER
     method.create_weights(layer, E, H, inter // tp, torch.float32)
@@ -420,7 +419,7 @@ def test_experts_summed_over_ranks(fixtures_dir, monkeypatch, caplog, tp):
 
     from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
 
-    import quantpack_exl3.moe as moe_mod
+    import quantpack_core.vllm.moe as moe_mod
 
     monkeypatch.setattr(moe_mod, "_reported", set())
     caplog.set_level(logging.WARNING, logger="vllm.quantpack.exl3")
@@ -437,17 +436,17 @@ def test_experts_summed_over_ranks(fixtures_dir, monkeypatch, caplog, tp):
         part = method.apply(layer, x, w, ids.to(torch.int32))
         mine = list(range(rank, E, tp))
         if tp == 2:
-            assert layer.exl3_moe_w2.shape == (E, 128, H)  # this rank's intermediate block of every expert
+            assert layer.bank_w2.shape == (E, 128, H)  # this rank's intermediate block of every expert
         elif mine:
-            assert layer.exl3_moe_w2.shape == (len(mine), 256, H)  # this rank's experts, whole
+            assert layer.bank_w2.shape == (len(mine), 256, H)  # this rank's experts, whole
             vllm_map = determine_expert_map(tp, rank, E, "round_robin")[1]
-            assert layer.exl3_moe_local_ids.tolist() == vllm_map.tolist()
+            assert layer.local_ids.tolist() == vllm_map.tolist()
             # alone, the rank's part is the layer restricted to its own experts' picks
             own = torch.isin(ids, torch.tensor(mine))
             want_part = reference_moe_forward(oracle_bank(tensors), x, ids, w * own)
             assert rel_err(part, want_part) < TOL
         else:
-            assert layer.exl3_moe_idle and not part.any()
+            assert layer.quant_state.idle and not part.any()
         total = total + part
     want = reference_moe_forward(oracle_bank(tensors), x, ids, w)
     assert rel_err(total, want) < TOL

@@ -77,8 +77,8 @@ def test_int8_embedding_rows_cost_almost_nothing(e2e, figures, name):
     assert res["kl"] <= 1e-3
     # the table vLLM serves is the int8 one (a dense fallback would also give a small KL)
     emb = [v for k, v in res["vocab_modules"].items() if k.endswith("embed_tokens")]
-    assert len(emb) == 1 and emb[0]["method"] == "Exl3EmbeddingMethod", res["vocab_modules"]
-    assert emb[0]["params"].get("exl3_embed_q") == "int8" and emb[0]["params"].get("weight") is None
+    assert len(emb) == 1 and emb[0]["method"] == "Int8RowsEmbeddingMethod", res["vocab_modules"]
+    assert emb[0]["params"].get("qweight") == "int8" and emb[0]["params"].get("weight") is None
 
 
 @pytest.mark.parametrize("kind", ["table", "int8"])
@@ -95,4 +95,4 @@ def test_eagle_draft_shares_the_exl3_targets_embedding_and_head(e2e, figures, ki
     )
     emb = check_draft_shares_target(res)
     if kind == "int8":
-        assert emb["method"] == "Exl3EmbeddingMethod" and emb["params"].get("exl3_embed_q") == "int8", mods
+        assert emb["method"] == "Int8RowsEmbeddingMethod" and emb["params"].get("qweight") == "int8", mods

@@ -44,20 +44,23 @@ def test_known_architectures_are_left_to_vllm(fresh_plugin):
     assert before.startswith("vllm.")
 
 
-def test_missing_architecture_is_registered(fresh_plugin):
+def test_missing_architecture_is_registered(fresh_plugin, monkeypatch):
     """As on vLLM 0.20 - 0.28, where the name is not registered: the fix class is, with the Qwen3.5 config hook
     (Gated DeltaNet state dtype) vLLM runs by architecture name."""
     from vllm import ModelRegistry
     from vllm.model_executor.models import config as model_configs
 
+    from quantpack_families import registry
+
+    monkeypatch.setattr(registry, "vllm_version", lambda: "0.28.0")  # the family applies below 0.29
     del ModelRegistry.models["Qwen3_5ForCausalLM"]
     del model_configs.MODELS_CONFIG_MAP["Qwen3_5ForCausalLM"]
     fresh_plugin.register()
-    assert registered_target("Qwen3_5ForCausalLM") == "quantpack_families.qwen3_5:Qwen3_5TextForCausalLM"
+    assert registered_target("Qwen3_5ForCausalLM") == "quantpack_families.models.qwen3_5:Qwen3_5TextForCausalLM"
     hook = model_configs.MODELS_CONFIG_MAP["Qwen3_5ForCausalLM"]
     assert hook is model_configs.Qwen3_5ForConditionalGenerationConfig
     fresh_plugin.register()  # idempotent
-    assert registered_target("Qwen3_5ForCausalLM") == "quantpack_families.qwen3_5:Qwen3_5TextForCausalLM"
+    assert registered_target("Qwen3_5ForCausalLM") == "quantpack_families.models.qwen3_5:Qwen3_5TextForCausalLM"
 
 
 def test_entry_point_is_installed():
@@ -73,9 +76,9 @@ def test_qwen3_5_pack_names_map_onto_the_text_model():
     from safetensors import safe_open
     from vllm.model_executor.models.utils import WeightsMapper
 
-    from quantpack_families.mappings import QWEN3_5_TEXT_PREFIXES
+    from quantpack_families.families.qwen3_5 import TEXT_PREFIXES
 
-    mapper = WeightsMapper(orig_to_new_prefix=QWEN3_5_TEXT_PREFIXES)
+    mapper = WeightsMapper(orig_to_new_prefix=TEXT_PREFIXES)
     with safe_open(str(FIXTURES / "qwen3_5-tiny-exl3-4.0bpw-mul1" / "model.safetensors"), "pt") as f:
         names = list(f.keys())
     assert any(n.startswith("model.language_model.") for n in names)
@@ -87,7 +90,7 @@ def test_qwen3_5_pack_names_map_onto_the_text_model():
 
 
 def test_model_init_announces_its_embedding_to_compressed_tensors():
-    """A model class wrapped by announce.wrap_init builds its unnamed embedding with the compressed-tensors config
+    """A model class wrapped by registry.wrap_init builds its unnamed embedding with the compressed-tensors config
     and the name '<prefix>.embed_tokens' (vLLM's Qwen3NextModel / Qwen3_5Model build it with neither)."""
     import tempfile
 
@@ -99,10 +102,10 @@ def test_model_init_announces_its_embedding_to_compressed_tensors():
     )
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    from quantpack_exl3.plugin import register as register_exl3
-    from quantpack_families.announce import wrap_init
+    from quantpack_core.vllm.layers import patch_embedding_constructors
+    from quantpack_families.registry import wrap_init
 
-    register_exl3()  # installs the embedding constructor wrap
+    patch_embedding_constructors()  # the families plugin installs it too
 
     class TinyModel(torch.nn.Module):  # stands in for the model file's class: same signature, same unnamed embedding
         def __init__(self, *, vllm_config, prefix: str = ""):
@@ -142,9 +145,34 @@ def test_model_init_announces_its_embedding_to_compressed_tensors():
 
 def test_vllm_model_modules_are_patched_when_imported():
     """The post-import hook wraps Qwen3NextModel when vLLM imports qwen3_next.py (here, or already imported)."""
-    from quantpack_families.announce import _MARK, install
+    from quantpack_families.families import FAMILIES
+    from quantpack_families.registry import _MARK, install_announcements
 
-    install()
+    install_announcements(FAMILIES)
     from vllm.model_executor.models.qwen3_next import Qwen3NextModel
 
     assert getattr(Qwen3NextModel.__init__, _MARK, False)
+
+
+def test_registry_declares_versions_and_imports_no_model_code():
+    """Each family says where it applies (Qwen3.5's registration below vLLM 0.29, announcements everywhere), and
+    reading the registry, even applying it, imports no vLLM model file (they are patched when vLLM imports them)."""
+    import subprocess
+    import sys
+
+    from quantpack_families.families import FAMILIES
+
+    by_name = {f.name: f for f in FAMILIES}
+    assert set(by_name) == {"qwen3_5", "qwen3_next"}
+    assert by_name["qwen3_5"].applies_to("0.25.1") and not by_name["qwen3_5"].applies_to("0.32.0")
+    assert by_name["qwen3_5"].applies_to("0.28.0rc1") and not by_name["qwen3_5"].applies_to("0.29.0")
+    assert all(by_name["qwen3_next"].applies_to(v) for v in ("0.20.0", "0.25.1", "0.32.0"))
+    code = (
+        "import sys\n"
+        "from quantpack_families.families import FAMILIES\n"
+        "from quantpack_families.registry import install_announcements\n"
+        "install_announcements(FAMILIES)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('vllm.model_executor.models.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

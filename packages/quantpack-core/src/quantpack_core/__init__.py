@@ -5,12 +5,24 @@ validator (:mod:`.pack`), the naming rules between checkpoints and vLLM (:mod:`.
 (:mod:`.synthetic`). Importing it imports torch and safetensors only.
 """
 
-from .codebook import Codebook, codebook_table, codebook_values
-from .codec import Exl3Tensors, dequantize, reference_linear, unpack_signs
+from .codec import (
+    LEGAL_K,
+    Codebook,
+    Exl3Tensors,
+    codebook_table,
+    codebook_values,
+    decode_matrix,
+    decode_tiles,
+    dequantize,
+    had128,
+    hadamard_matrix,
+    k_from_width,
+    reference_linear,
+    unpack_signs,
+    width_from_k,
+)
 from .errors import CodecError, GeometryError, PackError, Problem, QuantpackError
-from .hadamard import had128, hadamard_matrix
 from .pack import ModuleInfo, Pack, TensorInfo
-from .trellis import LEGAL_K, decode_matrix, decode_tiles, k_from_width, width_from_k
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,5 @@
-"""Error types a user can catch, each carrying what went wrong, where, and the fix.
+"""Error types a user can catch, each carrying what went wrong, where, and the fix: every error of quantpack-core
+and of the plugins built on it (quantpack-exl3, quantpack-escha-rocm) is defined here.
 
 Every error raised on bad input names the module (layer), the tensor and what to do about it, so that a broken pack
 is reported when it is opened or loaded, never as garbage output or a crash inside a kernel.
@@ -64,3 +65,26 @@ class CodecError(QuantpackError):
 class GeometryError(QuantpackError):
     """Shapes that cannot fit together: a layer's stored tensors against the model's layer, or a tensor-parallel cut
     against the 128-wide Hadamard blocks."""
+
+
+class LayerLoadError(QuantpackError):
+    """A layer's loaded tensors do not fit it (missing, doubled or corrupt shards, a fused layer mixing kinds);
+    raised while loading, before any forward pass."""
+
+
+class UnsupportedLayerError(QuantpackError):
+    """A layer kind this version cannot serve; raised when vLLM builds the layer."""
+
+
+class UnsupportedMoeError(UnsupportedLayerError):
+    """An MoE layer configuration this version cannot serve (named with the reason and the way out)."""
+
+
+class BackendUnavailableError(QuantpackError):
+    """No kernel can serve a format on this platform, or the kernel forced by an environment variable cannot; the
+    message gives every kernel's reason and the fix."""
+
+
+class NoKernelError(QuantpackError):
+    """No kernel of the platform's priority list accepts one shard or expert bank; the message names the layer and
+    every kernel's reason."""

@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .codebook import Codebook
 from .codec import Exl3Tensors, check_marker, unpack_signs
+from .codec.codebook import Codebook
+from .codec.hadamard import HAD_BLOCK
+from .codec.trellis import HALF_K, TILE, k_from_width
 from .errors import CodecError, PackError, Problem
-from .hadamard import HAD_BLOCK
 from .names import split_tensor_name
-from .trellis import HALF_K, TILE, k_from_width
 
 INDEX_FILE = "model.safetensors.index.json"
 MANIFEST_FILE = "quantization_config.json"
@@ -449,7 +449,7 @@ class Pack:
     def _moe_problems(self) -> list[Problem]:
         """EXL3 MoE layers as a whole: every expert has every projection the others have, gate and up of an expert
         share K (the bank runs them at one width), one codebook per layer, and as many experts as config.json says.
-        Source: seed 001 (the bank's rules); quantpack_core.moe.plan_moe_layer enforces the same at load."""
+        Source: docs/moe-bank.md (the bank's rules); quantpack_core.moe.plan_moe_layer enforces the same at load."""
         layers: dict[str, dict[int, dict[str, ModuleInfo]]] = {}
         for m in self.modules.values():
             hit = _EXPERT_MODULE.match(m.key)

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .codebook import Codebook
-from .hadamard import HAD_BLOCK
+from .codec.codebook import Codebook
+from .codec.hadamard import HAD_BLOCK
+from .codec.trellis import check_k_codebook, width_from_k
 from .names import split_tensor_name
 from .pack import INDEX_FILE, MANIFEST_FILE
-from .trellis import check_k_codebook, width_from_k
 
 
 def padded(features: int) -> int:

@@ -1,11 +1,11 @@
-"""Tensor-parallel cuts of one EXL3 linear layer: what a rank keeps, and how it runs when a cut misses a block.
+"""Tensor-parallel geometry of a trellis-format layer: what a rank keeps, and how it runs when a cut misses a block.
 
-An EXL3 weight is ``W = diag(suh) H What H diag(svh)`` with 128-wide Hadamard blocks on both sides, so a slice of
-its rows (input features) or columns (output features) is again an EXL3 tensor exactly when the slice covers whole
-128-feature blocks: the trellis is cut between 16x16 tiles and suh / svh are cut alongside. A rank's share that
+Format-free (the format cuts its own tensors: :func:`quantpack_core.codec.cut_tensors` for EXL3). An EXL3 weight
+is ``W = diag(suh) H What H diag(svh)`` with 128-wide Hadamard blocks on both sides, so a slice of its rows (input
+features) or columns (output features) is again an EXL3 tensor exactly when the slice covers whole 128-feature
+blocks: the trellis is cut between 16x16 tiles and suh / svh are cut alongside. A rank's share that
 starts or ends inside a block cannot be cut out exactly; then the rank keeps the whole blocks its share touches
-(its *spans*: at most one partly foreign block at each end of each range) and (seed 000's ``_cut_tp`` fallbacks,
-applied to those blocks instead of the whole tensor):
+(its *spans*: at most one partly foreign block at each end of each range) and:
 
 * **column parallel** (the rank owns some output features of the tensor): it selects its columns of the spans'
   product;
@@ -18,10 +18,9 @@ A column cut may own several ranges of one tensor: a fused shard such as Qwen3.5
 value partitions of ``QKVParallelLinear`` when there are fewer KV heads than ranks: then ``replicas`` consecutive
 ranks share one head, and rank ``r`` owns head ``r // replicas``.
 
-Plain torch; no vLLM import. Source: seed 000 (``tp_ranges``, ``_cut_tp``: block-aligned slices, whole-tensor
-fallbacks, narrowed here to the share's blocks); vLLM ``QKVParallelLinear`` / ``MergedColumnParallelLinear``
-(``vllm/model_executor/layers/linear.py``: the per-partition split and ``num_kv_head_replicas``);
-docs/exl3-format.md (the tile and block layout).
+Plain torch; no vLLM import. Source: docs/architecture.md ("Tensor parallelism"); vLLM ``QKVParallelLinear`` /
+``MergedColumnParallelLinear`` (``vllm/model_executor/layers/linear.py``: the per-partition split and
+``num_kv_head_replicas``); docs/exl3-format.md (the tile and block layout).
 """
 
 from __future__ import annotations
@@ -31,10 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import Exl3Tensors, reference_linear
+from .codec.hadamard import HAD_BLOCK
 from .errors import GeometryError
-from .hadamard import HAD_BLOCK
-from .trellis import TILE
 
 COLUMN = "column"
 ROW = "row"
@@ -58,6 +55,11 @@ class TpCut:
     ranges: tuple[tuple[int, int], ...]
     features: int
     sliced: bool
+
+    @property
+    def column(self) -> bool:
+        """Whether the cut splits output features (column parallel) rather than input features (row parallel)."""
+        return self.kind == COLUMN
 
     @property
     def start(self) -> int:
@@ -227,31 +229,6 @@ def partition_ranges(
     return ranges, offset
 
 
-def cut_tensors(t: Exl3Tensors, cut: TpCut) -> Exl3Tensors:
-    """The rank's EXL3 tensors: the whole blocks of its :attr:`TpCut.spans` (for a sliced cut, exactly its share).
-
-    Args:
-        t: the tensor's full EXL3 tensors (as the pack stores them).
-        cut: from :func:`plan_cut` or :func:`make_cut`.
-
-    Returns:
-        column cut: the trellis tile columns of every span concatenated, with svh alongside; row cut: the trellis
-        tile rows of the span with suh alongside; ``t`` itself when the spans are the whole stored width.
-
-    Source: seed 000 (``_cut_tp``).
-    """
-    spans = cut.spans
-    stored = t.svh.shape[0] if cut.kind == COLUMN else t.suh.shape[0]
-    if spans == ((0, stored),):
-        return t
-    if cut.kind == COLUMN:
-        trellis = torch.cat([t.trellis[:, a // TILE : b // TILE] for a, b in spans], 1).contiguous()
-        svh = torch.cat([t.svh[a:b] for a, b in spans]).contiguous()
-        return Exl3Tensors(trellis, t.suh, svh, t.codebook)
-    (a, b) = spans[0]
-    return Exl3Tensors(t.trellis[a // TILE : b // TILE].contiguous(), t.suh[a:b].contiguous(), t.svh, t.codebook)
-
-
 def cut_dense(w: torch.Tensor, cut: TpCut) -> torch.Tensor:
     """The rank's part of a dense ``(out, in)`` weight (dense weights have no blocks: always sliced exactly).
 
@@ -261,26 +238,6 @@ def cut_dense(w: torch.Tensor, cut: TpCut) -> torch.Tensor:
     if cut.kind == COLUMN:
         return torch.cat([w[a:b] for a, b in cut.ranges]).contiguous()
     return w[:, cut.start : cut.stop].contiguous()
-
-
-def rank_forward(x: torch.Tensor, kept: Exl3Tensors, cut: TpCut, dtype=torch.float64) -> torch.Tensor:
-    """Reference forward of one rank's part (the oracle of the TP tests and the rule the kernels follow).
-
-    Args:
-        x: column cut: the full input ``(..., in)``; row cut: the rank's input slice ``(..., stop - start)``.
-        kept: :func:`cut_tensors`' result. cut: the rank's cut.
-        dtype: compute dtype.
-
-    Returns:
-        column cut: the rank's output columns ``(..., cut.width)``, selected from the spans' product
-        (:meth:`TpCut.kept_positions`) for a fallback; row cut: the rank's partial sum over all output columns, its
-        input zero-extended to the span (:meth:`TpCut.row_pad`) for a fallback (summing the ranks' results gives the
-        layer's output).
-    """
-    if cut.kind == COLUMN:
-        y = reference_linear(x, kept, dtype, out_features=cut.kept_features)
-        return y if cut.sliced else y[..., cut.kept_positions()]
-    return reference_linear(torch.nn.functional.pad(x, cut.row_pad()), kept, dtype)
 
 
 def sliced_tp_sizes(features: Sequence[int], limit: int = 16) -> list[int]:
@@ -306,8 +263,8 @@ def expert_split(num_experts: int, tp_size: int, tp_rank: int) -> list[int]:
         ValueError: a bad rank, or ``num_experts < 1``.
 
     Source: vLLM's round-robin expert placement (``fused_moe/expert_map_manager.py``, ``expert_placement_strategy=
-    "round_robin"``: the same experts per rank, the others mapped to -1); seed 001 cuts the intermediate channels
-    instead, and this split takes over where that cut would leave a block.
+    "round_robin"``: the same experts per rank, the others mapped to -1); the bank (docs/moe-bank.md) cuts the
+    intermediate channels instead, and this split takes over where that cut would leave a block.
     """
     check_rank(tp_size, tp_rank)
     if num_experts < 1:

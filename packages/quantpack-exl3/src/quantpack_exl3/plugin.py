@@ -90,7 +90,7 @@ def register() -> None:
             )
     register_quantization_config("exl3")(Exl3Config)
 
-    from .layers import patch_embedding_constructors
+    from quantpack_core.vllm.layers import patch_embedding_constructors
 
     patch_embedding_constructors()
     _registered = True

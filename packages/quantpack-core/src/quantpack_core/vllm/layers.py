@@ -1,4 +1,4 @@
-"""Give ``VocabParallelEmbedding`` and ``ParallelLMHead`` the EXL3 quant config a model file withholds.
+"""Give ``VocabParallelEmbedding`` and ``ParallelLMHead`` the quantpack quant config a model file withholds.
 
 vLLM asks a quant config for a layer's method only when the model passes one to the layer's constructor, and several
 model files build ``embed_tokens`` and/or ``lm_head`` without it (``qwen3_next.py``: both; ``qwen3_5.py``,
@@ -6,7 +6,8 @@ model files build ``embed_tokens`` and/or ``lm_head`` without it (``qwen3_next.p
 load: vLLM's dense layer looks for ``.weight`` and meets ``.trellis`` / ``.qweight``.
 
 The two constructors are wrapped once per process: when the caller passed no quant config (and no preselected
-method) while the model being built is an EXL3 one, the current ``Exl3Config`` is filled in. A compressed-tensors
+method) while the model being built is a quantpack one (its config a :class:`~.config.QuantpackConfig`: EXL3, escha),
+that config is filled in. A compressed-tensors
 checkpoint can quantize its embedding too (``re:.*embed_tokens$``, WNA16), but compressed-tensors picks a layer's
 scheme by its name, which an embedding built without ``prefix`` lacks; so its config is filled in only for the
 embedding a family module announced with :func:`embedding_prefix` (quantpack-families does so for Qwen3-Next and
@@ -26,9 +27,9 @@ import functools
 import inspect
 import logging
 
-logger = logging.getLogger("vllm.quantpack.exl3")
+logger = logging.getLogger("vllm.quantpack")
 
-_MARK = "_quantpack_exl3_wrapped"
+_MARK = "_quantpack_wrapped"
 _announced: contextvars.ContextVar[str | None] = contextvars.ContextVar("quantpack_embedding_prefix", default=None)
 
 
@@ -37,7 +38,7 @@ def embedding_prefix(prefix: str):
     """While a model builds its layers: the next ``VocabParallelEmbedding`` built without a quant config is the
     module ``prefix`` (e.g. ``model.embed_tokens``). Used by family fixes around a model's ``__init__``.
 
-    Source: seed 000 (``layers.py``: ``embedding_prefix`` / ``take_embedding_prefix``).
+    The family modules of quantpack-families announce through it (docs/families.md).
     """
     token = _announced.set(prefix)
     try:
@@ -64,12 +65,12 @@ def current_quant_config():
         return None
 
 
-def current_exl3_config():
-    """The quant config of the model vLLM is building, if it is an ``Exl3Config``; else None."""
-    from .config import Exl3Config
+def current_quantpack_config():
+    """The quant config of the model vLLM is building, if it is a :class:`~.config.QuantpackConfig`; else None."""
+    from .config import QuantpackConfig
 
     qc = current_quant_config()
-    return qc if isinstance(qc, Exl3Config) else None
+    return qc if isinstance(qc, QuantpackConfig) else None
 
 
 def _is_head(module) -> bool:
@@ -89,7 +90,7 @@ def _wrap(init):
             return init(self, *args, **kwargs)
         args_ = bound.arguments
         if "quant_config" in sig.parameters and args_.get("quant_config") is None and args_.get("quant_method") is None:
-            qc = current_exl3_config()
+            qc = current_quantpack_config()
             if qc is not None:
                 args_["quant_config"] = qc
                 return init(*bound.args, **bound.kwargs)
@@ -122,5 +123,5 @@ def patch_embedding_constructors() -> bool:
             cls.__init__ = _wrap(init)
             installed = True
     if installed:
-        logger.debug("quantpack-exl3: embed_tokens / lm_head receive the EXL3 quant config when a model omits it")
+        logger.debug("quantpack: embed_tokens / lm_head receive the quantpack quant config when a model omits it")
     return installed

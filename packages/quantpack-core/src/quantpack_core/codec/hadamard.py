@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .errors import GeometryError
+from ..errors import GeometryError
 
 HAD_BLOCK = 128
 

@@ -12,8 +12,8 @@ import functools
 
 import torch
 
+from ..errors import CodecError
 from .codebook import Codebook, codebook_table
-from .errors import CodecError
 
 TILE = 16
 #: weights in one tile

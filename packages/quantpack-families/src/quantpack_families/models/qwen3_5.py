@@ -7,8 +7,8 @@ inside ``Qwen3_5ForConditionalGeneration``) but do not register the name, and it
 The class is also not marked hybrid there (only the multimodal wrapper is), so vLLM would size no Gated DeltaNet
 state for it. This subclass loads the checkpoint through a prefix mapping and declares the hybrid state exactly as
 the wrapper does, as vLLM 0.29 and newer do themselves (``Qwen3_5ForCausalLMBase``: ``hf_to_vllm_mapper``,
-``IsHybrid``); :mod:`quantpack_families.plugin` registers it (and the wrapper's config hook) only where vLLM does not
-know the architecture.
+``IsHybrid``); the family module :mod:`quantpack_families.families.qwen3_5` registers it (and the wrapper's config
+hook) only where vLLM does not know the architecture.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from vllm.model_executor.models.interfaces import IsHybrid
 from vllm.model_executor.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
-from .mappings import QWEN3_5_TEXT_PREFIXES
+from ..families.qwen3_5 import TEXT_PREFIXES
 
 
 class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM, IsHybrid):
@@ -30,7 +30,7 @@ class Qwen3_5TextForCausalLM(Qwen3_5ForCausalLM, IsHybrid):
     names are mapped the same way.
     """
 
-    hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix=QWEN3_5_TEXT_PREFIXES)
+    hf_to_vllm_mapper = WeightsMapper(orig_to_new_prefix=TEXT_PREFIXES)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load ``(checkpoint name, tensor)`` pairs after mapping their prefixes.

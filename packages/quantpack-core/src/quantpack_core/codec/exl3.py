@@ -11,13 +11,17 @@ Everything here is plain torch and runs on any device; it is the oracle every ke
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import CodecError
 from .codebook import Codebook
-from .errors import CodecError
 from .hadamard import had128
 from .trellis import TILE, check_k_codebook, check_trellis, decode_matrix
+
+if TYPE_CHECKING:  # tp imports the Hadamard block from this package
+    from ..tp import TpCut
 
 
 def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
@@ -170,3 +174,51 @@ def reference_linear(
     if t.bias is not None:
         y[..., : t.bias.shape[0]] += t.bias.to(dtype)
     return y if out_features is None else y[..., :out_features]
+
+
+# ------------------------------------------------------------------------------------ tensor-parallel cut
+
+
+def cut_tensors(t: Exl3Tensors, cut: TpCut) -> Exl3Tensors:
+    """The rank's EXL3 tensors: the whole blocks of its :attr:`TpCut.spans` (for a sliced cut, exactly its share).
+
+    Args:
+        t: the tensor's full EXL3 tensors (as the pack stores them).
+        cut: from :func:`plan_cut` or :func:`make_cut`.
+
+    Returns:
+        column cut: the trellis tile columns of every span concatenated, with svh alongside; row cut: the trellis
+        tile rows of the span with suh alongside; ``t`` itself when the spans are the whole stored width.
+
+    Source: docs/architecture.md ("Tensor parallelism").
+    """
+    spans = cut.spans
+    stored = t.svh.shape[0] if cut.column else t.suh.shape[0]
+    if spans == ((0, stored),):
+        return t
+    if cut.column:
+        trellis = torch.cat([t.trellis[:, a // TILE : b // TILE] for a, b in spans], 1).contiguous()
+        svh = torch.cat([t.svh[a:b] for a, b in spans]).contiguous()
+        return Exl3Tensors(trellis, t.suh, svh, t.codebook)
+    (a, b) = spans[0]
+    return Exl3Tensors(t.trellis[a // TILE : b // TILE].contiguous(), t.suh[a:b].contiguous(), t.svh, t.codebook)
+
+
+def rank_forward(x: torch.Tensor, kept: Exl3Tensors, cut: TpCut, dtype=torch.float64) -> torch.Tensor:
+    """Reference forward of one rank's part (the oracle of the TP tests and the rule the kernels follow).
+
+    Args:
+        x: column cut: the full input ``(..., in)``; row cut: the rank's input slice ``(..., stop - start)``.
+        kept: :func:`cut_tensors`' result. cut: the rank's cut.
+        dtype: compute dtype.
+
+    Returns:
+        column cut: the rank's output columns ``(..., cut.width)``, selected from the spans' product
+        (:meth:`TpCut.kept_positions`) for a fallback; row cut: the rank's partial sum over all output columns, its
+        input zero-extended to the span (:meth:`TpCut.row_pad`) for a fallback (summing the ranks' results gives the
+        layer's output).
+    """
+    if cut.column:
+        y = reference_linear(x, kept, dtype, out_features=cut.kept_features)
+        return y if cut.sliced else y[..., cut.kept_positions()]
+    return reference_linear(torch.nn.functional.pad(x, cut.row_pad()), kept, dtype)

@@ -2,26 +2,53 @@
 
 vLLM keeps the embedding table on the device, where it is often the largest tensor of a pack. A pack converted with
 ``quantpack embed-int8`` stores it as int8 rows (``qweight``) with one float32 scale per row (``scales``); this
-method keeps exactly that on the device and dequantizes only the rows a batch gathers, in float32 before casting to
-the model dtype. A pack with a dense ``weight`` table is served from that table, converted once to the model dtype.
-A module that receives no table at all (a speculative-decoding draft whose embedding vLLM replaces with the
-target's after loading) stays empty and raises if it is ever used.
+method keeps exactly that on the device (as the layer's ``qweight`` / ``scales`` parameters) and dequantizes only
+the rows a batch gathers, in float32 before casting to the model dtype. A pack with a dense ``weight`` table is
+served from that table, converted once to the model dtype. A module that receives no table at all (a
+speculative-decoding draft whose embedding vLLM replaces with the target's after loading) stays empty and raises if
+it is ever used. Format-free: any quantized format's packs may carry such a table.
 
 Follows vLLM's ``UnquantizedEmbeddingMethod`` (``vllm/model_executor/layers/vocab_parallel_embedding.py``: the
-``embedding`` / ``apply`` / ``tie_weights`` contract) and quantpack_core.embedding (the row format).
+``embedding`` / ``apply`` / ``tie_weights`` contract) and :mod:`quantpack_core.embedding` (the row format).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
-from .linear import Exl3ShardParam, LayerLoadError
+from quantpack_core.errors import LayerLoadError
 
-EMBED_PLACEHOLDERS: dict[str, torch.dtype | None] = {"qweight": torch.int8, "scales": torch.float32, "weight": None}
+from .params import ShardParam
+
+ROWS, SCALES, DENSE = "qweight", "scales", "weight"
+PLACEHOLDERS: dict[str, torch.dtype | None] = {ROWS: torch.int8, SCALES: torch.float32, DENSE: None}
 
 
-class Exl3EmbeddingMethod(QuantizeMethodBase):
+@dataclass
+class EmbeddingState:
+    """What the method knows about one embedding (``layer.quant_state``).
+
+    Attributes:
+        prefix: the vLLM module name.
+        vocab_rows: under tensor parallelism, this rank's ``[start, stop)`` rows of the whole table; else None.
+        rows: rows of the layer's (padded) partition.
+        width: the embedding width.
+        params_dtype: the model dtype.
+        int8: the table is int8 rows (parameters ``qweight`` / ``scales``) rather than a dense ``weight``.
+    """
+
+    prefix: str
+    vocab_rows: tuple[int, int] | None
+    rows: int
+    width: int
+    params_dtype: torch.dtype
+    int8: bool = False
+
+
+class Int8RowsEmbeddingMethod(QuantizeMethodBase):
     """int8 rows with a per-row scale, or a dense table, whichever the pack carries.
 
     Args:
@@ -45,16 +72,16 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
         ``extra_weight_attrs`` is not applied: the whole table is captured and, under tensor parallelism, this rank
         keeps its vocabulary rows (``layer.shard_indices``' ``org_vocab_start_index`` to ``org_vocab_end_index``)
         at the top of its partition, the rest zero, as vLLM lays out a dense partition."""
-        for suffix, dtype in EMBED_PLACEHOLDERS.items():
-            layer.register_parameter(suffix, Exl3ShardParam(suffix, dtype or params_dtype, self.prefix))
+        for suffix, dtype in PLACEHOLDERS.items():
+            layer.register_parameter(suffix, ShardParam(suffix, dtype or params_dtype, self.prefix))
         si = getattr(layer, "shard_indices", None)
         tp_size = int(getattr(layer, "tp_size", 1) or 1)
-        layer.exl3_vocab_rows = (
+        vocab_rows = (
             (int(si.org_vocab_start_index), int(si.org_vocab_end_index)) if tp_size > 1 and si is not None else None
         )
-        layer.exl3_rows = sum(output_partition_sizes)
-        layer.exl3_width = input_size_per_partition
-        layer.exl3_params_dtype = params_dtype
+        layer.quant_state = EmbeddingState(
+            self.prefix, vocab_rows, sum(output_partition_sizes), input_size_per_partition, params_dtype
+        )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Check and place the table.
@@ -63,19 +90,18 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
             LayerLoadError: ``qweight`` without ``scales`` (or the reverse), both int8 rows and a dense table, wrong
                 dtypes, or a table wider or longer than the layer.
         """
-        got = {s: getattr(layer, s).shards.get(0) for s in EMBED_PLACEHOLDERS}
-        device = layer.qweight.device
-        for suffix in EMBED_PLACEHOLDERS:
-            getattr(layer, suffix).shards.clear()
+        state: EmbeddingState = layer.quant_state
+        got = {s: getattr(layer, s).shards.get(0) for s in PLACEHOLDERS}
+        device = getattr(layer, ROWS).device
+        for suffix in PLACEHOLDERS:
+            getattr(layer, suffix).release()
             delattr(layer, suffix)
-        q, s, w = got["qweight"], got["scales"], got["weight"]
-        if layer.exl3_vocab_rows is not None:  # this rank's vocabulary rows of the whole table
-            a, b = layer.exl3_vocab_rows
+        q, s, w = got[ROWS], got[SCALES], got[DENSE]
+        if state.vocab_rows is not None:  # this rank's vocabulary rows of the whole table
+            a, b = state.vocab_rows
             q, s, w = (None if t is None else self._rank_rows(t, a, b) for t in (q, s, w))
-        layer.register_parameter("exl3_embed_q", None)
-        layer.register_parameter("exl3_embed_s", None)
         if (q is None) != (s is None):
-            have, missing = ("qweight", "scales") if s is None else ("scales", "qweight")
+            have, missing = (ROWS, SCALES) if s is None else (SCALES, ROWS)
             raise LayerLoadError(
                 f"{self.prefix}: the pack has .{have} but no .{missing}; the int8 table is "
                 "incomplete - re-run `quantpack embed-int8` on the original pack"
@@ -90,19 +116,18 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
                     f"{self.prefix}: int8 rows must be int8 (rows, width) with (rows,) scales, got "
                     f"{q.dtype} {list(q.shape)} and {s.dtype} {list(s.shape)}"
                 )
-            q = self._fit(q, "qweight", layer.exl3_rows, layer.exl3_width)
-            layer.register_parameter("exl3_embed_q", torch.nn.Parameter(q.to(device), requires_grad=False))
-            scales = torch.ones(layer.exl3_rows, dtype=torch.float32)
+            q = self._fit(q, ROWS, state.rows, state.width)
+            scales = torch.ones(state.rows, dtype=torch.float32)
             scales[: s.shape[0]] = s.float()
-            layer.register_parameter("exl3_embed_s", torch.nn.Parameter(scales.to(device), requires_grad=False))
-            layer.register_parameter("weight", None)  # vLLM's draft-sharing code looks the name up
+            layer.register_parameter(ROWS, torch.nn.Parameter(q.to(device), requires_grad=False))
+            layer.register_parameter(SCALES, torch.nn.Parameter(scales.to(device), requires_grad=False))
+            layer.register_parameter(DENSE, None)  # vLLM's draft-sharing code looks the name up
+            state.int8 = True
         elif w is not None:
-            w = self._fit(w, "weight", layer.exl3_rows, layer.exl3_width).to(
-                device=device, dtype=layer.exl3_params_dtype
-            )
-            layer.register_parameter("weight", torch.nn.Parameter(w, requires_grad=False))
+            w = self._fit(w, DENSE, state.rows, state.width).to(device=device, dtype=state.params_dtype)
+            layer.register_parameter(DENSE, torch.nn.Parameter(w, requires_grad=False))
         else:
-            layer.register_parameter("weight", None)  # empty: shared from a target model after loading
+            layer.register_parameter(DENSE, None)  # empty: shared from a target model after loading
 
     def _rank_rows(self, table: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of a whole ``(vocab, ...)`` table (``scales`` too)."""
@@ -125,10 +150,15 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
         return table.contiguous()
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
-        """Rows of ``input_`` (int64 ids, any shape) -> ``(*input_.shape, width)`` in the model dtype."""
-        if layer.exl3_embed_q is not None:
-            rows = layer.exl3_embed_q[input_].to(torch.float32) * layer.exl3_embed_s[input_].unsqueeze(-1)
-            return rows.to(layer.exl3_params_dtype)
+        """Rows of ``input_`` (int64 ids, any shape) -> ``(*input_.shape, width)`` in the model dtype.
+
+        Raises:
+            LayerLoadError: an empty draft table used before vLLM shared the target's.
+        """
+        state: EmbeddingState = layer.quant_state
+        if state.int8:
+            rows = layer.qweight[input_].to(torch.float32) * layer.scales[input_].unsqueeze(-1)
+            return rows.to(state.params_dtype)
         if layer.weight is None:
             raise LayerLoadError(
                 f"{self.prefix}: this embedding has no table (a draft model's, meant to be shared "
@@ -137,9 +167,13 @@ class Exl3EmbeddingMethod(QuantizeMethodBase):
         return torch.nn.functional.embedding(input_, layer.weight)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of a head tied to this table: ``x @ table.T`` (the int8 table is dequantized for the call)."""
-        if layer.exl3_embed_q is not None:
-            w = (layer.exl3_embed_q.to(torch.float32) * layer.exl3_embed_s[:, None]).to(x.dtype)
+        """Logits of a head tied to this table: ``x @ table.T`` (the int8 table is dequantized for the call).
+
+        Raises:
+            LayerLoadError: a tied head over an embedding without a table.
+        """
+        if layer.quant_state.int8:
+            w = (layer.qweight.to(torch.float32) * layer.scales[:, None]).to(x.dtype)
         elif layer.weight is not None:
             w = layer.weight
         else:

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from .errors import CodecError
+from ..errors import CodecError
 
 MASK32 = 0xFFFFFFFF
 

@@ -1,0 +1,350 @@
+"""``QuantpackConfig``: the format-free base of a quantpack format's vLLM quantization config.
+
+vLLM matches the checkpoint's ``quantization_config.quant_method`` against registered methods, so a format's config
+class claims its packs with no ``--quantization`` flag once its plugin has registered it. The base then:
+
+* reads the pack's manifest (``tensor_storage`` in ``quantization_config.json``): which checkpoint modules are stored
+  in the format, as int8 rows, or dense;
+* routes each layer vLLM builds: quantized layers (and layers the manifest does not know) to the format's linear,
+  expert or embedding method, dense layers to vLLM's own unquantized methods; a fused layer mixing kinds is refused;
+* resolves, once per process, the platform (:func:`~.platform.current_platform`) and the format's kernel priority
+  lists for it, so that a platform with no usable kernel fails here, naming the fix, before any weight is read
+  (``<FORMAT>_BACKEND``-style environment variable: one kernel forced);
+* keeps the model's :class:`~quantpack_core.kernels.KernelLog` (one table of the per-shard kernel choices).
+
+A format subclasses it with its name, its :class:`~quantpack_core.format.LinearFormat`, its method classes and its
+kernel lists (``quantpack_exl3.config.Exl3Config``). Follows vLLM's ``QuantizationConfig``
+(``vllm/model_executor/layers/quantization/base_config.py``) and ``get_quant_config`` /
+``VllmConfig._get_quantization_config`` (when ``from_config`` and ``maybe_update_config`` are called: in the
+front-end process, before the engine starts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from quantpack_core.dense import DENSE, DenseKernel
+from quantpack_core.embedding import INT8_FORMAT
+from quantpack_core.errors import BackendUnavailableError, LayerLoadError
+from quantpack_core.format import LinearFormat
+from quantpack_core.kernels import ExpertKernel, KernelLog, LinearKernel, LinearSpec, Platform
+from quantpack_core.names import FUSED_LAYERS, constituents, normalize_prefix
+from quantpack_core.pack import MANIFEST_FILE
+
+from .embedding import Int8RowsEmbeddingMethod
+from .platform import current_platform
+
+logger = logging.getLogger("vllm.quantpack")
+
+INT8_ROWS = "int8_rows"
+
+
+def manifest_routes(tensor_storage: Mapping[str, Any], fmt: LinearFormat) -> dict[str, str]:
+    """Canonical module name -> ``fmt.name``, ``"int8_rows"`` or ``"dense"`` from a pack's ``tensor_storage``.
+
+    Args:
+        tensor_storage: ``quantization_config.json``'s ``tensor_storage`` (module -> entry with ``stored_tensors``
+            and, for quantized modules, ``quant_format``).
+        fmt: the pack's format (its name and main suffix identify its modules).
+
+    Returns:
+        ``{normalize_prefix(module): kind}``; modules that are neither (norms' weights count as dense, which is
+        harmless: no linear layer asks for them) are left out.
+    """
+    routes: dict[str, str] = {}
+    for module, entry in (tensor_storage or {}).items():
+        entry = entry or {}
+        stored = entry.get("stored_tensors") or {}
+        if entry.get("quant_format") == fmt.name or f"{module}.{fmt.main_suffix}" in stored:
+            routes[normalize_prefix(module)] = fmt.name
+        elif entry.get("quant_format") == INT8_FORMAT or f"{module}.qweight" in stored:
+            routes[normalize_prefix(module)] = INT8_ROWS
+        elif f"{module}.weight" in stored:
+            routes[normalize_prefix(module)] = DENSE
+    return routes
+
+
+def check_fused_routes(routes: Mapping[str, str]) -> None:
+    """Refuse a manifest that stores some modules behind one fused vLLM layer quantized and others dense (e.g.
+    ``q_proj`` / ``v_proj`` quantized but ``k_proj`` dense): one vLLM layer is all one kind.
+
+    Raises:
+        LayerLoadError: naming the modules and their kinds.
+    """
+    for alternatives in FUSED_LAYERS.values():
+        for group in alternatives:
+            if len(group) < 2:
+                continue
+            parents: dict[str, dict[str, str]] = {}
+            for name, kind in routes.items():
+                parent, _, last = name.rpartition(".")
+                if last in group:
+                    parents.setdefault(parent, {})[last] = kind
+            for parent, kinds in parents.items():
+                if len(set(kinds.values())) > 1:
+                    listing = ", ".join(f"{parent}.{n} as {k}" for n, k in sorted(kinds.items()))
+                    raise LayerLoadError(
+                        f"the pack stores {listing}; vLLM fuses them into one layer, which cannot mix quantized "
+                        "and dense modules - re-quantize the pack with one setting for all of them"
+                    )
+
+
+def untie_if_head_stored(modules: Sequence[str], hf_config, where: str) -> bool:
+    """Packs can say ``tie_word_embeddings: true`` and still ship their own quantized ``lm_head`` (exllamav3 1.4 and
+    older do); the head in the pack wins (vLLM would otherwise skip loading it and reuse the embedding). Sets
+    ``tie_word_embeddings`` to False on the config (and its text config) in that case.
+
+    Args:
+        modules: the pack's module names.
+        hf_config: the model's transformers config (or None).
+        where: the pack, for the message.
+
+    Returns:
+        whether the config was changed.
+    """
+    if hf_config is None or not any(normalize_prefix(k) == "lm_head" for k in modules):
+        return False
+    changed = False
+    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
+        if cfg is not None and getattr(cfg, "tie_word_embeddings", False):
+            cfg.tie_word_embeddings = False
+            changed = True
+    if changed:
+        logger.warning(
+            "quantpack: %s says tie_word_embeddings but stores its own lm_head; serving the stored head", where
+        )
+    return changed
+
+
+class QuantpackConfig(QuantizationConfig):
+    """Base of a format's quantization config (see the module docstring).
+
+    Class attributes a format sets:
+        format: its :class:`~quantpack_core.format.LinearFormat` (or ``ExpertFormat``).
+        linear_method, moe_method: its method classes (subclasses of :class:`~.linear.QuantLinearMethod` /
+            :class:`~.moe.QuantMoEMethod` bound to the format).
+        LINEAR_KERNELS, EXPERT_KERNELS: platform kind -> kernels in priority order (fastest first).
+        BACKEND_ENV: the environment variable that forces one kernel by name.
+        UNAVAILABLE_HINT: what to tell a user whose platform has no usable kernel.
+        title: the plugin's name, for messages.
+
+    Args:
+        quant_config: the pack's quantization config (``config.json``'s ``quantization_config``, possibly with
+            ``tensor_storage``).
+
+    Attributes:
+        platform: where the kernels run.
+        linear_kernels, expert_kernels: the priority lists in force (the platform's, or the one forced kernel).
+        dense_kernels: the kernels of dense shards.
+        routes: canonical module name -> kind (empty without a manifest).
+        kernel_log: the model's kernel choices.
+
+    Raises:
+        BackendUnavailableError: at construction, when no kernel can run on this platform (or the forced one
+            cannot), naming every kernel's reason and the fix.
+        LayerLoadError: a manifest that mixes kinds behind one fused layer.
+    """
+
+    format: ClassVar[LinearFormat]
+    linear_method: ClassVar[type]
+    moe_method: ClassVar[type | None] = None
+    LINEAR_KERNELS: ClassVar[Mapping[str, Sequence[type[LinearKernel]]]]
+    EXPERT_KERNELS: ClassVar[Mapping[str, Sequence[type[ExpertKernel]]]] = {}
+    BACKEND_ENV: ClassVar[str]
+    UNAVAILABLE_HINT: ClassVar[str] = ""
+    title: ClassVar[str] = "quantpack"
+
+    def __init__(self, quant_config: Mapping[str, Any]):
+        super().__init__()
+        self.raw = {k: v for k, v in quant_config.items() if k != "tensor_storage"}
+        self.platform: Platform = current_platform()
+        self.linear_kernels, self.expert_kernels = self.resolve_kernels(self.platform)
+        self.dense_kernels: tuple[type[LinearKernel], ...] = (DenseKernel,)
+        self.routes: dict[str, str] = manifest_routes(quant_config.get("tensor_storage") or {}, self.format)
+        check_fused_routes(self.routes)
+        self.kernel_log = KernelLog(self.title)
+
+    # ---------------------------------------------------------------------------------------------- kernels
+
+    @classmethod
+    def resolve_kernels(
+        cls, platform: Platform
+    ) -> tuple[tuple[type[LinearKernel], ...], tuple[type[ExpertKernel], ...]]:
+        """The linear and expert priority lists in force on ``platform``.
+
+        Returns:
+            the platform's lists; with :attr:`BACKEND_ENV` set, the kernel of that name alone in each list that has
+            one (the other list keeps the platform's).
+
+        Raises:
+            BackendUnavailableError: the variable names no kernel of this version, the forced kernel is not available
+                here, or no linear kernel of the platform's list is available (each kernel's reason and the fix).
+        """
+        linear = tuple(cls.LINEAR_KERNELS.get(platform.kind, ()))
+        experts = tuple(cls.EXPERT_KERNELS.get(platform.kind, ()))
+        forced = os.environ.get(cls.BACKEND_ENV, "").strip().lower()
+        if forced:
+            every = [k for table in (cls.LINEAR_KERNELS, cls.EXPERT_KERNELS) for ks in table.values() for k in ks]
+            named = {k.name for k in every}
+            if forced not in named:
+                raise BackendUnavailableError(
+                    f"{cls.BACKEND_ENV}={forced!r} is not a kernel of this version; choose one of "
+                    f"{', '.join(sorted(named))}, or unset it"
+                )
+            pick = {k for k in every if k.name == forced}
+            for kernel in pick:
+                ok, why = kernel.available(platform)
+                if not ok:
+                    raise BackendUnavailableError(f"{cls.BACKEND_ENV}={forced}: the {forced} kernel {why}")
+            lin = tuple(k for k in pick if issubclass(k, LinearKernel))
+            exp = tuple(k for k in pick if issubclass(k, ExpertKernel))
+            return lin or linear, exp or experts
+        reasons = []
+        for kernel in linear:
+            ok, why = kernel.available(platform)
+            if ok:
+                return linear, experts
+            reasons.append(f"the {kernel.name} kernel {why}")
+        what = "; ".join(reasons) if reasons else f"this version has no {cls.format.label} kernel for {platform.kind}"
+        raise BackendUnavailableError(
+            f"{cls.title} cannot serve {cls.format.label} on this {platform} platform: {what}. {cls.UNAVAILABLE_HINT}"
+        )
+
+    def dense_spec(self, in_features: int, out_features: int, dtype: torch.dtype) -> LinearSpec:
+        """The :class:`LinearSpec` of a dense shard of this rank's size."""
+        return LinearSpec(self.platform, DENSE, None, None, in_features, out_features, in_features, out_features, dtype)
+
+    # ------------------------------------------------------------------------------------ vLLM's class interface
+
+    @classmethod
+    def get_name(cls) -> str:
+        return cls.format.name
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16, torch.float32]
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return [MANIFEST_FILE]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> QuantpackConfig:
+        return cls(config)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None, **kwargs) -> str | None:
+        """Claim packs whose config names this format (``hf_config=`` is passed from vLLM 0.20 on)."""
+        method = str((hf_quant_cfg or {}).get("quant_method", "")).lower()
+        name = cls.get_name()
+        if method == name and user_quant in (None, name):
+            return name
+        return None
+
+    def read_manifest(self, tensor_storage: Mapping[str, Any]) -> None:
+        """Take the pack's manifest (``tensor_storage``) as the routes.
+
+        Raises:
+            LayerLoadError: a manifest that mixes kinds behind one fused layer.
+        """
+        self.routes = manifest_routes(tensor_storage, self.format)
+        check_fused_routes(self.routes)
+
+    def fetch_manifest(self, repo_id: str, revision: str | None) -> None:
+        """Read the manifest of a pack on the Hugging Face hub, where it can be had; otherwise every layer is routed
+        to the format's methods, which still tell quantized from dense shards by the tensors that arrive."""
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(repo_id, MANIFEST_FILE, revision=revision)
+            with open(path) as f:
+                self.read_manifest(json.load(f).get("tensor_storage") or {})
+        except Exception as e:  # offline, or a pack without a manifest
+            logger.debug("quantpack: no manifest for %s (%s)", repo_id, e)
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        """Add vLLM's spelling of every manifest module (names are also compared in canonical form)."""
+        if not self.routes:
+            return
+        mapped = {}
+        for name, kind in self.routes.items():
+            for out in hf_to_vllm_mapper.apply_list([name]):
+                mapped[normalize_prefix(out)] = kind
+        self.routes.update(mapped)
+
+    # ------------------------------------------------------------------------------------------------ routing
+
+    def route(self, prefix: str) -> str | None:
+        """How the pack stores the checkpoint modules behind vLLM layer ``prefix``: the format's name, ``"int8_rows"``,
+        ``"dense"`` or None (not in the manifest, or no manifest).
+
+        Raises:
+            LayerLoadError: when the manifest has quantized and dense modules behind one fused layer.
+        """
+        kinds = {}
+        for name in constituents(prefix):
+            kind = self.routes.get(normalize_prefix(name))
+            if kind is not None:
+                kinds[name] = kind
+        if len(set(kinds.values())) > 1:
+            raise LayerLoadError(
+                f"{prefix}: the pack stores {', '.join(f'{n} as {k}' for n, k in kinds.items())}; one vLLM layer "
+                "cannot mix quantized and dense shards - re-quantize the pack with one setting for all of them"
+            )
+        return next(iter(kinds.values()), None)
+
+    def expert_routes(self, prefix: str) -> set[str]:
+        """Kinds the manifest gives the expert modules under the MoE layer ``prefix`` (``...mlp.experts``); empty
+        without a manifest."""
+        key = normalize_prefix(prefix) + "."
+        return {kind for name, kind in self.routes.items() if name.startswith(key)}
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """The method for one layer vLLM builds.
+
+        Raises:
+            LayerLoadError: a fused layer that mixes quantized and dense modules in the pack, or an MoE layer whose
+                experts the pack stores partly quantized and partly dense.
+        """
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            ParallelLMHead,
+            UnquantizedEmbeddingMethod,
+            VocabParallelEmbedding,
+        )
+
+        from .compat import routed_experts_class
+
+        route = self.route(prefix)
+        if isinstance(layer, ParallelLMHead):
+            if route == DENSE:
+                return UnquantizedEmbeddingMethod()
+            if route == INT8_ROWS:
+                return Int8RowsEmbeddingMethod(prefix)
+            return self.linear_method(self, prefix, is_lm_head=True)
+        if isinstance(layer, VocabParallelEmbedding):
+            # a dense table known from the manifest goes to vLLM's own method; int8 rows, or an unknown table, here
+            return None if route == DENSE else Int8RowsEmbeddingMethod(prefix)
+        if isinstance(layer, LinearBase):
+            if route == DENSE:
+                return UnquantizedLinearMethod()
+            return self.linear_method(self, prefix)
+        experts = routed_experts_class()
+        if experts is not None and isinstance(layer, experts) and self.moe_method is not None:
+            kinds = self.expert_routes(prefix)
+            if kinds == {DENSE}:
+                return None  # vLLM's unquantized MoE method loads per-expert .weight tensors
+            if len(kinds) > 1:
+                raise LayerLoadError(
+                    f"{prefix}: the pack stores some experts of this layer as {self.format.label} and others as dense "
+                    "weights; one MoE layer is one bank - re-quantize the pack with one setting for all of its experts"
+                )
+            return self.moe_method(layer.moe_config, self, prefix)
+        return None

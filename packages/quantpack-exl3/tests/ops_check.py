@@ -1,0 +1,22 @@
+"""The one opcheck helper every custom-op test uses (CPU and GPU tiers), and the list of ops it must cover.
+
+``torch.library.opcheck`` checks an op's schema against what the implementation mutates, its autograd registration,
+its fake implementation against the real one, and (by default) tracing under AOT dispatch with dynamic shapes.
+Follows vLLM's ``tests/kernels/utils.py`` (``opcheck`` with ``DEFAULT_OPCHECK_TEST_UTILS``).
+"""
+
+import torch
+
+DEFAULT_TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+#: every op the project defines, with the test that opchecks it (a new op without an entry fails test_every_op_...)
+COVERED = {
+    "dense_gemm_": "test_exl3_ops.py::test_dense_gemm_opcheck_and_columns",
+    "exl3_moe_reference_": "test_exl3_ops.py::test_reference_moe_opcheck",
+    "exl3_gemm_": "test_exl3_gpu_kernels.py::test_opcheck",
+    "exl3_moe_": "test_exl3_gpu_moe.py::test_opcheck",
+}
+
+
+def opcheck(name: str, args: tuple, test_utils=DEFAULT_TEST_UTILS) -> None:
+    """``torch.library.opcheck`` of ``quantpack::<name>`` on ``args`` (its ``out`` argument is mutated)."""
+    torch.library.opcheck(getattr(torch.ops.quantpack, name).default, args, test_utils=test_utils)
