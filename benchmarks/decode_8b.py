@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -95,11 +96,26 @@ def rss_gib() -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
+class KernelTable(logging.Handler):
+    """Keeps the plugin's per-model kernel table (quantpack_core.kernels.KernelLog) when it is logged."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.tables: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "kernels chosen per shard" in message:
+            self.tables.append(message)
+
+
 def bench_vllm(pack: Path) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
     from vllm import LLM, SamplingParams
 
+    kernels = KernelTable()
+    logging.getLogger("vllm.quantpack").addHandler(kernels)
     rss_before = rss_gib()
     t0 = time.time()
     llm = LLM(
@@ -141,6 +157,7 @@ def bench_vllm(pack: Path) -> dict:
         "host_rss_before_gib": rss_before,
         "host_rss_after_load_gib": rss_after,
         "model_on_device_gib": weights_gib,
+        "kernels": kernels.tables[-1] if kernels.tables else None,
     }
 
 
@@ -211,6 +228,8 @@ def main() -> None:
         dev = f"{r['model_on_device_gib']:.2f}" if "model_on_device_gib" in r else ""
         print(f"| {r['engine']} | {r['decode_tok_s']:.1f} | {r['load_s']:.0f} | {rss} | {dev} |")
     for r in results:
+        if r.get("kernels"):
+            print(f"\n{r['kernels']}")
         if "error" in r:
             print(f"\n{r['engine']} failed:\n{r['error']}")
     if args.json:
