@@ -1,0 +1,126 @@
+"""The per-shard kernel choice on vLLM's own layers: a stand-in kernel inserted first in the CPU priority list that
+accepts only K=4 shards runs those, the reference kernel runs the rest, the layer's output is the fp64 reference of
+every shard, and the model's table logs both kernels with the stand-in's reason for the shards it declined. The
+stand-in computes its shards with the core codec's fp64 forward on every call (a second implementation, not a
+constant); nothing is mocked. Also: the error when no kernel accepts, and the config-time error on a platform with
+no kernel."""
+
+import logging
+
+import pytest
+import torch
+from test_exl3_layers import feed, make_config, ref_out, rel_err
+
+from quantpack_core import Exl3Tensors, reference_linear
+from quantpack_core.codec import Codebook
+from quantpack_core.kernels import LinearKernel, LinearSpec, PreparedShard
+from quantpack_core.synthetic import random_exl3_layer
+
+pytest.importorskip("vllm")
+
+CODEBOOKS = list(Codebook)
+
+
+def stand_in_gemm(x, trellis, suh, svh, codebook: int, out_features: int, out, col: int) -> None:
+    """``out[:, col:col + n] = x @ W`` with the shard decoded by the core codec in float64 on every call."""
+    t = Exl3Tensors(trellis, suh, svh, CODEBOOKS[codebook])
+    y = reference_linear(x.double(), t, torch.float64, out_features=out_features)
+    out.narrow(1, col, out_features).copy_(y.to(out.dtype))
+
+
+class StandInKernel(LinearKernel):
+    """Accepts EXL3 shards at K=4 only; keeps the shard as stored and decodes it at every call."""
+
+    name = "stand-in"
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec):
+        if spec.format != "exl3" or spec.k_bits != 4:
+            return False, f"takes K=4 only, this shard is K={spec.k_bits:g}"
+        return True, None
+
+    @classmethod
+    def prepare(cls, shard: Exl3Tensors, spec: LinearSpec, device) -> PreparedShard:
+        tensors = {"trellis": shard.trellis.clone(), "suh": shard.suh.clone(), "svh": shard.svh.clone()}
+        static = (CODEBOOKS.index(shard.codebook), spec.out_features)
+        return PreparedShard(stand_in_gemm, tensors, spec.out_features, static)
+
+
+def shards():
+    g = torch.Generator().manual_seed(3)
+    return {
+        "q": random_exl3_layer(256, 256, 2, "3inst", generator=g),
+        "k": random_exl3_layer(256, 128, 4, "mcg", generator=g),
+        "v": random_exl3_layer(256, 128, 4, "mul1", generator=g),
+    }
+
+
+def qkv(config):
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    return QKVParallelLinear(
+        256, 64, 4, 2, bias=False, quant_config=config, prefix="model.layers.0.self_attn.qkv_proj",
+        params_dtype=torch.float32,
+    )  # fmt: skip
+
+
+def test_stand_in_takes_the_shards_it_accepts_and_the_next_kernel_the_rest(vllm_layers, caplog):
+    config = make_config(vllm_layers)
+    assert [k.name for k in config.linear_kernels] == ["reference"]  # the CPU list
+    config.linear_kernels = (StandInKernel, *config.linear_kernels)
+    layer = qkv(config)
+    tensors = shards()
+    for sid, t in tensors.items():
+        feed(layer, t, sid)
+    with caplog.at_level(logging.INFO, logger="vllm.quantpack"):
+        layer.quant_method.process_weights_after_loading(layer)
+    assert [run.kernel for run in layer.quant_state.runs] == ["reference", "stand-in", "stand-in"]
+    assert {n for n, _ in layer.named_parameters()} == {
+        "shard0_weight", "shard1_trellis", "shard1_suh", "shard1_svh", "shard2_trellis", "shard2_suh", "shard2_svh",
+    }  # fmt: skip
+    x = torch.randn(5, 256)
+    y = layer.quant_method.apply(layer, x)
+    want = ref_out(x, [Exl3Tensors.from_tensors(tensors[s]) for s in "qkv"], [256, 128, 128])
+    assert rel_err(y, want) < 1e-5
+    tables = [r.getMessage() for r in caplog.records if "kernels chosen per shard" in r.getMessage()]
+    assert len(tables) == 1, tables
+    table = tables[0]
+    assert "linear   stand-in              2 shards" in table
+    assert "linear   reference             1 shard" in table
+    assert "linear   stand-in         declined 1: takes K=4 only, this shard is K=2" in table
+
+
+def test_the_table_waits_for_the_models_last_layer(vllm_layers, caplog):
+    """Two layers of one model: nothing is logged after the first is processed, one table after the second."""
+    config = make_config(vllm_layers)
+    first, second = qkv(config), qkv(config)
+    for layer in (first, second):
+        for sid, t in shards().items():
+            feed(layer, t, sid)
+    with caplog.at_level(logging.INFO, logger="vllm.quantpack"):
+        first.quant_method.process_weights_after_loading(first)
+        assert not [r for r in caplog.records if "kernels chosen" in r.getMessage()]
+        second.quant_method.process_weights_after_loading(second)
+    tables = [r.getMessage() for r in caplog.records if "kernels chosen" in r.getMessage()]
+    assert len(tables) == 1 and "linear   reference             6 shards" in tables[0], tables
+
+
+def test_no_kernel_accepting_a_shard_names_every_reason(vllm_layers):
+    from quantpack_core.errors import NoKernelError
+
+    config = make_config(vllm_layers)
+    config.linear_kernels = (StandInKernel,)
+    layer = qkv(config)
+    for sid, t in shards().items():
+        feed(layer, t, sid)
+    with pytest.raises(NoKernelError, match=r"qkv_proj: shard 'q' .*exl3 K=2 3inst 256x256 .*stand-in: takes K=4 only"):
+        layer.quant_method.process_weights_after_loading(layer)
+
+
+def test_platform_without_any_kernel_fails_at_config_time():
+    from quantpack_core.errors import BackendUnavailableError
+    from quantpack_core.kernels import ROCM, Platform
+    from quantpack_exl3.config import Exl3Config
+
+    with pytest.raises(BackendUnavailableError, match=r"no EXL3 kernel for rocm.*QUANTPACK_EXL3_BACKEND=reference"):
+        Exl3Config.resolve_kernels(Platform(ROCM, arch="gfx1201"))
