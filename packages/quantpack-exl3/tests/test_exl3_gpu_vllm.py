@@ -4,6 +4,7 @@ against the core codec's dequantized weights in transformers), and the same gree
 torch.compile + CUDA graphs. vLLM 0.25.1 does not register the Qwen3.5 text architecture; quantpack-families does.
 """
 
+import os
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,21 @@ LLM_KWARGS = {
 
 #: vLLM 0.25.1 prefers FlashInfer's Gated DeltaNet prefill on Hopper; the slim bundle has no FlashInfer
 QWEN_LLM_KWARGS = {**LLM_KWARGS, "additional_config": {"gdn_prefill_backend": "triton"}}
+#: job-name substrings to run (every job when empty), e.g. QUANTPACK_GPU_JOBS=moe/ for the MoE packs alone; the
+#: tests of the other jobs skip
+ONLY = [s for s in os.environ.get("QUANTPACK_GPU_JOBS", "").split(",") if s]
+
+
+def selected(key: str) -> bool:
+    """Whether job ``key`` runs (see :data:`ONLY`)."""
+    return not ONLY or any(s in key for s in ONLY)
+
+
+def result(results: dict, key: str) -> dict:
+    """The job's result; skips a job left out by ``QUANTPACK_GPU_JOBS``."""
+    if not selected(key):
+        pytest.skip(f"{key} not selected by QUANTPACK_GPU_JOBS={','.join(ONLY)}")
+    return get(results, key)
 
 
 def qwen_reference(fixtures_dir: Path, out: Path) -> Path:
@@ -46,9 +62,10 @@ def qwen_reference(fixtures_dir: Path, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def gpu_e2e(fixtures_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu_e2e")
-    qref = qwen_reference(fixtures_dir, tmp / "qwen_reference.pt")
+    qwen = selected(f"{QWEN_PACK}/") or selected("qwen-int8")
+    qref = qwen_reference(fixtures_dir, tmp / "qwen_reference.pt") if qwen else None
     jobs = {}
-    for name in [*LLAMA_PACKS, QWEN_PACK]:
+    for name in [*LLAMA_PACKS, QWEN_PACK] if qwen else LLAMA_PACKS:
         base = {"kind": "logits", "pack": str(fixtures_dir / name), "llm_kwargs": LLM_KWARGS}
         if name == QWEN_PACK:
             base.update(reference=str(qref), llm_kwargs=QWEN_LLM_KWARGS)
@@ -58,21 +75,22 @@ def gpu_e2e(fixtures_dir, tmp_path_factory):
     # vLLM's qwen3_5 builds embed_tokens / lm_head without a quant config: the int8 rows must still reach them
     from quantpack_core.embedding import convert_embedding_int8
 
-    int8 = convert_embedding_int8(fixtures_dir / QWEN_PACK, tmp / "qwen-int8").out_dir
-    jobs["qwen-int8"] = {
-        "kind": "logits",
-        "pack": str(int8),
-        "reference": str(qref),
-        "llm_kwargs": QWEN_LLM_KWARGS,
-        "dtype": "float16",
-        "eager": True,
-    }
+    if qwen:
+        int8 = convert_embedding_int8(fixtures_dir / QWEN_PACK, tmp / "qwen-int8").out_dir
+        jobs["qwen-int8"] = {
+            "kind": "logits",
+            "pack": str(int8),
+            "reference": str(qref),
+            "llm_kwargs": QWEN_LLM_KWARGS,
+            "dtype": "float16",
+            "eager": True,
+        }
     # EXL3 expert banks: eager with the routers' picks recorded, and compile + CUDA graphs
     for name in MOE_PACKS:
         base = {"kind": "logits", "pack": str(fixtures_dir / name), "llm_kwargs": LLM_KWARGS, "dtype": "float16"}
         jobs[f"moe/{name}/eager"] = dict(base, eager=True, routing=True, save=str(tmp / f"{name}-eager.lp.pt"))
         jobs[f"moe/{name}/graphs"] = dict(base, eager=False, save=str(tmp / f"{name}-graphs.lp.pt"))
-    return run_runner(jobs, tmp, timeout=1800)
+    return run_runner({k: v for k, v in jobs.items() if selected(k)}, tmp, timeout=1800)
 
 
 def vocab_module(res: dict, suffix: str) -> dict:
@@ -95,7 +113,7 @@ NEAR_TIE = 0.05
 @pytest.mark.parametrize("name", [*LLAMA_PACKS, QWEN_PACK])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_prompt_logprobs_match_reference(gpu_e2e, figures, name, dtype):
-    res = get(gpu_e2e, f"{name}/{dtype}/eager")
+    res = result(gpu_e2e, f"{name}/{dtype}/eager")
     rss = res["rss_mib"]
     figures.append(
         f"GPU {name} {dtype} eager: KL {res['kl']:.3g}, top-1 {100 * res['top1']:.2f}%, load {res['load_s']:.1f} s, "
@@ -122,7 +140,7 @@ def greedy_agreement(eager: dict, other: dict) -> str:
 
 @pytest.mark.parametrize("name", [*LLAMA_PACKS, QWEN_PACK])
 def test_graphs_match_eager(gpu_e2e, figures, name):
-    eager, graphs = get(gpu_e2e, f"{name}/float16/eager"), get(gpu_e2e, f"{name}/float16/graphs")
+    eager, graphs = result(gpu_e2e, f"{name}/float16/eager"), result(gpu_e2e, f"{name}/float16/graphs")
     figures.append(f"GPU {name} float16 compile+graphs: KL {graphs['kl']:.3g}, load {graphs['load_s']:.1f} s")
     assert graphs["kl"] <= 5e-4
     figures.append(f"GPU {name} greedy, compile+graphs vs eager: {greedy_agreement(eager, graphs)}")
@@ -131,7 +149,7 @@ def test_graphs_match_eager(gpu_e2e, figures, name):
 def test_qwen3_5_int8_embedding_on_cuda(gpu_e2e, figures):
     """Qwen3.5's vLLM model builds its embedding without a quant config; the int8 rows must be what it serves (a
     table silently left dense, or never loaded, fails here) and cost almost nothing against the reference."""
-    res, dense = get(gpu_e2e, "qwen-int8"), get(gpu_e2e, f"{QWEN_PACK}/float16/eager")
+    res, dense = result(gpu_e2e, "qwen-int8"), result(gpu_e2e, f"{QWEN_PACK}/float16/eager")
     emb = vocab_module(res, "embed_tokens")
     figures.append(f"GPU {QWEN_PACK} int8 embedding float16: KL {res['kl']:.3g} (bf16 table: {dense['kl']:.3g}), {emb}")
     assert emb["method"] == "Int8RowsEmbeddingMethod"
@@ -158,7 +176,7 @@ def test_moe_packs_on_cuda(gpu_e2e, figures, fixtures_dir, name):
     the full mean is reported."""
     from quantpack_core.reference import dense_transformers_model, router_top_k
 
-    eager, graphs = get(gpu_e2e, f"moe/{name}/eager"), get(gpu_e2e, f"moe/{name}/graphs")
+    eager, graphs = result(gpu_e2e, f"moe/{name}/eager"), result(gpu_e2e, f"moe/{name}/graphs")
     model = dense_transformers_model(fixtures_dir / name)
     ids = torch.load(fixtures_dir / name / "reference_logits.pt")["input_ids"]
     probs = {}
