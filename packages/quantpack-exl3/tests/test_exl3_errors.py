@@ -169,3 +169,24 @@ def test_unfused_layer_is_named_by_its_module(vllm_layers):
         GeometryError, match=r"down_proj: model.layers.0.mlp.down_proj stores a 512x256 .*needs 640x256"
     ):
         process(layer)
+
+
+def test_kernel_list_errors_name_the_way_out(monkeypatch):
+    """A GPU older than sm_80 fails at config time with the reason and the variable that forces the reference
+    kernel, and forcing it works there (vLLM's own capability check is left to the kernel lists: minimum 0); a forced
+    kernel that cannot run here names the other choices."""
+    from quantpack_core.errors import BackendUnavailableError
+    from quantpack_core.kernels import Platform
+    from quantpack_exl3.config import Exl3Config
+
+    monkeypatch.delenv("QUANTPACK_EXL3_BACKEND", raising=False)
+    with pytest.raises(
+        BackendUnavailableError, match=r"compute capability 8.0 or newer \(this GPU has 7.5\).*=reference"
+    ):
+        Exl3Config.resolve_kernels(Platform("cuda", 75))
+    assert Exl3Config.get_min_capability() == 0
+    monkeypatch.setenv("QUANTPACK_EXL3_BACKEND", "reference")
+    assert [k.name for k in Exl3Config.resolve_kernels(Platform("cuda", 75))[0]] == ["reference"]
+    monkeypatch.setenv("QUANTPACK_EXL3_BACKEND", "exllamav3")
+    with pytest.raises(BackendUnavailableError, match=r"needs a CUDA device .*Choose another of reference, or unset"):
+        Exl3Config.resolve_kernels(Platform("cpu"))

@@ -174,7 +174,8 @@ class Kernel(ABC):
     def available(cls, platform: Platform) -> tuple[bool, str | None]:
         """Whether the kernel can run on ``platform`` at all in this environment (its extension imports, the device
         is new enough), independent of any shard. Checked when a config is built, so an unusable environment fails
-        before any weight is read. Default: wherever :meth:`can_implement` accepts something.
+        before any weight is read. Default: available everywhere (a plain-torch kernel); its platform rules are then
+        all in :meth:`can_implement`.
 
         Returns:
             ``(True, None)`` or ``(False, reason)``; the reason says how to fix it where it can be fixed.

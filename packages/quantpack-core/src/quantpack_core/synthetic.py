@@ -18,15 +18,10 @@ import torch
 from safetensors.torch import save_file
 
 from .codec.codebook import Codebook
-from .codec.hadamard import HAD_BLOCK
 from .codec.trellis import check_k_codebook, width_from_k
 from .names import split_tensor_name
 from .pack import INDEX_FILE, MANIFEST_FILE
-
-
-def padded(features: int) -> int:
-    """Round a feature count up to the 128-wide Hadamard block, as exllamav3 pads EXL3 layers."""
-    return (features + HAD_BLOCK - 1) // HAD_BLOCK * HAD_BLOCK
+from .tp import padded
 
 
 def random_exl3_layer(

@@ -121,6 +121,11 @@ class TpCut:
         return self.start - lo, self.kept_features - (self.stop - lo)
 
 
+def padded(features: int, block: int = HAD_BLOCK) -> int:
+    """``features`` rounded up to whole blocks (EXL3 stores every layer padded to 128-feature Hadamard blocks)."""
+    return (features + block - 1) // block * block
+
+
 def check_rank(tp_size: int, tp_rank: int) -> None:
     """Raise ``ValueError`` unless ``0 <= tp_rank < tp_size`` and ``tp_size >= 1``."""
     if tp_size < 1 or not 0 <= tp_rank < tp_size:

@@ -67,8 +67,9 @@ class Exl3Config(QuantpackConfig):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        # exllamav3's kernels need sm_80; vLLM skips this check where the platform has no capability (CPU).
-        return 80
+        """0: the kernel lists decide per platform (exllamav3 needs sm_80, the forced reference kernel runs on any GPU);
+        vLLM's own check would refuse an older GPU before the forced reference kernel could be used."""
+        return 0
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
         """Validate a local pack and read its manifest, before any weight is loaded.

@@ -20,11 +20,7 @@ import torch
 from quantpack_core.codec import HAD_BLOCK, Exl3Tensors, cut_tensors
 from quantpack_core.kernels import ExpertSpec, LinearSpec, Platform
 from quantpack_core.moe import Exl3MoeBank, bank_from_tensors
-from quantpack_core.tp import TpCut
-
-
-def _padded(n: int) -> int:
-    return (n + HAD_BLOCK - 1) // HAD_BLOCK * HAD_BLOCK
+from quantpack_core.tp import TpCut, padded
 
 
 class Exl3Format:
@@ -61,7 +57,7 @@ class Exl3Format:
         """Stored sizes must be the logical ones rounded up to 128; a head's stored rows may exceed its vocabulary
         by less than one block (exllamav3 pads the vocabulary, vLLM pads it to a multiple of 64)."""
         k, n = shard.padded_shape
-        want_k, want_n = _padded(in_features), _padded(out_features)
+        want_k, want_n = padded(in_features), padded(out_features)
         ok_n = n == want_n or (is_lm_head and n >= out_features and n - out_features < HAD_BLOCK)
         if k == want_k and ok_n:
             return None

@@ -202,7 +202,10 @@ class QuantpackConfig(QuantizationConfig):
             for kernel in pick:
                 ok, why = kernel.available(platform)
                 if not ok:
-                    raise BackendUnavailableError(f"{cls.BACKEND_ENV}={forced}: the {forced} kernel {why}")
+                    raise BackendUnavailableError(
+                        f"{cls.BACKEND_ENV}={forced}: the {forced} kernel {why}. Choose another of "
+                        f"{', '.join(sorted(named - {forced}))}, or unset {cls.BACKEND_ENV}. {cls.UNAVAILABLE_HINT}"
+                    )
             lin = tuple(k for k in pick if issubclass(k, LinearKernel))
             exp = tuple(k for k in pick if issubclass(k, ExpertKernel))
             return lin or linear, exp or experts
@@ -217,9 +220,12 @@ class QuantpackConfig(QuantizationConfig):
             f"{cls.title} cannot serve {cls.format.label} on this {platform} platform: {what}. {cls.UNAVAILABLE_HINT}"
         )
 
-    def dense_spec(self, in_features: int, out_features: int, dtype: torch.dtype) -> LinearSpec:
-        """The :class:`LinearSpec` of a dense shard of this rank's size."""
-        return LinearSpec(self.platform, DENSE, None, None, in_features, out_features, in_features, out_features, dtype)
+    def dense_spec(self, in_features: int, out_features: int, dtype: torch.dtype, tp: str) -> LinearSpec:
+        """The :class:`LinearSpec` of a dense shard of this rank's size (``tp``: ``"whole"``, or ``"sliced"``: a dense
+        share is always cut exactly)."""
+        return LinearSpec(
+            self.platform, DENSE, None, None, in_features, out_features, in_features, out_features, dtype, tp
+        )
 
     # ------------------------------------------------------------------------------------ vLLM's class interface
 

@@ -45,11 +45,6 @@ logger = logging.getLogger("vllm.quantpack")
 DENSE_SUFFIX = "weight"
 
 
-def padded(n: int, block: int) -> int:
-    """``n`` rounded up to a multiple of ``block``."""
-    return (n + block - 1) // block * block
-
-
 @dataclass(frozen=True)
 class LinearTp:
     """How tensor parallelism splits one vLLM linear layer on this rank (read from the layer when vLLM builds it).
@@ -371,8 +366,8 @@ class QuantLinearMethod(LinearMethodBase):
             cut = state.tp.cut(plan.partitions) if state.tp is not None else None
             in_f, out_f = self._full_sizes(plan, cut)
             select = None
-            tp = TP_WHOLE if cut is None else TP_SLICED if cut.sliced else None
             if quantized:
+                tp = TP_WHOLE if cut is None else TP_SLICED
                 shard = self._parse(captured, plan)
                 why = self.format.geometry_error(shard, in_f, out_f, self.is_lm_head)
                 if why is not None:
@@ -394,7 +389,7 @@ class QuantLinearMethod(LinearMethodBase):
                 if cut is not None:
                     shard = cut_dense(shard, cut)
                 out_n, in_n = shard.shape
-                spec = self.config.dense_spec(in_n, out_n, state.params_dtype)
+                spec = self.config.dense_spec(in_n, out_n, state.params_dtype, TP_WHOLE if cut is None else TP_SLICED)
                 kernels = self.config.dense_kernels
             choice = choose_kernel(kernels, spec, f"{self.prefix}: {plan.name}")
             log.record("linear", choice)

@@ -39,9 +39,8 @@ from quantpack_core.errors import CodecError, GeometryError, LayerLoadError, Uns
 from quantpack_core.format import ExpertFormat
 from quantpack_core.kernels import TP_EXPERT_SPLIT, TP_SLICED, TP_WHOLE, choose_kernel
 from quantpack_core.moe import PROJ_DOWN, PROJ_GATE, PROJ_MODULES, PROJ_UP, PROJECTIONS
-from quantpack_core.tp import expert_split, sliced_tp_sizes
+from quantpack_core.tp import expert_split, padded, sliced_tp_sizes
 
-from .linear import padded
 from .params import STACK, ExpertParam
 
 logger = logging.getLogger("vllm.quantpack")
