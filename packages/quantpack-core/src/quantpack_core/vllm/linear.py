@@ -114,7 +114,6 @@ class ShardRun:
         params: names of the layer parameters holding the shard's tensors.
         static: Python scalars of the op (codebook, K, widths).
         col: the shard's first output column.
-        out_features: output columns it writes.
     """
 
     kernel: str
@@ -122,7 +121,6 @@ class ShardRun:
     params: tuple[str, ...]
     static: tuple
     col: int
-    out_features: int
 
 
 @dataclass
@@ -404,7 +402,7 @@ class QuantLinearMethod(LinearMethodBase):
             for name, tensor in p.tensors.items():
                 layer.register_parameter(f"shard{i}_{name}", torch.nn.Parameter(tensor, requires_grad=False))
                 names.append(f"shard{i}_{name}")
-            runs.append(ShardRun(kernel, p.run, tuple(names), p.static, col, p.out_features))
+            runs.append(ShardRun(kernel, p.run, tuple(names), p.static, col))
             columns.extend(range(col, col + p.out_features) if select is None else [col + c for c in select])
             col += p.out_features
         state.runs, state.out_total, state.out_width, state.row_pad = tuple(runs), col, len(columns), row_pad

@@ -83,9 +83,9 @@ def load_expert_weights(layer: torch.nn.Module, weights: Iterable[tuple[str, tor
         suffix = m.group(3) if m else None
         if m is None or proj is None or suffix not in state.suffixes:
             raise LayerLoadError(
-                f"{name_of}: checkpoint tensor {name!r} is not a per-expert {state.format} tensor "
+                f"{name_of}: checkpoint tensor {name!r} is not a per-expert {state.label} tensor "
                 f"(<expert>.{{{', '.join(projs)}}}.{{{', '.join(state.suffixes)}}}); stacked or dense experts in a "
-                f"{state.format} layer are not supported - quantize every expert, or keep the whole layer dense"
+                f"{state.label} layer are not supported - quantize every expert, or keep the whole layer dense"
             )
         expert = int(m.group(1))  # the placeholder's loader refuses ids outside the layer
         param_name = f"{STACK[proj]}_{suffix}"
@@ -115,7 +115,8 @@ class ExpertState:
 
     Attributes:
         prefix: the vLLM module name.
-        format: the experts' format name; suffixes: the checkpoint suffixes of one expert projection.
+        label: the experts' format as messages name it (``EXL3``).
+        suffixes: the checkpoint suffixes of one expert projection.
         num_experts: the layer's experts (all of them: expert parallelism is refused).
         hidden: the model's hidden size; intermediate: the experts' full logical intermediate size.
         params_dtype: the model dtype.
@@ -127,7 +128,7 @@ class ExpertState:
     """
 
     prefix: str
-    format: str
+    label: str
     suffixes: tuple[str, ...]
     num_experts: int
     hidden: int
