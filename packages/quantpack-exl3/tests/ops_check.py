@@ -13,6 +13,7 @@ COVERED = {
     "dense_gemm_": "test_exl3_ops.py::test_dense_gemm_opcheck_and_columns",
     "exl3_moe_reference_": "test_exl3_ops.py::test_reference_moe_opcheck",
     "exl3_gemm_": "test_exl3_gpu_kernels.py::test_opcheck",
+    "trellis_mma_": "test_exl3_gpu_kernels.py::test_opcheck",
     "exl3_moe_": "test_exl3_gpu_moe.py::test_opcheck",
 }
 

@@ -1,9 +1,11 @@
-"""GPU tier: exllamav3's kernels through ``quantpack::exl3_gemm_``.
+"""GPU tier: every CUDA linear kernel (exllamav3's through ``quantpack::exl3_gemm_``, the project's own through
+``quantpack::trellis_mma_``), each test once per kernel (``-k trellis_mma`` selects one).
 
 For every tensor of the bundled packs and for random layers of every K and codebook over 1..4096 rows, the op's
 relative error against the fp64 reference (core codec) must be no worse than 1.1x that of exllamav3's own
 ``LinearEXL3.forward`` against the same reference; results are never NaN, every column of the shard is written and
-no other. Plus opcheck, torch.compile without graph breaks, and CUDA-graph capture and replay.
+no other. Plus opcheck, torch.compile without graph breaks, and CUDA-graph capture and replay (bit-identical to an
+eager call for the deterministic trellis_mma kernels).
 """
 
 from pathlib import Path
@@ -40,15 +42,46 @@ FIXTURES = Path(__file__).resolve().parents[3] / "fixtures"
 class Exllamav3Shards:
     """The exllamav3 linear kernel, prepared for a whole (unsharded) shard of the given logical size on this GPU."""
 
+    name = "exllamav3"
+    op = "exl3_gemm_"
+    #: model dtypes compared with exllamav3's own error (bf16 inputs would add their own rounding)
+    ratio_dtypes = (torch.float32, torch.float16)
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    deterministic = False
+
     @staticmethod
-    def prepare_shard(t: Exl3Tensors, in_f: int, out_f: int, dtype: torch.dtype, device: torch.device):
-        from quantpack_core.kernels import TP_WHOLE
+    def kernel():
         from quantpack_exl3.backends.exllamav3 import Exllamav3LinearKernel
+
+        return Exllamav3LinearKernel
+
+    @classmethod
+    def prepare_shard(cls, t: Exl3Tensors, in_f: int, out_f: int, dtype: torch.dtype, device: torch.device):
+        from quantpack_core.kernels import TP_WHOLE
         from quantpack_exl3.format import EXL3
 
         spec = EXL3.spec(t, current_platform(), in_f, out_f, dtype, TP_WHOLE)
-        assert Exllamav3LinearKernel.can_implement(spec) == (True, None)
-        return Exllamav3LinearKernel.prepare(t, spec, device)
+        assert cls.kernel().can_implement(spec) == (True, None)
+        return cls.kernel().prepare(t, spec, device)
+
+
+class TrellisMmaShards(Exllamav3Shards):
+    """The project's trellis_mma linear kernel (float16 / bfloat16 models; split-K sums in a fixed order)."""
+
+    name = "trellis_mma"
+    op = "trellis_mma_"
+    ratio_dtypes = (torch.float16,)
+    dtypes = (torch.float16, torch.bfloat16)
+    deterministic = True
+
+    @staticmethod
+    def kernel():
+        from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel
+
+        return TrellisMmaLinearKernel
+
+
+BACKENDS = [Exllamav3Shards, TrellisMmaShards]
 
 
 def current_platform():
@@ -58,13 +91,11 @@ def current_platform():
     return Platform(CUDA, capability=major * 10 + minor)
 
 
-@pytest.fixture(scope="module")
-def backend():
-    """The exllamav3 kernel; on a GPU machine its extension must import (a failure here fails the tier)."""
-    from quantpack_exl3.backends.exllamav3 import Exllamav3LinearKernel
-
-    assert Exllamav3LinearKernel.available(current_platform()) == (True, None)
-    return Exllamav3Shards
+@pytest.fixture(scope="module", params=BACKENDS, ids=[b.name for b in BACKENDS])
+def backend(request):
+    """Each CUDA linear kernel; on a GPU machine it must be available (a failure here fails the tier)."""
+    assert request.param.kernel().available(current_platform()) == (True, None)
+    return request.param
 
 
 def exllamav3_forward(t: Exl3Tensors, x16: torch.Tensor) -> torch.Tensor:
@@ -100,7 +131,7 @@ def check_shard(backend, t: Exl3Tensors, rows: int, seed: int):
     x16 = torch.randn((rows, k), generator=g, device=dev).half()
     ref = reference_linear(x16.double(), t, torch.float64)
     theirs = rel_err(exllamav3_forward(t, x16), ref)
-    for dtype in (torch.float32, torch.float16):
+    for dtype in backend.ratio_dtypes:
         kernel = backend.prepare_shard(t, k, n, dtype, dev)
         out = torch.full((rows, n + 64), float("nan"), dtype=dtype, device=dev)
         kernel.run(x16.to(dtype), *kernel.tensors.values(), *kernel.static, out, 32)
@@ -140,7 +171,9 @@ def test_padded_layer_and_dtypes(backend):
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(11)
     t = Exl3Tensors.from_tensors(random_exl3_layer(200, 300, 4, "mul1", generator=g))
-    for dtype, tol in ((torch.float32, 2e-3), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)):
+    tols = {torch.float32: 2e-3, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+    for dtype in backend.dtypes:
+        tol = tols[dtype]
         kernel = backend.prepare_shard(t, 200, 300, dtype, dev)
         for rows in (1, 7, 200):
             x = torch.randn((rows, 200), device=dev).to(dtype)
@@ -158,7 +191,7 @@ def test_opcheck(backend):
     for rows in (1, 40, 200):
         x = torch.randn((rows, 256), device=dev).half()
         out = torch.zeros((rows, 400), dtype=torch.float16, device=dev)
-        opcheck("exl3_gemm_", (x, *kernel.tensors.values(), *kernel.static, out, 16))
+        opcheck(backend.op, (x, *kernel.tensors.values(), *kernel.static, out, 16))
 
 
 def test_compiles_in_one_graph_and_captures_in_a_cuda_graph(backend):
@@ -193,7 +226,10 @@ def test_compiles_in_one_graph_and_captures_in_a_cuda_graph(backend):
             static_x.copy_(torch.randn((rows, 256), device=dev).bfloat16())
             graph.replay()
             torch.cuda.synchronize()
-            assert rel_err(static_y.float(), fused(static_x).double()) < 1e-3, rows
+            eager = fused(static_x)
+            assert rel_err(static_y.float(), eager.double()) < 1e-3, rows
+            if backend.deterministic:
+                assert torch.equal(static_y, eager), f"graph replay differs from eager at {rows} rows"
 
 
 def test_this_gpu_chooses_exllamav3_for_every_k_and_codebook():

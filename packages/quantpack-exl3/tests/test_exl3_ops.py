@@ -12,7 +12,8 @@ from quantpack_core.ops import defined_ops
 
 def test_every_op_the_project_defines_has_an_opcheck_case():
     import quantpack_exl3.backends.exllamav3.ops
-    import quantpack_exl3.backends.reference.ops  # noqa: F401
+    import quantpack_exl3.backends.reference.ops
+    import quantpack_exl3.backends.trellis_mma.ops  # noqa: F401
 
     assert set(defined_ops()) == set(COVERED), set(defined_ops()) ^ set(COVERED)
 

@@ -28,15 +28,15 @@ def linear(platform, k, codebook, shape=(4096, 4096), dtype=torch.bfloat16, tp="
 
 LINEAR_MATRIX = [
     # platform, K, codebook, (in, out), dtype, tp -> kernel
-    (H200, 4, "mul1", (4096, 4096), torch.bfloat16, "whole", "exllamav3"),
-    (H200, 4, "mul1", (4096, 14336), torch.float16, "sliced", "exllamav3"),
-    (H200, 1.5, "mul1", (4096, 1024), torch.bfloat16, "whole", "exllamav3"),
-    (H200, 8, "3inst", (200, 300), torch.float32, "whole", "exllamav3"),
-    (H200, 2, "mcg", (256, 64), torch.bfloat16, "column-fallback", "exllamav3"),
-    (H200, 3, "mcg", (320, 256), torch.float16, "row-fallback", "exllamav3"),
+    (H200, 4, "mul1", (4096, 4096), torch.bfloat16, "whole", "trellis_mma"),
+    (H200, 4, "mul1", (4096, 14336), torch.float16, "sliced", "trellis_mma"),
+    (H200, 1.5, "mul1", (4096, 1024), torch.bfloat16, "whole", "trellis_mma"),
+    (H200, 8, "3inst", (200, 300), torch.float32, "whole", "exllamav3"),  # trellis_mma takes 16-bit models
+    (H200, 2, "mcg", (256, 64), torch.bfloat16, "column-fallback", "trellis_mma"),
+    (H200, 3, "mcg", (320, 256), torch.float16, "row-fallback", "trellis_mma"),
     (H200, 4, "mul1", (4096, 4096), torch.float64, "whole", None),  # the kernels take 16/32-bit models
-    (A100, 5, "3inst", (4096, 4096), torch.float16, "whole", "exllamav3"),
-    (T4, 4, "mul1", (4096, 4096), torch.float16, "whole", None),  # exllamav3 needs sm_80
+    (A100, 5, "3inst", (4096, 4096), torch.float16, "whole", "trellis_mma"),
+    (T4, 4, "mul1", (4096, 4096), torch.float16, "whole", None),  # both CUDA kernels need sm_80
     (HOST, 4, "mul1", (4096, 4096), torch.float32, "whole", "reference"),
     (HOST, 2.5, "mul1", (200, 300), torch.bfloat16, "column-fallback", "reference"),
     (HOST, 1, "3inst", (256, 128), torch.float16, "row-fallback", "reference"),

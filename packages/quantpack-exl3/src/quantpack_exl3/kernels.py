@@ -13,11 +13,12 @@ from quantpack_core.kernels import CPU, CUDA, ROCM
 
 from .backends.exllamav3 import Exllamav3ExpertKernel, Exllamav3LinearKernel
 from .backends.reference import ReferenceExpertKernel, ReferenceLinearKernel
+from .backends.trellis_mma import TrellisMmaLinearKernel
 
 BACKEND_ENV = "QUANTPACK_EXL3_BACKEND"
 
 LINEAR_KERNELS = {
-    CUDA: [Exllamav3LinearKernel],
+    CUDA: [TrellisMmaLinearKernel, Exllamav3LinearKernel],
     ROCM: [],  # no EXL3 kernel for ROCm in this version (the reference one only when forced)
     CPU: [ReferenceLinearKernel],
 }

@@ -1,0 +1,213 @@
+"""Kernel-level speed of EXL3 linear layers on the Llama-3-8B stack: every CUDA linear kernel side by side with dense
+bf16 cuBLAS, against the bandwidth floor.
+
+The stack is 32 layers x (q 4096->4096, k and v 4096->1024, o 4096->4096, gate and up 4096->14336, down
+14336->4096) at K=4 and the head 4096->128256 at K=6, all mul1 by default (the shapes and K of
+``decode_8b.py``), with random trellis words (every bit pattern is a legal trellis; decode speed does not depend on
+the values). For each kernel and row count the whole stack (225 shard launches) is captured in one CUDA graph and
+replayed; the time is the median over replays. Each shape class (the 32 layers' q shards, ...) is also timed alone,
+which is what the per-shard kernel choice rests on. Dense bf16 (``torch.matmul`` on the same shapes) is timed the
+same way, and the GPU's copy bandwidth is measured in the same run: the bandwidth floor of a stack is its bytes
+(trellis + suh + svh; bf16 weights for dense) over that bandwidth.
+
+Writes a JSON record (``--json``, default ``benchmarks/results/kernel_8b.json``); ``benchmarks/plot_kernels.py``
+draws it. Usage (GPU machine, after ci/gpu/setup.sh): ``source ci/gpu/env.sh && python3 benchmarks/kernel_8b.py
+[--rows 1,4,16,64,256] [--kernels exllamav3,trellis_mma] [--codebook mul1] [--no-dense]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+HIDDEN, INTER, LAYERS, VOCAB = 4096, 14336, 32, 128256
+#: (class, in, out) of one layer's shards
+LAYER_SHARDS = [
+    ("q", HIDDEN, HIDDEN),
+    ("k", HIDDEN, 1024),
+    ("v", HIDDEN, 1024),
+    ("o", HIDDEN, HIDDEN),
+    ("gate", HIDDEN, INTER),
+    ("up", HIDDEN, INTER),
+    ("down", INTER, HIDDEN),
+]
+LAYER_K, HEAD_K = 4.0, 6.0
+REPLAYS = 20
+
+
+def kernel_classes() -> dict:
+    """Name -> linear kernel class of every CUDA kernel."""
+    from quantpack_exl3.backends.exllamav3 import Exllamav3LinearKernel
+    from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel
+
+    return {k.name: k for k in (Exllamav3LinearKernel, TrellisMmaLinearKernel)}
+
+
+def make_stack(codebook: str, device: torch.device) -> list[tuple[str, object]]:
+    """The 225 shards as ``(class, Exl3Tensors)`` on the GPU, layer by layer, head last."""
+    from quantpack_core.codec import Exl3Tensors
+    from quantpack_core.synthetic import random_exl3_layer
+
+    g = torch.Generator(device=device).manual_seed(0)
+    stack = []
+    for _ in range(LAYERS):
+        for cls, i, o in LAYER_SHARDS:
+            t = random_exl3_layer(i, o, LAYER_K, codebook, generator=g, device=device)
+            stack.append((cls, Exl3Tensors.from_tensors(t)))
+    t = random_exl3_layer(HIDDEN, VOCAB, HEAD_K, codebook, generator=g, device=device)
+    stack.append(("head", Exl3Tensors.from_tensors(t)))
+    return stack
+
+
+def time_graph(step, replays: int = REPLAYS) -> float:
+    """Median milliseconds of one replay of a CUDA graph of ``step()`` (captured after one eager warm-up call)."""
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s (read + write of a 2 GiB buffer)."""
+    src = torch.empty(1 << 30, dtype=torch.int16, device=device).random_()
+    dst = torch.empty_like(src)
+    ms = time_graph(lambda: dst.copy_(src), replays=10)
+    return 2 * (2 << 30) / (ms / 1000)
+
+
+def shard_bytes(t) -> int:
+    return t.trellis.numel() * 2 + t.suh.numel() * 2 + t.svh.numel() * 2
+
+
+def device_platform():
+    """The :class:`~quantpack_core.kernels.Platform` of this GPU."""
+    from quantpack_core.kernels import CUDA, Platform
+
+    major, minor = torch.cuda.get_device_capability()
+    return Platform(CUDA, capability=major * 10 + minor)
+
+
+def bench_kernel(kernel, stack, rows_list, device) -> dict:
+    """Stack and per-class milliseconds of one kernel at each row count."""
+    from quantpack_core.kernels import TP_WHOLE
+    from quantpack_exl3.format import EXL3
+
+    plat = device_platform()
+    prepared = []
+    for cls, t in stack:
+        k, n = t.padded_shape
+        spec = EXL3.spec(t, plat, k, n, torch.float16, TP_WHOLE)
+        ok, why = kernel.can_implement(spec)
+        if not ok:
+            return {"skipped": why}
+        prepared.append((cls, kernel.prepare(t, spec, device), k, n))
+    result = {"stack_ms": {}, "class_ms": {}}
+    for rows in rows_list:
+        xs = {w: torch.randn((rows, w), device=device).half() for w in (HIDDEN, INTER)}
+        outs = {n: torch.empty((rows, n), dtype=torch.float16, device=device) for n in {p[3] for p in prepared}}
+
+        def run(items, xs=xs, outs=outs):
+            for _, p, k, n in items:
+                p.run(xs[k], *p.tensors.values(), *p.static, outs[n], 0)
+
+        result["stack_ms"][rows] = time_graph(lambda: run(prepared))
+        by_class = {}
+        for cls, *_ in [*LAYER_SHARDS, ("head",)]:
+            items = [p for p in prepared if p[0] == cls]
+            by_class[cls] = time_graph(lambda items=items: run(items))
+        result["class_ms"][rows] = by_class
+        print(f"  {kernel.name:12s} rows {rows:4d}: stack {result['stack_ms'][rows]:8.3f} ms  "
+              + "  ".join(f"{c} {v:.3f}" for c, v in by_class.items()), flush=True)  # fmt: skip
+    return result
+
+
+def bench_dense(rows_list, device) -> dict:
+    """Dense bf16 cuBLAS on the same shapes (weights (in, out), one matmul per shard into preallocated outputs)."""
+    weights = []
+    for _ in range(LAYERS):
+        for cls, i, o in LAYER_SHARDS:
+            weights.append((cls, torch.randn((i, o), device=device, dtype=torch.bfloat16) * 0.02))
+    weights.append(("head", torch.randn((HIDDEN, VOCAB), device=device, dtype=torch.bfloat16) * 0.02))
+    nbytes = sum(w.numel() * 2 for _, w in weights)
+    result = {"bytes": nbytes, "stack_ms": {}}
+    for rows in rows_list:
+        xs = {w: torch.randn((rows, w), device=device, dtype=torch.bfloat16) for w in (HIDDEN, INTER)}
+        outs = {o: torch.empty((rows, o), dtype=torch.bfloat16, device=device) for o in (HIDDEN, 1024, INTER, VOCAB)}
+
+        def run(xs=xs, outs=outs):
+            for _, w in weights:
+                torch.matmul(xs[w.shape[0]], w, out=outs[w.shape[1]])
+
+        result["stack_ms"][rows] = time_graph(run)
+        print(f"  {'dense bf16':12s} rows {rows:4d}: stack {result['stack_ms'][rows]:8.3f} ms", flush=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,4,16,64,256")
+    ap.add_argument("--kernels", default="exllamav3,trellis_mma")
+    ap.add_argument("--codebook", default="mul1")
+    ap.add_argument("--no-dense", action="store_true")
+    ap.add_argument("--json", type=Path, default=Path(__file__).with_name("results") / "kernel_8b.json")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    rows_list = [int(r) for r in args.rows.split(",")]
+    bw = copy_bandwidth(device)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    t0 = time.time()
+    stack = make_stack(args.codebook, device)
+    nbytes = sum(shard_bytes(t) for _, t in stack)
+    print(f"stack: {len(stack)} shards, {nbytes / 1e9:.3f} GB, made in {time.time() - t0:.1f} s", flush=True)
+    record = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "date": time.strftime("%Y-%m-%d"),
+        "codebook": args.codebook,
+        "layer_k": LAYER_K,
+        "head_k": HEAD_K,
+        "copy_bandwidth_Bps": bw,
+        "exl3_bytes": nbytes,
+        "exl3_bandwidth_floor_ms": nbytes / bw * 1000,
+        "kernels": {},
+    }
+    classes = kernel_classes()
+    for name in args.kernels.split(","):
+        kernel = classes[name]
+        ok, why = kernel.available(device_platform())
+        record["kernels"][name] = bench_kernel(kernel, stack, rows_list, device) if ok else {"skipped": why}
+        torch.cuda.empty_cache()
+    del stack
+    torch.cuda.empty_cache()
+    if not args.no_dense:
+        dense = bench_dense(rows_list, device)
+        dense["bandwidth_floor_ms"] = dense["bytes"] / bw * 1000
+        record["dense_bf16"] = dense
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(record, indent=1))
+    print(f"bandwidth floor: EXL3 stack {record['exl3_bandwidth_floor_ms']:.3f} ms", flush=True)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

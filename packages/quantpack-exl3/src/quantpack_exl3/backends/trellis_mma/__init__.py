@@ -1,0 +1,7 @@
+"""The trellis_mma backend: the project's own CUDA kernels for EXL3 linear shards (:mod:`.kernels`), their custom
+op ``quantpack::trellis_mma_`` and workspace (:mod:`.ops`), and the nvcc build + ctypes loading of
+``csrc/trellis_mma.cu`` (:mod:`.library`)."""
+
+from .kernels import TrellisMmaLinearKernel
+
+__all__ = ["TrellisMmaLinearKernel"]

@@ -1,0 +1,490 @@
+// EXL3 linear layer for few rows: the trellis is decoded in registers straight into tensor-core fragments.
+//
+// y = had128(had128(x * suh) @ What) * svh for one EXL3 shard (docs/exl3-format.md, "The math"), where What is stored
+// as 16x16 trellis tiles. One CTA owns 128 output columns (one Hadamard block, 8 tile columns, one per warp) and a
+// slice of the reduction dimension k; every lane of a warp decodes 8 of the 256 weights of each tile, which land
+// exactly in its B fragment of two mma.m16n8k16 (the format's tensor-core placement, step 4), so the decoded weights
+// never touch memory and each tile is decoded once for up to 64 rows (MB fragments of 16 rows).
+//
+// Per CTA:
+//   1. A panel of the transformed input had128(x * suh) (fp16, up to 1024 columns) is built in shared memory: from x
+//      directly when the rows fit one fragment (FUSED: rows <= 16, the decode case), else copied from a buffer the
+//      transform kernel below wrote once for all column blocks.
+//   2. Each warp streams its tile column's trellis through a private cp.async ring (STAGES tiles in flight), decodes
+//      each tile (state extraction by funnel shifts from a lane's 16 + 8K bit window, the codebook hash, one fp16
+//      add / fma per pair of weights) and multiplies it with the panel's A fragments into fp32 accumulators.
+//   3. The 128-column partial sums go to shared memory. With a split of k over several CTAs (split-K, for parallelism
+//      when there are few column blocks), each CTA stores its partial to a workspace and the last CTA of the column
+//      block (an arrival counter) sums the partials in split order, so results are deterministic and a CUDA-graph
+//      replay is bit-identical to an eager call.
+//   4. The CTA that holds the full sums applies the output Hadamard transform, svh, and writes the shard's columns
+//      of the output in the model dtype.
+//
+// Host entry points are plain C (extern "C") and take device pointers and a cudaStream_t, so the library builds
+// with nvcc alone and loads with ctypes (quantpack_exl3/backends/trellis_mma/library.py).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#define QP_API extern "C" __attribute__((visibility("default")))
+
+namespace qp {
+
+constexpr int WARPS = 8;
+constexpr int THREADS = WARPS * 32;
+constexpr int STAGES = 8;     // trellis tiles in flight per warp
+constexpr int BLOCK_N = 128;  // output columns per CTA = one Hadamard block
+constexpr int F_STRIDE = BLOCK_N + 4;
+constexpr float HAD_SCALE = 0.08838834764831845f;  // 1 / sqrt(128)
+
+enum Codebook { CB_3INST = 0, CB_MCG = 1, CB_MUL1 = 2 };
+
+struct Params {
+    const void* x;           // (rows, x_width) activations, fp16 or bf16, row stride x_stride elements
+    const void* xh;          // (rows, k) fp16 had128(x * suh), row stride k (non-fused kernels only)
+    const uint8_t* trellis;  // (k/16, n/16, tile bytes)
+    const __half* suh;       // (k,)
+    const __half* svh;       // (n,)
+    void* out;               // (rows, *) model dtype, row stride out_stride; columns col .. col + out_features
+    float* partials;         // split-K partial sums: (chunks, splits, mrows, n)
+    int* counters;           // (chunks, n / 128) arrival counters, zero between launches
+    int rows, x_width, x_stride, k, n, out_stride, col, out_features;
+    int slice_tiles;  // k tiles per split (a multiple of 8)
+    int splits;
+    int mrows;  // rows per chunk in the partials (min(rows, 16 * MB))
+    int bf16;   // x and out are bf16 (else fp16)
+};
+
+// Geometry of one tile for K = KA (+ 0.5 when HALFK): uint32 words, the ring of bits, where each lane's window starts.
+template <int KA, bool HALFK>
+struct Tile {
+    static constexpr int WORDS = 8 * KA + (HALFK ? 4 : 0);
+    static constexpr int BYTES = WORDS * 4;
+    static constexpr int CHUNKS = BYTES / 16;  // cp.async 16-byte pieces
+    static constexpr int RING = WORDS * 32;    // bits
+    // end of slot j's state, in bits after the lane's window start (the window starts 16 bits before the lane's
+    // first new bit): (j + 1) * K rounded as the format does for half-integer K
+    __host__ __device__ static constexpr int end(int j) { return 16 + (j + 1) * KA + (HALFK ? (j + 1) / 2 : 0); }
+    static constexpr int NORM = (end(7) + 31) / 32;  // normalized 32-bit registers the window needs
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&a)[4], const void* smem) {
+    const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(s));
+}
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16-bit state of slot j from the lane's normalized window (bits read most significant first).
+template <int KA, bool HALFK, int J>
+__device__ __forceinline__ uint32_t state_of(const uint32_t (&w)[Tile<KA, HALFK>::NORM]) {
+    constexpr int E = Tile<KA, HALFK>::end(J);
+    constexpr int LO = E - 16;  // first bit of the state
+    constexpr int R = LO / 32, SH = LO % 32;
+    if constexpr (SH <= 16) {
+        return (w[R] >> (16 - SH)) & 0xFFFFu;
+    } else {
+        return __funnelshift_l(w[R + 1], w[R], SH) >> 16;
+    }
+}
+
+// Two weights (stream slots a, b of the lane) as one half2: codebook value of each state.
+template <int CB>
+__device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t sb) {
+    if constexpr (CB == CB_MUL1) {
+        const uint32_t xa = sa * 0x83DCD12Du, xb = sb * 0x83DCD12Du;
+        // byte sums + the fp16 bit pattern of 1024: (1024 + b) as fp16 is 0x6400 + b for b < 1024
+        const uint32_t ra = __dp4a(xa, 0x01010101u, 0x64006400u);
+        const uint32_t rb = __dp4a(xb, 0x01010101u, 0u);
+        const uint32_t packed = rb * 0x10000u + ra;
+        const __half2 h = *reinterpret_cast<const __half2*>(&packed);
+        const __half2 scale = __halves2half2(__ushort_as_half(0x1EEE), __ushort_as_half(0x1EEE));
+        const __half2 bias = __halves2half2(__ushort_as_half(0xC931), __ushort_as_half(0xC931));
+        const __half2 v = __hfma2(h, scale, bias);
+        return *reinterpret_cast<const uint32_t*>(&v);
+    } else {
+        uint32_t xa, xb;
+        if constexpr (CB == CB_MCG) {
+            xa = sa * 0xCBAC1FEDu;
+            xb = sb * 0xCBAC1FEDu;
+        } else {
+            xa = sa * 89226354u + 64248484u;
+            xb = sb * 89226354u + 64248484u;
+        }
+        xa = (xa & 0x8FFF8FFFu) ^ 0x3B603B60u;
+        xb = (xb & 0x8FFF8FFFu) ^ 0x3B603B60u;
+        const uint32_t lo = __byte_perm(xa, xb, 0x5410), hi = __byte_perm(xa, xb, 0x7632);
+        const __half2 v = __hadd2(*reinterpret_cast<const __half2*>(&lo), *reinterpret_cast<const __half2*>(&hi));
+        return *reinterpret_cast<const uint32_t*>(&v);
+    }
+}
+
+// The 128-point Sylvester Hadamard transform (unnormalized) of 128 values held 4 per lane (index lane * 4 + i).
+__device__ __forceinline__ void fwht128(float (&v)[4], int lane) {
+    const float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
+    v[0] = a0 + a2;
+    v[1] = a1 + a3;
+    v[2] = a0 - a2;
+    v[3] = a1 - a3;
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+        const bool upper = lane & m;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float o = __shfl_xor_sync(0xFFFFFFFFu, v[i], m);
+            v[i] = upper ? o - v[i] : v[i] + o;
+        }
+    }
+}
+
+__device__ __forceinline__ float load_act(const void* p, size_t i, int bf16) {
+    return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i])
+                : __half2float(static_cast<const __half*>(p)[i]);
+}
+
+__device__ __forceinline__ void store_act(void* p, size_t i, float v, int bf16) {
+    if (bf16)
+        static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+    else
+        static_cast<__half*>(p)[i] = __float2half_rn(v);
+}
+
+// had128(x * suh) / sqrt(128) of one row's 128-column block (lane holds 4 values), zero beyond x_width.
+__device__ __forceinline__ void input_block(const Params& p, int row, int kc, int lane, float (&v)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int c = kc + lane * 4 + i;
+        v[i] = c < p.x_width ? load_act(p.x, (size_t)row * p.x_stride + c, p.bf16) * __half2float(p.suh[c]) : 0.0f;
+    }
+    fwht128(v, lane);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] *= HAD_SCALE;
+}
+
+template <int CB, int KA, bool HALFK, int MB, bool FUSED>
+__global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
+    using T = Tile<KA, HALFK>;
+    constexpr int MROWS = 16 * MB;
+    constexpr int PANEL = MB == 1 ? 64 : 32;  // k tiles of A held in shared memory at once
+    constexpr int A_STRIDE = PANEL * 16 + 8;  // halves; +16 bytes keeps ldmatrix rows on distinct banks
+    constexpr int A_BYTES = MROWS * A_STRIDE * 2;
+    constexpr int F_BYTES = MROWS * F_STRIDE * 4;
+    constexpr int AF_BYTES = A_BYTES > F_BYTES ? A_BYTES : F_BYTES;
+
+    extern __shared__ __align__(16) uint8_t smem[];
+    __half* A = reinterpret_cast<__half*>(smem);
+    float* F = reinterpret_cast<float*>(smem);
+    uint32_t* ring = reinterpret_cast<uint32_t*>(smem + AF_BYTES);
+    __shared__ int last_arrival;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int nb = blockIdx.x, split = blockIdx.y, chunk = blockIdx.z;
+    const int row0 = chunk * MROWS;
+    const int rows = min(p.rows - row0, MROWS);
+    const int ntiles_n = p.n / 16;
+    const int kt0 = split * p.slice_tiles;
+    const int ktiles = min(p.slice_tiles, p.k / 16 - kt0);
+
+    // this warp's tile column, streamed through its cp.async ring
+    const int tn = nb * (BLOCK_N / 16) + warp;
+    uint32_t* wring = ring + warp * STAGES * T::WORDS;
+    const uint8_t* tiles = p.trellis + ((size_t)kt0 * ntiles_n + tn) * T::BYTES;
+    const size_t tile_stride = (size_t)ntiles_n * T::BYTES;
+    auto issue = [&](int i) {
+        if (i < ktiles && lane < T::CHUNKS)
+            cp_async16(wring + (i % STAGES) * T::WORDS + lane * 4, tiles + i * tile_stride + lane * 16);
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) issue(i);
+
+    // the lane's window: 16 bits before its first new bit (bit 8 * lane * K of the ring) onwards
+    const int start = (lane * 8 * KA + (HALFK ? 4 * lane : 0) - 16 + T::RING) % T::RING;
+    const int word0 = start / 32, shift0 = start % 32;
+
+    float acc[MB][2][4];
+#pragma unroll
+    for (int m = 0; m < MB; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[m][h][e] = 0.0f;
+
+    for (int p0 = 0; p0 < ktiles; p0 += PANEL) {
+        const int ptiles = min(PANEL, ktiles - p0);
+        // 1. the A panel: rows x (ptiles * 16) fp16, zero rows beyond this chunk's rows
+        __syncthreads();
+        const int kc0 = (kt0 + p0) * 16;
+        if constexpr (FUSED) {
+            const int blocks = ptiles / 8;
+            for (int item = warp; item < MROWS * blocks; item += WARPS) {
+                const int m = item / blocks, b = item % blocks;
+                float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                if (m < rows) input_block(p, row0 + m, kc0 + b * 128, lane, v);
+                __half2* dst = reinterpret_cast<__half2*>(A + m * A_STRIDE + b * 128 + lane * 4);
+                dst[0] = __floats2half2_rn(v[0], v[1]);
+                dst[1] = __floats2half2_rn(v[2], v[3]);
+            }
+        } else {
+            const int pieces = ptiles * 2;  // 16-byte pieces per row
+            const __half* xh = static_cast<const __half*>(p.xh);
+            for (int item = threadIdx.x; item < MROWS * pieces; item += THREADS) {
+                const int m = item / pieces, q = item % pieces;
+                uint4 v = make_uint4(0, 0, 0, 0);
+                if (m < rows) v = *reinterpret_cast<const uint4*>(xh + (size_t)(row0 + m) * p.k + kc0 + q * 8);
+                *reinterpret_cast<uint4*>(A + m * A_STRIDE + q * 8) = v;
+            }
+        }
+        __syncthreads();
+
+        // 2. decode and multiply the panel's tiles
+        for (int i = p0; i < p0 + ptiles; ++i) {
+            issue(i + STAGES - 1);
+            cp_async_wait<STAGES - 1>();
+            __syncwarp();
+            const uint32_t* tw = wring + (i % STAGES) * T::WORDS;
+            uint32_t raw[T::NORM + 1];
+#pragma unroll
+            for (int j = 0; j <= T::NORM; ++j) {
+                int idx = word0 + j;
+                idx = idx >= T::WORDS ? idx - T::WORDS : idx;
+                raw[j] = tw[idx];
+            }
+            __syncwarp();  // every lane has read the slot before a later issue() refills it
+            uint32_t w[T::NORM];
+#pragma unroll
+            for (int j = 0; j < T::NORM; ++j) w[j] = __funnelshift_l(raw[j + 1], raw[j], shift0);
+
+            const uint32_t b0 = decode_pair<CB>(state_of<KA, HALFK, 0>(w), state_of<KA, HALFK, 1>(w));
+            const uint32_t b1 = decode_pair<CB>(state_of<KA, HALFK, 2>(w), state_of<KA, HALFK, 3>(w));
+            const uint32_t b2 = decode_pair<CB>(state_of<KA, HALFK, 4>(w), state_of<KA, HALFK, 5>(w));
+            const uint32_t b3 = decode_pair<CB>(state_of<KA, HALFK, 6>(w), state_of<KA, HALFK, 7>(w));
+
+            const int kl = (i - p0) * 16;
+#pragma unroll
+            for (int m = 0; m < MB; ++m) {
+                uint32_t a[4];
+                ldmatrix_x4(a, A + (m * 16 + lane % 16) * A_STRIDE + kl + (lane / 16) * 8);
+                mma16816(acc[m][0], a, b0, b1);
+                mma16816(acc[m][1], a, b2, b3);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // 3. partial sums of the 128 columns into shared memory
+    __syncthreads();
+    {
+        const int g = lane / 4, c = warp * 16 + 2 * (lane % 4);
+#pragma unroll
+        for (int m = 0; m < MB; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                F[(m * 16 + g) * F_STRIDE + c + h * 8] = acc[m][h][0];
+                F[(m * 16 + g) * F_STRIDE + c + h * 8 + 1] = acc[m][h][1];
+                F[(m * 16 + g + 8) * F_STRIDE + c + h * 8] = acc[m][h][2];
+                F[(m * 16 + g + 8) * F_STRIDE + c + h * 8 + 1] = acc[m][h][3];
+            }
+    }
+    __syncthreads();
+
+    if (p.splits > 1) {
+        const size_t n0 = (size_t)nb * BLOCK_N;
+        float* mine = p.partials + ((size_t)(chunk * p.splits + split) * p.mrows) * p.n + n0;
+        for (int e = threadIdx.x; e < rows * BLOCK_N; e += THREADS)
+            mine[(size_t)(e / BLOCK_N) * p.n + e % BLOCK_N] = F[(e / BLOCK_N) * F_STRIDE + e % BLOCK_N];
+        __threadfence();
+        __syncthreads();
+        int* counter = p.counters + (size_t)chunk * gridDim.x + nb;
+        if (threadIdx.x == 0) last_arrival = atomicAdd(counter, 1) == p.splits - 1;
+        __syncthreads();
+        if (!last_arrival) return;
+        __threadfence();
+        const float* all = p.partials + ((size_t)chunk * p.splits * p.mrows) * p.n + n0;
+        for (int e = threadIdx.x; e < rows * BLOCK_N; e += THREADS) {
+            const size_t at = (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N;
+            float s = 0.0f;
+            for (int sp = 0; sp < p.splits; ++sp) s += __ldcg(all + (size_t)sp * p.mrows * p.n + at);
+            F[(e / BLOCK_N) * F_STRIDE + e % BLOCK_N] = s;
+        }
+        if (threadIdx.x == 0) *counter = 0;
+        __syncthreads();
+    }
+
+    // 4. output Hadamard transform, svh, the shard's columns of the output
+    for (int m = warp; m < rows; m += WARPS) {
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = F[m * F_STRIDE + lane * 4 + i];
+        fwht128(v, lane);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int c = nb * BLOCK_N + lane * 4 + i;
+            if (c < p.out_features)
+                store_act(p.out, (size_t)(row0 + m) * p.out_stride + p.col + c,
+                          v[i] * HAD_SCALE * __half2float(p.svh[c]), p.bf16);
+        }
+    }
+}
+
+// had128(x * suh) / sqrt(128) of every row into xh (fp16, row stride k): one warp per 128-column block.
+__global__ void __launch_bounds__(THREADS) input_transform_kernel(const Params p) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int blocks = p.k / 128;
+    const long item = (long)blockIdx.x * WARPS + warp;
+    if (item >= (long)p.rows * blocks) return;
+    const int row = item / blocks, b = item % blocks;
+    float v[4];
+    input_block(p, row, b * 128, lane, v);
+    __half2* dst = reinterpret_cast<__half2*>(static_cast<__half*>(const_cast<void*>(p.xh)) + (size_t)row * p.k +
+                                              b * 128 + lane * 4);
+    dst[0] = __floats2half2_rn(v[0], v[1]);
+    dst[1] = __floats2half2_rn(v[2], v[3]);
+}
+
+template <int CB, int KA, bool HALFK, int MB, bool FUSED>
+int launch(const Params& p, dim3 grid, cudaStream_t stream) {
+    using T = Tile<KA, HALFK>;
+    constexpr int MROWS = 16 * MB;
+    constexpr int PANEL = MB == 1 ? 64 : 32;
+    constexpr int A_BYTES = MROWS * (PANEL * 16 + 8) * 2;
+    constexpr int F_BYTES = MROWS * F_STRIDE * 4;
+    constexpr int SMEM = (A_BYTES > F_BYTES ? A_BYTES : F_BYTES) + WARPS * STAGES * T::BYTES;
+    auto kernel = trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>;
+    static bool configured = false;  // set once per kernel, at warm-up (before any CUDA-graph capture)
+    if (!configured) {
+        const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+        if (e != cudaSuccess) return (int)e;
+        configured = true;
+    }
+    kernel<<<grid, THREADS, SMEM, stream>>>(p);
+    return (int)cudaGetLastError();
+}
+
+template <int CB, int MB, bool FUSED>
+int dispatch_k(const Params& p, int k2, dim3 grid, cudaStream_t s) {
+    switch (k2) {
+        case 2: return launch<CB, 1, false, MB, FUSED>(p, grid, s);
+        case 4: return launch<CB, 2, false, MB, FUSED>(p, grid, s);
+        case 6: return launch<CB, 3, false, MB, FUSED>(p, grid, s);
+        case 8: return launch<CB, 4, false, MB, FUSED>(p, grid, s);
+        case 10: return launch<CB, 5, false, MB, FUSED>(p, grid, s);
+        case 12: return launch<CB, 6, false, MB, FUSED>(p, grid, s);
+        case 14: return launch<CB, 7, false, MB, FUSED>(p, grid, s);
+        case 16: return launch<CB, 8, false, MB, FUSED>(p, grid, s);
+        default: break;
+    }
+    if constexpr (CB == CB_MUL1) {
+        switch (k2) {
+            case 3: return launch<CB, 1, true, MB, FUSED>(p, grid, s);
+            case 5: return launch<CB, 2, true, MB, FUSED>(p, grid, s);
+            case 7: return launch<CB, 3, true, MB, FUSED>(p, grid, s);
+            default: break;
+        }
+    }
+    return -2;
+}
+
+template <int MB, bool FUSED>
+int dispatch(const Params& p, int codebook, int k2, dim3 grid, cudaStream_t s) {
+    switch (codebook) {
+        case CB_3INST: return dispatch_k<CB_3INST, MB, FUSED>(p, k2, grid, s);
+        case CB_MCG: return dispatch_k<CB_MCG, MB, FUSED>(p, k2, grid, s);
+        case CB_MUL1: return dispatch_k<CB_MUL1, MB, FUSED>(p, k2, grid, s);
+        default: return -3;
+    }
+}
+
+}  // namespace qp
+
+// Plan of one call: how many CTAs split k, given the column blocks and row chunks (qp_trellis_mma's rules).
+QP_API int qp_trellis_mma_splits(int rows, int k, int n, int target_ctas, long long partial_floats,
+                                 long long counters) {
+    const int mb_rows = rows <= 16 ? 16 : 64;
+    const int chunks = (rows + mb_rows - 1) / mb_rows;
+    const int ktiles = k / 16, nbk = n / qp::BLOCK_N;
+    const int mrows = rows < mb_rows ? rows : mb_rows;
+    const long long ctas = (long long)nbk * chunks;
+    int splits = (int)((target_ctas + ctas - 1) / ctas);
+    const int max_splits = ktiles / 8;
+    if (splits > max_splits) splits = max_splits;
+    if (splits < 1) splits = 1;
+    // equal slices of whole 128-column blocks, then no more splits than slices
+    int slice = (ktiles / 8 + splits - 1) / splits * 8;
+    splits = (ktiles + slice - 1) / slice;
+    while (splits > 1 && ((long long)chunks * splits * mrows * n > partial_floats || ctas > counters)) {
+        splits = splits / 2;
+        slice = (ktiles / 8 + splits - 1) / splits * 8;
+        splits = (ktiles + slice - 1) / slice;
+    }
+    return splits;
+}
+
+// One EXL3 shard: out[:, col:col + out_features] = (x @ W)[:, :out_features]. Returns 0, a CUDA error code, or
+// -1 (bad geometry), -2 (no kernel for this K), -3 (bad codebook), -4 (workspace too small).
+QP_API int qp_trellis_mma(const void* x, void* xh, const void* trellis, const void* suh, const void* svh, void* out,
+                          float* partials, long long partial_floats, int* counters, long long counters_len, int rows,
+                          int x_width, int x_stride, int k, int n, int out_stride, int col, int out_features,
+                          int codebook, int k2, int bf16, int target_ctas, void* stream) {
+    if (rows <= 0) return 0;
+    if (k % 128 || n % 128 || k <= 0 || n <= 0 || x_width > k || out_features > n) return -1;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int fused = rows <= 16;
+    const int mb_rows = fused ? 16 : 64;
+    const int splits = qp_trellis_mma_splits(rows, k, n, target_ctas, partial_floats, counters_len);
+    const int ktiles = k / 16;
+    const int slice = (ktiles / 8 + splits - 1) / splits * 8;
+    qp::Params p{};
+    p.x = x;
+    p.xh = xh;
+    p.trellis = static_cast<const uint8_t*>(trellis);
+    p.suh = static_cast<const __half*>(suh);
+    p.svh = static_cast<const __half*>(svh);
+    p.out = out;
+    p.partials = partials;
+    p.counters = counters;
+    p.rows = rows;
+    p.x_width = x_width;
+    p.x_stride = x_stride;
+    p.k = k;
+    p.n = n;
+    p.out_stride = out_stride;
+    p.col = col;
+    p.out_features = out_features;
+    p.slice_tiles = slice;
+    p.splits = splits;
+    p.mrows = rows < mb_rows ? rows : mb_rows;
+    p.bf16 = bf16;
+    const int chunks = (rows + mb_rows - 1) / mb_rows;
+    if (splits > 1 && ((long long)chunks * splits * p.mrows * n > partial_floats ||
+                       (long long)chunks * (n / qp::BLOCK_N) > counters_len))
+        return -4;
+    const dim3 grid(n / qp::BLOCK_N, splits, chunks);
+    if (fused) return qp::dispatch<1, true>(p, codebook, k2, grid, s);
+    if (xh == nullptr) return -4;
+    const long items = (long)rows * (k / 128);
+    qp::input_transform_kernel<<<(unsigned)((items + qp::WARPS - 1) / qp::WARPS), qp::THREADS, 0, s>>>(p);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return (int)e;
+    return qp::dispatch<4, false>(p, codebook, k2, grid, s);
+}

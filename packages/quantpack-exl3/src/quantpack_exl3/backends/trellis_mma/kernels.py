@@ -1,0 +1,110 @@
+"""The trellis_mma kernels: the project's own CUDA kernels for EXL3 linear shards (sm_80 and newer, tuned on an H200).
+
+Each lane of a warp decodes 8 weights of a 16x16 trellis tile straight into its tensor-core (``mma.m16n8k16``) B
+fragment, so a tile is read and decoded once for up to 64 rows and the decoded weights never leave registers; k is
+split over CTAs until the GPU is full, and the input / output Hadamard transforms run inside the same launch for up
+to 16 rows (the decode case). ``csrc/trellis_mma.cu`` describes the kernels; :mod:`.library` builds them with nvcc
+(once per GPU architecture, cached) and loads them with ctypes. The trellis stays as the pack stores it (memory = the
+pack's size). Every K (1..8, 1.5 / 2.5 / 3.5 with mul1) and codebook; float16 and bfloat16 models (the activations
+are rounded to fp16 after the input transform, which keeps bf16 models' range; float32 models go to exllamav3).
+
+Source: docs/exl3-format.md ("The math", tile placement), docs/kernels.md (how the kernels were measured).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantpack_core.codec import Codebook, Exl3Tensors
+from quantpack_core.kernels import CUDA, LinearKernel, LinearSpec, Platform, PreparedShard
+
+from .library import load
+from .ops import FUSED_ROWS, reserve, trellis_mma_
+
+NAME = "trellis_mma"
+#: mma.sync m16n8k16, ldmatrix and cp.async need sm_80
+MIN_CAPABILITY = 80
+CODEBOOK_IDS = {Codebook.INST3: 0, Codebook.MCG: 1, Codebook.MUL1: 2}
+ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+_warmed: set[tuple] = set()
+
+
+def _platform_reason(platform: Platform) -> str | None:
+    if platform.kind != CUDA:
+        return f"needs a CUDA device (this platform is {platform.kind or 'unspecified'!r})"
+    if platform.capability is not None and platform.capability < MIN_CAPABILITY:
+        return f"needs compute capability 8.0 or newer (this GPU has {platform.capability / 10:.1f})"
+    return None
+
+
+class TrellisMmaLinearKernel(LinearKernel):
+    """One EXL3 shard through the trellis_mma kernels (see the module)."""
+
+    name = NAME
+
+    @classmethod
+    def available(cls, platform: Platform) -> tuple[bool, str | None]:
+        """CUDA sm_80+ with the kernels built or buildable (nvcc; built here, once per architecture)."""
+        why = _platform_reason(platform)
+        if why is not None:
+            return False, why
+        try:
+            major, minor = torch.cuda.get_device_capability()
+            load(major * 10 + minor)
+        except Exception as e:
+            return False, f"its kernels could not be built or loaded ({type(e).__name__}: {e})"
+        return True, None
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str | None]:
+        """Every EXL3 shard of a float16 / bfloat16 model on CUDA sm_80+."""
+        if spec.format != "exl3":
+            return False, f"runs EXL3 only, this is {spec.format}"
+        why = _platform_reason(spec.platform)
+        if why is not None:
+            return False, why
+        if spec.act_dtype not in ACT_DTYPES:
+            return False, f"takes float16 / bfloat16 models, not {spec.act_dtype}"
+        return True, None
+
+    @classmethod
+    def prepare(cls, shard: Exl3Tensors, spec: LinearSpec, device: torch.device) -> PreparedShard:
+        """Move the shard's tensors to the GPU, reserve the GPU's workspace for its width and run both launch kinds
+        once (:func:`warm_up`).
+
+        Returns:
+            a :class:`PreparedShard` running ``quantpack::trellis_mma_`` with static ``(codebook id, K,
+            out_features)``.
+
+        Raises:
+            LibraryError: the kernels cannot be built or loaded.
+        """
+        t = shard
+        tensors = {
+            "trellis": t.trellis.to(device).contiguous(),
+            "suh": t.suh.to(device=device, dtype=torch.float16).contiguous(),
+            "svh": t.svh.to(device=device, dtype=torch.float16).contiguous(),
+        }
+        reserve(device, tensors["trellis"].shape[0] * 16)
+        static = (CODEBOOK_IDS[t.codebook], float(t.k_bits), spec.out_features)
+        prepared = PreparedShard(trellis_mma_, tensors, spec.out_features, static)
+        warm_up(prepared, spec.in_features, spec.act_dtype)
+        return prepared
+
+
+def warm_up(prepared: PreparedShard, in_features: int, dtype: torch.dtype) -> None:
+    """Launch a new (codebook, K) once with the fused and once with the unfused kernel, so that their shared-memory
+    limits are set before any CUDA-graph capture. Combinations already warmed in this process are skipped."""
+    tr = prepared.tensors["trellis"]
+    codebook, k_bits, out_features = prepared.static
+    key = (codebook, k_bits, tr.device)
+    if key in _warmed:
+        return
+    generator = torch.Generator(device=tr.device).manual_seed(0)
+    for rows in (1, FUSED_ROWS + 1):
+        x = torch.randn((rows, in_features), generator=generator, device=tr.device).to(dtype)
+        out = torch.empty((rows, out_features), dtype=dtype, device=tr.device)
+        prepared.run(x, *prepared.tensors.values(), *prepared.static, out, 0)
+    torch.cuda.synchronize(tr.device)
+    _warmed.add(key)

@@ -1,0 +1,133 @@
+"""Building and loading the trellis_mma kernels (``csrc/trellis_mma.cu``): nvcc alone, no torch headers, loaded with
+ctypes.
+
+The source is compiled once per (source, nvcc version, GPU architecture) into a shared library cached under
+``$QUANTPACK_CACHE_DIR`` (default ``$XDG_CACHE_HOME/quantpack`` or ``~/.cache/quantpack``); about 15 s on one core.
+Its entry points take device pointers and a ``cudaStream_t``, so the library does not depend on the torch build.
+``QUANTPACK_NVCC`` names the compiler; otherwise ``$CUDA_HOME/bin/nvcc``, then ``nvcc`` on ``PATH``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger("vllm.quantpack.exl3")
+
+SOURCE = Path(__file__).with_name("csrc") / "trellis_mma.cu"
+#: what to install when nvcc is missing
+NVCC_HINT = (
+    "install the CUDA toolkit's nvcc (12.4 or newer, the major version of torch.version.cuda or newer) and put it on "
+    "PATH, or set CUDA_HOME or QUANTPACK_NVCC"
+)
+#: return codes of the library's entry points below 0
+ERRORS = {
+    -1: "bad geometry (k and n must be multiples of 128, the input no wider than k, out_features at most n)",
+    -2: "no kernel for this K",
+    -3: "unknown codebook id",
+    -4: "the workspace is too small for this call",
+}
+
+
+class LibraryError(RuntimeError):
+    """nvcc is missing, the build failed, or a kernel launch returned an error; the message says which and the fix."""
+
+
+def nvcc_path() -> str | None:
+    """The nvcc to build with (``QUANTPACK_NVCC``, ``$CUDA_HOME/bin/nvcc``, ``PATH``), or None."""
+    explicit = os.environ.get("QUANTPACK_NVCC")
+    if explicit:
+        return explicit
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept (created on demand)."""
+    root = os.environ.get("QUANTPACK_CACHE_DIR")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "quantpack"
+
+
+def build(arch: int, nvcc: str | None = None) -> Path:
+    """Compile the kernels for one GPU architecture unless a cached build exists.
+
+    Args:
+        arch: compute capability as ``major * 10 + minor`` (90 for an H200).
+        nvcc: the compiler (default :func:`nvcc_path`).
+
+    Returns:
+        the shared library's path.
+
+    Raises:
+        LibraryError: no nvcc, or the compiler failed (its output is in the message).
+    """
+    nvcc = nvcc or nvcc_path()
+    if nvcc is None:
+        raise LibraryError(f"trellis_mma: no nvcc to build its kernels; {NVCC_HINT}")
+    try:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise LibraryError(f"trellis_mma: {nvcc} --version failed ({e}); {NVCC_HINT}") from None
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + str(arch).encode()).hexdigest()[:16]
+    target = cache_dir() / f"trellis_mma-sm{arch}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("quantpack-exl3: building the trellis_mma kernels for sm_%d with %s (once, ~15 s)", arch, nvcc)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [
+            nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(out), str(SOURCE),
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise LibraryError(f"trellis_mma: building its kernels failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+        os.replace(out, target)  # atomic: another process building the same key sees a whole file or none
+    return target
+
+
+@functools.cache
+def load(arch: int) -> ctypes.CDLL:
+    """Build (if needed) and load the library for one architecture, with its entry points' argument types set.
+
+    Raises:
+        LibraryError: as :func:`build`.
+    """
+    lib = ctypes.CDLL(str(build(arch)))
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    lib.qp_trellis_mma.restype = i32
+    lib.qp_trellis_mma.argtypes = [
+        ptr, ptr, ptr, ptr, ptr, ptr,  # x, xh, trellis, suh, svh, out
+        ptr, i64, ptr, i64,  # partials, capacity, counters, capacity
+        i32, i32, i32, i32, i32, i32, i32, i32,  # rows, x_width, x_stride, k, n, out_stride, col, out_features
+        i32, i32, i32, i32, ptr,  # codebook, 2K, bf16, target CTAs, stream
+    ]  # fmt: skip
+    lib.qp_trellis_mma_splits.restype = i32
+    lib.qp_trellis_mma_splits.argtypes = [i32, i32, i32, i32, i64, i64]
+    return lib
+
+
+def check(code: int, what: str) -> None:
+    """Raise :class:`LibraryError` for a non-zero return code of an entry point.
+
+    Args:
+        code: the return code (< 0: the library's own, see :data:`ERRORS`; > 0: a ``cudaError_t``).
+        what: the call, for the message.
+    """
+    if code == 0:
+        return
+    why = ERRORS.get(code, f"CUDA error {code}")
+    raise LibraryError(f"trellis_mma: {what}: {why}")

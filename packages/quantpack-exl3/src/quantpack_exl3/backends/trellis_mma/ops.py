@@ -1,0 +1,152 @@
+"""The trellis_mma backend's custom op, ``quantpack::trellis_mma_`` (one EXL3 shard into its columns of the layer's
+output), its CUDA implementation, and the per-GPU workspace its launches share.
+
+The workspace is allocated when a shard is prepared (before any CUDA-graph capture) and only read by the op:
+split-K partial sums (float32), the arrival counters of the split-K reduction (int32, zero between launches), and
+for more than 16 rows the transformed input ``had128(x * suh)`` (float16, :data:`XH_ROWS` rows of the widest
+shard). Launches on one stream run one after another, so every shard on a GPU shares one workspace.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from quantpack_core.ops import define_op
+
+from .library import check, load
+
+#: split-K partial sums the workspace holds (float32): 16 MiB
+PARTIAL_FLOATS = 4 << 20
+#: arrival counters (one per 128-column block and row chunk)
+COUNTERS = 1 << 16
+#: rows of transformed input per launch above 16 rows (larger inputs are run in pieces of this many rows)
+XH_ROWS = 512
+#: rows up to which the input transform is fused into the GEMM launch
+FUSED_ROWS = 16
+#: CTAs a launch aims at per SM (split-K fills the GPU with them); QUANTPACK_TRELLIS_MMA_CTAS_PER_SM overrides
+CTAS_PER_SM = 2
+
+
+@dataclass
+class Workspace:
+    """One GPU's scratch for ``quantpack::trellis_mma_``.
+
+    Attributes:
+        partials: float32 ``(PARTIAL_FLOATS,)``.
+        counters: int32 ``(COUNTERS,)``, zero.
+        xh: float16 ``(XH_ROWS, widest k)``.
+        arch: compute capability (``major * 10 + minor``), which library to load.
+        target_ctas: CTAs a launch aims at.
+    """
+
+    partials: torch.Tensor
+    counters: torch.Tensor
+    xh: torch.Tensor
+    arch: int
+    target_ctas: int
+
+
+_workspaces: dict[int, Workspace] = {}
+
+
+def reserve(device: torch.device, k: int) -> Workspace:
+    """The workspace of ``device``, created or widened for shards of ``k`` stored input features (call at load).
+
+    Raises:
+        quantpack_exl3.backends.trellis_mma.library.LibraryError: the kernels cannot be built or loaded for this GPU.
+    """
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    ws = _workspaces.get(index)
+    if ws is None:
+        props = torch.cuda.get_device_properties(index)
+        arch = props.major * 10 + props.minor
+        load(arch)
+        per_sm = int(os.environ.get("QUANTPACK_TRELLIS_MMA_CTAS_PER_SM", CTAS_PER_SM))
+        ws = Workspace(
+            partials=torch.empty(PARTIAL_FLOATS, dtype=torch.float32, device=f"cuda:{index}"),
+            counters=torch.zeros(COUNTERS, dtype=torch.int32, device=f"cuda:{index}"),
+            xh=torch.empty((XH_ROWS, k), dtype=torch.float16, device=f"cuda:{index}"),
+            arch=arch,
+            target_ctas=per_sm * props.multi_processor_count,
+        )
+        _workspaces[index] = ws
+    elif ws.xh.shape[1] < k:
+        ws.xh = torch.empty((XH_ROWS, k), dtype=torch.float16, device=ws.xh.device)
+    return ws
+
+
+def run_trellis_mma(
+    x: torch.Tensor,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    codebook: int,
+    k_bits: float,
+    out_features: int,
+    out: torch.Tensor,
+    col: int,
+) -> None:
+    """The CUDA implementation of ``quantpack::trellis_mma_`` (see :func:`trellis_mma_`)."""
+    rows, width = x.shape
+    if rows == 0:
+        return
+    ws = _workspaces[x.device.index]
+    lib = load(ws.arch)
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    x = x if x.stride(1) == 1 else x.contiguous()
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    size = x.element_size()
+    step = rows if rows <= FUSED_ROWS else XH_ROWS
+    for r0 in range(0, rows, step):
+        r = min(step, rows - r0)
+        code = lib.qp_trellis_mma(
+            x.data_ptr() + r0 * x.stride(0) * size, None if r <= FUSED_ROWS else ws.xh.data_ptr(),
+            trellis.data_ptr(), suh.data_ptr(), svh.data_ptr(), out.data_ptr() + r0 * out.stride(0) * size,
+            ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
+            r, width, x.stride(0), k, n, out.stride(0), col, out_features,
+            codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16), ws.target_ctas, stream,
+        )  # fmt: skip
+        check(code, f"rows {r}, k {k}, n {n}, K {k_bits:g}, codebook {codebook}")
+
+
+define_op(
+    "trellis_mma_",
+    "(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook, float k_bits, int out_features, "
+    "Tensor(a!) out, int col) -> ()",
+    {"CUDA": run_trellis_mma},
+)
+
+
+def trellis_mma_(
+    x: torch.Tensor,
+    trellis: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    codebook: int,
+    k_bits: float,
+    out_features: int,
+    out: torch.Tensor,
+    col: int,
+) -> None:
+    """One EXL3 shard through the trellis_mma kernels: ``out[:, col:col + out_features] = (x @ W)[:, :out_features]``.
+
+    Args:
+        x: ``(rows, in)`` float16 or bfloat16 activations (zero-extended to k inside the kernel).
+        trellis: int16 ``(k/16, n/16, 16*K)`` on the GPU.
+        suh, svh: float16 ``(k,)``, ``(n,)``.
+        codebook: 0 = 3INST, 1 = mcg, 2 = mul1.
+        k_bits: bits per weight K.
+        out_features: logical output width (<= n).
+        out: ``(rows, total)`` layer output in ``x``'s dtype, unit column stride, written in place.
+        col: first output column of this shard.
+
+    Raises:
+        quantpack_exl3.backends.trellis_mma.library.LibraryError: a launch failed (the message names the shape).
+
+    Source: docs/exl3-format.md ("The math"); ``csrc/trellis_mma.cu`` describes the kernels.
+    """
+    torch.ops.quantpack.trellis_mma_(x, trellis, suh, svh, codebook, k_bits, out_features, out, col)
