@@ -192,6 +192,9 @@ def main() -> None:
         "kernels": {},
     }
     classes = kernel_classes()
+    from quantpack_exl3.backends.trellis_mma import ops
+
+    ops.delegate_rows = 0  # trellis_mma's own kernels at every row count (the served op hands large calls over)
     for name in args.kernels.split(","):
         kernel = classes[name]
         ok, why = kernel.available(device_platform())

@@ -27,7 +27,10 @@ XH_ROWS = 512
 #: rows up to which the input transform is fused into the GEMM launch
 FUSED_ROWS = 16
 #: CTAs a launch aims at per SM (split-K fills the GPU with them); QUANTPACK_TRELLIS_MMA_CTAS_PER_SM overrides
-CTAS_PER_SM = 2
+CTAS_PER_SM = 4
+#: above this many rows a call goes to exllamav3's kernels when they are importable: measured on an H200, they are
+#: faster there (docs/kernels.md). QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS overrides; 0 keeps every call here.
+delegate_rows = int(os.environ.get("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", FUSED_ROWS))
 
 
 @dataclass
@@ -40,6 +43,8 @@ class Workspace:
         xh: float16 ``(XH_ROWS, widest k)``.
         arch: compute capability (``major * 10 + minor``), which library to load.
         target_ctas: CTAs a launch aims at.
+        delegate: exllamav3's implementation of the same call (``run_exl3_gemm``) when its extension imports, for
+            calls of more than :data:`delegate_rows` rows; None otherwise.
     """
 
     partials: torch.Tensor
@@ -47,6 +52,7 @@ class Workspace:
     xh: torch.Tensor
     arch: int
     target_ctas: int
+    delegate: object = None
 
 
 _workspaces: dict[int, Workspace] = {}
@@ -72,11 +78,24 @@ def reserve(device: torch.device, k: int) -> Workspace:
             xh=torch.empty((XH_ROWS, k), dtype=torch.float16, device=f"cuda:{index}"),
             arch=arch,
             target_ctas=per_sm * props.multi_processor_count,
+            delegate=_exllamav3_gemm(),
         )
         _workspaces[index] = ws
     elif ws.xh.shape[1] < k:
         ws.xh = torch.empty((XH_ROWS, k), dtype=torch.float16, device=ws.xh.device)
     return ws
+
+
+def _exllamav3_gemm():
+    """exllamav3's shard GEMM (same arguments as this op), or None when its extension does not import."""
+    try:
+        from ..exllamav3.extension import load_extension
+        from ..exllamav3.gemm import run_exl3_gemm
+
+        load_extension()
+    except Exception:
+        return None
+    return run_exl3_gemm
 
 
 def run_trellis_mma(
@@ -95,6 +114,9 @@ def run_trellis_mma(
     if rows == 0:
         return
     ws = _workspaces[x.device.index]
+    if ws.delegate is not None and 0 < delegate_rows < rows:
+        ws.delegate(x, trellis, suh, svh, codebook, k_bits, out_features, out, col)
+        return
     lib = load(ws.arch)
     k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -133,6 +155,10 @@ def trellis_mma_(
     col: int,
 ) -> None:
     """One EXL3 shard through the trellis_mma kernels: ``out[:, col:col + out_features] = (x @ W)[:, :out_features]``.
+
+    Calls of more than :data:`delegate_rows` rows run exllamav3's kernels instead when they are importable (faster
+    there on an H200); otherwise every row count runs here (more than 16 rows: 64-row chunks, the input transform in
+    its own launch).
 
     Args:
         x: ``(rows, in)`` float16 or bfloat16 activations (zero-extended to k inside the kernel).

@@ -10,8 +10,8 @@
 //   1. A panel of the transformed input had128(x * suh) (fp16, up to 1024 columns) is built in shared memory: from x
 //      directly when the rows fit one fragment (FUSED: rows <= 16, the decode case), else copied from a buffer the
 //      transform kernel below wrote once for all column blocks.
-//   2. Each warp streams its tile column's trellis through a private cp.async ring (STAGES tiles in flight), decodes
-//      each tile (state extraction by funnel shifts from a lane's 16 + 8K bit window, the codebook hash, one fp16
+//   2. Each warp streams its tile column's trellis through a private cp.async ring (GROUPS_IN_FLIGHT groups of GROUP
+//      tiles along k, one group per cp.async instruction per lane), decodes each tile (state extraction by funnel shifts from a lane's 16 + 8K bit window, the codebook hash, one fp16
 //      add / fma per pair of weights) and multiplies it with the panel's A fragments into fp32 accumulators.
 //   3. The 128-column partial sums go to shared memory. With a split of k over several CTAs (split-K, for parallelism
 //      when there are few column blocks), each CTA stores its partial to a workspace and the last CTA of the column
@@ -34,7 +34,8 @@ namespace qp {
 
 constexpr int WARPS = 8;
 constexpr int THREADS = WARPS * 32;
-constexpr int STAGES = 8;     // trellis tiles in flight per warp
+constexpr int GROUP = 4;             // tiles along k that one cp.async round of a warp loads
+constexpr int GROUPS_IN_FLIGHT = 4;  // ring depth per warp, in groups
 constexpr int BLOCK_N = 128;  // output columns per CTA = one Hadamard block
 constexpr int F_STRIDE = BLOCK_N + 4;
 constexpr float HAD_SCALE = 0.08838834764831845f;  // 1 / sqrt(128)
@@ -205,22 +206,41 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     const int kt0 = split * p.slice_tiles;
     const int ktiles = min(p.slice_tiles, p.k / 16 - kt0);
 
-    // this warp's tile column, streamed through its cp.async ring
+    // this warp's tile column, streamed through its cp.async ring: group g holds tiles GROUP * g .. + GROUP - 1
+    constexpr int GROUP_WORDS = GROUP * T::WORDS;
+    constexpr int PIECES = GROUP * T::CHUNKS;  // 16-byte pieces per group
+    constexpr int PER_LANE = (PIECES + 31) / 32;
     const int tn = nb * (BLOCK_N / 16) + warp;
-    uint32_t* wring = ring + warp * STAGES * T::WORDS;
-    const uint8_t* tiles = p.trellis + ((size_t)kt0 * ntiles_n + tn) * T::BYTES;
+    uint32_t* wring = ring + warp * GROUPS_IN_FLIGHT * GROUP_WORDS;
     const size_t tile_stride = (size_t)ntiles_n * T::BYTES;
-    auto issue = [&](int i) {
-        if (i < ktiles && lane < T::CHUNKS)
-            cp_async16(wring + (i % STAGES) * T::WORDS + lane * 4, tiles + i * tile_stride + lane * 16);
+    const uint8_t* tiles = p.trellis + ((size_t)kt0 * ntiles_n + tn) * T::BYTES;
+    size_t src_off[PER_LANE];  // this lane's pieces: (tile in group, 16-byte piece) -> offset from the group's start
+#pragma unroll
+    for (int r = 0; r < PER_LANE; ++r) {
+        const int c = lane + 32 * r;
+        src_off[r] = (size_t)(c / T::CHUNKS) * tile_stride + (c % T::CHUNKS) * 16;
+    }
+    const int ngroups = ktiles / GROUP;
+    auto issue = [&](int g) {
+        if (g < ngroups) {
+            const uint8_t* src = tiles + (size_t)g * GROUP * tile_stride;
+            uint32_t* dst = wring + (g % GROUPS_IN_FLIGHT) * GROUP_WORDS;
+#pragma unroll
+            for (int r = 0; r < PER_LANE; ++r)
+                if (PIECES % 32 == 0 || lane + 32 * r < PIECES) cp_async16(dst + (lane + 32 * r) * 4, src + src_off[r]);
+        }
         cp_async_commit();
     };
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) issue(i);
+    for (int g = 0; g < GROUPS_IN_FLIGHT - 1; ++g) issue(g);
 
     // the lane's window: 16 bits before its first new bit (bit 8 * lane * K of the ring) onwards
     const int start = (lane * 8 * KA + (HALFK ? 4 * lane : 0) - 16 + T::RING) % T::RING;
     const int word0 = start / 32, shift0 = start % 32;
+    int widx[T::NORM + 1];
+#pragma unroll
+    for (int j = 0; j <= T::NORM; ++j) widx[j] = (word0 + j) % T::WORDS;
+    const __half* a_lane = A + (lane % 16) * A_STRIDE + (lane / 16) * 8;
 
     float acc[MB][2][4];
 #pragma unroll
@@ -257,37 +277,36 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
         }
         __syncthreads();
 
-        // 2. decode and multiply the panel's tiles
-        for (int i = p0; i < p0 + ptiles; ++i) {
-            issue(i + STAGES - 1);
-            cp_async_wait<STAGES - 1>();
+        // 2. decode and multiply the panel's tiles, a group at a time
+        for (int g = p0 / GROUP; g < (p0 + ptiles) / GROUP; ++g) {
+            issue(g + GROUPS_IN_FLIGHT - 1);
+            cp_async_wait<GROUPS_IN_FLIGHT - 1>();
             __syncwarp();
-            const uint32_t* tw = wring + (i % STAGES) * T::WORDS;
-            uint32_t raw[T::NORM + 1];
+            const uint32_t* gw = wring + (g % GROUPS_IN_FLIGHT) * GROUP_WORDS;
 #pragma unroll
-            for (int j = 0; j <= T::NORM; ++j) {
-                int idx = word0 + j;
-                idx = idx >= T::WORDS ? idx - T::WORDS : idx;
-                raw[j] = tw[idx];
-            }
-            __syncwarp();  // every lane has read the slot before a later issue() refills it
-            uint32_t w[T::NORM];
+            for (int u = 0; u < GROUP; ++u) {
+                uint32_t raw[T::NORM + 1];
 #pragma unroll
-            for (int j = 0; j < T::NORM; ++j) w[j] = __funnelshift_l(raw[j + 1], raw[j], shift0);
+                for (int j = 0; j <= T::NORM; ++j) raw[j] = gw[u * T::WORDS + widx[j]];
+                uint32_t w[T::NORM];
+#pragma unroll
+                for (int j = 0; j < T::NORM; ++j) w[j] = __funnelshift_l(raw[j + 1], raw[j], shift0);
 
-            const uint32_t b0 = decode_pair<CB>(state_of<KA, HALFK, 0>(w), state_of<KA, HALFK, 1>(w));
-            const uint32_t b1 = decode_pair<CB>(state_of<KA, HALFK, 2>(w), state_of<KA, HALFK, 3>(w));
-            const uint32_t b2 = decode_pair<CB>(state_of<KA, HALFK, 4>(w), state_of<KA, HALFK, 5>(w));
-            const uint32_t b3 = decode_pair<CB>(state_of<KA, HALFK, 6>(w), state_of<KA, HALFK, 7>(w));
+                const uint32_t b0 = decode_pair<CB>(state_of<KA, HALFK, 0>(w), state_of<KA, HALFK, 1>(w));
+                const uint32_t b1 = decode_pair<CB>(state_of<KA, HALFK, 2>(w), state_of<KA, HALFK, 3>(w));
+                const uint32_t b2 = decode_pair<CB>(state_of<KA, HALFK, 4>(w), state_of<KA, HALFK, 5>(w));
+                const uint32_t b3 = decode_pair<CB>(state_of<KA, HALFK, 6>(w), state_of<KA, HALFK, 7>(w));
 
-            const int kl = (i - p0) * 16;
+                const int kl = (g * GROUP + u - p0) * 16;
 #pragma unroll
-            for (int m = 0; m < MB; ++m) {
-                uint32_t a[4];
-                ldmatrix_x4(a, A + (m * 16 + lane % 16) * A_STRIDE + kl + (lane / 16) * 8);
-                mma16816(acc[m][0], a, b0, b1);
-                mma16816(acc[m][1], a, b2, b3);
+                for (int m = 0; m < MB; ++m) {
+                    uint32_t a[4];
+                    ldmatrix_x4(a, a_lane + m * 16 * A_STRIDE + kl);
+                    mma16816(acc[m][0], a, b0, b1);
+                    mma16816(acc[m][1], a, b2, b3);
+                }
             }
+            __syncwarp();  // every lane has read the group before a later issue() refills its slot
         }
     }
     cp_async_wait<0>();
@@ -369,7 +388,7 @@ int launch(const Params& p, dim3 grid, cudaStream_t stream) {
     constexpr int PANEL = MB == 1 ? 64 : 32;
     constexpr int A_BYTES = MROWS * (PANEL * 16 + 8) * 2;
     constexpr int F_BYTES = MROWS * F_STRIDE * 4;
-    constexpr int SMEM = (A_BYTES > F_BYTES ? A_BYTES : F_BYTES) + WARPS * STAGES * T::BYTES;
+    constexpr int SMEM = (A_BYTES > F_BYTES ? A_BYTES : F_BYTES) + WARPS * GROUPS_IN_FLIGHT * GROUP * T::BYTES;
     auto kernel = trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>;
     static bool configured = false;  // set once per kernel, at warm-up (before any CUDA-graph capture)
     if (!configured) {
