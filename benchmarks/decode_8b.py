@@ -151,7 +151,7 @@ def bench_vllm(pack: Path) -> dict:
     run(DECODE_TOKENS + 1)  # warm
     best = min(run(DECODE_TOKENS + 1) - run(1) for _ in range(3))
     return {
-        "engine": "vLLM + quantpack-exl3 (exllamav3 kernels, CUDA graphs)",
+        "engine": "vLLM + quantpack-exl3 (CUDA graphs; kernels as chosen, see the table below)",
         "decode_tok_s": DECODE_TOKENS / best,
         "load_s": load_s,
         "host_rss_before_gib": rss_before,

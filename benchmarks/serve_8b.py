@@ -1,0 +1,229 @@
+"""End-to-end serving speed side by side on the Llama-3-8B shape: vLLM + quantpack-exl3, vLLM bf16, vLLM W4A16 (AWQ)
+and exllamav3 native, each engine in its own process, in one run.
+
+* vLLM + quantpack-exl3: the synthetic EXL3 pack of ``decode_8b.py`` (K=4 mul1, head K=6), kernels as chosen.
+* vLLM bf16: the same config.json without its quantization config, ``load_format="dummy"`` (no weights written).
+* vLLM W4A16: the same config with an AWQ quantization config (4 bits, group 128, zero point), ``load_format="dummy"``:
+  vLLM's own 4-bit path (AWQ-Marlin / Machete on Hopper).
+* exllamav3 native: its Generator on the same pack, batch 1 only (decode and time to first token).
+
+Per vLLM engine and batch size B (default 1, 8, 64, 256): decode with B prompts of 64 tokens and 256 new tokens
+(greedy, no early stop): tokens/s = B x 256 / (t(257 tokens) - t(1 token)), ms per step, and the time to first token
+t(1 token); prefill with B prompts of 512 tokens and one new token: prompt tokens/s and its time. Plus the load time,
+the weights' size on the GPU and the process's peak GPU memory (torch's allocator). CUDA graphs and torch.compile
+as vLLM configures them by default; the attention backend is ``TRITON_ATTN`` (the GPU bundle has no FlashAttention).
+
+Writes ``--json`` (default ``benchmarks/results/serve_8b.json``) and prints a markdown table;
+``benchmarks/plot_kernels.py`` draws both this and ``kernel_8b.py``'s record. Usage (GPU machine, after
+ci/gpu/setup.sh): ``source ci/gpu/env.sh && python3 benchmarks/serve_8b.py [--engines plugin,bf16,w4a16,exllamav3]
+[--batches 1,8,64,256] [--repeats 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from decode_8b import SHAPE, KernelTable, make_pack
+
+PROMPT_TOKENS, DECODE_TOKENS, PREFILL_TOKENS = 64, 256, 512
+ENGINES = ("plugin", "bf16", "w4a16", "exllamav3")
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+
+
+def dummy_model(pack: Path, kind: str) -> Path:
+    """A weightless copy of the pack's config for ``load_format="dummy"``: bf16, or with an AWQ config."""
+    target = pack.parent / f"{pack.name}-{kind}-dummy"
+    target.mkdir(exist_ok=True)
+    config = json.loads((pack / "config.json").read_text())
+    config.pop("quantization_config", None)
+    if kind == "w4a16":
+        config["quantization_config"] = AWQ
+        config["dtype"] = config["torch_dtype"] = "float16"
+    (target / "config.json").write_text(json.dumps(config, indent=1))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (pack / name).exists():
+            shutil.copy(pack / name, target / name)
+    return target
+
+
+def timed(fn) -> float:
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
+
+
+def bench_vllm(model: Path, kind: str, batches: list[int], repeats: int) -> dict:
+    """One vLLM engine: load, then decode and prefill at every batch size (see the module)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import logging
+
+    import torch
+    from vllm import LLM, SamplingParams
+
+    kernels = KernelTable()
+    logging.getLogger("vllm.quantpack").addHandler(kernels)
+    cuda = torch.cuda.is_available()
+    t0 = time.time()
+    llm = LLM(
+        model=str(model),
+        dtype="bfloat16" if kind == "bf16" else "float16",
+        max_model_len=PREFILL_TOKENS + DECODE_TOKENS + 64,
+        max_num_seqs=max(batches),
+        skip_tokenizer_init=True,
+        seed=0,
+        load_format="auto" if kind == "plugin" else "dummy",
+        **({"attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.6} if cuda else {}),
+    )
+    load_s = time.time() - t0
+
+    def model_bytes(m) -> int:
+        return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+    weights_gib = llm.apply_model(model_bytes)[0] / 2**30
+
+    def prompts(batch: int, length: int) -> list[dict]:
+        return [{"prompt_token_ids": [100 + (7 * i + j) % 5000 for j in range(length)]} for i in range(batch)]
+
+    def run(batch: int, length: int, new: int) -> float:
+        sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, detokenize=False)
+        return timed(lambda: llm.generate(prompts(batch, length), sp, use_tqdm=False))
+
+    rows = []
+    for batch in batches:
+        run(batch, PROMPT_TOKENS, 8)  # warm this batch size
+        first = min(run(batch, PROMPT_TOKENS, 1) for _ in range(repeats))
+        full = min(run(batch, PROMPT_TOKENS, DECODE_TOKENS + 1) for _ in range(repeats))
+        step = max(full - first, 1e-9) / DECODE_TOKENS
+        prefill = min(run(batch, PREFILL_TOKENS, 1) for _ in range(repeats))
+        rows.append(
+            {
+                "batch": batch,
+                "decode_tok_s": batch / step,
+                "ms_per_step": step * 1000,
+                "ttft_ms": first * 1000,
+                "prefill_tok_s": batch * PREFILL_TOKENS / prefill,
+                "prefill_ms": prefill * 1000,
+            }
+        )
+        print(f"  {kind} batch {batch}: {rows[-1]}", file=sys.stderr, flush=True)
+    return {
+        "engine": kind,
+        "load_s": load_s,
+        "weights_gib": weights_gib,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "kernels": kernels.tables[-1] if kernels.tables else None,
+        "rows": rows,
+    }
+
+
+def bench_exllamav3(pack: Path, repeats: int) -> dict:
+    """exllamav3's own Generator on the pack, batch 1: decode tokens/s and time to first token."""
+    import torch
+    from exllamav3 import Cache, Config, Generator, Model, Tokenizer
+
+    config = Config.from_directory(str(pack))
+    model = Model.from_config(config)
+    cache = Cache(model, max_num_tokens=2048)
+    t0 = time.time()
+    model.load()
+    load_s = time.time() - t0
+    generator = Generator(model=model, cache=cache, tokenizer=Tokenizer.from_config(config))
+    prompt = " ".join(f"t{i}" for i in range(100, 100 + PROMPT_TOKENS))
+
+    def run(n: int) -> float:
+        return timed(
+            lambda: generator.generate(
+                prompt=prompt, max_new_tokens=n, stop_conditions=[], completion_only=True, add_bos=False
+            )
+        )
+
+    run(DECODE_TOKENS + 1)
+    first = min(run(1) for _ in range(repeats))
+    full = min(run(DECODE_TOKENS + 1) for _ in range(repeats))
+    step = max(full - first, 1e-9) / DECODE_TOKENS
+    row = {"batch": 1, "decode_tok_s": 1 / step, "ms_per_step": step * 1000, "ttft_ms": first * 1000}
+    return {
+        "engine": "exllamav3",
+        "load_s": load_s,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "rows": [row],
+    }
+
+
+def table(results: list[dict]) -> str:
+    """The results as a markdown table (one line per engine and batch)."""
+    lines = [
+        "| engine | batch | decode tok/s | ms/step | TTFT ms (64-token prompts) | prefill tok/s (512-token prompts) "
+        "| weights GiB | peak GPU GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['engine']} | failed | | | | | | |")
+            continue
+        for row in r["rows"]:
+            prefill = f"{row['prefill_tok_s']:,.0f}" if "prefill_tok_s" in row else "-"
+            weights = f"{r['weights_gib']:.2f}" if "weights_gib" in r else "-"
+            lines.append(
+                f"| {r['engine']} | {row['batch']} | {row['decode_tok_s']:,.1f} | {row['ms_per_step']:.2f} | "
+                f"{row['ttft_ms']:.1f} | {prefill} | {weights} | {r['peak_gpu_gib']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pack", type=Path, default=Path("/tmp/bench-8b-exl3"))
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--batches", default="1,8,64,256")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=Path(__file__).with_name("results") / "serve_8b.json")
+    ap.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)  # one engine, in this process
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    if args.engine:
+        if args.engine == "exllamav3":
+            res = bench_exllamav3(args.pack, args.repeats)
+        else:
+            model = args.pack if args.engine == "plugin" else dummy_model(args.pack, args.engine)
+            res = bench_vllm(model, args.engine, batches, args.repeats)
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+    make_pack(args.pack)
+    results = []
+    for engine in args.engines.split(","):  # each in its own process: one engine's GPU memory never meets another's
+        t0 = time.time()
+        cmd = [sys.executable, __file__, "--pack", str(args.pack), "--engine", engine]
+        cmd += ["--batches", args.batches, "--repeats", str(args.repeats)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            results.append({"engine": engine, "error": proc.stderr[-3000:]})
+        else:
+            results.append(json.loads(lines[-1][7:]))
+        print(f"{engine}: {time.time() - t0:.0f} s", flush=True)
+    print(table(results))
+    for r in results:
+        if r.get("kernels"):
+            print(f"\n{r['kernels']}")
+        if "error" in r:
+            print(f"\n{r['engine']} failed:\n{r['error']}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    record = {"shape": SHAPE, "date": time.strftime("%Y-%m-%d"), "batches": batches, "results": results}
+    args.json.write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
