@@ -237,17 +237,22 @@ def test_compiles_in_one_graph_and_captures_in_a_cuda_graph(backend):
                 assert torch.equal(static_y, eager), f"graph replay differs from eager at {rows} rows"
 
 
-def test_this_gpu_chooses_exllamav3_for_every_k_and_codebook():
-    """On the GPU machine itself, with real availability: the platform's priority list takes every K and codebook
-    to the exllamav3 kernel, with no kernel declining before it (the support matrix's CUDA rows, on a device)."""
+def test_this_gpu_chooses_trellis_mma_for_16_bit_models_and_exllamav3_for_fp32():
+    """On the GPU machine itself, with real availability: the platform's priority list takes every K and codebook of
+    a float16 / bfloat16 model to trellis_mma with no kernel declining before it, and a float32 model's to
+    exllamav3 with trellis_mma's reason (the support matrix's CUDA rows, on a device)."""
     from quantpack_core.kernels import TP_WHOLE, LinearSpec, choose_kernel
     from quantpack_exl3.config import Exl3Config
 
     linear, experts = Exl3Config.resolve_kernels(current_platform())
-    assert [k.name for k in linear] == [k.name for k in experts] == ["exllamav3"]
+    assert [k.name for k in linear] == ["trellis_mma", "exllamav3"]
+    assert [k.name for k in experts] == ["exllamav3"]
     for k_bits, codebook in RANDOM_CASES:
-        spec = LinearSpec(
-            current_platform(), "exl3", k_bits, codebook, 4096, 14336, 4096, 14336, torch.bfloat16, TP_WHOLE
-        )
-        choice = choose_kernel(linear, spec, "test")
-        assert choice.kernel.name == "exllamav3" and choice.declined == ()
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            spec = LinearSpec(current_platform(), "exl3", k_bits, codebook, 4096, 14336, 4096, 14336, dtype, TP_WHOLE)
+            choice = choose_kernel(linear, spec, "test")
+            if dtype == torch.float32:
+                assert choice.kernel.name == "exllamav3"
+                assert [name for name, _ in choice.declined] == ["trellis_mma"]
+            else:
+                assert choice.kernel.name == "trellis_mma" and choice.declined == ()

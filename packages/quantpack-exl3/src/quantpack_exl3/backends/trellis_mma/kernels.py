@@ -6,20 +6,23 @@ split over CTAs until the GPU is full, and the input / output Hadamard transform
 to 16 rows (the decode case). ``csrc/trellis_mma.cu`` describes the kernels; :mod:`.library` builds them with nvcc
 (once per GPU architecture, cached) and loads them with ctypes. The trellis stays as the pack stores it (memory = the
 pack's size). Every K (1..8, 1.5 / 2.5 / 3.5 with mul1) and codebook; float16 and bfloat16 models (the activations
-are rounded to fp16 after the input transform, which keeps bf16 models' range; float32 models go to exllamav3).
+are rounded to fp16 after the input transform, which keeps bf16 models' range in the kernels' own calls; float32
+models go to exllamav3). Calls of more than 16 rows go to exllamav3's kernels when they import (:mod:`.ops`).
 
 Source: docs/exl3-format.md ("The math", tile placement), docs/kernels.md (how the kernels were measured).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from quantpack_core.codec import Codebook, Exl3Tensors
 from quantpack_core.kernels import CUDA, LinearKernel, LinearSpec, Platform, PreparedShard
 
-from .library import load
-from .ops import FUSED_ROWS, reserve, trellis_mma_
+from .library import compiler_reason
+from .ops import FUSED_ROWS, delegated_above, reserve, trellis_mma_
 
 NAME = "trellis_mma"
 #: mma.sync m16n8k16, ldmatrix and cp.async need sm_80
@@ -28,6 +31,8 @@ CODEBOOK_IDS = {Codebook.INST3: 0, Codebook.MCG: 1, Codebook.MUL1: 2}
 ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 _warmed: set[tuple] = set()
+_warned_bf16 = False
+logger = logging.getLogger("vllm.quantpack.exl3")
 
 
 def _platform_reason(platform: Platform) -> str | None:
@@ -45,15 +50,17 @@ class TrellisMmaLinearKernel(LinearKernel):
 
     @classmethod
     def available(cls, platform: Platform) -> tuple[bool, str | None]:
-        """CUDA sm_80+ with the kernels built or buildable (nvcc; built here, once per architecture)."""
+        """CUDA sm_80+, a device torch sees, and a compiler for the kernels (:func:`.library.compiler_reason`);
+        neither initializes CUDA nor builds here (vLLM asks this in its front-end process): the build runs at the
+        first shard's ``prepare``."""
         why = _platform_reason(platform)
         if why is not None:
             return False, why
-        try:
-            major, minor = torch.cuda.get_device_capability()
-            load(major * 10 + minor)
-        except Exception as e:
-            return False, f"its kernels could not be built or loaded ({type(e).__name__}: {e})"
+        if not torch.cuda.is_available():  # counts devices without creating a CUDA context
+            return False, "torch sees no CUDA device (torch.cuda.is_available() is False)"
+        why = compiler_reason()
+        if why is not None:
+            return False, f"its kernels cannot be built here: {why}"
         return True, None
 
     @classmethod
@@ -78,8 +85,10 @@ class TrellisMmaLinearKernel(LinearKernel):
             out_features)``.
 
         Raises:
-            LibraryError: the kernels cannot be built or loaded.
+            quantpack_exl3.backends.trellis_mma.library.LibraryError: the kernels cannot be built or loaded, or a
+                warm-up launch failed (the message names the fix).
         """
+        global _warned_bf16
         t = shard
         tensors = {
             "trellis": t.trellis.to(device).contiguous(),
@@ -87,6 +96,15 @@ class TrellisMmaLinearKernel(LinearKernel):
             "svh": t.svh.to(device=device, dtype=torch.float16).contiguous(),
         }
         reserve(device, tensors["trellis"].shape[0] * 16)
+        if spec.act_dtype == torch.bfloat16 and delegated_above(device) is not None and not _warned_bf16:
+            _warned_bf16 = True
+            logger.warning(
+                "quantpack-exl3: calls of more than %d rows go to exllamav3's kernels, which take float16 "
+                "activations: this bfloat16 model's activations are cast there, and values beyond +-65504 would "
+                "overflow. Serve with --dtype float16, or set QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS=0 to keep every "
+                "call in trellis_mma.",
+                delegated_above(device),
+            )
         static = (CODEBOOK_IDS[t.codebook], float(t.k_bits), spec.out_features)
         prepared = PreparedShard(trellis_mma_, tensors, spec.out_features, static)
         warm_up(prepared, spec.in_features, spec.act_dtype)
@@ -94,15 +112,24 @@ class TrellisMmaLinearKernel(LinearKernel):
 
 
 def warm_up(prepared: PreparedShard, in_features: int, dtype: torch.dtype) -> None:
-    """Launch a new (codebook, K) once with the fused and once with the unfused kernel, so that their shared-memory
-    limits are set before any CUDA-graph capture. Combinations already warmed in this process are skipped."""
+    """Run a new shard shape once at load with the fused kernel (1 row) and the unfused one (17 rows), so that their
+    shared-memory limits are set before any CUDA-graph capture; and, when calls above
+    :data:`.ops.delegate_rows` rows go to exllamav3, once per exllamav3 autotune bucket above that (its
+    kernels time their launch shapes on a shape's first call, which must not happen during capture). Shapes
+    already warmed in this process are skipped."""
     tr = prepared.tensors["trellis"]
-    codebook, k_bits, out_features = prepared.static
-    key = (codebook, k_bits, tr.device)
+    codebook, _, out_features = prepared.static
+    key = (tuple(tr.shape), codebook, dtype, tr.device)
     if key in _warmed:
         return
+    rows_list = [1, FUSED_ROWS + 1]
+    above = delegated_above(tr.device)
+    if above is not None:
+        from ..exllamav3.kernels import WARMUP_ROWS
+
+        rows_list += [r for r in WARMUP_ROWS if r > above]
     generator = torch.Generator(device=tr.device).manual_seed(0)
-    for rows in (1, FUSED_ROWS + 1):
+    for rows in rows_list:
         x = torch.randn((rows, in_features), generator=generator, device=tr.device).to(dtype)
         out = torch.empty((rows, out_features), dtype=dtype, device=tr.device)
         prepared.run(x, *prepared.tensors.values(), *prepared.static, out, 0)

@@ -1,8 +1,8 @@
 """Building and loading the trellis_mma kernels (``csrc/trellis_mma.cu``): nvcc alone, no torch headers, loaded with
 ctypes.
 
-The source is compiled once per (source, nvcc version, GPU architecture) into a shared library cached under
-``$QUANTPACK_CACHE_DIR`` (default ``$XDG_CACHE_HOME/quantpack`` or ``~/.cache/quantpack``); about 15 s on one core.
+The source is compiled once per (source, nvcc version, flags, GPU architecture) into a shared library cached under
+``$QUANTPACK_CACHE_DIR`` (default ``$XDG_CACHE_HOME/quantpack`` or ``~/.cache/quantpack``); 15-25 s on one core.
 Its entry points take device pointers and a ``cudaStream_t``, so the library does not depend on the torch build.
 ``QUANTPACK_NVCC`` names the compiler; otherwise ``$CUDA_HOME/bin/nvcc``, then ``nvcc`` on ``PATH``.
 """
@@ -24,9 +24,11 @@ logger = logging.getLogger("vllm.quantpack.exl3")
 SOURCE = Path(__file__).with_name("csrc") / "trellis_mma.cu"
 #: what to install when nvcc is missing
 NVCC_HINT = (
-    "install the CUDA toolkit's nvcc (12.4 or newer, the major version of torch.version.cuda or newer) and put it on "
-    "PATH, or set CUDA_HOME or QUANTPACK_NVCC"
+    "install the CUDA toolkit's nvcc (one that knows your GPU's architecture, and no newer than your driver) and put "
+    "it on PATH, or set CUDA_HOME or QUANTPACK_NVCC; or serve with QUANTPACK_EXL3_BACKEND=exllamav3"
 )
+#: nvcc flags besides the architecture (part of the cache key)
+FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
 #: return codes of the library's entry points below 0
 ERRORS = {
     -1: "bad geometry (k and n must be multiples of 128, the input no wider than k, out_features at most n)",
@@ -49,6 +51,20 @@ def nvcc_path() -> str | None:
     if home and (Path(home) / "bin" / "nvcc").exists():
         return str(Path(home) / "bin" / "nvcc")
     return shutil.which("nvcc")
+
+
+@functools.cache
+def compiler_reason() -> str | None:
+    """Why the kernels cannot be built on this machine (no nvcc, or it does not run), or None. Checked once per
+    process; runs ``nvcc --version`` only (no CUDA initialization, no build)."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        return f"no nvcc; {NVCC_HINT}"
+    try:
+        subprocess.run([nvcc, "--version"], capture_output=True, check=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{nvcc} --version failed ({e}); {NVCC_HINT}"
+    return None
 
 
 def cache_dir() -> Path:
@@ -80,21 +96,26 @@ def build(arch: int, nvcc: str | None = None) -> Path:
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise LibraryError(f"trellis_mma: {nvcc} --version failed ({e}); {NVCC_HINT}") from None
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + str(arch).encode()).hexdigest()[:16]
-    target = cache_dir() / f"trellis_mma-sm{arch}-{key}.so"
+    ident = SOURCE.read_bytes() + version.encode() + str(arch).encode() + " ".join(FLAGS).encode()
+    target = cache_dir() / f"trellis_mma-sm{arch}-{hashlib.sha256(ident).hexdigest()[:16]}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("quantpack-exl3: building the trellis_mma kernels for sm_%d with %s (once, ~15 s)", arch, nvcc)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LibraryError(
+            f"trellis_mma: cannot create its build cache {target.parent} ({e}); set QUANTPACK_CACHE_DIR"
+        ) from None
+    logger.info("quantpack-exl3: building the trellis_mma kernels for sm_%d with %s (once, 15-25 s)", arch, nvcc)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [
-            nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-            f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(out), str(SOURCE),
-        ]  # fmt: skip
+        cmd = [nvcc, *FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(out), str(SOURCE)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise LibraryError(f"trellis_mma: building its kernels failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+            raise LibraryError(
+                f"trellis_mma: building its kernels failed ({' '.join(cmd)}); QUANTPACK_EXL3_BACKEND=exllamav3 "
+                f"serves without them:\n{done.stderr[-4000:]}"
+            )
         os.replace(out, target)  # atomic: another process building the same key sees a whole file or none
     return target
 
@@ -129,5 +150,5 @@ def check(code: int, what: str) -> None:
     """
     if code == 0:
         return
-    why = ERRORS.get(code, f"CUDA error {code}")
-    raise LibraryError(f"trellis_mma: {what}: {why}")
+    why = ERRORS.get(code, f"CUDA error {code} (a cudaError_t; 35: the driver is older than the nvcc that built it)")
+    raise LibraryError(f"trellis_mma: {what}: {why} (QUANTPACK_EXL3_BACKEND=exllamav3 serves without these kernels)")

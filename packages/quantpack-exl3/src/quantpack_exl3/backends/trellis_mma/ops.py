@@ -4,7 +4,9 @@ output), its CUDA implementation, and the per-GPU workspace its launches share.
 The workspace is allocated when a shard is prepared (before any CUDA-graph capture) and only read by the op:
 split-K partial sums (float32), the arrival counters of the split-K reduction (int32, zero between launches), and
 for more than 16 rows the transformed input ``had128(x * suh)`` (float16, :data:`XH_ROWS` rows of the widest
-shard). Launches on one stream run one after another, so every shard on a GPU shares one workspace.
+shard). Launches on one stream run one after another, so every shard on a GPU shares one workspace; two streams
+running trellis_mma launches at the same time on one GPU would need a workspace each (vLLM runs a model's linear
+layers on one stream).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from quantpack_core.ops import define_op
 
-from .library import check, load
+from .library import LibraryError, check, load
 
 #: split-K partial sums the workspace holds (float32): 16 MiB
 PARTIAL_FLOATS = 4 << 20
@@ -86,6 +88,13 @@ def reserve(device: torch.device, k: int) -> Workspace:
     return ws
 
 
+def delegated_above(device: torch.device) -> int | None:
+    """The row count above which calls on ``device`` go to exllamav3's kernels (:data:`delegate_rows`), or None when
+    every call runs here (after :func:`reserve`)."""
+    ws = _workspaces.get(torch.device(device).index)
+    return delegate_rows if ws is not None and ws.delegate is not None and delegate_rows > 0 else None
+
+
 def _exllamav3_gemm():
     """exllamav3's shard GEMM (same arguments as this op), or None when its extension does not import."""
     try:
@@ -113,12 +122,20 @@ def run_trellis_mma(
     rows, width = x.shape
     if rows == 0:
         return
-    ws = _workspaces[x.device.index]
+    ws = _workspaces.get(x.device.index)
+    if ws is None or x.dtype not in (torch.float16, torch.bfloat16) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise LibraryError(
+            f"trellis_mma: takes float16 / bfloat16 activations and an output of the same dtype with unit column "
+            f"stride, after prepare() reserved this GPU's workspace (x {x.dtype}, out {out.dtype} stride "
+            f"{tuple(out.stride())}, workspace {'ready' if ws is not None else 'missing'})"
+        )
     if ws.delegate is not None and 0 < delegate_rows < rows:
         ws.delegate(x, trellis, suh, svh, codebook, k_bits, out_features, out, col)
         return
     lib = load(ws.arch)
     k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    if rows > FUSED_ROWS and k > ws.xh.shape[1]:
+        raise LibraryError(f"trellis_mma: k {k} is wider than the workspace reserved for this GPU ({ws.xh.shape[1]})")
     x = x if x.stride(1) == 1 else x.contiguous()
     stream = torch.cuda.current_stream(x.device).cuda_stream
     size = x.element_size()

@@ -390,11 +390,14 @@ int launch(const Params& p, dim3 grid, cudaStream_t stream) {
     constexpr int F_BYTES = MROWS * F_STRIDE * 4;
     constexpr int SMEM = (A_BYTES > F_BYTES ? A_BYTES : F_BYTES) + WARPS * GROUPS_IN_FLIGHT * GROUP * T::BYTES;
     auto kernel = trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>;
-    static bool configured = false;  // set once per kernel, at warm-up (before any CUDA-graph capture)
-    if (!configured) {
+    static uint64_t configured = 0;  // one bit per device: set at warm-up, before any CUDA-graph capture
+    int device = 0;
+    cudaGetDevice(&device);
+    const uint64_t bit = uint64_t(1) << (device & 63);
+    if (!(configured & bit)) {
         const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
         if (e != cudaSuccess) return (int)e;
-        configured = true;
+        configured |= bit;
     }
     kernel<<<grid, THREADS, SMEM, stream>>>(p);
     return (int)cudaGetLastError();
