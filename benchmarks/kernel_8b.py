@@ -87,7 +87,9 @@ def time_graph(step, replays: int = REPLAYS) -> float:
 
 
 def copy_bandwidth(device: torch.device) -> float:
-    """Measured device-to-device copy bandwidth in bytes/s (read + write of a 2 GiB buffer)."""
+    """Measured device-to-device copy bandwidth in bytes/s (read + write of a 2 GiB buffer, counted both ways). The
+    record's ``exl3_bandwidth_floor_ms`` is the stack's bytes at this rate: a reference, not a strict floor (cuBLAS
+    has read faster than this rate)."""
     src = torch.empty(1 << 30, dtype=torch.int16, device=device).random_()
     dst = torch.empty_like(src)
     ms = time_graph(lambda: dst.copy_(src), replays=10)
@@ -95,6 +97,7 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def shard_bytes(t) -> int:
+    """Bytes a shard's kernel reads: trellis (int16) + suh + svh (fp16)."""
     return t.trellis.numel() * 2 + t.suh.numel() * 2 + t.svh.numel() * 2
 
 
@@ -163,6 +166,7 @@ def bench_dense(rows_list, device) -> dict:
 
 
 def main() -> None:
+    """Measure every kernel and dense bf16 at each row count, print the figures and write the JSON record."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,4,16,64,256")
     ap.add_argument("--kernels", default="exllamav3,trellis_mma")

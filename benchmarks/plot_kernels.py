@@ -14,11 +14,12 @@ import argparse
 import json
 from pathlib import Path
 
-#: the H200's device-to-device copy rate measured in earlier sessions (docs/gpu.md)
+#: the H200's device-to-device copy rate as measured before on the benchmark machine (4.3 TB/s)
 NOMINAL_BANDWIDTH = 4.3e12
 
 
 def plot_kernels(record: dict, out: Path) -> None:
+    """Draw a ``kernel_8b.py`` record (see the module) to ``out`` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -65,6 +66,7 @@ def plot_kernels(record: dict, out: Path) -> None:
 
 
 def plot_serve(record: dict, out: Path) -> None:
+    """Draw a ``serve_8b.py`` record (decode tokens/s per batch and engine) to ``out`` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -87,6 +89,7 @@ def plot_serve(record: dict, out: Path) -> None:
 
 
 def main() -> None:
+    """Draw every record present in the results folder."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, default=Path(__file__).with_name("results"))
     args = ap.parse_args()

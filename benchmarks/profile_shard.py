@@ -12,6 +12,7 @@ import torch
 
 
 def main() -> None:
+    """Prepare one random shard and run it ``--repeat`` times."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", default="trellis_mma")
     ap.add_argument("--shape", default="4096,14336", help="in,out features")

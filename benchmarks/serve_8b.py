@@ -54,6 +54,7 @@ def dummy_model(pack: Path, kind: str) -> Path:
 
 
 def timed(fn) -> float:
+    """Seconds ``fn()`` takes, the GPU synchronized before and after (when there is one)."""
     import torch
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
@@ -89,14 +90,17 @@ def bench_vllm(model: Path, kind: str, batches: list[int], repeats: int) -> dict
     load_s = time.time() - t0
 
     def model_bytes(m) -> int:
+        """Bytes of the model's parameters and buffers."""
         return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
 
     weights_gib = llm.apply_model(model_bytes)[0] / 2**30
 
     def prompts(batch: int, length: int) -> list[dict]:
+        """``batch`` distinct token-id prompts of ``length`` tokens."""
         return [{"prompt_token_ids": [100 + (7 * i + j) % 5000 for j in range(length)]} for i in range(batch)]
 
     def run(batch: int, length: int, new: int) -> float:
+        """Seconds to generate ``new`` tokens (greedy, no early stop) for ``batch`` prompts of ``length``."""
         sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, detokenize=False)
         return timed(lambda: llm.generate(prompts(batch, length), sp, use_tqdm=False))
 
@@ -184,6 +188,7 @@ def table(results: list[dict]) -> str:
 
 
 def main() -> None:
+    """Run each engine in its own process (or, with ``--engine``, one here), print the table, write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pack", type=Path, default=Path("/tmp/bench-8b-exl3"))
     ap.add_argument("--engines", default=",".join(ENGINES))
