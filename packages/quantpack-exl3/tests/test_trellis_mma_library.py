@@ -1,10 +1,16 @@
 """The trellis_mma kernels' library on a machine without a GPU: nvcc compiles ``csrc/trellis_mma.cu`` for sm_90 (a
-compile error fails here, before any GPU run), its host-side launch plan (how k is split over CTAs) keeps the rules
-the kernels rely on, and a missing compiler or bad geometry gives errors that name the fix. The kernels' numbers are
-checked on the GPU (``test_exl3_gpu_kernels.py``)."""
+compile error fails here, before any GPU run); the kernels' own decode (window, state extraction, codebook hash,
+fp16 arithmetic, fragment placement), built for the host from the same source, equals the project's codec bit for
+bit on random tiles of every K and codebook; the host-side launch plan (how k is split over CTAs) keeps the rules the
+kernels rely on; a missing compiler or bad geometry gives errors that name the fix. The kernels' results as a whole
+are checked on the GPU (``test_exl3_gpu_kernels.py``)."""
+
+import ctypes
 
 import pytest
+import torch
 
+from quantpack_core.codec.trellis import HALF_K, LEGAL_K, decode_tiles, tile_words, width_from_k
 from quantpack_exl3.backends.trellis_mma import library
 from quantpack_exl3.backends.trellis_mma.ops import COUNTERS, PARTIAL_FLOATS
 
@@ -26,6 +32,31 @@ def lib(tmp_path_factory):
     finally:
         library.load.cache_clear()
         os.environ.pop("QUANTPACK_CACHE_DIR")
+
+
+CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
+DECODE_CASES = [(k, cb) for k in LEGAL_K for cb in CODEBOOK_IDS if k not in HALF_K or cb == "mul1"]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("k_bits,codebook", DECODE_CASES, ids=[f"K{k:g}-{cb}" for k, cb in DECODE_CASES])
+def test_kernel_decode_equals_the_codec(lib, k_bits, codebook):
+    """64 random tiles (every bit pattern is a legal trellis) plus the all-zero and all-one tiles."""
+    g = torch.Generator().manual_seed(int(k_bits * 10) + CODEBOOK_IDS[codebook])
+    width = width_from_k(k_bits)
+    tiles = torch.randint(-(1 << 15), 1 << 15, (66, 1, width), generator=g, dtype=torch.int32).to(torch.int16)
+    tiles[64], tiles[65] = 0, -1
+    want = decode_tiles(tiles, codebook, k_bits).view(torch.int16).reshape(66, 256)
+    words = tile_words(tiles).reshape(66, -1).to(torch.int64)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
+    got = torch.empty((66, 256), dtype=torch.int16)
+    for t in range(66):
+        code = lib.qp_decode_tile_host(
+            ctypes.c_void_p(words[t].data_ptr()), CODEBOOK_IDS[codebook], round(2 * k_bits),
+            ctypes.c_void_p(got[t].data_ptr()),
+        )  # fmt: skip
+        assert code == 0
+    assert torch.equal(got, want), (got != want).nonzero()[:5]
 
 
 @needs_nvcc

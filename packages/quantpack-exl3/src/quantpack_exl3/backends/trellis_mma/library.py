@@ -138,6 +138,8 @@ def load(arch: int) -> ctypes.CDLL:
     ]  # fmt: skip
     lib.qp_trellis_mma_splits.restype = i32
     lib.qp_trellis_mma_splits.argtypes = [i32, i32, i32, i32, i64, i64]
+    lib.qp_decode_tile_host.restype = i32
+    lib.qp_decode_tile_host.argtypes = [ptr, i32, i32, ptr]
     return lib
 
 

@@ -96,33 +96,92 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The integer intrinsics the decode uses, with host versions of the same semantics: the decode below also builds for
+// the host, where qp_decode_tile_host() checks it against the project's codec without a GPU.
+__host__ __device__ __forceinline__ uint32_t funnel_l(uint32_t lo, uint32_t hi, uint32_t shift) {
+#ifdef __CUDA_ARCH__
+    return __funnelshift_l(lo, hi, shift);
+#else
+    shift &= 31;  // the high word of (hi:lo) << shift
+    return shift ? (hi << shift) | (lo >> (32 - shift)) : hi;
+#endif
+}
+
+__host__ __device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t selector) {
+#ifdef __CUDA_ARCH__
+    return __byte_perm(x, y, selector);
+#else
+    const uint64_t bytes = (uint64_t(y) << 32) | x;  // byte i of the result is byte (selector nibble i) of y:x
+    uint32_t r = 0;
+    for (int i = 0; i < 4; ++i) r |= uint32_t((bytes >> (8 * ((selector >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+    return r;
+#endif
+}
+
+__host__ __device__ __forceinline__ uint32_t byte_sum(uint32_t x, uint32_t acc) {  // acc + the four bytes of x
+#ifdef __CUDA_ARCH__
+    return __dp4a(x, 0x01010101u, acc);
+#else
+    return acc + (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24);
+#endif
+}
+
+// Both halves: a + b, and a * b + c, rounded once to fp16 (on the host through fp32, which is exact for the operands
+// the codebooks produce: docs/exl3-format.md, "The math", step 3).
+__host__ __device__ __forceinline__ uint32_t half2_add(uint32_t a, uint32_t b) {
+#ifdef __CUDA_ARCH__
+    const __half2 v = __hadd2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&v);
+#else
+    uint32_t r = 0;
+    for (int i = 0; i < 2; ++i) {
+        const float f = __half2float(__ushort_as_half((unsigned short)(a >> (16 * i)))) +
+                        __half2float(__ushort_as_half((unsigned short)(b >> (16 * i))));
+        r |= uint32_t(__half_as_ushort(__float2half_rn(f))) << (16 * i);
+    }
+    return r;
+#endif
+}
+
+__host__ __device__ __forceinline__ uint32_t half2_fma_scalar(uint32_t a, unsigned short b, unsigned short c) {
+#ifdef __CUDA_ARCH__
+    const __half2 v = __hfma2(*reinterpret_cast<const __half2*>(&a), __halves2half2(__ushort_as_half(b), __ushort_as_half(b)),
+                              __halves2half2(__ushort_as_half(c), __ushort_as_half(c)));
+    return *reinterpret_cast<const uint32_t*>(&v);
+#else
+    uint32_t r = 0;
+    for (int i = 0; i < 2; ++i) {
+        const float f = __half2float(__ushort_as_half((unsigned short)(a >> (16 * i)))) *
+                            __half2float(__ushort_as_half(b)) +
+                        __half2float(__ushort_as_half(c));
+        r |= uint32_t(__half_as_ushort(__float2half_rn(f))) << (16 * i);
+    }
+    return r;
+#endif
+}
+
 // 16-bit state of slot j from the lane's normalized window (bits read most significant first).
 template <int KA, bool HALFK, int J>
-__device__ __forceinline__ uint32_t state_of(const uint32_t (&w)[Tile<KA, HALFK>::NORM]) {
+__host__ __device__ __forceinline__ uint32_t state_of(const uint32_t (&w)[Tile<KA, HALFK>::NORM]) {
     constexpr int E = Tile<KA, HALFK>::end(J);
     constexpr int LO = E - 16;  // first bit of the state
     constexpr int R = LO / 32, SH = LO % 32;
     if constexpr (SH <= 16) {
         return (w[R] >> (16 - SH)) & 0xFFFFu;
     } else {
-        return __funnelshift_l(w[R + 1], w[R], SH) >> 16;
+        return funnel_l(w[R + 1], w[R], SH) >> 16;
     }
 }
 
 // Two weights (stream slots a, b of the lane) as one half2: codebook value of each state.
 template <int CB>
-__device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t sb) {
+__host__ __device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t sb) {
     if constexpr (CB == CB_MUL1) {
         const uint32_t xa = sa * 0x83DCD12Du, xb = sb * 0x83DCD12Du;
         // byte sums + the fp16 bit pattern of 1024: (1024 + b) as fp16 is 0x6400 + b for b < 1024
-        const uint32_t ra = __dp4a(xa, 0x01010101u, 0x64006400u);
-        const uint32_t rb = __dp4a(xb, 0x01010101u, 0u);
-        const uint32_t packed = rb * 0x10000u + ra;
-        const __half2 h = *reinterpret_cast<const __half2*>(&packed);
-        const __half2 scale = __halves2half2(__ushort_as_half(0x1EEE), __ushort_as_half(0x1EEE));
-        const __half2 bias = __halves2half2(__ushort_as_half(0xC931), __ushort_as_half(0xC931));
-        const __half2 v = __hfma2(h, scale, bias);
-        return *reinterpret_cast<const uint32_t*>(&v);
+        const uint32_t ra = byte_sum(xa, 0x64006400u);
+        const uint32_t rb = byte_sum(xb, 0u);
+        return half2_fma_scalar(rb * 0x10000u + ra, 0x1EEE, 0xC931);
     } else {
         uint32_t xa, xb;
         if constexpr (CB == CB_MCG) {
@@ -134,10 +193,36 @@ __device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t sb) {
         }
         xa = (xa & 0x8FFF8FFFu) ^ 0x3B603B60u;
         xb = (xb & 0x8FFF8FFFu) ^ 0x3B603B60u;
-        const uint32_t lo = __byte_perm(xa, xb, 0x5410), hi = __byte_perm(xa, xb, 0x7632);
-        const __half2 v = __hadd2(*reinterpret_cast<const __half2*>(&lo), *reinterpret_cast<const __half2*>(&hi));
-        return *reinterpret_cast<const uint32_t*>(&v);
+        return half2_add(byte_perm(xa, xb, 0x5410), byte_perm(xa, xb, 0x7632));
     }
+}
+
+// Where lane `lane`'s window starts in a tile: the word index of each of its NORM + 1 words and the bit shift that
+// normalizes them (16 bits before the lane's first new bit, bit 8 * lane * K of the ring, onwards).
+template <int KA, bool HALFK>
+__host__ __device__ __forceinline__ void lane_window(int lane, int (&widx)[Tile<KA, HALFK>::NORM + 1], int& shift) {
+    using T = Tile<KA, HALFK>;
+    const int start = (lane * 8 * KA + (HALFK ? 4 * lane : 0) - 16 + T::RING) % T::RING;
+    shift = start % 32;
+    for (int j = 0; j <= T::NORM; ++j) widx[j] = (start / 32 + j) % T::WORDS;
+}
+
+// A lane's 8 weights of one tile as its B fragments of two mma.m16n8k16 (b[0], b[1]: tile columns 0-7; b[2], b[3]:
+// columns 8-15), from the tile's words `tw` (shared or host memory).
+template <int CB, int KA, bool HALFK>
+__host__ __device__ __forceinline__ void decode_lane(const uint32_t* tw, const int (&widx)[Tile<KA, HALFK>::NORM + 1],
+                                                     int shift, uint32_t (&b)[4]) {
+    using T = Tile<KA, HALFK>;
+    uint32_t raw[T::NORM + 1];
+#pragma unroll
+    for (int j = 0; j <= T::NORM; ++j) raw[j] = tw[widx[j]];
+    uint32_t w[T::NORM];
+#pragma unroll
+    for (int j = 0; j < T::NORM; ++j) w[j] = funnel_l(raw[j + 1], raw[j], shift);
+    b[0] = decode_pair<CB>(state_of<KA, HALFK, 0>(w), state_of<KA, HALFK, 1>(w));
+    b[1] = decode_pair<CB>(state_of<KA, HALFK, 2>(w), state_of<KA, HALFK, 3>(w));
+    b[2] = decode_pair<CB>(state_of<KA, HALFK, 4>(w), state_of<KA, HALFK, 5>(w));
+    b[3] = decode_pair<CB>(state_of<KA, HALFK, 6>(w), state_of<KA, HALFK, 7>(w));
 }
 
 // The 128-point Sylvester Hadamard transform (unnormalized) of 128 values held 4 per lane (index lane * 4 + i).
@@ -234,12 +319,8 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
 #pragma unroll
     for (int g = 0; g < GROUPS_IN_FLIGHT - 1; ++g) issue(g);
 
-    // the lane's window: 16 bits before its first new bit (bit 8 * lane * K of the ring) onwards
-    const int start = (lane * 8 * KA + (HALFK ? 4 * lane : 0) - 16 + T::RING) % T::RING;
-    const int word0 = start / 32, shift0 = start % 32;
-    int widx[T::NORM + 1];
-#pragma unroll
-    for (int j = 0; j <= T::NORM; ++j) widx[j] = (word0 + j) % T::WORDS;
+    int widx[T::NORM + 1], shift0;
+    lane_window<KA, HALFK>(lane, widx, shift0);
     const __half* a_lane = A + (lane % 16) * A_STRIDE + (lane / 16) * 8;
 
     float acc[MB][2][4];
@@ -285,25 +366,16 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
             const uint32_t* gw = wring + (g % GROUPS_IN_FLIGHT) * GROUP_WORDS;
 #pragma unroll
             for (int u = 0; u < GROUP; ++u) {
-                uint32_t raw[T::NORM + 1];
-#pragma unroll
-                for (int j = 0; j <= T::NORM; ++j) raw[j] = gw[u * T::WORDS + widx[j]];
-                uint32_t w[T::NORM];
-#pragma unroll
-                for (int j = 0; j < T::NORM; ++j) w[j] = __funnelshift_l(raw[j + 1], raw[j], shift0);
-
-                const uint32_t b0 = decode_pair<CB>(state_of<KA, HALFK, 0>(w), state_of<KA, HALFK, 1>(w));
-                const uint32_t b1 = decode_pair<CB>(state_of<KA, HALFK, 2>(w), state_of<KA, HALFK, 3>(w));
-                const uint32_t b2 = decode_pair<CB>(state_of<KA, HALFK, 4>(w), state_of<KA, HALFK, 5>(w));
-                const uint32_t b3 = decode_pair<CB>(state_of<KA, HALFK, 6>(w), state_of<KA, HALFK, 7>(w));
+                uint32_t b[4];
+                decode_lane<CB, KA, HALFK>(gw + u * T::WORDS, widx, shift0, b);
 
                 const int kl = (g * GROUP + u - p0) * 16;
 #pragma unroll
                 for (int m = 0; m < MB; ++m) {
                     uint32_t a[4];
                     ldmatrix_x4(a, a_lane + m * 16 * A_STRIDE + kl);
-                    mma16816(acc[m][0], a, b0, b1);
-                    mma16816(acc[m][1], a, b2, b3);
+                    mma16816(acc[m][0], a, b[0], b[1]);
+                    mma16816(acc[m][1], a, b[2], b[3]);
                 }
             }
             __syncwarp();  // every lane has read the group before a later issue() refills its slot
@@ -509,4 +581,60 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* trellis, const vo
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
     return qp::dispatch<4, false>(p, codebook, k2, grid, s);
+}
+
+namespace qp {
+
+template <int CB, int KA, bool HALFK>
+void decode_tile_host(const uint32_t* words, uint16_t* out) {
+    for (int lane = 0; lane < 32; ++lane) {
+        int widx[Tile<KA, HALFK>::NORM + 1], shift;
+        lane_window<KA, HALFK>(lane, widx, shift);
+        uint32_t b[4];
+        decode_lane<CB, KA, HALFK>(words, widx, shift, b);
+        // the mma.m16n8k16 B fragment: b[h] holds rows 2 * (lane % 4) (+1) (+8 for odd h) of column lane / 4 (+8 for
+        // h >= 2), low half first
+        const int r0 = 2 * (lane % 4), c0 = lane / 4;
+        for (int h = 0; h < 4; ++h)
+            for (int e = 0; e < 2; ++e)
+                out[(r0 + 8 * (h & 1) + e) * 16 + c0 + 8 * (h >> 1)] = (uint16_t)(b[h] >> (16 * e));
+    }
+}
+
+template <int CB>
+int decode_tile_host_k(const uint32_t* words, int k2, uint16_t* out) {
+    switch (k2) {
+        case 2: decode_tile_host<CB, 1, false>(words, out); return 0;
+        case 4: decode_tile_host<CB, 2, false>(words, out); return 0;
+        case 6: decode_tile_host<CB, 3, false>(words, out); return 0;
+        case 8: decode_tile_host<CB, 4, false>(words, out); return 0;
+        case 10: decode_tile_host<CB, 5, false>(words, out); return 0;
+        case 12: decode_tile_host<CB, 6, false>(words, out); return 0;
+        case 14: decode_tile_host<CB, 7, false>(words, out); return 0;
+        case 16: decode_tile_host<CB, 8, false>(words, out); return 0;
+        default: break;
+    }
+    if constexpr (CB == CB_MUL1) {
+        switch (k2) {
+            case 3: decode_tile_host<CB, 1, true>(words, out); return 0;
+            case 5: decode_tile_host<CB, 2, true>(words, out); return 0;
+            case 7: decode_tile_host<CB, 3, true>(words, out); return 0;
+            default: break;
+        }
+    }
+    return -2;
+}
+
+}  // namespace qp
+
+// The kernels' decode of one tile, run on the host: `words` are the tile's uint32 words, `out` receives the 256 fp16
+// bit patterns at [row * 16 + column] as the kernels place them in their mma fragments. Returns 0, -2 (no such K) or
+// -3 (bad codebook). For tests without a GPU.
+QP_API int qp_decode_tile_host(const uint32_t* words, int codebook, int k2, uint16_t* out) {
+    switch (codebook) {
+        case qp::CB_3INST: return qp::decode_tile_host_k<qp::CB_3INST>(words, k2, out);
+        case qp::CB_MCG: return qp::decode_tile_host_k<qp::CB_MCG>(words, k2, out);
+        case qp::CB_MUL1: return qp::decode_tile_host_k<qp::CB_MUL1>(words, k2, out);
+        default: return -3;
+    }
 }
