@@ -90,6 +90,52 @@ def test_stand_in_takes_the_shards_it_accepts_and_the_next_kernel_the_rest(vllm_
     assert "linear   stand-in         declined 1: takes K=4 only, this shard is K=2" in table
 
 
+def stand_in_fused(x, *tensors_and_static) -> None:
+    """A fused run of stand-in shards: ``(trellis, suh, svh) x n, codebooks, widths, out, col``, each shard decoded
+    by the core codec in float64 and written after the previous one."""
+    *flat, codebooks, widths, out, col = tensors_and_static
+    for i, (codebook, width) in enumerate(zip(codebooks, widths, strict=True)):
+        stand_in_gemm(x, *flat[3 * i : 3 * i + 3], codebook, width, out, col)
+        col += width
+
+
+class FusingStandInKernel(StandInKernel):
+    """The stand-in, fusing any group of its shards into one run (one op call writing their columns in order)."""
+
+    name = "fusing-stand-in"
+
+    @classmethod
+    def fuse(cls, shards: list[PreparedShard]) -> PreparedShard:
+        tensors = {f"{name}{i}": t for i, s in enumerate(shards) for name, t in s.tensors.items()}
+        codebooks, widths = [s.static[0] for s in shards], [s.static[1] for s in shards]
+        return PreparedShard(stand_in_fused, tensors, sum(widths), (codebooks, widths))
+
+
+def test_consecutive_shards_of_one_kernel_run_fused(vllm_layers):
+    """q goes to the reference kernel (K=2), k and v to a stand-in that fuses: two runs, the second writing both
+    shards' columns, and the output is still every shard's fp64 reference. With every shard on the reference kernel,
+    the three are one GEMM over the concatenated dense weights."""
+    tensors = shards()
+    want_of = lambda x: ref_out(x, [Exl3Tensors.from_tensors(tensors[s]) for s in "qkv"], [256, 128, 128])  # noqa: E731
+    config = make_config(vllm_layers)
+    config.linear_kernels = (FusingStandInKernel, *config.linear_kernels)
+    layer = qkv(config)
+    for sid, t in tensors.items():
+        feed(layer, t, sid)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert [(run.kernel, run.col) for run in layer.quant_state.runs] == [("reference", 0), ("fusing-stand-in", 256)]
+    x = torch.randn(5, 256)
+    assert rel_err(layer.quant_method.apply(layer, x), want_of(x)) < 1e-5
+
+    layer = qkv(make_config(vllm_layers))
+    for sid, t in tensors.items():
+        feed(layer, t, sid)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert [run.kernel for run in layer.quant_state.runs] == ["reference"]
+    assert layer.shard0_weight.shape == (256, 512)
+    assert rel_err(layer.quant_method.apply(layer, x), want_of(x)) < 1e-5
+
+
 def test_the_table_waits_for_the_models_last_layer(vllm_layers, caplog):
     """Two layers of one model: nothing is logged after the first is processed, one table after the second."""
     config = make_config(vllm_layers)

@@ -16,7 +16,10 @@ DENSE = "dense"
 
 
 def _dense_gemm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, col: int) -> None:
-    out.narrow(1, col, weight.shape[1]).copy_(torch.mm(x, weight))
+    if col == 0 and weight.shape[1] == out.shape[1] and out.is_contiguous():  # the whole output: no copy
+        torch.mm(x, weight, out=out)
+    else:
+        out.narrow(1, col, weight.shape[1]).copy_(torch.mm(x, weight))
 
 
 define_op(
@@ -38,6 +41,19 @@ def dense_gemm_(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, col: i
     torch.ops.quantpack.dense_gemm_(x, weight, out, col)
 
 
+def fuse_dense(shards: list[PreparedShard]) -> PreparedShard | None:
+    """Consecutive ``dense_gemm_`` shards of one layer as one: their ``(in, out)`` weights concatenated along the
+    output, one GEMM writing all their columns (the layer holds the same bytes; the shards' own weights are freed when
+    the caller drops them). None when a shard is not a plain ``dense_gemm_`` shard."""
+    weights = [s.tensors.get("weight") for s in shards]
+    if any(s.run is not dense_gemm_ or len(s.tensors) != 1 or s.static for s in shards) or any(
+        w is None or w.shape[0] != weights[0].shape[0] for w in weights
+    ):
+        return None
+    w = torch.cat(weights, dim=1)
+    return PreparedShard(dense_gemm_, {"weight": w}, w.shape[1])
+
+
 class DenseKernel(LinearKernel):
     """Dense shards on any platform: the ``(out, in)`` checkpoint weight converted once to ``(in, out)`` in the model
     dtype."""
@@ -56,3 +72,8 @@ class DenseKernel(LinearKernel):
         """``shard``: the rank's ``(out, in)`` weight -> an ``(in, out)`` matrix in ``spec.act_dtype``."""
         w = shard.to(device=device, dtype=spec.act_dtype).t().contiguous()
         return PreparedShard(dense_gemm_, {"weight": w}, w.shape[1])
+
+    @classmethod
+    def fuse(cls, shards: list[PreparedShard]) -> PreparedShard | None:
+        """One GEMM over the layer's concatenated dense shards (:func:`fuse_dense`)."""
+        return fuse_dense(shards)

@@ -208,6 +208,17 @@ class LinearKernel(Kernel):
             device: where the layer lives.
         """
 
+    @classmethod
+    def fuse(cls, shards: list[PreparedShard]) -> PreparedShard | None:
+        """One run for consecutive shards of one layer that this kernel prepared (they share the layer's input:
+        q / k / v, gate / up), writing their columns in order; None keeps one run per shard.
+
+        The default fuses nothing. A kernel that can (one GEMM over concatenated weights, one launch over a table of
+        shards) returns a :class:`PreparedShard` whose ``out_features`` is the shards' sum; it may decline any group
+        (shards it cannot combine) by returning None.
+        """
+        return None
+
 
 class ExpertKernel(Kernel):
     """A kernel for one MoE layer's expert bank."""

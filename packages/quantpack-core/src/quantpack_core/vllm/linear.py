@@ -12,7 +12,8 @@ before its tensors arrive. Hence:
   sound tensors, the format's geometry), cuts each shard to this rank's part, chooses a kernel per shard from the
   platform's priority list (:func:`quantpack_core.kernels.choose_kernel`), lets it build its form, registers its
   tensors as parameters and drops the captured host tensors;
-* ``apply`` runs one registered custom op per shard into one output.
+* ``apply`` runs one registered custom op per run into one output: a run is one shard, or consecutive shards of one
+  kernel that its ``fuse`` combined (one GEMM or launch for q / k / v, gate / up).
 
 The layer's state is one :class:`LinearState` (``layer.quant_state``); its tensors are the layer's parameters
 ``shard{i}_{name}`` and, for a column-parallel fallback, the buffer ``col_select``.
@@ -33,7 +34,14 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 
 from quantpack_core.errors import CodecError, GeometryError, LayerLoadError
 from quantpack_core.format import LinearFormat
-from quantpack_core.kernels import TP_COLUMN_FALLBACK, TP_ROW_FALLBACK, TP_SLICED, TP_WHOLE, choose_kernel
+from quantpack_core.kernels import (
+    TP_COLUMN_FALLBACK,
+    TP_ROW_FALLBACK,
+    TP_SLICED,
+    TP_WHOLE,
+    PreparedShard,
+    choose_kernel,
+)
 from quantpack_core.names import expand_fused, shard_partitions
 from quantpack_core.tp import COLUMN, ROW, TpCut, cut_dense, make_cut, partition_ranges, plan_cut, sliced_tp_sizes
 
@@ -135,7 +143,8 @@ class LinearState:
         in_features: this rank's logical input features.
         partitions: this rank's output partition sizes.
         params_dtype: the model dtype.
-        runs: one per shard, in output order (empty before processing, and for an empty head).
+        runs: one per shard or fused group of shards, in output order (empty before processing, and for an empty
+            head).
         out_total: output columns the shards write.
         out_width: columns ``apply`` returns (``out_total``, or fewer after a column fallback's selection).
         row_pad: zeros ``(before, after)`` a row-parallel fallback puts around the input slice, or None.
@@ -391,25 +400,44 @@ class QuantLinearMethod(LinearMethodBase):
                 kernels = self.config.dense_kernels
             choice = choose_kernel(kernels, spec, f"{self.prefix}: {plan.name}")
             log.record("linear", choice)
-            prepared.append((choice.kernel.name, choice.kernel.prepare(shard, spec, device)))
+            prepared.append((choice.kernel, choice.kernel.prepare(shard, spec, device)))
             if quantized:
                 self.format.release(shard)
             selects.append(select)
         self._drop_placeholders(layer, captured)
-        col, columns, runs = 0, [], []
-        for i, ((kernel, p), select) in enumerate(zip(prepared, selects, strict=True)):
+        col, columns = 0, []
+        for (_, p), select in zip(prepared, selects, strict=True):
+            columns.extend(range(col, col + p.out_features) if select is None else [col + c for c in select])
+            col += p.out_features
+        runs, first = [], 0
+        for i, (kernel, p) in enumerate(self._fused(prepared)):
             names = []
             for name, tensor in p.tensors.items():
                 layer.register_parameter(f"shard{i}_{name}", torch.nn.Parameter(tensor, requires_grad=False))
                 names.append(f"shard{i}_{name}")
-            runs.append(ShardRun(kernel, p.run, tuple(names), p.static, col))
-            columns.extend(range(col, col + p.out_features) if select is None else [col + c for c in select])
-            col += p.out_features
+            runs.append(ShardRun(kernel.name, p.run, tuple(names), p.static, first))
+            first += p.out_features
         state.runs, state.out_total, state.out_width, state.row_pad = tuple(runs), col, len(columns), row_pad
         if any(s is not None for s in selects):
             layer.register_buffer("col_select", torch.tensor(columns, dtype=torch.int64, device=device), False)
             state.col_select = True
         log.finish(layer)
+
+    @staticmethod
+    def _fused(prepared: list[tuple[type, PreparedShard]]) -> list[tuple[type, PreparedShard]]:
+        """The runs of a layer: each maximal group of consecutive shards one kernel prepared, fused into one run when
+        the kernel's :meth:`~quantpack_core.kernels.LinearKernel.fuse` accepts the group (the shards share the
+        layer's input and write adjacent columns), else one run per shard."""
+        runs, i = [], 0
+        while i < len(prepared):
+            j = i
+            while j + 1 < len(prepared) and prepared[j + 1][0] is prepared[i][0]:
+                j += 1
+            kernel = prepared[i][0]
+            one = kernel.fuse([p for _, p in prepared[i : j + 1]]) if j > i else None
+            runs.extend([(kernel, one)] if one is not None else prepared[i : j + 1])
+            i = j + 1
+        return runs
 
     @staticmethod
     def _drop_placeholders(layer: torch.nn.Module, captured: dict[str, ShardParam]) -> None:
@@ -456,7 +484,7 @@ class QuantLinearMethod(LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x (..., in)`` -> ``(..., sum of output partitions)`` in ``x``'s dtype (this rank's input and output
-        features under tensor parallelism): one registered custom op per shard, each writing its columns of one
+        features under tensor parallelism): one registered custom op per run, each writing its columns of one
         output; then, for fallbacks (shares off the blocks), this rank's columns are selected from the kept blocks'
         product (column parallel) or its input was zero-extended to the kept blocks first (row parallel); then
         ``bias``.

@@ -3,8 +3,9 @@
 At load each EXL3 shard is dequantized once by the core codec (``W = diag(suh) H What H diag(svh)``, in float32),
 trimmed to the layer's logical input and output features (exact: a padded layer's extra input rows only ever meet
 zero-padded activations, and its extra output columns are discarded), and kept as a dense ``(in, out)`` weight in the
-model dtype. So its memory is that of the dense model, and its forward is one dense GEMM per shard. An expert bank is
-decoded to dense per-expert weights the same way and run by one op that loops over the routed experts.
+model dtype. So its memory is that of the dense model, and its forward is one dense GEMM per layer (a fused layer's
+shards, q / k / v or gate / up, are concatenated into one weight). An expert bank is decoded to dense per-expert
+weights the same way and run by one op that loops over the routed experts.
 
 They are listed for CPU only: on a GPU they would serve at dense memory and speed, so there they run only when
 forced (``QUANTPACK_EXL3_BACKEND=reference``). Source: docs/exl3-format.md ("The math"); exllamav3's
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from quantpack_core.codec import Exl3Tensors, dequantize
-from quantpack_core.dense import dense_gemm_
+from quantpack_core.dense import dense_gemm_, fuse_dense
 from quantpack_core.kernels import ExpertKernel, ExpertSpec, LinearKernel, LinearSpec, PreparedBank, PreparedShard
 from quantpack_core.moe import Exl3MoeBank, dequantize_expert
 
@@ -49,6 +50,12 @@ class ReferenceLinearKernel(LinearKernel):
         on_device = Exl3Tensors(t.trellis.to(device), t.suh.to(device), t.svh.to(device), t.codebook)
         w = dequantize(on_device, torch.float32)[: spec.in_features, : spec.out_features]
         return PreparedShard(dense_gemm_, {"weight": w.to(spec.act_dtype).contiguous()}, spec.out_features)
+
+    @classmethod
+    def fuse(cls, shards: list[PreparedShard]) -> PreparedShard | None:
+        """A layer's consecutive shards (q / k / v, gate / up) as one GEMM over their concatenated dense weights
+        (:func:`quantpack_core.dense.fuse_dense`)."""
+        return fuse_dense(shards)
 
 
 class ReferenceExpertKernel(ExpertKernel):
