@@ -6,7 +6,8 @@ or PyPI's ``nvidia-cuda-cuobjdump``), finds each kernel's innermost loop that ho
 group of tiles along k) and counts its instructions per tile and warp, split by pipe: the ALU pipe (shifts, logic,
 permutes, compares, address adds) and the FMA-heavy pipe (``IMAD``, ``IDP4A``) each take a warp instruction every
 two cycles per scheduler on sm_80 / sm_90, everything else issues once. The floor of a stack is its tiles times the
-largest of (instructions, 2 x ALU, 2 x FMA-heavy) over the GPU's schedulers and clock. Works without a GPU.
+largest of (instructions, 2 x ALU, 2 x FMA-heavy) over the GPU's schedulers and clock. Needs nvcc and cuobjdump, not
+a GPU.
 
 Usage: ``python3 benchmarks/decode_floor.py [--arch 90] [--sms 132] [--clock-ghz 1.98] [--json OUT]``.
 """

@@ -226,7 +226,10 @@ def main() -> None:
         if "error" in r:
             print(f"\n{r['engine']} failed:\n{r['error']}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    record = {"shape": SHAPE, "date": time.strftime("%Y-%m-%d"), "batches": batches, "results": results}
+    record = {
+        "shape": SHAPE, "date": time.strftime("%Y-%m-%d"), "batches": batches, "repeats": args.repeats,
+        "results": results,
+    }  # fmt: skip
     args.json.write_text(json.dumps(record, indent=1))
 
 

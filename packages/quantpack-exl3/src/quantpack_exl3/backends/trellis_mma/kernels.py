@@ -57,7 +57,7 @@ class TrellisMmaLinearKernel(LinearKernel):
         if why is not None:
             return False, why
         if not torch.cuda.is_available():  # counts devices without creating a CUDA context
-            return False, "torch sees no CUDA device (torch.cuda.is_available() is False)"
+            return False, "needs a CUDA device that torch can see (torch.cuda.is_available() is False here)"
         why = compiler_reason()
         if why is not None:
             return False, f"its kernels cannot be built here: {why}"

@@ -11,6 +11,7 @@ layers on one stream).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from quantpack_core.ops import define_op
 
 from .library import LibraryError, check, load
 
+logger = logging.getLogger("vllm.quantpack.exl3")
+
 #: split-K partial sums the workspace holds (float32): 16 MiB
 PARTIAL_FLOATS = 4 << 20
 #: arrival counters (one per 128-column block and row chunk)
@@ -28,11 +31,29 @@ COUNTERS = 1 << 16
 XH_ROWS = 512
 #: rows up to which the input transform is fused into the GEMM launch
 FUSED_ROWS = 16
+
+
+def env_int(name: str, default: int, minimum: int = 0) -> int:
+    """An integer setting from the environment; a value that is not an integer >= ``minimum`` is ignored with a
+    warning naming the variable (a bad setting never stops a server from starting)."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+        if value < minimum:
+            raise ValueError
+    except ValueError:
+        logger.warning("quantpack-exl3: %s=%r is not an integer >= %d; using %d", name, raw, minimum, default)
+        return default
+    return value
+
+
 #: CTAs a launch aims at per SM (split-K fills the GPU with them); QUANTPACK_TRELLIS_MMA_CTAS_PER_SM overrides
 CTAS_PER_SM = 4
 #: above this many rows a call goes to exllamav3's kernels when they are importable: measured on an H200, they are
 #: faster there (docs/kernels.md). QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS overrides; 0 keeps every call here.
-delegate_rows = int(os.environ.get("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", FUSED_ROWS))
+delegate_rows = env_int("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", FUSED_ROWS)
 
 
 @dataclass
@@ -73,7 +94,7 @@ def reserve(device: torch.device, k: int) -> Workspace:
         props = torch.cuda.get_device_properties(index)
         arch = props.major * 10 + props.minor
         load(arch)
-        per_sm = int(os.environ.get("QUANTPACK_TRELLIS_MMA_CTAS_PER_SM", CTAS_PER_SM))
+        per_sm = env_int("QUANTPACK_TRELLIS_MMA_CTAS_PER_SM", CTAS_PER_SM, minimum=1)
         ws = Workspace(
             partials=torch.empty(PARTIAL_FLOATS, dtype=torch.float32, device=f"cuda:{index}"),
             counters=torch.zeros(COUNTERS, dtype=torch.int32, device=f"cuda:{index}"),
