@@ -189,6 +189,6 @@ def test_kernel_list_errors_name_the_way_out(monkeypatch):
     assert [k.name for k in Exl3Config.resolve_kernels(Platform("cuda", 75))[0]] == ["reference"]
     monkeypatch.setenv("QUANTPACK_EXL3_BACKEND", "exllamav3")
     with pytest.raises(
-        BackendUnavailableError, match=r"needs a CUDA device .*Choose another of reference, trellis_mma, or unset"
+        BackendUnavailableError, match=r"needs a CUDA device .*Choose another that runs here \(reference\), or unset"
     ):
         Exl3Config.resolve_kernels(Platform("cpu"))

@@ -202,9 +202,13 @@ class QuantpackConfig(QuantizationConfig):
             for kernel in pick:
                 ok, why = kernel.available(platform)
                 if not ok:
+                    usable = sorted({k.name for k in every if k.name != forced and k.available(platform)[0]})
+                    choose = f"Choose another that runs here ({', '.join(usable)}), or" if usable else "No other kernel"
+                    if not usable:
+                        choose += " runs on this platform either:"
                     raise BackendUnavailableError(
-                        f"{cls.BACKEND_ENV}={forced}: the {forced} kernel {why}. Choose another of "
-                        f"{', '.join(sorted(named - {forced}))}, or unset {cls.BACKEND_ENV}. {cls.UNAVAILABLE_HINT}"
+                        f"{cls.BACKEND_ENV}={forced}: the {forced} kernel {why}. {choose} unset {cls.BACKEND_ENV}. "
+                        f"{cls.UNAVAILABLE_HINT}"
                     )
             lin = tuple(k for k in pick if issubclass(k, LinearKernel))
             exp = tuple(k for k in pick if issubclass(k, ExpertKernel))
