@@ -55,6 +55,17 @@ class Platform:
     capability: int | None = None
     arch: str | None = None
 
+    def cuda_reason(self, min_capability: int) -> str | None:
+        """Why a CUDA kernel that needs compute capability ``min_capability`` (``major * 10 + minor``) cannot run on
+        this platform, or None (an unknown capability is let through)."""
+        if self.kind != CUDA:
+            return f"needs a CUDA device (this platform is {self.kind or 'unspecified'!r})"
+        if self.capability is not None and self.capability < min_capability:
+            return (
+                f"needs compute capability {min_capability / 10:.1f} or newer (this GPU has {self.capability / 10:.1f})"
+            )
+        return None
+
     def __str__(self) -> str:
         if self.capability is not None:
             return f"{self.kind} sm_{self.capability}"

@@ -23,7 +23,6 @@ import torch
 
 from quantpack_core.codec import Codebook, Exl3Tensors
 from quantpack_core.kernels import (
-    CUDA,
     ExpertKernel,
     ExpertSpec,
     LinearKernel,
@@ -55,16 +54,8 @@ _warmed: set[tuple] = set()
 _warned_bf16 = False
 
 
-def _platform_reason(platform: Platform) -> str | None:
-    if platform.kind != CUDA:
-        return f"needs a CUDA device (this platform is {platform.kind or 'unspecified'!r})"
-    if platform.capability is not None and platform.capability < MIN_CAPABILITY:
-        return f"needs compute capability 8.0 or newer (this GPU has {platform.capability / 10:.1f})"
-    return None
-
-
 def _available(platform: Platform) -> tuple[bool, str | None]:
-    why = _platform_reason(platform)
+    why = platform.cuda_reason(MIN_CAPABILITY)
     if why is not None:
         return False, why
     try:
@@ -78,7 +69,7 @@ def _supported(spec) -> tuple[bool, str | None]:
     """The static rules both kernels share: EXL3, CUDA sm_80+, a model dtype the op casts from."""
     if spec.format != "exl3":
         return False, f"runs EXL3 only, this is {spec.format}"
-    why = _platform_reason(spec.platform)
+    why = spec.platform.cuda_reason(MIN_CAPABILITY)
     if why is not None:
         return False, why
     if spec.act_dtype not in ACT_DTYPES:

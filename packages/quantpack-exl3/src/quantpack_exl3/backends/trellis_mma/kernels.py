@@ -19,7 +19,7 @@ import logging
 import torch
 
 from quantpack_core.codec import Codebook, Exl3Tensors
-from quantpack_core.kernels import CUDA, LinearKernel, LinearSpec, Platform, PreparedShard
+from quantpack_core.kernels import LinearKernel, LinearSpec, Platform, PreparedShard
 
 from .library import compiler_reason
 from .ops import FUSED_ROWS, delegated_above, reserve, trellis_mma_
@@ -35,14 +35,6 @@ _warned_bf16 = False
 logger = logging.getLogger("vllm.quantpack.exl3")
 
 
-def _platform_reason(platform: Platform) -> str | None:
-    if platform.kind != CUDA:
-        return f"needs a CUDA device (this platform is {platform.kind or 'unspecified'!r})"
-    if platform.capability is not None and platform.capability < MIN_CAPABILITY:
-        return f"needs compute capability 8.0 or newer (this GPU has {platform.capability / 10:.1f})"
-    return None
-
-
 class TrellisMmaLinearKernel(LinearKernel):
     """One EXL3 shard through the trellis_mma kernels (see the module)."""
 
@@ -53,7 +45,7 @@ class TrellisMmaLinearKernel(LinearKernel):
         """CUDA sm_80+, a device torch sees, and a compiler for the kernels (:func:`.library.compiler_reason`);
         neither initializes CUDA nor builds here (vLLM asks this in its front-end process): the build runs at the
         first shard's ``prepare``."""
-        why = _platform_reason(platform)
+        why = platform.cuda_reason(MIN_CAPABILITY)
         if why is not None:
             return False, why
         if not torch.cuda.is_available():  # counts devices without creating a CUDA context
@@ -68,7 +60,7 @@ class TrellisMmaLinearKernel(LinearKernel):
         """Every EXL3 shard of a float16 / bfloat16 model on CUDA sm_80+."""
         if spec.format != "exl3":
             return False, f"runs EXL3 only, this is {spec.format}"
-        why = _platform_reason(spec.platform)
+        why = spec.platform.cuda_reason(MIN_CAPABILITY)
         if why is not None:
             return False, why
         if spec.act_dtype not in ACT_DTYPES:
@@ -96,14 +88,15 @@ class TrellisMmaLinearKernel(LinearKernel):
             "svh": t.svh.to(device=device, dtype=torch.float16).contiguous(),
         }
         reserve(device, tensors["trellis"].shape[0] * 16)
-        if spec.act_dtype == torch.bfloat16 and delegated_above(device) is not None and not _warned_bf16:
+        above = delegated_above(device)
+        if spec.act_dtype == torch.bfloat16 and above is not None and not _warned_bf16:
             _warned_bf16 = True
             logger.warning(
                 "quantpack-exl3: calls of more than %d rows go to exllamav3's kernels, which take float16 "
                 "activations: this bfloat16 model's activations are cast there, and values beyond +-65504 would "
                 "overflow. Serve with --dtype float16, or set QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS=0 to keep every "
                 "call in trellis_mma.",
-                delegated_above(device),
+                above,
             )
         static = (CODEBOOK_IDS[t.codebook], float(t.k_bits), spec.out_features)
         prepared = PreparedShard(trellis_mma_, tensors, spec.out_features, static)
