@@ -161,7 +161,13 @@ def bench_vllm(pack: Path) -> dict:
     }
 
 
-def bench_exllamav3(pack: Path) -> dict:
+def exllamav3_runner(pack: Path):
+    """exllamav3's own Generator on the pack, loaded.
+
+    Returns:
+        ``(run, load_s)``: ``run(n)`` is the seconds to generate ``n`` tokens greedily after the
+        :data:`PROMPT_TOKENS`-token prompt (GPU synchronized); ``load_s`` the model's load time.
+    """
     import torch
     from exllamav3 import Cache, Config, Generator, Model, Tokenizer
 
@@ -182,6 +188,11 @@ def bench_exllamav3(pack: Path) -> dict:
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
+    return run, load_s
+
+
+def bench_exllamav3(pack: Path) -> dict:
+    run, load_s = exllamav3_runner(pack)
     run(DECODE_TOKENS + 1)
     best = min(run(DECODE_TOKENS + 1) - run(1) for _ in range(3))
     return {"engine": "exllamav3 1.6.5 native (Generator)", "decode_tok_s": DECODE_TOKENS / best, "load_s": load_s}

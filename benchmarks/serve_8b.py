@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from decode_8b import SHAPE, KernelTable, make_pack
+from decode_8b import SHAPE, KernelTable, exllamav3_runner, make_pack
 
 PROMPT_TOKENS, DECODE_TOKENS, PREFILL_TOKENS = 64, 256, 512
 ENGINES = ("plugin", "bf16", "w4a16", "exllamav3")
@@ -135,24 +135,8 @@ def bench_vllm(model: Path, kind: str, batches: list[int], repeats: int) -> dict
 def bench_exllamav3(pack: Path, repeats: int) -> dict:
     """exllamav3's own Generator on the pack, batch 1: decode tokens/s and time to first token."""
     import torch
-    from exllamav3 import Cache, Config, Generator, Model, Tokenizer
 
-    config = Config.from_directory(str(pack))
-    model = Model.from_config(config)
-    cache = Cache(model, max_num_tokens=2048)
-    t0 = time.time()
-    model.load()
-    load_s = time.time() - t0
-    generator = Generator(model=model, cache=cache, tokenizer=Tokenizer.from_config(config))
-    prompt = " ".join(f"t{i}" for i in range(100, 100 + PROMPT_TOKENS))
-
-    def run(n: int) -> float:
-        return timed(
-            lambda: generator.generate(
-                prompt=prompt, max_new_tokens=n, stop_conditions=[], completion_only=True, add_bos=False
-            )
-        )
-
+    run, load_s = exllamav3_runner(pack)
     run(DECODE_TOKENS + 1)
     first = min(run(1) for _ in range(repeats))
     full = min(run(DECODE_TOKENS + 1) for _ in range(repeats))
