@@ -28,6 +28,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #define QP_API extern "C" __attribute__((visibility("default")))
 
 namespace qp {
@@ -475,38 +477,50 @@ int launch(const Params& p, dim3 grid, cudaStream_t stream) {
     return (int)cudaGetLastError();
 }
 
-template <int CB, int MB, bool FUSED>
-int dispatch_k(const Params& p, int k2, dim3 grid, cudaStream_t s) {
+// Calls f(cb, ka, half) with the template constants (std::integral_constant / bool_constant) of a codebook id and
+// 2K: integer K 1..8 for every codebook, K 1.5 / 2.5 / 3.5 for mul1. Returns f's result, -2 (no such K) or -3 (bad
+// codebook). The one place that maps run-time ids to kernel instantiations (launches and the host decode).
+template <int CB, class F>
+int with_k(int k2, F&& f) {
+    using std::bool_constant, std::integral_constant;
+    const auto cb = integral_constant<int, CB>{};
     switch (k2) {
-        case 2: return launch<CB, 1, false, MB, FUSED>(p, grid, s);
-        case 4: return launch<CB, 2, false, MB, FUSED>(p, grid, s);
-        case 6: return launch<CB, 3, false, MB, FUSED>(p, grid, s);
-        case 8: return launch<CB, 4, false, MB, FUSED>(p, grid, s);
-        case 10: return launch<CB, 5, false, MB, FUSED>(p, grid, s);
-        case 12: return launch<CB, 6, false, MB, FUSED>(p, grid, s);
-        case 14: return launch<CB, 7, false, MB, FUSED>(p, grid, s);
-        case 16: return launch<CB, 8, false, MB, FUSED>(p, grid, s);
+        case 2: return f(cb, integral_constant<int, 1>{}, bool_constant<false>{});
+        case 4: return f(cb, integral_constant<int, 2>{}, bool_constant<false>{});
+        case 6: return f(cb, integral_constant<int, 3>{}, bool_constant<false>{});
+        case 8: return f(cb, integral_constant<int, 4>{}, bool_constant<false>{});
+        case 10: return f(cb, integral_constant<int, 5>{}, bool_constant<false>{});
+        case 12: return f(cb, integral_constant<int, 6>{}, bool_constant<false>{});
+        case 14: return f(cb, integral_constant<int, 7>{}, bool_constant<false>{});
+        case 16: return f(cb, integral_constant<int, 8>{}, bool_constant<false>{});
         default: break;
     }
     if constexpr (CB == CB_MUL1) {
         switch (k2) {
-            case 3: return launch<CB, 1, true, MB, FUSED>(p, grid, s);
-            case 5: return launch<CB, 2, true, MB, FUSED>(p, grid, s);
-            case 7: return launch<CB, 3, true, MB, FUSED>(p, grid, s);
+            case 3: return f(cb, integral_constant<int, 1>{}, bool_constant<true>{});
+            case 5: return f(cb, integral_constant<int, 2>{}, bool_constant<true>{});
+            case 7: return f(cb, integral_constant<int, 3>{}, bool_constant<true>{});
             default: break;
         }
     }
     return -2;
 }
 
-template <int MB, bool FUSED>
-int dispatch(const Params& p, int codebook, int k2, dim3 grid, cudaStream_t s) {
+template <class F>
+int with_codebook_k(int codebook, int k2, F&& f) {
     switch (codebook) {
-        case CB_3INST: return dispatch_k<CB_3INST, MB, FUSED>(p, k2, grid, s);
-        case CB_MCG: return dispatch_k<CB_MCG, MB, FUSED>(p, k2, grid, s);
-        case CB_MUL1: return dispatch_k<CB_MUL1, MB, FUSED>(p, k2, grid, s);
+        case CB_3INST: return with_k<CB_3INST>(k2, f);
+        case CB_MCG: return with_k<CB_MCG>(k2, f);
+        case CB_MUL1: return with_k<CB_MUL1>(k2, f);
         default: return -3;
     }
+}
+
+template <int MB, bool FUSED>
+int dispatch(const Params& p, int codebook, int k2, dim3 grid, cudaStream_t s) {
+    return with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
+        return launch<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, MB, FUSED>(p, grid, s);
+    });
 }
 
 }  // namespace qp
@@ -601,40 +615,14 @@ void decode_tile_host(const uint32_t* words, uint16_t* out) {
     }
 }
 
-template <int CB>
-int decode_tile_host_k(const uint32_t* words, int k2, uint16_t* out) {
-    switch (k2) {
-        case 2: decode_tile_host<CB, 1, false>(words, out); return 0;
-        case 4: decode_tile_host<CB, 2, false>(words, out); return 0;
-        case 6: decode_tile_host<CB, 3, false>(words, out); return 0;
-        case 8: decode_tile_host<CB, 4, false>(words, out); return 0;
-        case 10: decode_tile_host<CB, 5, false>(words, out); return 0;
-        case 12: decode_tile_host<CB, 6, false>(words, out); return 0;
-        case 14: decode_tile_host<CB, 7, false>(words, out); return 0;
-        case 16: decode_tile_host<CB, 8, false>(words, out); return 0;
-        default: break;
-    }
-    if constexpr (CB == CB_MUL1) {
-        switch (k2) {
-            case 3: decode_tile_host<CB, 1, true>(words, out); return 0;
-            case 5: decode_tile_host<CB, 2, true>(words, out); return 0;
-            case 7: decode_tile_host<CB, 3, true>(words, out); return 0;
-            default: break;
-        }
-    }
-    return -2;
-}
-
 }  // namespace qp
 
 // The kernels' decode of one tile, run on the host: `words` are the tile's uint32 words, `out` receives the 256 fp16
 // bit patterns at [row * 16 + column] as the kernels place them in their mma fragments. Returns 0, -2 (no such K) or
 // -3 (bad codebook). For tests without a GPU.
 QP_API int qp_decode_tile_host(const uint32_t* words, int codebook, int k2, uint16_t* out) {
-    switch (codebook) {
-        case qp::CB_3INST: return qp::decode_tile_host_k<qp::CB_3INST>(words, k2, out);
-        case qp::CB_MCG: return qp::decode_tile_host_k<qp::CB_MCG>(words, k2, out);
-        case qp::CB_MUL1: return qp::decode_tile_host_k<qp::CB_MUL1>(words, k2, out);
-        default: return -3;
-    }
+    return qp::with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
+        qp::decode_tile_host<decltype(cb)::value, decltype(ka)::value, decltype(half)::value>(words, out);
+        return 0;
+    });
 }
