@@ -6,7 +6,9 @@ The stack is 32 layers x (q 4096->4096, k and v 4096->1024, o 4096->4096, gate a
 ``decode_8b.py``), with random trellis words (every bit pattern is a legal trellis; decode speed does not depend on
 the values). For each kernel and row count the whole stack (225 shard launches) is captured in one CUDA graph and
 replayed; the time is the median over replays. Each shape class (the 32 layers' q shards, ...) is also timed alone,
-which is what the per-shard kernel choice rests on. Dense bf16 (``torch.matmul`` on the same shapes) is timed the
+which is what the per-shard kernel choice rests on. A kernel that fuses a layer's shards (``fuse``: q / k / v and
+gate / up in one launch) is also timed as the linear method runs it, fused (record key ``fused``, classes qkv, o,
+gate_up, down, head). Dense bf16 (``torch.matmul`` on the same shapes) is timed the
 same way, and the GPU's copy bandwidth is measured in the same run: the bandwidth floor of a stack is its bytes
 (trellis + suh + svh; bf16 weights for dense) over that bandwidth.
 
@@ -123,6 +125,35 @@ def bench_kernel(kernel, stack, rows_list, device) -> dict:
         if not ok:
             return {"skipped": why}
         prepared.append((cls, kernel.prepare(t, spec, device), k, n))
+    result = time_stack(kernel.name, prepared, rows_list, device)
+    fused = fused_stack(kernel, prepared)
+    if fused is not None:
+        result["fused"] = time_stack(f"{kernel.name}+", fused, rows_list, device)
+    return result
+
+
+def fused_stack(kernel, prepared):
+    """The prepared stack as the linear method runs it: each layer's q / k / v and gate / up as one run of
+    ``kernel.fuse``; None when the kernel fuses neither."""
+    groups = {"q": ("qkv", 3), "gate": ("gate_up", 2)}
+    runs, i = [], 0
+    while i < len(prepared):
+        cls, _, k, _ = prepared[i]
+        if cls not in groups:
+            runs.append(prepared[i])
+            i += 1
+            continue
+        name, count = groups[cls]
+        one = kernel.fuse([p for _, p, _, _ in prepared[i : i + count]])
+        if one is None:
+            return None
+        runs.append((name, one, k, one.out_features))
+        i += count
+    return runs
+
+
+def time_stack(label: str, prepared, rows_list, device) -> dict:
+    """Stack and per-class milliseconds of prepared ``(class, run, in, out)`` items at each row count."""
     result = {"stack_ms": {}, "class_ms": {}}
     for rows in rows_list:
         xs = {w: torch.randn((rows, w), device=device).half() for w in (HIDDEN, INTER)}
@@ -134,11 +165,11 @@ def bench_kernel(kernel, stack, rows_list, device) -> dict:
 
         result["stack_ms"][rows] = time_graph(lambda: run(prepared))
         by_class = {}
-        for cls, *_ in [*LAYER_SHARDS, ("head",)]:
+        for cls in dict.fromkeys(p[0] for p in prepared):
             items = [p for p in prepared if p[0] == cls]
             by_class[cls] = time_graph(lambda items=items: run(items))
         result["class_ms"][rows] = by_class
-        print(f"  {kernel.name:12s} rows {rows:4d}: stack {result['stack_ms'][rows]:8.3f} ms  "
+        print(f"  {label:12s} rows {rows:4d}: stack {result['stack_ms'][rows]:8.3f} ms  "
               + "  ".join(f"{c} {v:.3f}" for c, v in by_class.items()), flush=True)  # fmt: skip
     return result
 

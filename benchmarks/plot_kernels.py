@@ -31,6 +31,9 @@ def plot_kernels(record: dict, out: Path) -> None:
             continue
         rows = sorted(int(r) for r in res["stack_ms"])
         left.plot(rows, [res["stack_ms"][str(r)] for r in rows], marker="o", label=f"EXL3 {name}")
+        if "fused" in res:
+            fused = res["fused"]["stack_ms"]
+            left.plot(rows, [fused[str(r)] for r in rows], marker="^", label=f"EXL3 {name}, q/k/v and gate/up fused")
     dense = record.get("dense_bf16")
     if dense:
         rows = sorted(int(r) for r in dense["stack_ms"])

@@ -64,6 +64,11 @@ class Exllamav3Shards:
         assert cls.kernel().can_implement(spec) == (True, None)
         return cls.kernel().prepare(t, spec, device)
 
+    @staticmethod
+    def op_args(kernel, x: torch.Tensor, out: torch.Tensor, col: int) -> tuple:
+        """The op's arguments for one prepared shard."""
+        return (x, *kernel.tensors.values(), *kernel.static, out, col)
+
 
 class TrellisMmaShards(Exllamav3Shards):
     """The project's trellis_mma linear kernel (float16 / bfloat16 models; split-K sums in a fixed order)."""
@@ -79,6 +84,13 @@ class TrellisMmaShards(Exllamav3Shards):
         from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel
 
         return TrellisMmaLinearKernel
+
+    @staticmethod
+    def op_args(kernel, x: torch.Tensor, out: torch.Tensor, col: int) -> tuple:
+        """The op takes lists of shards: one here."""
+        t = kernel.tensors
+        codebook, k_bits, out_features = kernel.static
+        return (x, [t["trellis"]], [t["suh"]], [t["svh"]], codebook, k_bits, [out_features], out, col)
 
 
 BACKENDS = [Exllamav3Shards, TrellisMmaShards]
@@ -196,7 +208,62 @@ def test_opcheck(backend):
     for rows in (1, 40, 200):
         x = torch.randn((rows, 256), device=dev).half()
         out = torch.zeros((rows, 400), dtype=torch.float16, device=dev)
-        opcheck(backend.op, (x, *kernel.tensors.values(), *kernel.static, out, 16))
+        opcheck(backend.op, backend.op_args(kernel, x, out, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype):
+    """q / k / v of one K and codebook fused (one launch up to 16 rows, a launch per shard above) give each shard's
+    columns as its own launch does, within fp32 summation order (the split of k depends on the launch's column
+    blocks), and within the fp64 reference's bound; a graph replay is bit-identical to eager; shards of another K
+    are not fused; the fused op passes opcheck."""
+    from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel, ops
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(21)
+    shapes = [(768, 512), (768, 128), (768, 128)]
+    ts = [Exl3Tensors.from_tensors(random_exl3_layer(i, o, 4, "mul1", generator=g)) for i, o in shapes]
+    prepared = [TrellisMmaShards.prepare_shard(t, i, o, dtype, dev) for t, (i, o) in zip(ts, shapes, strict=True)]
+    fused = TrellisMmaLinearKernel.fuse(prepared)
+    assert fused is not None and fused.out_features == 768 and fused.static[2] == (512, 128, 128)
+    other = Exl3Tensors.from_tensors(random_exl3_layer(768, 128, 3, "mul1", generator=g))
+    assert TrellisMmaLinearKernel.fuse([*prepared, TrellisMmaShards.prepare_shard(other, 768, 128, dtype, dev)]) is None
+    saved, ops.delegate_rows = ops.delegate_rows, 0
+    try:
+        for rows in (1, 3, 16, 17, 70):
+            x = torch.randn((rows, 768), device=dev).to(dtype)
+            one = torch.full((rows, 800), float("nan"), dtype=dtype, device=dev)
+            fused.run(x, *fused.tensors.values(), *fused.static, one, 16)
+            assert torch.isnan(one[:, :16]).all() and torch.isnan(one[:, 784:]).all(), "wrote outside its columns"
+            col = 16
+            for p, t in zip(prepared, ts, strict=True):
+                alone = torch.empty((rows, p.out_features), dtype=dtype, device=dev)
+                p.run(x, *p.tensors.values(), *p.static, alone, 0)
+                mine = one[:, col : col + p.out_features]
+                assert torch.isfinite(mine).all()
+                assert rel_err(mine.float(), alone.double()) < 2e-3, rows
+                ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=p.out_features)
+                assert rel_err(mine.cpu(), ref) < 2e-2, rows
+                col += p.out_features
+        x = torch.randn((5, 768), device=dev).to(dtype)
+        out = torch.zeros((5, 768), dtype=dtype, device=dev)
+        fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
+        eager = torch.empty_like(out)
+        for _ in range(2):
+            x.copy_(torch.randn((5, 768), device=dev).to(dtype))
+            graph.replay()
+            fused.run(x, *fused.tensors.values(), *fused.static, eager, 0)
+            torch.cuda.synchronize()
+            assert torch.equal(out, eager)
+        t = fused.tensors
+        lists = [[t[f"{name}{i}"] for i in range(3)] for name in ("trellis", "suh", "svh")]
+        opcheck("trellis_mma_", (x, *lists, *fused.static[:2], list(fused.static[2]), out, 0))
+    finally:
+        ops.delegate_rows = saved
 
 
 def test_compiles_in_one_graph_and_captures_in_a_cuda_graph(backend):

@@ -14,6 +14,9 @@ from quantpack_core.codec.trellis import HALF_K, LEGAL_K, decode_tiles, tile_wor
 from quantpack_exl3.backends.trellis_mma import library
 from quantpack_exl3.backends.trellis_mma.ops import COUNTERS, PARTIAL_FLOATS
 
+#: partial rows a column block's last CTA sums at most (TAIL_ROWS in csrc/trellis_mma.cu)
+TAIL_ROWS = 128
+
 needs_nvcc = pytest.mark.skipif(library.nvcc_path() is None, reason="needs nvcc (the CUDA toolkit's compiler)")
 
 #: (in, out) shapes of the Llama-3-8B linears, a padded small layer, and the 128-multiple extremes
@@ -77,6 +80,7 @@ def test_split_plan_covers_k_in_whole_hadamard_blocks(lib, k, n, rows, target):
         chunks = -(-rows // chunk_rows)
         assert chunks * splits * min(rows, chunk_rows) * n <= PARTIAL_FLOATS
         assert chunks * (n // 128) <= COUNTERS
+        assert splits * min(rows, chunk_rows) <= TAIL_ROWS  # what a column block's last CTA sums stays small
 
 
 @needs_nvcc
@@ -84,16 +88,35 @@ def test_split_plan_fills_the_gpu_when_k_allows(lib):
     """One row of a 4096 -> 1024 layer (8 column blocks) is split until about the target number of CTAs."""
     assert lib.qp_trellis_mma_splits(1, 4096, 1024, 264, PARTIAL_FLOATS, COUNTERS) == 32
     assert lib.qp_trellis_mma_splits(1, 4096, 128256, 264, PARTIAL_FLOATS, COUNTERS) == 1
+    # 16 rows: at most 128 partial rows per column block (8 splits), however few the column blocks
+    assert lib.qp_trellis_mma_splits(16, 4096, 1024, 264, PARTIAL_FLOATS, COUNTERS) == 8
 
 
 @needs_nvcc
 def test_bad_geometry_is_refused_before_any_launch(lib):
     """k or n not a multiple of 128 returns -1 (no CUDA call is made), and check() names it."""
+    ptrs, ints = ctypes.c_void_p * 1, ctypes.c_int * 1
     code = lib.qp_trellis_mma(
-        None, None, None, None, None, None, None, 0, None, 0, 1, 100, 100, 100, 256, 256, 0, 256, 2, 8, 0, 264, None
-    )
+        None, None, ptrs(None), ptrs(None), ptrs(None), ints(256), ints(0), ints(256), 1,
+        None, None, 0, None, 0, 1, 100, 100, 100, 256, 2, 8, 0, 264, None,
+    )  # fmt: skip
     assert code == -1
     with pytest.raises(library.LibraryError, match="multiples of 128"):
+        library.check(code, "test")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("shards,rows", [(2, 17), (9, 1), (0, 1)])
+def test_shard_table_limits_are_refused_before_any_launch(lib, shards, rows):
+    """One launch runs 1..8 shards, several only in the fused (<= 16 rows) kernel: anything else returns -5 before
+    any CUDA call (the op runs larger calls shard by shard)."""
+    ptrs, ints = ctypes.c_void_p * 9, ctypes.c_int * 9
+    code = lib.qp_trellis_mma(
+        None, None, ptrs(), ptrs(), ptrs(), ints(*[256] * 9), ints(), ints(*[256] * 9), shards,
+        None, None, 0, None, 0, rows, 256, 256, 256, 512, 2, 8, 0, 264, None,
+    )  # fmt: skip
+    assert code == -5
+    with pytest.raises(library.LibraryError, match="1-8 shards"):
         library.check(code, "test")
 
 

@@ -3,7 +3,8 @@
 Each lane of a warp decodes 8 weights of a 16x16 trellis tile straight into its tensor-core (``mma.m16n8k16``) B
 fragment, so a tile is read and decoded once for up to 64 rows and the decoded weights never leave registers; k is
 split over CTAs until the GPU is full, and the input / output Hadamard transforms run inside the same launch for up
-to 16 rows (the decode case). ``csrc/trellis_mma.cu`` describes the kernels; :mod:`.library` builds them with nvcc
+to 16 rows (the decode case), for all shards of a layer that share its input in one launch (:meth:`fuse`).
+``csrc/trellis_mma.cu`` describes the kernels; :mod:`.library` builds them with nvcc
 (once per GPU architecture, cached) and loads them with ctypes. The trellis stays as the pack stores it (memory = the
 pack's size). Every K (1..8, 1.5 / 2.5 / 3.5 with mul1) and codebook; float16 and bfloat16 models (the activations
 are rounded to fp16 after the input transform, which keeps bf16 models' range in the kernels' own calls; float32
@@ -22,7 +23,7 @@ from quantpack_core.codec import Codebook, Exl3Tensors
 from quantpack_core.kernels import LinearKernel, LinearSpec, Platform, PreparedShard
 
 from .library import compiler_reason
-from .ops import FUSED_ROWS, delegated_above, reserve, trellis_mma_
+from .ops import FUSED_ROWS, MAX_SHARDS, delegated_above, reserve, trellis_mma_, trellis_mma_shards_
 
 NAME = "trellis_mma"
 #: mma.sync m16n8k16, ldmatrix and cp.async need sm_80
@@ -102,6 +103,26 @@ class TrellisMmaLinearKernel(LinearKernel):
         prepared = PreparedShard(trellis_mma_, tensors, spec.out_features, static)
         warm_up(prepared, spec.in_features, spec.act_dtype)
         return prepared
+
+    @classmethod
+    def fuse(cls, shards: list[PreparedShard]) -> PreparedShard | None:
+        """One run for a layer's shards that share its input (q / k / v, gate / up): up to 16 rows one launch runs
+        them all from a table of shards (:func:`.ops.trellis_mma_shards_`; above, one launch per shard as before).
+        The shards keep their own tensors (no copy).
+
+        Returns:
+            the fused run (``out_features`` the shards' sum), or None when the shards differ in codebook, K or
+            stored input width (one kernel instantiation runs a launch), or are more than :data:`.ops.MAX_SHARDS`.
+        """
+        if not 1 < len(shards) <= MAX_SHARDS or any(s.run is not trellis_mma_ for s in shards):
+            return None
+        codebook, k_bits, _ = shards[0].static
+        width = shards[0].tensors["trellis"].shape[0]
+        if any(s.static[:2] != (codebook, k_bits) or s.tensors["trellis"].shape[0] != width for s in shards):
+            return None
+        tensors = {f"{name}{i}": s.tensors[name] for i, s in enumerate(shards) for name in ("trellis", "suh", "svh")}
+        outs = tuple(s.out_features for s in shards)
+        return PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs))
 
 
 def warm_up(prepared: PreparedShard, in_features: int, dtype: torch.dtype) -> None:

@@ -35,6 +35,7 @@ ERRORS = {
     -2: "no kernel for this K",
     -3: "unknown codebook id",
     -4: "the workspace is too small for this call",
+    -5: "one launch runs 1-8 shards, and several only up to 16 rows",
 }
 
 
@@ -131,9 +132,10 @@ def load(arch: int) -> ctypes.CDLL:
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     lib.qp_trellis_mma.restype = i32
     lib.qp_trellis_mma.argtypes = [
-        ptr, ptr, ptr, ptr, ptr, ptr,  # x, xh, trellis, suh, svh, out
-        ptr, i64, ptr, i64,  # partials, capacity, counters, capacity
-        i32, i32, i32, i32, i32, i32, i32, i32,  # rows, x_width, x_stride, k, n, out_stride, col, out_features
+        ptr, ptr,  # x, xh
+        ptr, ptr, ptr, ptr, ptr, ptr, i32,  # per shard (host arrays): trellis, suh, svh, n, col, out_features; count
+        ptr, ptr, i64, ptr, i64,  # out, partials, capacity, counters, capacity
+        i32, i32, i32, i32, i32,  # rows, x_width, x_stride, k, out_stride
         i32, i32, i32, i32, ptr,  # codebook, 2K, bf16, target CTAs, stream
     ]  # fmt: skip
     lib.qp_trellis_mma_splits.restype = i32

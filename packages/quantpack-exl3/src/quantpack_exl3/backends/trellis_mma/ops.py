@@ -1,5 +1,5 @@
-"""The trellis_mma backend's custom op, ``quantpack::trellis_mma_`` (one EXL3 shard into its columns of the layer's
-output), its CUDA implementation, and the per-GPU workspace its launches share.
+"""The trellis_mma backend's custom op, ``quantpack::trellis_mma_`` (one or more EXL3 shards sharing the layer's input,
+each into its columns of the layer's output), its CUDA implementation, and the per-GPU workspace its launches share.
 
 The workspace is allocated when a shard is prepared (before any CUDA-graph capture) and only read by the op:
 split-K partial sums (float32), the arrival counters of the split-K reduction (int32, zero between launches), and
@@ -11,6 +11,7 @@ layers on one stream).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from dataclasses import dataclass
@@ -128,19 +129,23 @@ def _exllamav3_gemm():
     return run_exl3_gemm
 
 
+#: shards one launch runs (MAX_SHARDS in csrc/trellis_mma.cu)
+MAX_SHARDS = 8
+
+
 def run_trellis_mma(
     x: torch.Tensor,
-    trellis: torch.Tensor,
-    suh: torch.Tensor,
-    svh: torch.Tensor,
+    trellis: list[torch.Tensor],
+    suh: list[torch.Tensor],
+    svh: list[torch.Tensor],
     codebook: int,
     k_bits: float,
-    out_features: int,
+    out_features: list[int],
     out: torch.Tensor,
     col: int,
 ) -> None:
-    """The CUDA implementation of ``quantpack::trellis_mma_`` (see :func:`trellis_mma_`)."""
-    rows, width = x.shape
+    """The CUDA implementation of ``quantpack::trellis_mma_`` (see :func:`trellis_mma_shards_`)."""
+    rows = x.shape[0]
     if rows == 0:
         return
     ws = _workspaces.get(x.device.index)
@@ -150,35 +155,82 @@ def run_trellis_mma(
             f"stride, after prepare() reserved this GPU's workspace (x {x.dtype}, out {out.dtype} stride "
             f"{tuple(out.stride())}, workspace {'ready' if ws is not None else 'missing'})"
         )
+    cols = [col + sum(out_features[:i]) for i in range(len(trellis))]
     if ws.delegate is not None and 0 < delegate_rows < rows:
-        ws.delegate(x, trellis, suh, svh, codebook, k_bits, out_features, out, col)
+        for t, s, v, o, c in zip(trellis, suh, svh, out_features, cols, strict=True):
+            ws.delegate(x, t, s, v, codebook, k_bits, o, out, c)
         return
-    lib = load(ws.arch)
-    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
-    if rows > FUSED_ROWS and k > ws.xh.shape[1]:
-        raise LibraryError(f"trellis_mma: k {k} is wider than the workspace reserved for this GPU ({ws.xh.shape[1]})")
     x = x if x.stride(1) == 1 else x.contiguous()
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    size = x.element_size()
-    step = rows if rows <= FUSED_ROWS else XH_ROWS
-    for r0 in range(0, rows, step):
-        r = min(step, rows - r0)
-        code = lib.qp_trellis_mma(
-            x.data_ptr() + r0 * x.stride(0) * size, None if r <= FUSED_ROWS else ws.xh.data_ptr(),
-            trellis.data_ptr(), suh.data_ptr(), svh.data_ptr(), out.data_ptr() + r0 * out.stride(0) * size,
-            ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
-            r, width, x.stride(0), k, n, out.stride(0), col, out_features,
-            codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16), ws.target_ctas, stream,
-        )  # fmt: skip
-        check(code, f"rows {r}, k {k}, n {n}, K {k_bits:g}, codebook {codebook}")
+    if rows <= FUSED_ROWS:  # one launch for every shard
+        _launch(ws, x, trellis, suh, svh, codebook, k_bits, out_features, out, cols)
+        return
+    k = trellis[0].shape[0] * 16
+    if k > ws.xh.shape[1]:
+        raise LibraryError(f"trellis_mma: k {k} is wider than the workspace reserved for this GPU ({ws.xh.shape[1]})")
+    for r0 in range(0, rows, XH_ROWS):  # a launch per shard (the transformed input depends on its suh)
+        xr, outr = x[r0 : r0 + XH_ROWS], out[r0 : r0 + XH_ROWS]
+        for t, s, v, o, c in zip(trellis, suh, svh, out_features, cols, strict=True):
+            _launch(ws, xr, [t], [s], [v], codebook, k_bits, [o], outr, [c])
+
+
+def _launch(
+    ws: Workspace,
+    x: torch.Tensor,
+    trellis: list[torch.Tensor],
+    suh: list[torch.Tensor],
+    svh: list[torch.Tensor],
+    codebook: int,
+    k_bits: float,
+    out_features: list[int],
+    out: torch.Tensor,
+    cols: list[int],
+) -> None:
+    """One ``qp_trellis_mma`` launch: several shards at up to :data:`FUSED_ROWS` rows, or one shard at up to
+    :data:`XH_ROWS` rows (through the workspace's transformed input)."""
+    lib = load(ws.arch)
+    rows, width = x.shape
+    count = len(trellis)
+    k = trellis[0].shape[0] * 16
+    ns = [t.shape[1] * 16 for t in trellis]
+    ptrs = ctypes.c_void_p * count
+    ints = ctypes.c_int * count
+    code = lib.qp_trellis_mma(
+        x.data_ptr(), None if rows <= FUSED_ROWS else ws.xh.data_ptr(),
+        ptrs(*(t.data_ptr() for t in trellis)), ptrs(*(t.data_ptr() for t in suh)), ptrs(*(t.data_ptr() for t in svh)),
+        ints(*ns), ints(*cols), ints(*out_features), count,
+        out.data_ptr(), ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
+        rows, width, x.stride(0), k, out.stride(0),
+        codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16), ws.target_ctas,
+        torch.cuda.current_stream(x.device).cuda_stream,
+    )  # fmt: skip
+    check(code, f"rows {rows}, k {k}, n {ns}, K {k_bits:g}, codebook {codebook}")
 
 
 define_op(
     "trellis_mma_",
-    "(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook, float k_bits, int out_features, "
+    "(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, float k_bits, int[] out_features, "
     "Tensor(a!) out, int col) -> ()",
     {"CUDA": run_trellis_mma},
 )
+
+
+def trellis_mma_shards_(x: torch.Tensor, *args) -> None:
+    """Several EXL3 shards of one layer that share its input (q / k / v, gate / up; same K and codebook) through one
+    ``quantpack::trellis_mma_`` call: up to :data:`FUSED_ROWS` rows one launch runs them all.
+
+    Args:
+        x: ``(rows, in)`` float16 or bfloat16 activations.
+        args: ``trellis_0, suh_0, svh_0, trellis_1, ...`` (each as in :func:`trellis_mma_`), then ``codebook``,
+            ``k_bits``, ``out_features`` (a tuple, one per shard), ``out``, ``col``: shard ``i`` writes
+            ``out[:, col + sum(out_features[:i]):][:, :out_features[i]]``.
+
+    Raises:
+        quantpack_exl3.backends.trellis_mma.library.LibraryError: a launch failed (the message names the shape).
+    """
+    *tensors, codebook, k_bits, out_features, out, col = args
+    torch.ops.quantpack.trellis_mma_(
+        x, list(tensors[0::3]), list(tensors[1::3]), list(tensors[2::3]), codebook, k_bits, list(out_features), out, col
+    )
 
 
 def trellis_mma_(
@@ -192,7 +244,8 @@ def trellis_mma_(
     out: torch.Tensor,
     col: int,
 ) -> None:
-    """One EXL3 shard through the trellis_mma kernels: ``out[:, col:col + out_features] = (x @ W)[:, :out_features]``.
+    """One EXL3 shard through the trellis_mma kernels: ``out[:, col:col + out_features] = (x @ W)[:, :out_features]``
+    (the op with one shard; :func:`trellis_mma_shards_` runs several).
 
     Calls of more than :data:`delegate_rows` rows run exllamav3's kernels instead when they are importable (faster
     there on an H200); otherwise every row count runs here (more than 16 rows: 64-row chunks, the input transform in
@@ -213,4 +266,4 @@ def trellis_mma_(
 
     Source: docs/exl3-format.md ("The math"); ``csrc/trellis_mma.cu`` describes the kernels.
     """
-    torch.ops.quantpack.trellis_mma_(x, trellis, suh, svh, codebook, k_bits, out_features, out, col)
+    torch.ops.quantpack.trellis_mma_(x, [trellis], [suh], [svh], codebook, k_bits, [out_features], out, col)

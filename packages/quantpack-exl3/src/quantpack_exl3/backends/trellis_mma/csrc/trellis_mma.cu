@@ -1,7 +1,8 @@
 // EXL3 linear layer for few rows: the trellis is decoded in registers straight into tensor-core fragments.
 //
 // y = had128(had128(x * suh) @ What) * svh for one EXL3 shard (docs/exl3-format.md, "The math"), where What is stored
-// as 16x16 trellis tiles. One CTA owns 128 output columns (one Hadamard block, 8 tile columns, one per warp) and a
+// as 16x16 trellis tiles; up to 16 rows, one launch runs several shards that share the input (a layer's q / k / v or
+// gate / up, same K and codebook) from a table of shards, each CTA finding its shard from its column block. One CTA owns 128 output columns (one Hadamard block, 8 tile columns, one per warp) and a
 // slice of the reduction dimension k; every lane of a warp decodes 8 of the 256 weights of each tile, which land
 // exactly in its B fragment of two mma.m16n8k16 (the format's tensor-core placement, step 4), so the decoded weights
 // never touch memory and each tile is decoded once for up to 64 rows (MB fragments of 16 rows).
@@ -41,19 +42,32 @@ constexpr int GROUPS_IN_FLIGHT = 4;  // ring depth per warp, in groups
 constexpr int BLOCK_N = 128;  // output columns per CTA = one Hadamard block
 constexpr int F_STRIDE = BLOCK_N + 4;
 constexpr float HAD_SCALE = 0.08838834764831845f;  // 1 / sqrt(128)
+constexpr int MAX_SHARDS = 8;  // shards one launch runs
+constexpr int TAIL_ROWS = 128;  // at most splits x rows partial rows summed by the last CTA of a column block
+constexpr int PANEL_BATCH = 4;  // input blocks a warp loads before transforming them (memory-level parallelism)
 
 enum Codebook { CB_3INST = 0, CB_MCG = 1, CB_MUL1 = 2 };
 
-struct Params {
-    const void* x;           // (rows, x_width) activations, fp16 or bf16, row stride x_stride elements
-    const void* xh;          // (rows, k) fp16 had128(x * suh), row stride k (non-fused kernels only)
+// One shard of a launch: its tensors and where its columns go.
+struct Shard {
     const uint8_t* trellis;  // (k/16, n/16, tile bytes)
     const __half* suh;       // (k,)
     const __half* svh;       // (n,)
-    void* out;               // (rows, *) model dtype, row stride out_stride; columns col .. col + out_features
-    float* partials;         // split-K partial sums: (chunks, splits, mrows, n)
-    int* counters;           // (chunks, n / 128) arrival counters, zero between launches
-    int rows, x_width, x_stride, k, n, out_stride, col, out_features;
+    int n;                   // stored output features (a multiple of 128)
+    int col;                 // first output column it writes
+    int out_features;        // columns it writes (<= n)
+    int block0;              // its first column block in the launch's grid
+};
+
+struct Params {
+    const void* x;   // (rows, x_width) activations, fp16 or bf16, row stride x_stride elements
+    const void* xh;  // (rows, k) fp16 had128(x * suh), row stride k (non-fused kernels only, one shard)
+    void* out;       // (rows, *) model dtype, row stride out_stride
+    float* partials;  // split-K partial sums: (chunks, splits, mrows, n), n = the shards' stored columns in order
+    int* counters;    // (chunks, n / 128) arrival counters, zero between launches
+    Shard shard[MAX_SHARDS];
+    int shards;
+    int rows, x_width, x_stride, k, n, out_stride;
     int slice_tiles;  // k tiles per split (a multiple of 8)
     int splits;
     int mrows;  // rows per chunk in the partials (min(rows, 16 * MB))
@@ -257,13 +271,18 @@ __device__ __forceinline__ void store_act(void* p, size_t i, float v, int bf16) 
         static_cast<__half*>(p)[i] = __float2half_rn(v);
 }
 
-// had128(x * suh) / sqrt(128) of one row's 128-column block (lane holds 4 values), zero beyond x_width.
-__device__ __forceinline__ void input_block(const Params& p, int row, int kc, int lane, float (&v)[4]) {
+// x * suh of one row's 128-column block (lane holds 4 values), zero beyond x_width.
+__device__ __forceinline__ void input_load(const Params& p, const __half* suh, int row, int kc, int lane,
+                                           float (&v)[4]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int c = kc + lane * 4 + i;
-        v[i] = c < p.x_width ? load_act(p.x, (size_t)row * p.x_stride + c, p.bf16) * __half2float(p.suh[c]) : 0.0f;
+        v[i] = c < p.x_width ? load_act(p.x, (size_t)row * p.x_stride + c, p.bf16) * __half2float(suh[c]) : 0.0f;
     }
+}
+
+// had128 / sqrt(128) of a block input_load() read.
+__device__ __forceinline__ void input_transform(float (&v)[4], int lane) {
     fwht128(v, lane);
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] *= HAD_SCALE;
@@ -289,7 +308,25 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     const int nb = blockIdx.x, split = blockIdx.y, chunk = blockIdx.z;
     const int row0 = chunk * MROWS;
     const int rows = min(p.rows - row0, MROWS);
-    const int ntiles_n = p.n / 16;
+
+    // this CTA's shard: the last one whose first column block is at or before nb (unrolled selects, no local memory)
+    const uint8_t* trellis = p.shard[0].trellis;
+    const __half* suh = p.shard[0].suh;
+    const __half* svh = p.shard[0].svh;
+    int shard_n = p.shard[0].n, shard_col = p.shard[0].col, shard_out = p.shard[0].out_features, block0 = 0;
+#pragma unroll
+    for (int i = 1; i < MAX_SHARDS; ++i)
+        if (i < p.shards && nb >= p.shard[i].block0) {
+            trellis = p.shard[i].trellis;
+            suh = p.shard[i].suh;
+            svh = p.shard[i].svh;
+            shard_n = p.shard[i].n;
+            shard_col = p.shard[i].col;
+            shard_out = p.shard[i].out_features;
+            block0 = p.shard[i].block0;
+        }
+    const int lnb = nb - block0;  // column block within the shard
+    const int ntiles_n = shard_n / 16;
     const int kt0 = split * p.slice_tiles;
     const int ktiles = min(p.slice_tiles, p.k / 16 - kt0);
 
@@ -297,10 +334,10 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     constexpr int GROUP_WORDS = GROUP * T::WORDS;
     constexpr int PIECES = GROUP * T::CHUNKS;  // 16-byte pieces per group
     constexpr int PER_LANE = (PIECES + 31) / 32;
-    const int tn = nb * (BLOCK_N / 16) + warp;
+    const int tn = lnb * (BLOCK_N / 16) + warp;
     uint32_t* wring = ring + warp * GROUPS_IN_FLIGHT * GROUP_WORDS;
     const size_t tile_stride = (size_t)ntiles_n * T::BYTES;
-    const uint8_t* tiles = p.trellis + ((size_t)kt0 * ntiles_n + tn) * T::BYTES;
+    const uint8_t* tiles = trellis + ((size_t)kt0 * ntiles_n + tn) * T::BYTES;
     size_t src_off[PER_LANE];  // this lane's pieces: (tile in group, 16-byte piece) -> offset from the group's start
 #pragma unroll
     for (int r = 0; r < PER_LANE; ++r) {
@@ -339,14 +376,28 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
         __syncthreads();
         const int kc0 = (kt0 + p0) * 16;
         if constexpr (FUSED) {
-            const int blocks = ptiles / 8;
-            for (int item = warp; item < MROWS * blocks; item += WARPS) {
-                const int m = item / blocks, b = item % blocks;
-                float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                if (m < rows) input_block(p, row0 + m, kc0 + b * 128, lane, v);
-                __half2* dst = reinterpret_cast<__half2*>(A + m * A_STRIDE + b * 128 + lane * 4);
-                dst[0] = __floats2half2_rn(v[0], v[1]);
-                dst[1] = __floats2half2_rn(v[2], v[3]);
+            // rows x blocks items of 128 columns, PANEL_BATCH per warp loaded before any is transformed
+            const int blocks = ptiles / 8, items = MROWS * blocks;
+            for (int item0 = warp * PANEL_BATCH; item0 < items; item0 += WARPS * PANEL_BATCH) {
+                float v[PANEL_BATCH][4];
+#pragma unroll
+                for (int j = 0; j < PANEL_BATCH; ++j) {
+                    const int item = item0 + j, m = item / blocks;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) v[j][i] = 0.0f;
+                    if (item < items && m < rows) input_load(p, suh, row0 + m, kc0 + item % blocks * 128, lane, v[j]);
+                }
+#pragma unroll
+                for (int j = 0; j < PANEL_BATCH; ++j) {
+                    const int item = item0 + j;
+                    if (item < items) {  // warp-uniform
+                        input_transform(v[j], lane);
+                        __half2* dst = reinterpret_cast<__half2*>(A + item / blocks * A_STRIDE + item % blocks * 128 +
+                                                                  lane * 4);
+                        dst[0] = __floats2half2_rn(v[j][0], v[j][1]);
+                        dst[1] = __floats2half2_rn(v[j][2], v[j][3]);
+                    }
+                }
             }
         } else {
             const int pieces = ptiles * 2;  // 16-byte pieces per row
@@ -417,6 +468,7 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
         for (int e = threadIdx.x; e < rows * BLOCK_N; e += THREADS) {
             const size_t at = (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N;
             float s = 0.0f;
+#pragma unroll 8
             for (int sp = 0; sp < p.splits; ++sp) s += __ldcg(all + (size_t)sp * p.mrows * p.n + at);
             F[(e / BLOCK_N) * F_STRIDE + e % BLOCK_N] = s;
         }
@@ -432,15 +484,16 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
         fwht128(v, lane);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const int c = nb * BLOCK_N + lane * 4 + i;
-            if (c < p.out_features)
-                store_act(p.out, (size_t)(row0 + m) * p.out_stride + p.col + c,
-                          v[i] * HAD_SCALE * __half2float(p.svh[c]), p.bf16);
+            const int c = lnb * BLOCK_N + lane * 4 + i;
+            if (c < shard_out)
+                store_act(p.out, (size_t)(row0 + m) * p.out_stride + shard_col + c,
+                          v[i] * HAD_SCALE * __half2float(svh[c]), p.bf16);
         }
     }
 }
 
-// had128(x * suh) / sqrt(128) of every row into xh (fp16, row stride k): one warp per 128-column block.
+// had128(x * suh) / sqrt(128) of every row into xh (fp16, row stride k) for the launch's one shard: one warp per
+// 128-column block.
 __global__ void __launch_bounds__(THREADS) input_transform_kernel(const Params p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int blocks = p.k / 128;
@@ -448,7 +501,8 @@ __global__ void __launch_bounds__(THREADS) input_transform_kernel(const Params p
     if (item >= (long)p.rows * blocks) return;
     const int row = item / blocks, b = item % blocks;
     float v[4];
-    input_block(p, row, b * 128, lane, v);
+    input_load(p, p.shard[0].suh, row, b * 128, lane, v);
+    input_transform(v, lane);
     __half2* dst = reinterpret_cast<__half2*>(static_cast<__half*>(const_cast<void*>(p.xh)) + (size_t)row * p.k +
                                               b * 128 + lane * 4);
     dst[0] = __floats2half2_rn(v[0], v[1]);
@@ -525,7 +579,9 @@ int dispatch(const Params& p, int codebook, int k2, dim3 grid, cudaStream_t s) {
 
 }  // namespace qp
 
-// Plan of one call: how many CTAs split k, given the column blocks and row chunks (qp_trellis_mma's rules).
+// Plan of one call: how many CTAs split k, given the column blocks (n: all shards' stored columns) and row chunks.
+// Enough splits for about target_ctas CTAs, whole 128-column blocks per split, at most TAIL_ROWS partial rows summed
+// by a column block's last CTA (splits x rows), and the partials and counters within the workspace.
 QP_API int qp_trellis_mma_splits(int rows, int k, int n, int target_ctas, long long partial_floats,
                                  long long counters) {
     const int mb_rows = rows <= 16 ? 16 : 64;
@@ -536,6 +592,7 @@ QP_API int qp_trellis_mma_splits(int rows, int k, int n, int target_ctas, long l
     int splits = (int)((target_ctas + ctas - 1) / ctas);
     const int max_splits = ktiles / 8;
     if (splits > max_splits) splits = max_splits;
+    if (splits > qp::TAIL_ROWS / mrows) splits = qp::TAIL_ROWS / mrows;
     if (splits < 1) splits = 1;
     // equal slices of whole 128-column blocks, then no more splits than slices
     int slice = (ktiles / 8 + splits - 1) / splits * 8;
@@ -548,46 +605,55 @@ QP_API int qp_trellis_mma_splits(int rows, int k, int n, int target_ctas, long l
     return splits;
 }
 
-// One EXL3 shard: out[:, col:col + out_features] = (x @ W)[:, :out_features]. Returns 0, a CUDA error code, or
-// -1 (bad geometry), -2 (no kernel for this K), -3 (bad codebook), -4 (workspace too small).
-QP_API int qp_trellis_mma(const void* x, void* xh, const void* trellis, const void* suh, const void* svh, void* out,
-                          float* partials, long long partial_floats, int* counters, long long counters_len, int rows,
-                          int x_width, int x_stride, int k, int n, int out_stride, int col, int out_features,
-                          int codebook, int k2, int bf16, int target_ctas, void* stream) {
+// `shards` EXL3 shards sharing the input x, in one launch: out[:, col[i]:col[i] + out_features[i]] = (x @ W_i)[:,
+// :out_features[i]]. trellis / suh / svh / n / col / out_features are host arrays of `shards` entries (device
+// pointers in the first three). More than one shard needs rows <= 16. Returns 0, a CUDA error code, or -1 (bad
+// geometry), -2 (no kernel for this K), -3 (bad codebook), -4 (workspace too small), -5 (several shards above 16 rows
+// or more than MAX_SHARDS).
+QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, const void* const* suh,
+                          const void* const* svh, const int* n, const int* col, const int* out_features, int shards,
+                          void* out, float* partials, long long partial_floats, int* counters, long long counters_len,
+                          int rows, int x_width, int x_stride, int k, int out_stride, int codebook, int k2, int bf16,
+                          int target_ctas, void* stream) {
     if (rows <= 0) return 0;
-    if (k % 128 || n % 128 || k <= 0 || n <= 0 || x_width > k || out_features > n) return -1;
-    const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int fused = rows <= 16;
+    if (shards < 1 || shards > qp::MAX_SHARDS || (shards > 1 && !fused)) return -5;
+    if (k % 128 || k <= 0 || x_width > k) return -1;
+    qp::Params p{};
+    int n_total = 0;
+    for (int i = 0; i < shards; ++i) {
+        if (n[i] % 128 || n[i] <= 0 || out_features[i] > n[i]) return -1;
+        p.shard[i] = qp::Shard{static_cast<const uint8_t*>(trellis[i]), static_cast<const __half*>(suh[i]),
+                               static_cast<const __half*>(svh[i]), n[i], col[i], out_features[i],
+                               n_total / qp::BLOCK_N};
+        n_total += n[i];
+    }
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int mb_rows = fused ? 16 : 64;
-    const int splits = qp_trellis_mma_splits(rows, k, n, target_ctas, partial_floats, counters_len);
+    const int splits = qp_trellis_mma_splits(rows, k, n_total, target_ctas, partial_floats, counters_len);
     const int ktiles = k / 16;
     const int slice = (ktiles / 8 + splits - 1) / splits * 8;
-    qp::Params p{};
     p.x = x;
     p.xh = xh;
-    p.trellis = static_cast<const uint8_t*>(trellis);
-    p.suh = static_cast<const __half*>(suh);
-    p.svh = static_cast<const __half*>(svh);
     p.out = out;
     p.partials = partials;
     p.counters = counters;
+    p.shards = shards;
     p.rows = rows;
     p.x_width = x_width;
     p.x_stride = x_stride;
     p.k = k;
-    p.n = n;
+    p.n = n_total;
     p.out_stride = out_stride;
-    p.col = col;
-    p.out_features = out_features;
     p.slice_tiles = slice;
     p.splits = splits;
     p.mrows = rows < mb_rows ? rows : mb_rows;
     p.bf16 = bf16;
     const int chunks = (rows + mb_rows - 1) / mb_rows;
-    if (splits > 1 && ((long long)chunks * splits * p.mrows * n > partial_floats ||
-                       (long long)chunks * (n / qp::BLOCK_N) > counters_len))
+    if (splits > 1 && ((long long)chunks * splits * p.mrows * n_total > partial_floats ||
+                       (long long)chunks * (n_total / qp::BLOCK_N) > counters_len))
         return -4;
-    const dim3 grid(n / qp::BLOCK_N, splits, chunks);
+    const dim3 grid(n_total / qp::BLOCK_N, splits, chunks);
     if (fused) return qp::dispatch<1, true>(p, codebook, k2, grid, s);
     if (xh == nullptr) return -4;
     const long items = (long)rows * (k / 128);
