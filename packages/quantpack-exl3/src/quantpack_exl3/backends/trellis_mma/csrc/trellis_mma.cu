@@ -43,8 +43,8 @@ constexpr int BLOCK_N = 128;  // output columns per CTA = one Hadamard block
 constexpr int F_STRIDE = BLOCK_N + 4;
 constexpr float HAD_SCALE = 0.08838834764831845f;  // 1 / sqrt(128)
 constexpr int MAX_SHARDS = 8;  // shards one launch runs
-constexpr int TAIL_ROWS = 128;  // at most splits x rows partial rows summed by the last CTA of a column block
-constexpr int PANEL_BATCH = 4;  // input blocks a warp loads before transforming them (memory-level parallelism)
+constexpr int TAIL_ROWS = 128;  // up to 16 rows: at most splits x rows partial rows summed by a block's last CTA
+constexpr int PANEL_BATCH = 2;  // input blocks a warp loads before transforming them (memory-level parallelism)
 
 enum Codebook { CB_3INST = 0, CB_MCG = 1, CB_MUL1 = 2 };
 
@@ -288,6 +288,16 @@ __device__ __forceinline__ void input_transform(float (&v)[4], int lane) {
     for (int i = 0; i < 4; ++i) v[i] *= HAD_SCALE;
 }
 
+// A field of shard i of the launch's table, by unrolled selects (no local-memory copy of the table).
+template <class V>
+__device__ __forceinline__ V field(const Params& p, int i, V Shard::*member) {
+    V v = p.shard[0].*member;
+#pragma unroll
+    for (int j = 1; j < MAX_SHARDS; ++j)
+        if (j == i) v = p.shard[j].*member;
+    return v;
+}
+
 template <int CB, int KA, bool HALFK, int MB, bool FUSED>
 __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     using T = Tile<KA, HALFK>;
@@ -309,24 +319,14 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     const int row0 = chunk * MROWS;
     const int rows = min(p.rows - row0, MROWS);
 
-    // this CTA's shard: the last one whose first column block is at or before nb (unrolled selects, no local memory)
-    const uint8_t* trellis = p.shard[0].trellis;
-    const __half* suh = p.shard[0].suh;
-    const __half* svh = p.shard[0].svh;
-    int shard_n = p.shard[0].n, shard_col = p.shard[0].col, shard_out = p.shard[0].out_features, block0 = 0;
+    // this CTA's shard: only its index stays live, its fields are read where they are used (fewer registers)
+    int si = 0;
 #pragma unroll
     for (int i = 1; i < MAX_SHARDS; ++i)
-        if (i < p.shards && nb >= p.shard[i].block0) {
-            trellis = p.shard[i].trellis;
-            suh = p.shard[i].suh;
-            svh = p.shard[i].svh;
-            shard_n = p.shard[i].n;
-            shard_col = p.shard[i].col;
-            shard_out = p.shard[i].out_features;
-            block0 = p.shard[i].block0;
-        }
-    const int lnb = nb - block0;  // column block within the shard
-    const int ntiles_n = shard_n / 16;
+        if (i < p.shards && nb >= p.shard[i].block0) si = i;
+    const int lnb = nb - field(p, si, &Shard::block0);  // column block within the shard
+    const int ntiles_n = field(p, si, &Shard::n) / 16;
+    const uint8_t* trellis = field(p, si, &Shard::trellis);
     const int kt0 = split * p.slice_tiles;
     const int ktiles = min(p.slice_tiles, p.k / 16 - kt0);
 
@@ -385,13 +385,14 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
                     const int item = item0 + j, m = item / blocks;
 #pragma unroll
                     for (int i = 0; i < 4; ++i) v[j][i] = 0.0f;
-                    if (item < items && m < rows) input_load(p, suh, row0 + m, kc0 + item % blocks * 128, lane, v[j]);
+                    if (item < items && m < rows)
+                        input_load(p, field(p, si, &Shard::suh), row0 + m, kc0 + item % blocks * 128, lane, v[j]);
                 }
 #pragma unroll
                 for (int j = 0; j < PANEL_BATCH; ++j) {
                     const int item = item0 + j;
                     if (item < items) {  // warp-uniform
-                        input_transform(v[j], lane);
+                        if (item / blocks < rows) input_transform(v[j], lane);  // padding rows stay zero
                         __half2* dst = reinterpret_cast<__half2*>(A + item / blocks * A_STRIDE + item % blocks * 128 +
                                                                   lane * 4);
                         dst[0] = __floats2half2_rn(v[j][0], v[j][1]);
@@ -477,6 +478,8 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     }
 
     // 4. output Hadamard transform, svh, the shard's columns of the output
+    const __half* svh = field(p, si, &Shard::svh);
+    const int shard_col = field(p, si, &Shard::col), shard_out = field(p, si, &Shard::out_features);
     for (int m = warp; m < rows; m += WARPS) {
         float v[4];
 #pragma unroll
@@ -580,8 +583,8 @@ int dispatch(const Params& p, int codebook, int k2, dim3 grid, cudaStream_t s) {
 }  // namespace qp
 
 // Plan of one call: how many CTAs split k, given the column blocks (n: all shards' stored columns) and row chunks.
-// Enough splits for about target_ctas CTAs, whole 128-column blocks per split, at most TAIL_ROWS partial rows summed
-// by a column block's last CTA (splits x rows), and the partials and counters within the workspace.
+// Enough splits for about target_ctas CTAs, whole 128-column blocks per split, up to 16 rows at most TAIL_ROWS partial
+// rows summed by a column block's last CTA (splits x rows), and the partials and counters within the workspace.
 QP_API int qp_trellis_mma_splits(int rows, int k, int n, int target_ctas, long long partial_floats,
                                  long long counters) {
     const int mb_rows = rows <= 16 ? 16 : 64;
@@ -592,7 +595,7 @@ QP_API int qp_trellis_mma_splits(int rows, int k, int n, int target_ctas, long l
     int splits = (int)((target_ctas + ctas - 1) / ctas);
     const int max_splits = ktiles / 8;
     if (splits > max_splits) splits = max_splits;
-    if (splits > qp::TAIL_ROWS / mrows) splits = qp::TAIL_ROWS / mrows;
+    if (rows <= 16 && splits > qp::TAIL_ROWS / mrows) splits = qp::TAIL_ROWS / mrows;
     if (splits < 1) splits = 1;
     // equal slices of whole 128-column blocks, then no more splits than slices
     int slice = (ktiles / 8 + splits - 1) / splits * 8;
