@@ -118,7 +118,8 @@ def delegated_above(device: torch.device) -> int | None:
 
 
 def _exllamav3_gemm():
-    """exllamav3's shard GEMM (same arguments as this op), or None when its extension does not import."""
+    """exllamav3's shard GEMM (the arguments of :func:`trellis_mma_`, one shard), or None when its extension does not
+    import."""
     try:
         from ..exllamav3.extension import load_extension
         from ..exllamav3.gemm import run_exl3_gemm
