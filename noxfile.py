@@ -36,7 +36,12 @@ OVERRIDES = [
 ]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
 PYTEST = ["pytest", "-ra", "-p", "no:cacheprovider"]
-ALL_TESTS = ["packages/quantpack-core/tests", "packages/quantpack-exl3/tests", "packages/quantpack-families/tests"]
+ALL_TESTS = [
+    "packages/quantpack-core/tests",
+    "packages/quantpack-exl3/tests",
+    "packages/quantpack-escha-rocm/tests",
+    "packages/quantpack-families/tests",
+]
 
 
 def uv_env(session: nox.Session) -> dict[str, str]:
@@ -102,6 +107,8 @@ def tests_matrix(session: nox.Session, vllm: str) -> None:
             "packages/quantpack-core",
             "-e",
             "packages/quantpack-exl3",
+            "-e",
+            "packages/quantpack-escha-rocm",
             "-e",
             "packages/quantpack-families",
             *TEST_TOOLS,

@@ -41,7 +41,7 @@ STDLIB_FILES = [
     "calendar.py",
     "statistics.py",
 ]
-RUNNER = Path(__file__).with_name("vllm_e2e.py")
+RUNNER = Path(__file__).resolve().parents[3] / "tests" / "vllm_e2e.py"  # shared by every package's e2e tests
 
 
 def stdlib_tokens(tokenizer_json: Path, rows: int = 8, length: int = 256) -> list[list[int]]:

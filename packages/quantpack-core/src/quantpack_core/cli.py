@@ -69,5 +69,22 @@ def embed_int8(pack: Path, out: Path | None, in_place: bool) -> None:
     )
 
 
+def _add_plugin_commands() -> None:
+    """Commands other quantpack packages add to this CLI (entry-point group ``quantpack.commands``: name ->
+    a click command), e.g. quantpack-escha-rocm's ``escha-from-exl3``. A command whose package fails to import is
+    left out with a note on stderr."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="quantpack.commands"):
+        if ep.name in main.commands:
+            continue
+        try:
+            main.add_command(ep.load(), ep.name)
+        except Exception as e:  # a broken plugin must not break the core commands
+            click.echo(f"note: command {ep.name!r} from {ep.value} is unavailable: {e}", err=True)
+
+
+_add_plugin_commands()
+
 if __name__ == "__main__":
     main()

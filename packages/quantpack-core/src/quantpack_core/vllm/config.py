@@ -130,6 +130,8 @@ class QuantpackConfig(QuantizationConfig):
         format: its :class:`~quantpack_core.format.LinearFormat` (or ``ExpertFormat``).
         linear_method, moe_method: its method classes (subclasses of :class:`~.linear.QuantLinearMethod` /
             :class:`~.moe.QuantMoEMethod` bound to the format).
+        embedding_method: the method of int8-row (or unknown) embeddings and int8-row heads
+            (:class:`~.embedding.Int8RowsEmbeddingMethod` or a subclass naming the format's int8 tensors).
         LINEAR_KERNELS, EXPERT_KERNELS: platform kind -> kernels in priority order (fastest first).
         BACKEND_ENV: the environment variable that forces one kernel by name.
         UNAVAILABLE_HINT: what to tell a user whose platform has no usable kernel.
@@ -155,6 +157,7 @@ class QuantpackConfig(QuantizationConfig):
     format: ClassVar[LinearFormat]
     linear_method: ClassVar[type]
     moe_method: ClassVar[type | None] = None
+    embedding_method: ClassVar[type] = Int8RowsEmbeddingMethod
     LINEAR_KERNELS: ClassVar[Mapping[str, Sequence[type[LinearKernel]]]]
     EXPERT_KERNELS: ClassVar[Mapping[str, Sequence[type[ExpertKernel]]]] = {}
     BACKEND_ENV: ClassVar[str]
@@ -337,11 +340,11 @@ class QuantpackConfig(QuantizationConfig):
             if route == DENSE:
                 return UnquantizedEmbeddingMethod()
             if route == INT8_ROWS:
-                return Int8RowsEmbeddingMethod(prefix)
+                return self.embedding_method(prefix)
             return self.linear_method(self, prefix, is_lm_head=True)
         if isinstance(layer, VocabParallelEmbedding):
             # a dense table known from the manifest goes to vLLM's own method; int8 rows, or an unknown table, here
-            return None if route == DENSE else Int8RowsEmbeddingMethod(prefix)
+            return None if route == DENSE else self.embedding_method(prefix)
         if isinstance(layer, LinearBase):
             if route == DENSE:
                 return UnquantizedLinearMethod()

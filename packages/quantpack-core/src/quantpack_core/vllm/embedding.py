@@ -24,7 +24,6 @@ from quantpack_core.errors import LayerLoadError
 from .params import ShardParam
 
 ROWS, SCALES, DENSE = "qweight", "scales", "weight"
-PLACEHOLDERS: dict[str, torch.dtype | None] = {ROWS: torch.int8, SCALES: torch.float32, DENSE: None}
 
 
 @dataclass
@@ -51,12 +50,27 @@ class EmbeddingState:
 class Int8RowsEmbeddingMethod(QuantizeMethodBase):
     """int8 rows with a per-row scale, or a dense table, whichever the pack carries.
 
+    A format whose packs name the int8 tensors differently subclasses it with its own :attr:`rows_suffix` /
+    :attr:`scales_suffix` (escha: ``weight_int8`` / ``weight_scale``); the layer's parameters after loading are
+    ``qweight`` / ``scales`` either way.
+
     Args:
         prefix: the vLLM module name, for messages.
     """
 
+    #: the checkpoint suffixes of the int8 rows and of their per-row scales
+    rows_suffix: str = ROWS
+    scales_suffix: str = SCALES
+    #: how to rebuild an incomplete int8 table, for messages
+    rebuild_hint: str = "re-run `quantpack embed-int8` on the original pack"
+
     def __init__(self, prefix: str = ""):
         self.prefix = prefix
+
+    @property
+    def placeholders(self) -> dict[str, torch.dtype | None]:
+        """Checkpoint suffix -> placeholder dtype (None: the model dtype): int8 rows, their scales, a dense table."""
+        return {self.rows_suffix: torch.int8, self.scales_suffix: torch.float32, DENSE: None}
 
     def create_weights(
         self,
@@ -72,7 +86,7 @@ class Int8RowsEmbeddingMethod(QuantizeMethodBase):
         ``extra_weight_attrs`` is not applied: the whole table is captured and, under tensor parallelism, this rank
         keeps its vocabulary rows (``layer.shard_indices``' ``org_vocab_start_index`` to ``org_vocab_end_index``)
         at the top of its partition, the rest zero, as vLLM lays out a dense partition."""
-        for suffix, dtype in PLACEHOLDERS.items():
+        for suffix, dtype in self.placeholders.items():
             layer.register_parameter(suffix, ShardParam(suffix, dtype or params_dtype, self.prefix))
         si = getattr(layer, "shard_indices", None)
         tp_size = int(getattr(layer, "tp_size", 1) or 1)
@@ -91,24 +105,25 @@ class Int8RowsEmbeddingMethod(QuantizeMethodBase):
                 dtypes, or a table wider or longer than the layer.
         """
         state: EmbeddingState = layer.quant_state
-        got = {s: getattr(layer, s).shards.get(0) for s in PLACEHOLDERS}
-        device = getattr(layer, ROWS).device
-        for suffix in PLACEHOLDERS:
+        rows_name, scales_name = self.rows_suffix, self.scales_suffix
+        got = {s: getattr(layer, s).shards.get(0) for s in self.placeholders}
+        device = getattr(layer, rows_name).device
+        for suffix in self.placeholders:
             getattr(layer, suffix).release()
             delattr(layer, suffix)
-        q, s, w = got[ROWS], got[SCALES], got[DENSE]
+        q, s, w = got[rows_name], got[scales_name], got[DENSE]
         if state.vocab_rows is not None:  # this rank's vocabulary rows of the whole table
             a, b = state.vocab_rows
             q, s, w = (None if t is None else self._rank_rows(t, a, b) for t in (q, s, w))
         if (q is None) != (s is None):
-            have, missing = (ROWS, SCALES) if s is None else (SCALES, ROWS)
+            have, missing = (rows_name, scales_name) if s is None else (scales_name, rows_name)
             raise LayerLoadError(
-                f"{self.prefix}: the pack has .{have} but no .{missing}; the int8 table is "
-                "incomplete - re-run `quantpack embed-int8` on the original pack"
+                f"{self.prefix}: the pack has .{have} but no .{missing}; the int8 table is incomplete - "
+                f"{self.rebuild_hint}"
             )
         if q is not None and w is not None:
             raise LayerLoadError(
-                f"{self.prefix}: the pack stores both int8 rows (.qweight) and a dense .weight; keep one of them"
+                f"{self.prefix}: the pack stores both int8 rows (.{rows_name}) and a dense .weight; keep one of them"
             )
         if q is not None:
             if q.dtype != torch.int8 or q.dim() != 2 or s.shape != (q.shape[0],):
@@ -116,7 +131,7 @@ class Int8RowsEmbeddingMethod(QuantizeMethodBase):
                     f"{self.prefix}: int8 rows must be int8 (rows, width) with (rows,) scales, got "
                     f"{q.dtype} {list(q.shape)} and {s.dtype} {list(s.shape)}"
                 )
-            q = self._fit(q, ROWS, state.rows, state.width)
+            q = self._fit(q, rows_name, state.rows, state.width)
             scales = torch.ones(state.rows, dtype=torch.float32)
             scales[: s.shape[0]] = s.float()
             layer.register_parameter(ROWS, torch.nn.Parameter(q.to(device), requires_grad=False))

@@ -1,0 +1,1 @@
+"""The escha kernel backends, one folder each (docs/kernels.md, "Adding a kernel")."""

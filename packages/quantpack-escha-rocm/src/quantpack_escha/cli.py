@@ -1,0 +1,32 @@
+"""``quantpack escha-from-exl3``: the converter's command, added to quantpack-core's ``quantpack`` CLI through the
+``quantpack.commands`` entry point."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command("escha-from-exl3")
+@click.argument("pack", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory for the escha pack (new).")
+@click.option("--biases", is_flag=True, help="Write a random nonzero bias per coded module (escha never applies it).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the scale split and the biases.")
+def escha_from_exl3(pack: Path, out: Path, biases: bool, seed: int) -> None:
+    """Rewrite an mcg-coded EXL3 PACK as an escha pack in OUT (docs/escha-format.md)."""
+    from quantpack_core.errors import QuantpackError
+
+    from .convert import escha_from_exl3 as convert
+
+    try:
+        r = convert(pack, out, seed=seed, biases=biases)
+    except (QuantpackError, OSError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    ks = sorted(set(r.coded.values()))
+    click.echo(
+        f"{len(r.coded)} coded modules (K {', '.join(map(str, ks))}), int8 tables {', '.join(r.int8_tables)}"
+        f"{', random biases' if r.biases else ''}; written to {r.out_dir}"
+    )

@@ -1,0 +1,160 @@
+"""``quantpack escha-from-exl3``: an EXL3 pack coded with the mcg codebook, rewritten as an escha pack.
+
+escha's codes are EXL3 trellis tiles decoded with mcg (docs/escha-format.md), so each EXL3 module becomes an escha
+module with the same code: ``escha_code = trellis``, and the EXL3 scales (applied around normalized transforms)
+split into escha's four (applied around unnormalized ones): ``s_in * rin = suh / sqrt(128)`` and
+``rout * s_out = svh / sqrt(128)``, with ``s_in`` / ``s_out`` drawn at random in [0.5, 2] so that a reader who
+swaps the pre- and post-scales, or drops one, gets a different layer. ``embed_tokens`` and ``lm_head`` (an EXL3 head
+is decoded first) are stored as int8 rows ``weight_int8`` with a float16 per-row ``weight_scale``, as escha packs
+store them. ``layer_meta`` lists every coded module with its K; optionally each coded module gets a random nonzero
+``bias`` (which escha never applies) and the config switches the model's biases on so that they are loaded.
+
+The source pack is only read; the output directory must be new or empty.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from quantpack_core.codec import HAD_BLOCK, Codebook, dequantize
+from quantpack_core.embedding import quantize_rows
+from quantpack_core.errors import QuantpackError
+from quantpack_core.names import normalize_prefix
+from quantpack_core.pack import INDEX_FILE, MANIFEST_FILE, Pack
+
+from .codec import CODE
+
+#: files of the source pack not copied (rewritten, or describing the EXL3 layout)
+REWRITTEN = {INDEX_FILE, MANIFEST_FILE, "config.json"}
+INT8_TABLES = ("embed_tokens", "lm_head")
+
+
+class ConversionError(QuantpackError):
+    """The source pack cannot become an escha pack (the message names the module and why)."""
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    """What :func:`escha_from_exl3` wrote.
+
+    Attributes:
+        out_dir: the escha pack.
+        coded: coded modules (checkpoint names) -> K.
+        int8_tables: modules stored as int8 rows.
+        biases: whether random biases were written.
+    """
+
+    out_dir: Path
+    coded: dict[str, int]
+    int8_tables: tuple[str, ...]
+    biases: bool
+
+
+def split_scale(total: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``total`` (float32) as ``(r, s)`` float16 with ``r * s ~= total``: ``s`` random in [0.5, 2], ``r`` the rest."""
+    s = torch.exp2(torch.rand(total.shape, generator=g) * 2 - 1).half()
+    r = (total / s.float()).half()
+    return r, s
+
+
+def escha_from_exl3(src: str | Path, out: str | Path, *, seed: int = 0, biases: bool = False) -> ConversionReport:
+    """Write the escha pack of an mcg-coded EXL3 pack (see the module).
+
+    Args:
+        src: the EXL3 pack (validated first; only read).
+        out: the new escha pack's directory (created; must not exist or be empty).
+        seed: seed of the scale split and the biases.
+        biases: write a random nonzero ``bias`` for every coded module and set the config's ``attention_bias`` /
+            ``mlp_bias``.
+
+    Returns:
+        a :class:`ConversionReport`.
+
+    Raises:
+        PackError: an unsound source pack.
+        ConversionError: a module coded with another codebook than mcg, or a pack without a token embedding.
+        FileExistsError: ``out`` exists and is not empty.
+    """
+    src, dst = Path(src), Path(out)
+    pack = Pack.open(src)
+    other = {k: m.codebook for k, m in pack.modules.items() if m.format == "exl3" and m.codebook != Codebook.MCG}
+    if other:
+        k, cb = next(iter(other.items()))
+        raise ConversionError(
+            f"{k}: coded with the {cb.value} codebook ({len(other)} modules are not mcg); escha decodes mcg codes only "
+            "- quantize the model with exllamav3's --codebook mcg and convert that pack"
+        )
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} exists and is not empty; the converter never overwrites")
+    dst.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    coded: dict[str, int] = {}
+    meta: dict[str, dict] = {}
+    tables: list[str] = []
+    for key, m in pack.modules.items():
+        leaf = normalize_prefix(key).rsplit(".", 1)[-1]
+        if leaf in INT8_TABLES:
+            if m.format == "exl3":
+                t = pack.exl3_tensors(key)
+                w = dequantize(t, torch.float32).T  # (out, in), padded
+                text = pack.config.get("text_config") or pack.config
+                vocab = int(text.get("vocab_size", w.shape[0])) if leaf == "lm_head" else w.shape[0]
+                hidden = int(text.get("hidden_size", w.shape[1]))
+                w = w[:vocab, :hidden]
+            elif "weight" in m.tensors:
+                w = pack.get_tensor(m.tensors["weight"].name)
+            else:
+                raise ConversionError(f"{key}: neither an EXL3 nor a dense table; cannot store it as int8 rows")
+            q, s = quantize_rows(w)
+            tensors[f"{key}.weight_int8"], tensors[f"{key}.weight_scale"] = q, s.half()
+            tables.append(key)
+            continue
+        if m.format != "exl3":
+            for info in m.tensors.values():
+                tensors[info.name] = pack.get_tensor(info.name)
+            continue
+        t = pack.exl3_tensors(key)
+        k_in, n_out = t.padded_shape
+        k_bits = int(t.k_bits)
+        rin, s_in = split_scale(t.suh.float() / math.sqrt(HAD_BLOCK), g)
+        rout, s_out = split_scale(t.svh.float() / math.sqrt(HAD_BLOCK), g)
+        tensors.update(
+            {
+                f"{key}.{CODE}": t.trellis.contiguous(),
+                f"{key}.escha_rin": rin,
+                f"{key}.escha_s_in": s_in,
+                f"{key}.escha_rout": rout,
+                f"{key}.escha_s_out": s_out,
+                f"{key}.escha_config": torch.tensor([16, k_bits, 2, 1, k_in, n_out], dtype=torch.int32),
+            }
+        )
+        logical = m.logical_shape[1] if m.logical_shape and m.logical_shape[1] else n_out
+        if t.bias is not None:  # carried as the source stores it (escha never applies it)
+            tensors[f"{key}.bias"] = t.bias
+        elif biases:
+            tensors[f"{key}.bias"] = (torch.randn(logical, generator=g) * 0.5).half()
+        coded[key] = k_bits
+        meta[key] = {"K": k_bits, "bits": k_bits, "in_features": k_in, "out_features": n_out}
+    if not tables:
+        raise ConversionError(f"{src}: no embed_tokens table found; an escha pack stores it as int8 rows")
+    pack.close()
+
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in REWRITTEN:
+            shutil.copy2(f, dst / f.name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), {"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    bits = sum(coded.values()) / max(len(coded), 1)
+    config["quantization_config"] = {"quant_method": "escha", "bits": bits, "layer_meta": meta}
+    if biases:
+        config["attention_bias"] = config["mlp_bias"] = True
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return ConversionReport(dst, coded, tuple(tables), biases)

@@ -1,0 +1,82 @@
+"""The escha format, as the format-free machinery (:mod:`quantpack_core.vllm`) sees it.
+
+An escha shard is ``escha_code`` (EXL3 trellis tiles, mcg codebook) with its four scale vectors
+(:class:`~quantpack_escha.codec.EschaTensors`); its geometry rule and tensor-parallel cuts are those of EXL3: stored
+sizes are the logical ones rounded up to whole 128-feature Hadamard blocks, and a rank keeps whole blocks (a row
+cut: code rows, ``rin`` and ``s_in``; a column cut: each output partition's code columns, ``rout`` and ``s_out``).
+
+Source: docs/escha-format.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+import torch
+
+from quantpack_core.codec import HAD_BLOCK
+from quantpack_core.kernels import LinearSpec, Platform
+from quantpack_core.tp import TpCut, padded
+
+from .codec import CODE, CODEBOOK, EschaTensors, cut_tensors
+
+
+class EschaFormat:
+    """escha linear shards (implements :class:`quantpack_core.format.LinearFormat`)."""
+
+    name: ClassVar[str] = "escha"
+    label: ClassVar[str] = "escha"
+    suffixes: ClassVar[Mapping[str, torch.dtype]] = {
+        CODE: torch.int16,
+        "escha_rin": torch.float16,
+        "escha_s_in": torch.float16,
+        "escha_rout": torch.float16,
+        "escha_s_out": torch.float16,
+        "escha_config": torch.int32,  # geometry record of the writer; informational
+    }
+    main_suffix: ClassVar[str] = CODE
+    block: ClassVar[int] = HAD_BLOCK
+
+    def parse(self, tensors: Mapping[str, torch.Tensor]) -> EschaTensors:
+        """The shard's :class:`~quantpack_escha.codec.EschaTensors`.
+
+        Raises:
+            CodecError: a missing tensor, a code of an illegal width, or scales that do not fit it.
+        """
+        return EschaTensors.from_tensors(dict(tensors))
+
+    def stored_shape(self, shard: EschaTensors) -> tuple[int, int]:
+        """``(k, n)``: stored input and output features."""
+        return shard.stored_shape
+
+    def geometry_error(self, shard: EschaTensors, in_features: int, out_features: int, is_lm_head: bool) -> str | None:
+        """Stored sizes must be the logical ones rounded up to 128 (a head's rows may exceed its vocabulary by less
+        than one block)."""
+        k, n = shard.stored_shape
+        want_k, want_n = padded(in_features), padded(out_features)
+        ok_n = n == want_n or (is_lm_head and n >= out_features and n - out_features < HAD_BLOCK)
+        if k == want_k and ok_n:
+            return None
+        return (
+            f"codes a {k}x{n} (in x out) matrix, the model's layer needs {in_features}x{out_features} (stored as "
+            f"{want_k}x{want_n} after padding to {HAD_BLOCK})"
+        )
+
+    def cut(self, shard: EschaTensors, cut: TpCut) -> EschaTensors:
+        """The whole 128-feature blocks of the rank's spans (:func:`quantpack_escha.codec.cut_tensors`)."""
+        return cut_tensors(shard, cut)
+
+    def spec(
+        self, shard: EschaTensors, platform: Platform, in_f: int, out_f: int, dtype: torch.dtype, tp: str
+    ) -> LinearSpec:
+        """K, codebook (always mcg) and stored shape of the rank's shard, for the kernel choice."""
+        k, n = shard.stored_shape
+        return LinearSpec(platform, self.name, float(shard.k_bits), CODEBOOK.value, k, n, in_f, out_f, dtype, tp)
+
+    def release(self, shard: EschaTensors) -> None:
+        """Nothing to drop beyond the captured tensors."""
+
+
+#: the one instance the methods and kernels use
+ESCHA = EschaFormat()

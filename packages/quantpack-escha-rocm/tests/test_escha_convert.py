@@ -1,0 +1,94 @@
+"""``quantpack escha-from-exl3``: the mcg llama-tiny fixture becomes an escha pack whose every coded module computes
+what the EXL3 module did, with int8 tables, ``layer_meta`` and optional biases; other codebooks, a non-empty output
+and a source pack are never touched or overwritten."""
+
+import hashlib
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from quantpack_core import Pack
+from quantpack_core.codec import reference_linear as exl3_linear
+from quantpack_escha.codec import EschaTensors, reference_linear
+from quantpack_escha.convert import ConversionError, escha_from_exl3
+
+SOURCE = "llama-tiny-exl3-4.0bpw-mcg"
+
+
+def digest(folder):
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir()) if f.is_file()}
+
+
+def tensors(folder):
+    with safe_open(str(folder / "model.safetensors"), "pt") as st:
+        return {k: st.get_tensor(k) for k in st.keys()}
+
+
+@pytest.fixture(scope="module")
+def converted(fixtures_dir, tmp_path_factory):
+    src = fixtures_dir / SOURCE
+    before = digest(src)
+    out = tmp_path_factory.mktemp("escha") / "pack"
+    report = escha_from_exl3(src, out, biases=True)
+    assert digest(src) == before, "the source pack was modified"
+    return src, out, report
+
+
+def test_every_coded_module_computes_the_exl3_module(converted):
+    src, out, report = converted
+    pack = Pack.open(src)
+    got = tensors(out)
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "escha" and cfg["attention_bias"] and cfg["mlp_bias"]
+    exl3 = [k for k, m in pack.modules.items() if m.format == "exl3" and not k.endswith("lm_head")]
+    assert sorted(qc["layer_meta"]) == sorted(exl3) == sorted(report.coded)
+    for key in exl3:
+        t = pack.exl3_tensors(key)
+        e = EschaTensors.from_tensors({s.split(".")[-1]: v for s, v in got.items() if s.rsplit(".", 1)[0] == key})
+        assert torch.equal(e.code, t.trellis)
+        assert qc["layer_meta"][key]["K"] == e.k_bits == int(t.k_bits)
+        assert not torch.allclose(e.rin.float(), t.suh.float() / math.sqrt(128))  # a nontrivial split
+        assert e.bias is not None and float(e.bias.abs().min()) > 0
+        x = torch.randn(3, t.padded_shape[0], dtype=torch.float64)
+        y, ref = reference_linear(x, e, torch.float64), exl3_linear(x, t, torch.float64)
+        assert float((y - ref).norm() / ref.norm()) < 3e-3, key
+
+
+def test_tables_are_int8_rows_with_float16_scales(converted, fixtures_dir):
+    _, out, report = converted
+    got = tensors(out)
+    assert set(report.int8_tables) == {"model.embed_tokens", "lm_head"}
+    for key in report.int8_tables:
+        q, s = got[f"{key}.weight_int8"], got[f"{key}.weight_scale"]
+        assert q.dtype == torch.int8 and s.dtype == torch.float16 and q.shape == (1024, 256) and s.shape == (1024,)
+        assert f"{key}.weight" not in got
+    emb = Pack.open(fixtures_dir / SOURCE).get_tensor("model.embed_tokens.weight").float()
+    back = got["model.embed_tokens.weight_int8"].float() * got["model.embed_tokens.weight_scale"].float()[:, None]
+    assert float((back - emb).norm() / emb.norm()) < 0.01
+
+
+def test_other_codebooks_and_non_empty_outputs_are_refused(fixtures_dir, tmp_path):
+    with pytest.raises(ConversionError, match=r"mul1 codebook .* escha decodes mcg codes only"):
+        escha_from_exl3(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1", tmp_path / "a")
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="never overwrites"):
+        escha_from_exl3(fixtures_dir / SOURCE, tmp_path / "b")
+    assert (tmp_path / "b" / "keep.txt").read_text() == "mine"
+
+
+def test_the_quantpack_cli_runs_the_converter(fixtures_dir, tmp_path):
+    from quantpack_core.cli import main
+
+    res = CliRunner().invoke(main, ["escha-from-exl3", str(fixtures_dir / SOURCE), "--out", str(tmp_path / "p")])
+    assert res.exit_code == 0, res.output
+    assert "28 coded modules (K 4)" in res.output and (tmp_path / "p" / "config.json").exists()
+    res = CliRunner().invoke(main, ["escha-from-exl3", str(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1"),
+                                    "--out", str(tmp_path / "q")])  # fmt: skip
+    assert res.exit_code == 1 and "error:" in res.output and "mcg" in res.output

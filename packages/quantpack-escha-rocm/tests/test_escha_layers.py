@@ -1,0 +1,132 @@
+"""Tier 2, layer level: vLLM's own linear layers built with the escha method, loaded through vLLM's weight-loading
+paths with its shard ids, against the escha codec's fp64 reference: a merged ``gate_up_proj`` whose gate is coded at
+K=2 and up at K=3 (two shards, two K, one output), a ``qkv_proj``, and the layer bias vLLM hands ``apply`` left out;
+plus the isolation of the package from quantpack-exl3."""
+
+import math
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+from quantpack_core.synthetic import random_exl3_layer
+from quantpack_escha.codec import EschaTensors, reference_linear
+from quantpack_escha.convert import split_scale
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A one-rank world and a current vLLM config (as vLLM's layer tests set up); the plugin registered."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import cleanup_dist_env_and_memory, init_distributed_environment, initialize_model_parallel
+
+    from quantpack_escha.plugin import register
+
+    register()
+    with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
+        init_distributed_environment(
+            world_size=1, rank=0, distributed_init_method=f"file://{tmp}/dist", local_rank=0, backend="gloo"
+        )
+        initialize_model_parallel(1, 1)
+        yield
+        cleanup_dist_env_and_memory()
+
+
+def random_escha(in_f: int, out_f: int, k: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    t = random_exl3_layer(in_f, out_f, k, "mcg", generator=g)
+    rin, s_in = split_scale(t["suh"].float() / math.sqrt(128), g)
+    rout, s_out = split_scale(t["svh"].float() / math.sqrt(128), g)
+    return {"escha_code": t["trellis"], "escha_rin": rin, "escha_s_in": s_in, "escha_rout": rout,
+            "escha_s_out": s_out}  # fmt: skip
+
+
+def feed(layer, tensors, shard_id=None):
+    for suffix, w in tensors.items():
+        param = getattr(layer, suffix)
+        param.weight_loader(param, w) if shard_id is None else param.weight_loader(param, w, shard_id)
+
+
+def config(meta):
+    from quantpack_escha.config import EschaConfig
+
+    return EschaConfig.from_config({"quant_method": "escha", "layer_meta": meta})
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_merged_gate_up_with_two_k_and_qkv(world):
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    p = "model.layers.0"
+    meta = {f"{p}.mlp.gate_proj": {"K": 2}, f"{p}.mlp.up_proj": {"K": 3}}
+    meta.update({f"{p}.self_attn.{n}_proj": {"K": 4} for n in "qkv"})
+    cfg = config(meta)
+    gate, up = random_escha(256, 384, 2, 1), random_escha(256, 384, 3, 2)
+    gate_up = MergedColumnParallelLinear(
+        256, [384, 384], bias=True, quant_config=cfg, prefix=f"{p}.mlp.gate_up_proj", params_dtype=torch.float32
+    )
+    feed(gate_up, gate, 0)
+    feed(gate_up, up, 1)
+    gate_up.quant_method.process_weights_after_loading(gate_up)
+    x = torch.randn(5, 256)
+    bias = torch.randn(768)
+    y = gate_up.quant_method.apply(gate_up, x, bias)  # the bias vLLM passes is not applied
+    ref = torch.cat([reference_linear(x.double(), EschaTensors.from_tensors(t), torch.float64) for t in (gate, up)], 1)
+    assert rel(y, ref) < 1e-5
+    assert [r.kernel for r in gate_up.quant_state.runs] == ["reference"]  # one fused GEMM over both K
+
+    shards = {n: random_escha(256, o, 4, 10 + i) for i, (n, o) in enumerate((("q", 256), ("k", 128), ("v", 128)))}
+    qkv = QKVParallelLinear(
+        256, 64, 4, 2, bias=False, quant_config=cfg, prefix=f"{p}.self_attn.qkv_proj", params_dtype=torch.float32
+    )
+    for sid, t in shards.items():
+        feed(qkv, t, sid)
+    qkv.quant_method.process_weights_after_loading(qkv)
+    y = qkv.quant_method.apply(qkv, x)
+    refs = [reference_linear(x.double(), EschaTensors.from_tensors(t), torch.float64) for t in shards.values()]
+    ref = torch.cat(refs, 1)
+    assert rel(y, ref) < 1e-5
+
+
+def test_uncoded_linear_is_vllms_unquantized_and_partly_coded_merge_raises(world):
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear, UnquantizedLinearMethod
+
+    from quantpack_core.errors import LayerLoadError
+
+    cfg = config({"model.layers.0.mlp.gate_proj": {"K": 2}})
+    down = RowParallelLinear(256, 256, bias=False, quant_config=cfg, prefix="model.layers.0.mlp.down_proj")
+    assert isinstance(down.quant_method, UnquantizedLinearMethod)
+    with pytest.raises(LayerLoadError, match=r"codes model\.layers\.0\.mlp\.gate_proj but not .*up_proj"):
+        MergedColumnParallelLinear(
+            256, [384, 384], bias=False, quant_config=cfg, prefix="model.layers.0.mlp.gate_up_proj"
+        )
+
+
+def test_the_package_imports_and_registers_without_quantpack_exl3():
+    """With quantpack_exl3 and exllamav3 made unimportable, every escha module imports and the plugin registers."""
+    code = (
+        "import sys; sys.modules['quantpack_exl3'] = None; sys.modules['exllamav3'] = None\n"
+        "import quantpack_escha.codec, quantpack_escha.convert, quantpack_escha.cli, quantpack_escha.config\n"
+        "from quantpack_escha.plugin import register; register()\n"
+        "from vllm.model_executor.layers.quantization import get_quantization_config\n"
+        "assert get_quantization_config('escha').__name__ == 'EschaConfig'\n"
+        "assert not [m for m in sys.modules if m.startswith(('quantpack_exl3', 'exllamav3')) and sys.modules[m]]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_package_declares_no_dependency_on_exl3():
+    import tomllib
+    from pathlib import Path
+
+    meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    deps = " ".join(meta["dependencies"] + [d for ds in meta.get("optional-dependencies", {}).values() for d in ds])
+    assert "quantpack-exl3" not in deps and "exllamav3" not in deps

@@ -1,0 +1,125 @@
+"""Tier 2, end to end: the escha pack converted from the mcg llama-tiny fixture served by vLLM on CPU (float32),
+against the source EXL3 pack's reference logits (exllamav3's), with and without biases in the pack (loaded into the
+model's bias parameters, never applied); and small bad packs that must fail at load with the module, the tensor and
+the fix named. All jobs run in one vLLM process (``tests/vllm_e2e.py``)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from quantpack_escha.convert import escha_from_exl3
+
+pytest.importorskip("vllm")
+
+RUNNER = Path(__file__).resolve().parents[3] / "tests" / "vllm_e2e.py"
+SOURCE = "llama-tiny-exl3-4.0bpw-mcg"
+
+
+def edited(src: Path, dst: Path, config=None, drop=()) -> Path:
+    """A copy of an escha pack with its quantization config edited (``config(qc)``) or tensors dropped."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    if config is not None:
+        config(cfg["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with safe_open(str(src / "model.safetensors"), "pt") as st:
+        tensors = {k: st.get_tensor(k) for k in st.keys() if k not in drop}
+    save_file(tensors, str(dst / "model.safetensors"), {"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def results(fixtures_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("escha_e2e")
+    src = fixtures_dir / SOURCE
+    plain = escha_from_exl3(src, tmp / "plain").out_dir
+    biased = escha_from_exl3(src, tmp / "biased", seed=1, biases=True).out_dir
+    layer0 = "model.layers.0"
+
+    def drop_k(qc):
+        del qc["layer_meta"][f"{layer0}.self_attn.k_proj"]
+
+    def wrong_k(qc):
+        qc["layer_meta"][f"{layer0}.mlp.up_proj"]["K"] = 3
+
+    def bad_k(qc):
+        qc["layer_meta"][f"{layer0}.mlp.down_proj"]["K"] = 0
+
+    reference = str(src / "reference_logits.pt")
+    jobs = {
+        "plain": {"kind": "logits", "pack": str(plain), "dtype": "float32", "eager": True, "reference": reference},
+        "biased": {"kind": "logits", "pack": str(biased), "dtype": "float32", "eager": True, "reference": reference},
+        "partly_coded": {"kind": "load_error", "pack": str(edited(plain, tmp / "partly", drop_k))},
+        "k_mismatch": {"kind": "load_error", "pack": str(edited(plain, tmp / "kmis", wrong_k))},
+        "bad_meta": {"kind": "load_error", "pack": str(edited(plain, tmp / "badmeta", bad_k))},
+        "unpaired": {
+            "kind": "load_error",
+            "pack": str(edited(plain, tmp / "unpaired", drop=("lm_head.weight_scale",))),
+        },
+    }
+    ids = list(jobs)
+    (tmp / "jobs.json").write_text(json.dumps([jobs[i] for i in ids]))
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), str(tmp / "jobs.json"), str(tmp / "results.json")],
+        capture_output=True, text=True, timeout=1500,
+    )  # fmt: skip
+    if not (tmp / "results.json").exists():
+        pytest.fail(f"the vLLM runner produced nothing (rc {proc.returncode}):\n{proc.stderr[-8000:]}")
+    out = {i: r["result"] for i, r in zip(ids, json.loads((tmp / "results.json").read_text()), strict=False)}
+    out["_log"] = proc.stderr[-8000:]
+    return out
+
+
+def get(results, key):
+    res = results.get(key)
+    if res is None:
+        pytest.fail(f"job {key} did not run; runner log tail:\n{results['_log']}")
+    if "failed" in res:
+        pytest.fail(f"job {key} failed: {res['failed']}\n{res.get('traceback', '')}")
+    return res
+
+
+@pytest.mark.parametrize("job", ["plain", "biased"])
+def test_converted_pack_matches_the_exl3_reference(results, job, figures):
+    res = get(results, job)
+    figures.append(f"escha {SOURCE} ({job}) float32: KL {res['kl']:.3g}, top-1 {100 * res['top1']:.2f}%")
+    assert res["kl"] <= 1e-4 and res["top1"] >= 0.99
+    mods = res["vocab_modules"]
+    assert all("EschaInt8Embedding" in m["method"] for m in mods.values()), mods
+
+
+def test_biases_are_loaded_and_not_applied(results):
+    """The biased pack's logits equal the plain pack's: its nonzero biases reached the model and changed nothing."""
+    a, b = get(results, "plain"), get(results, "biased")
+    assert a["greedy"] == b["greedy"]
+    assert abs(a["kl"] - b["kl"]) < 2e-5
+
+
+@pytest.mark.parametrize(
+    "job,fragments",
+    [
+        ("partly_coded", ["qkv_proj", "layer_meta codes", "k_proj", "re-convert"]),
+        ("k_mismatch", ["up_proj", "K=4", "layer_meta says K=3"]),
+        ("bad_meta", ["layer_meta['model.layers.0.mlp.down_proj']", "K=0", "integer K from 1 to 8"]),
+        ("unpaired", ["lm_head", ".weight_int8 but no .weight_scale"]),
+    ],
+)
+def test_bad_packs_fail_at_load_naming_module_tensor_and_fix(results, job, fragments):
+    res = get(results, job)
+    assert res["error_type"] is not None, f"{job}: the engine started"
+    for f in fragments:
+        assert f in res["message"], (job, f, res["message"][-2000:])
+
+
+def test_source_pack_reference_is_a_real_one(fixtures_dir):
+    ref = torch.load(fixtures_dir / SOURCE / "reference_logits.pt")
+    assert ref["logits"].shape[-1] == 1024 and torch.isfinite(ref["logits"]).all()
