@@ -135,7 +135,7 @@ def gpu_tests(session: nox.Session) -> None:
         for a in session.posargs
         if not a.startswith("-")
     )
-    tests = [] if given else ["packages/quantpack-exl3/tests"]
+    tests = [] if given else ["packages/quantpack-exl3/tests", "packages/quantpack-escha-rocm/tests"]
     session.run(
         "python3",
         "-m",

@@ -3,7 +3,7 @@
 # /tmp/site still provide the plugin's entry point (its dist-info)
 _qp_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 # (/tmp/ext-prebuilt holds exllamav3_ext.so when a prebuilt one travelled, see setup.sh)
-_qp_src=$_qp_root/packages/quantpack-core/src:$_qp_root/packages/quantpack-exl3/src:$_qp_root/packages/quantpack-families/src
+_qp_src=$_qp_root/packages/quantpack-core/src:$_qp_root/packages/quantpack-exl3/src:$_qp_root/packages/quantpack-escha-rocm/src:$_qp_root/packages/quantpack-families/src
 export PYTHONPATH=$_qp_src:/tmp/site:/tmp/ext-prebuilt${PYTHONPATH:+:$PYTHONPATH}
 export PATH=/tmp/site/bin:$PATH
 export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 TORCH_EXTENSIONS_DIR=/tmp/torch_ext

@@ -12,7 +12,7 @@ fi
 rm -rf "$stage/whl" "$stage/nox"
 mkdir -p "$stage/whl" "$stage/nox"
 uv=(uv); command -v uv >/dev/null 2>&1 || uv=(python3 -m uv)
-for pkg in packages/quantpack-core packages/quantpack-exl3 packages/quantpack-families; do
+for pkg in packages/quantpack-core packages/quantpack-exl3 packages/quantpack-escha-rocm packages/quantpack-families; do
   "${uv[@]}" build --quiet --wheel --out-dir "$stage/whl" "$pkg"
 done
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -19,7 +19,8 @@ def test_every_op_the_project_defines_has_an_opcheck_case():
 
     expected = set(COVERED)
     if importlib.util.find_spec("quantpack_escha") is not None:  # the workspace's other format
-        import quantpack_escha.backends.hip.ops  # noqa: F401
+        import quantpack_escha.backends.hip.ops
+        import quantpack_escha.backends.triton.ops  # noqa: F401
     else:
         expected = {n for n in expected if not n.startswith("escha_")}
     assert set(defined_ops()) == expected, set(defined_ops()) ^ expected

@@ -1,9 +1,8 @@
 """Which kernel runs which escha shard: one priority list per platform kind, fastest first
 (:func:`quantpack_core.kernels.choose_kernel`). ``QUANTPACK_ESCHA_BACKEND=<name>`` forces one kernel by name.
 
-On ROCm the HIP extension ``radiance_escha_kernel`` (gfx1201; installed separately) runs the shards it takes; on CPU
-the reference kernel (and on any device when forced). No CUDA kernel in this version (the Triton kernel is still to
-come): on CUDA the config fails at load naming the ``reference`` override.
+On ROCm the HIP extension ``radiance_escha_kernel`` (gfx1201; installed separately) runs the shards it takes and the
+Triton kernel the rest; on CUDA the Triton kernel; on CPU the reference kernel (and on any device when forced).
 """
 
 from __future__ import annotations
@@ -12,11 +11,12 @@ from quantpack_core.kernels import CPU, CUDA, ROCM
 
 from .backends.hip import EschaHipLinearKernel
 from .backends.reference import EschaReferenceKernel
+from .backends.triton import EschaTritonLinearKernel
 
 BACKEND_ENV = "QUANTPACK_ESCHA_BACKEND"
 
 LINEAR_KERNELS = {
-    CUDA: [],
-    ROCM: [EschaHipLinearKernel],
+    CUDA: [EschaTritonLinearKernel],
+    ROCM: [EschaHipLinearKernel, EschaTritonLinearKernel],
     CPU: [EschaReferenceKernel],
 }

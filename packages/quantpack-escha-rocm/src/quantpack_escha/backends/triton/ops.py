@@ -1,0 +1,127 @@
+"""The Triton backend's custom op ``quantpack::escha_triton_`` (one escha shard into its columns of the layer's
+output) and the per-device workspace its launches share (reserved when a shard is prepared, before any graph
+capture): the float16 transformed input of up to :data:`MAX_ROWS` rows of the widest shard, the 128 x 128 Hadamard
+matrix and the tile placement. A call of more rows runs in pieces; the op allocates nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantpack_core.codec import hadamard_matrix
+from quantpack_core.codec.trellis import tile_placement
+from quantpack_core.ops import define_op
+
+#: rows of transformed input per launch (a larger call runs in pieces)
+MAX_ROWS = 1024
+#: rows per program
+BM = 16
+#: k per step of the GEMM loop (a multiple of 16)
+BK = 32
+
+
+@dataclass
+class Workspace:
+    """One device's buffers: ``xt`` float16 ``(MAX_ROWS, k)``, ``h`` float32 ``(128, 128)`` (+-1), ``place`` int32
+    ``(256,)``."""
+
+    xt: torch.Tensor
+    h: torch.Tensor
+    place: torch.Tensor
+
+
+_workspaces: dict[tuple[str, int | None], Workspace] = {}
+
+
+def reserve(device: torch.device, k: int) -> Workspace:
+    """The workspace of ``device``, created or widened for a shard of ``k`` input features (call at load)."""
+    device = torch.device(device)
+    key = (device.type, device.index)
+    ws = _workspaces.get(key)
+    if ws is None:
+        h = (hadamard_matrix(128, torch.float64) * 128**0.5).round().to(torch.float32)
+        ws = Workspace(
+            xt=torch.empty((MAX_ROWS, k), dtype=torch.float16, device=device),
+            h=h.to(device),
+            place=tile_placement().to(device=device, dtype=torch.int32),
+        )
+        _workspaces[key] = ws
+    elif ws.xt.shape[1] < k:
+        ws.xt = torch.empty((MAX_ROWS, k), dtype=torch.float16, device=device)
+    return ws
+
+
+def run_escha_triton(
+    x: torch.Tensor,
+    code: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    kbits: int,
+    out_features: int,
+    out: torch.Tensor,
+    col: int,
+) -> None:
+    """The implementation of ``quantpack::escha_triton_`` (see :func:`escha_triton_`)."""
+    from .escha_triton import gemm_kernel, input_kernel
+
+    rows = x.shape[0]
+    if rows == 0:
+        return
+    k, n = code.shape[0] * 16, code.shape[1] * 16
+    ws = _workspaces.get((x.device.type, x.device.index))
+    if ws is None or ws.xt.shape[1] < k or out.stride(1) != 1 or x.stride(1) != 1:
+        raise RuntimeError(
+            f"escha_triton: a shard of {k} input features needs the workspace reserved at load (have "
+            f"{'none' if ws is None else ws.xt.shape[1]}), and input and output of unit column stride"
+        )
+    for r0 in range(0, rows, MAX_ROWS):
+        r = min(MAX_ROWS, rows - r0)
+        xr, outr = x[r0 : r0 + r], out[r0 : r0 + r]
+        xt = ws.xt[:r, :k]
+        input_kernel[(triton_cdiv(r, BM), k // 128)](xr, a, ws.h, xt, r, xr.shape[1], k, xr.stride(0), BM=BM)
+        gemm_kernel[(triton_cdiv(r, BM), n // 128)](
+            xt, code, ws.place, ws.h, b, outr, r, k, n, outr.stride(0), col, out_features, KBITS=kbits, BM=BM, BK=BK
+        )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+define_op(
+    "escha_triton_",
+    "(Tensor x, Tensor code, Tensor a, Tensor b, int kbits, int out_features, Tensor(a!) out, int col) -> ()",
+    {"CUDA": run_escha_triton, "CPU": run_escha_triton},
+)
+
+
+def escha_triton_(
+    x: torch.Tensor,
+    code: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    kbits: int,
+    out_features: int,
+    out: torch.Tensor,
+    col: int,
+) -> None:
+    """One escha shard through the Triton kernels: ``out[:, col:col + out_features] = y[:, :out_features]``.
+
+    Args:
+        x: ``(rows, in)`` float16 / bfloat16 / float32 activations, unit column stride (zero-extended to k).
+        code: int32 ``(k/16, n/16, 8*K)``: the code's uint32 words.
+        a: float32 ``(k,)``: ``s_in * rin``. b: float32 ``(n,)``: ``rout * s_out``.
+        kbits: K (integer 1..8).
+        out_features: columns written (<= n).
+        out: ``(rows, total)`` layer output, unit column stride, written in place.
+        col: first output column of this shard.
+
+    Raises:
+        RuntimeError: no workspace was reserved for this width (``prepare`` does it).
+
+    The CPU dispatch key runs the same kernels under Triton's interpreter (``TRITON_INTERPRET=1``), for tests.
+    Source: docs/escha-format.md; :mod:`.escha_triton` describes the kernels.
+    """
+    torch.ops.quantpack.escha_triton_(x, code, a, b, kbits, out_features, out, col)
