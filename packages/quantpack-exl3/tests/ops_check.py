@@ -11,6 +11,7 @@ DEFAULT_TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketen
 #: every op the project defines, with the test that opchecks it (a new op without an entry fails test_every_op_...)
 COVERED = {
     "dense_gemm_": "test_exl3_ops.py::test_dense_gemm_opcheck_and_columns",
+    "cpu_linear_": "test_exl3_ops.py::test_cpu_linear_opcheck_and_columns",
     "exl3_moe_reference_": "test_exl3_ops.py::test_reference_moe_opcheck",
     "exl3_gemm_": "test_exl3_gpu_kernels.py::test_opcheck",
     "trellis_mma_": "test_exl3_gpu_kernels.py::test_opcheck",

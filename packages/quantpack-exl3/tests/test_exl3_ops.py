@@ -13,6 +13,7 @@ from quantpack_core.ops import defined_ops
 def test_every_op_the_project_defines_has_an_opcheck_case():
     import importlib.util
 
+    import quantpack_core.vllm.cpu_linear  # noqa: F401
     import quantpack_exl3.backends.exllamav3.ops
     import quantpack_exl3.backends.reference.ops
     import quantpack_exl3.backends.trellis_mma.ops  # noqa: F401
@@ -78,3 +79,24 @@ def test_compiles_without_graph_break():
     for rows in (1, 3, 17):
         x = torch.randn(rows, 128)
         assert torch.allclose(compiled(x), f(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_cpu_linear_opcheck_and_columns(dtype, rows):
+    """A dense run handed to vLLM's CPU GEMM (``quantpack_core.vllm.cpu_linear``) computes ``x @ W`` into its
+    columns only, whichever path vLLM's dispatch took (oneDNN with a prepacked weight here), and passes opcheck."""
+    from quantpack_core.kernels import PreparedShard
+    from quantpack_core.vllm.cpu_linear import CpuGemm, pack
+
+    w = torch.randn(256, 384).to(dtype)
+    p = pack(PreparedShard(dense_gemm_, {"weight": w}, 384))
+    assert isinstance(p.run, CpuGemm) and p.out_features == 384
+    x = torch.randn(rows, 256).to(dtype)
+    out = torch.full((rows, 500), float("nan"), dtype=dtype)
+    p.run(x, *p.tensors.values(), out, 100)
+    assert torch.isnan(out[:, :100]).all() and torch.isnan(out[:, 484:]).all()
+    ref = x.double() @ w.double()
+    err = float((out[:, 100:484].double() - ref).norm() / ref.norm())
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+    opcheck("cpu_linear_", (x, p.tensors["weight"], p.run.handle, out.clone(), 100))

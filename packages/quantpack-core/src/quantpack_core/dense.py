@@ -41,6 +41,18 @@ def dense_gemm_(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, col: i
     torch.ops.quantpack.dense_gemm_(x, weight, out, col)
 
 
+def finalize_dense(prepared: PreparedShard) -> PreparedShard:
+    """A ``dense_gemm_`` run on vLLM's CPU platform handed to vLLM's own CPU GEMM (its dispatch and weight prepacking,
+    :mod:`quantpack_core.vllm.cpu_linear`); any other run unchanged. Kernels that end in a dense weight use it as
+    their :meth:`~quantpack_core.kernels.LinearKernel.finalize`."""
+    w = prepared.tensors.get("weight")
+    if prepared.run is not dense_gemm_ or w is None or w.device.type != "cpu":
+        return prepared
+    from .vllm import cpu_linear  # only reached in a vLLM process: CPU tensors of a prepared layer
+
+    return cpu_linear.pack(prepared)
+
+
 def fuse_dense(shards: list[PreparedShard]) -> PreparedShard | None:
     """Consecutive ``dense_gemm_`` shards of one layer as one: their ``(in, out)`` weights concatenated along the
     output, one GEMM writing all their columns (the layer holds the same bytes; the shards' own weights are freed when
@@ -77,3 +89,8 @@ class DenseKernel(LinearKernel):
     def fuse(cls, shards: list[PreparedShard]) -> PreparedShard | None:
         """One GEMM over the layer's concatenated dense shards (:func:`fuse_dense`)."""
         return fuse_dense(shards)
+
+    @classmethod
+    def finalize(cls, prepared: PreparedShard) -> PreparedShard:
+        """On vLLM's CPU platform, vLLM's own CPU GEMM (:func:`finalize_dense`)."""
+        return finalize_dense(prepared)

@@ -230,6 +230,12 @@ class LinearKernel(Kernel):
         """
         return None
 
+    @classmethod
+    def finalize(cls, prepared: PreparedShard) -> PreparedShard:
+        """The last step at load for each run of a layer (a shard, or what :meth:`fuse` made of several), e.g.
+        handing a dense weight to the platform's own GEMM with its prepacking. The default keeps the run."""
+        return prepared
+
 
 class ExpertKernel(Kernel):
     """A kernel for one MoE layer's expert bank."""

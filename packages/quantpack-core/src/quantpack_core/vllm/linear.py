@@ -411,6 +411,7 @@ class QuantLinearMethod(LinearMethodBase):
             col += p.out_features
         runs, first = [], 0
         for i, (kernel, p) in enumerate(self._fused(prepared)):
+            p = kernel.finalize(p)
             names = []
             for name, tensor in p.tensors.items():
                 layer.register_parameter(f"shard{i}_{name}", torch.nn.Parameter(tensor, requires_grad=False))

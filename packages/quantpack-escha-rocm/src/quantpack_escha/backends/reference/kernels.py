@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from quantpack_core.dense import dense_gemm_, fuse_dense
+from quantpack_core.dense import dense_gemm_, finalize_dense, fuse_dense
 from quantpack_core.kernels import LinearKernel, LinearSpec, PreparedShard
 
 from ...codec import EschaTensors, dequantize
@@ -43,3 +43,9 @@ class EschaReferenceKernel(LinearKernel):
     def fuse(cls, shards: list[PreparedShard]) -> PreparedShard | None:
         """A merged layer's shards as one GEMM over their concatenated dense weights."""
         return fuse_dense(shards)
+
+    @classmethod
+    def finalize(cls, prepared: PreparedShard) -> PreparedShard:
+        """On vLLM's CPU platform the dense weight goes to vLLM's own CPU GEMM (its dispatch and prepacking,
+        :func:`quantpack_core.dense.finalize_dense`)."""
+        return finalize_dense(prepared)

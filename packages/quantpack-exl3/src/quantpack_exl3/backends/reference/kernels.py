@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from quantpack_core.codec import Exl3Tensors, dequantize
-from quantpack_core.dense import dense_gemm_, fuse_dense
+from quantpack_core.dense import dense_gemm_, finalize_dense, fuse_dense
 from quantpack_core.kernels import ExpertKernel, ExpertSpec, LinearKernel, LinearSpec, PreparedBank, PreparedShard
 from quantpack_core.moe import Exl3MoeBank, dequantize_expert
 
@@ -56,6 +56,12 @@ class ReferenceLinearKernel(LinearKernel):
         """A layer's consecutive shards (q / k / v, gate / up) as one GEMM over their concatenated dense weights
         (:func:`quantpack_core.dense.fuse_dense`)."""
         return fuse_dense(shards)
+
+    @classmethod
+    def finalize(cls, prepared: PreparedShard) -> PreparedShard:
+        """On vLLM's CPU platform the dense weight goes to vLLM's own CPU GEMM (its dispatch and prepacking,
+        :func:`quantpack_core.dense.finalize_dense`)."""
+        return finalize_dense(prepared)
 
 
 class ReferenceExpertKernel(ExpertKernel):

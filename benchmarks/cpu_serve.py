@@ -1,0 +1,132 @@
+"""CPU serving speed of a quantized pack against its bf16 source model, with vLLM's own serving benchmark.
+
+For each pair, each model is served in turn by vLLM's OpenAI server on this machine (``VLLM_CPU_KVCACHE_SPACE=1``,
+bfloat16, ``--max-model-len 1024``; the pack through the installed quantpack plugins, the source through stock
+vLLM) and measured with ``vllm.benchmarks.serve`` (random dataset, 64-token prompts, 32 output tokens,
+``--ignore-eos``, 64 requests at concurrency 16, the server warmed by one untimed round first): requests/s, output
+tokens/s, mean TTFT and TPOT. Writes ``--json`` (default ``benchmarks/results/cpu_serve.json``) and prints a markdown
+table with the pack / source ratios.
+
+Usage: ``VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python benchmarks/cpu_serve.py [--pairs llama]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "fixtures"
+SHARED = ROOT.parent / "shared" / "fixtures"
+#: name -> (quantized pack, its bf16 source)
+PAIRS = {
+    "llama": (FIXTURES / "llama-tiny-exl3-4.0bpw-mul1", FIXTURES / "llama-tiny-bf16"),
+    "qwen3moe": (SHARED / "qwen3moe-tiny-exl3-4.0bpw-mul1", SHARED / "qwen3moe-tiny-bf16"),
+}
+BENCH = ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "32", "--ignore-eos",
+         "--max-concurrency", "16"]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(model: Path, port: int, log: Path) -> subprocess.Popen:
+    """Start vLLM's OpenAI server for ``model``; returns once /health answers.
+
+    Raises:
+        RuntimeError: the server exited or did not answer within 15 minutes (its log tail in the message).
+    """
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    cmd = [sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(model), "--served-model-name", "m", "--dtype", "bfloat16", "--max-model-len", "1024",
+           "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server for {model} exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return proc
+        except OSError:
+            time.sleep(2)
+    proc.kill()
+    raise RuntimeError(f"the server for {model} did not answer in 15 minutes:\n{log.read_text()[-3000:]}")
+
+
+def bench(model: Path, port: int, prompts: int) -> dict:
+    """One run of vLLM's serving benchmark against the server on ``port`` (the model's own tokenizer)."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    base = ["--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--tokenizer", str(model)]
+    args = parser.parse_args([*base, "--num-prompts", str(prompts), *BENCH])
+    return main(args)
+
+
+def measure(model: Path, prompts: int, work: Path) -> dict:
+    port = free_port()
+    proc = serve(model, port, work / f"{model.name}.log")
+    try:
+        t0 = time.time()
+        bench(model, port, 16)  # warm-up round
+        r = bench(model, port, prompts)
+        return {
+            "model": model.name,
+            "request_throughput": r["request_throughput"],
+            "output_throughput": r["output_throughput"],
+            "mean_ttft_ms": r["mean_ttft_ms"],
+            "mean_tpot_ms": r["mean_tpot_ms"],
+            "bench_s": time.time() - t0,
+        }
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pairs", default="llama", help=f"comma-separated, of {', '.join(PAIRS)}")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--json", type=Path, default=Path(__file__).with_name("results") / "cpu_serve.json")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/cpu_serve"))
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    import vllm
+
+    record = {"host": platform.node(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+              "vllm": vllm.__version__, "bench": BENCH, "prompts": args.prompts, "pairs": {}}  # fmt: skip
+    rows = []
+    for name in args.pairs.split(","):
+        pack, source = PAIRS[name]
+        res = {"pack": measure(pack, args.prompts, args.work), "source": measure(source, args.prompts, args.work)}
+        res["output_ratio"] = res["pack"]["output_throughput"] / res["source"]["output_throughput"]
+        res["tpot_ratio"] = res["pack"]["mean_tpot_ms"] / res["source"]["mean_tpot_ms"]
+        record["pairs"][name] = res
+        for kind in ("pack", "source"):
+            m = res[kind]
+            rows.append(f"| {m['model']} | {m['request_throughput']:.2f} | {m['output_throughput']:.0f} | "
+                        f"{m['mean_ttft_ms']:.0f} | {m['mean_tpot_ms']:.1f} |")  # fmt: skip
+        rows.append(f"| pack / source | | {res['output_ratio']:.2f} | | {res['tpot_ratio']:.2f} |")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(record, indent=1))
+    print("| served model | requests/s | output tok/s | mean TTFT ms | mean TPOT ms |\n|---|---|---|---|---|")
+    print("\n".join(rows))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
