@@ -12,6 +12,7 @@ DEFAULT_TEST_UTILS = ("test_schema", "test_autograd_registration", "test_faketen
 COVERED = {
     "dense_gemm_": "test_exl3_ops.py::test_dense_gemm_opcheck_and_columns",
     "cpu_linear_": "test_exl3_ops.py::test_cpu_linear_opcheck_and_columns",
+    "cpu_fused_moe_": "test_exl3_ops.py::test_cpu_fused_moe_matches_the_reference_loop",
     "exl3_moe_reference_": "test_exl3_ops.py::test_reference_moe_opcheck",
     "exl3_gemm_": "test_exl3_gpu_kernels.py::test_opcheck",
     "trellis_mma_": "test_exl3_gpu_kernels.py::test_opcheck",

@@ -13,7 +13,8 @@ from quantpack_core.ops import defined_ops
 def test_every_op_the_project_defines_has_an_opcheck_case():
     import importlib.util
 
-    import quantpack_core.vllm.cpu_linear  # noqa: F401
+    import quantpack_core.vllm.cpu_linear
+    import quantpack_core.vllm.cpu_moe  # noqa: F401
     import quantpack_exl3.backends.exllamav3.ops
     import quantpack_exl3.backends.reference.ops
     import quantpack_exl3.backends.trellis_mma.ops  # noqa: F401
@@ -100,3 +101,31 @@ def test_cpu_linear_opcheck_and_columns(dtype, rows):
     err = float((out[:, 100:484].double() - ref).norm() / ref.norm())
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
     opcheck("cpu_linear_", (x, p.tensors["weight"], p.run.handle, out.clone(), 100))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_cpu_fused_moe_matches_the_reference_loop(dtype, tokens):
+    """vLLM's CPU MoE kernel on a bank packed by ``quantpack_core.vllm.cpu_moe.pack_bank`` (intermediate 80, padded
+    to 96 inside) equals the project's own loop over experts (``exl3_moe_reference_``) on the same dense weights;
+    opcheck of ``quantpack::cpu_fused_moe_``."""
+    from quantpack_core.vllm.cpu_moe import available, pack_bank
+    from quantpack_exl3.backends.reference.ops import exl3_moe_reference_
+
+    if not available():
+        pytest.skip("this vLLM build has no CPU MoE kernel")
+    g = torch.Generator().manual_seed(tokens)
+    e, h, inter, top = 8, 128, 80, 2
+    w13 = (torch.randn(e, h, 2 * inter, generator=g) * 0.05).to(dtype)
+    w2 = (torch.randn(e, inter, h, generator=g) * 0.05).to(dtype)
+    x = torch.randn(tokens, h, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=g)[:top] for _ in range(tokens)]).to(torch.int32)
+    weights = torch.rand(tokens, top, generator=g).to(torch.float32)
+    ref = torch.empty(tokens, h, dtype=dtype)
+    exl3_moe_reference_(x, ids, weights, w13, w2, ref)
+    bank = pack_bank(w13, w2)
+    out = torch.full((tokens, h), float("nan"), dtype=dtype)
+    bank.run(x, ids, weights, *bank.tensors.values(), *bank.static, out)
+    err = float((out.double() - ref.double()).norm() / ref.double().norm())
+    assert err < (1e-4 if dtype == torch.float32 else 2e-2), err
+    opcheck("cpu_fused_moe_", (x, ids, weights, *bank.tensors.values(), *bank.static, out.clone()))

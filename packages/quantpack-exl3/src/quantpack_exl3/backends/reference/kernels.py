@@ -18,12 +18,29 @@ import torch
 
 from quantpack_core.codec import Exl3Tensors, dequantize
 from quantpack_core.dense import dense_gemm_, finalize_dense, fuse_dense
-from quantpack_core.kernels import ExpertKernel, ExpertSpec, LinearKernel, LinearSpec, PreparedBank, PreparedShard
+from quantpack_core.kernels import (
+    TP_EXPERT_SPLIT,
+    ExpertKernel,
+    ExpertSpec,
+    LinearKernel,
+    LinearSpec,
+    PreparedBank,
+    PreparedShard,
+)
 from quantpack_core.moe import Exl3MoeBank, dequantize_expert
 
 from .ops import exl3_moe_reference_
 
 NAME = "reference"
+
+
+def _vllm_cpu_moe() -> bool:
+    """Whether vLLM's CPU MoE kernel is there (a vLLM process on a CPU build)."""
+    try:
+        from quantpack_core.vllm.cpu_moe import available
+    except ImportError:
+        return False
+    return available()
 
 
 def _exl3_only(spec) -> tuple[bool, str | None]:
@@ -92,4 +109,9 @@ class ReferenceExpertKernel(ExpertKernel):
             w13[e, :, :inter] = w1[:hidden, :inter]
             w13[e, :, inter:] = w3[:hidden, :inter]
             w2[e] = wd[:inter, :hidden]
+        if device.type == "cpu" and spec.tp != TP_EXPERT_SPLIT and hidden % 32 == 0 and _vllm_cpu_moe():
+            # vLLM's own CPU MoE kernel (every pick is an expert of this bank, hidden a multiple of 32)
+            from quantpack_core.vllm.cpu_moe import pack_bank
+
+            return pack_bank(w13, w2)
         return PreparedBank(exl3_moe_reference_, {"w13": w13, "w2": w2})
