@@ -29,7 +29,9 @@ SHARED = ROOT.parent / "shared" / "fixtures"
 #: name -> (quantized pack, its bf16 source)
 PAIRS = {
     "llama": (FIXTURES / "llama-tiny-exl3-4.0bpw-mul1", FIXTURES / "llama-tiny-bf16"),
-    "qwen3moe": (SHARED / "qwen3moe-tiny-exl3-4.0bpw-mul1", SHARED / "qwen3moe-tiny-bf16"),
+    # the Qwen3-MoE pack's bf16 source is not bundled: ../shared/fixtures beside the repository
+    "qwen3moe": (FIXTURES / "qwen3moe-tiny-exl3-4.0bpw-mul1", SHARED / "qwen3moe-tiny-bf16"),
+    "qwen3next": (FIXTURES / "qwen3next-tiny-exl3-4.0bpw-mul1", FIXTURES / "qwen3next-tiny-bf16"),
 }
 BENCH = ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "32", "--ignore-eos",
          "--max-concurrency", "16"]  # fmt: skip

@@ -23,10 +23,14 @@ def world():
     """A one-rank world and a current vLLM config (as vLLM's layer tests set up); the plugin registered."""
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import cleanup_dist_env_and_memory, init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
     from quantpack_escha.plugin import register
 
     register()
+    if model_parallel_is_initialized():  # another package's tests in this process set the world up already
+        yield
+        return
     with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
         init_distributed_environment(
             world_size=1, rank=0, distributed_init_method=f"file://{tmp}/dist", local_rank=0, backend="gloo"
@@ -130,3 +134,19 @@ def test_the_package_declares_no_dependency_on_exl3():
     meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
     deps = " ".join(meta["dependencies"] + [d for ds in meta.get("optional-dependencies", {}).values() for d in ds])
     assert "quantpack-exl3" not in deps and "exllamav3" not in deps
+
+
+def test_coded_expert_banks_are_refused_naming_the_layer(world, monkeypatch):
+    """An eschamoe pack (experts in layer_meta) fails at the MoE layer with the reason and what to serve instead;
+    a layer whose experts are not coded gets vLLM's own method."""
+    from quantpack_core.errors import LayerLoadError
+    from quantpack_core.vllm import compat
+
+    class Experts:  # stands in for vLLM's routed-experts class of this version
+        pass
+
+    monkeypatch.setattr(compat, "routed_experts_class", lambda: Experts)
+    cfg = config({"model.layers.0.mlp.experts.0.gate_proj": {"K": 2}, "model.layers.0.mlp.experts.0.up_proj": {"K": 2}})
+    with pytest.raises(LayerLoadError, match=r"layers\.0\.mlp\.experts: layer_meta codes its experts .*not supported"):
+        cfg.get_quant_method(Experts(), "model.layers.0.mlp.experts")
+    assert cfg.get_quant_method(Experts(), "model.layers.1.mlp.experts") is None

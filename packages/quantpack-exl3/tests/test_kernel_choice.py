@@ -132,7 +132,8 @@ def test_consecutive_shards_of_one_kernel_run_fused(vllm_layers):
         feed(layer, t, sid)
     layer.quant_method.process_weights_after_loading(layer)
     assert [run.kernel for run in layer.quant_state.runs] == ["reference"]
-    assert layer.shard0_weight.shape == (256, 512)
+    held = getattr(layer.quant_state.runs[0].fn, "shape", None)  # vLLM's CPU GEMM packed it: the shape it took
+    assert tuple(held or layer.shard0_weight.shape) == (256, 512)
     assert rel_err(layer.quant_method.apply(layer, x), want_of(x)) < 1e-5
 
 

@@ -151,8 +151,21 @@ class EschaConfig(QuantpackConfig):
         """
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
+        from quantpack_core.vllm.compat import routed_experts_class
+
         if isinstance(layer, LinearBase):
             return self.linear_method(self, prefix) if self.coded(prefix) else UnquantizedLinearMethod()
+        experts = routed_experts_class()
+        if experts is not None and isinstance(layer, experts):
+            key = meta_key(prefix) + "."
+            coded = sorted(k for k in self._k if k.startswith(key))
+            if coded:
+                raise LayerLoadError(
+                    f"{prefix}: layer_meta codes its experts ({coded[0]} and {len(coded) - 1} more); escha expert "
+                    "banks (eschamoe packs) are not supported by this version of quantpack-escha-rocm - serve a "
+                    "dense-MLP escha pack, or the model's EXL3 pack with quantpack-exl3"
+                )
+            return None
         return super().get_quant_method(layer, prefix)
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
