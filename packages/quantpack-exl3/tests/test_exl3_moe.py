@@ -118,7 +118,11 @@ def test_mixed_pack_plans_four_k_groups(fixtures_dir):
     method, layer = make_layer()
     load(layer, expert_tensors(fixtures_dir / MIXED))
     method.process_weights_after_loading(layer)
-    assert layer.bank_w13.shape == (E, H, 2 * INTER)
+    from quantpack_core.vllm.cpu_moe import cpu_fused_moe_
+
+    # dense [W1 | W3] per expert: (E, H, 2I) for the project's loop, (E, 2I, H) prepacked for vLLM's CPU MoE kernel
+    cpu_kernel = layer.quant_state.fn is cpu_fused_moe_
+    assert layer.bank_w13.shape == ((E, 2 * INTER, H) if cpu_kernel else (E, H, 2 * INTER))
     assert not hasattr(layer, "w13_trellis")  # placeholders dropped after the bank is built
 
 
