@@ -442,8 +442,11 @@ def test_experts_summed_over_ranks(fixtures_dir, monkeypatch, caplog, tp):
         method.process_weights_after_loading(layer)
         part = method.apply(layer, x, w, ids.to(torch.int32))
         mine = list(range(rank, E, tp))
-        if tp == 2:
-            assert layer.bank_w2.shape == (E, 128, H)  # this rank's intermediate block of every expert
+        if tp == 2:  # this rank's intermediate block of every expert (laid out for vLLM's CPU MoE kernel, or not)
+            from quantpack_core.vllm.cpu_moe import cpu_fused_moe_
+
+            cpu_kernel = layer.quant_state.fn is cpu_fused_moe_
+            assert layer.bank_w2.shape == ((E, H, 128) if cpu_kernel else (E, 128, H))
         elif mine:
             assert layer.bank_w2.shape == (len(mine), 256, H)  # this rank's experts, whole
             vllm_map = determine_expert_map(tp, rank, E, "round_robin")[1]
