@@ -368,7 +368,8 @@ def test_dense_layers_stored_in_pack_converted_once(vllm_layers):
     from quantpack_core.vllm.cpu_linear import CpuGemm
 
     assert len(layer.quant_state.runs) == 1 and not hasattr(layer, "shard1_weight")
-    assert isinstance(layer.quant_state.runs[0].fn, CpuGemm) and layer.shard0_weight.dtype == torch.bfloat16
+    fn = layer.quant_state.runs[0].fn
+    assert isinstance(fn, CpuGemm) and fn.dtype == torch.bfloat16 and fn.shape == (256, 8)
     x = torch.randn(3, 256).to(torch.bfloat16)
     y = layer.quant_method.apply(layer, x)
     assert rel_err(y, x.double() @ torch.cat([wb, wa]).double().T) < 2e-2

@@ -49,10 +49,11 @@ class CpuGemm:
     Attributes:
         handle: its entry in the table the op reads (removed when this object is collected, i.e. with its layer).
         shape: ``(in, out)`` of the weight vLLM packed (what the layer holds, though its parameter may be empty).
+        dtype: the packed weight's dtype (the model dtype).
     """
 
-    def __init__(self, gemm: Callable, shape: tuple[int, int]):
-        self.shape = shape
+    def __init__(self, gemm: Callable, shape: tuple[int, int], dtype: torch.dtype):
+        self.shape, self.dtype = shape, dtype
         self.handle = next(_ids)
         _GEMMS[self.handle] = gemm
         weakref.finalize(self, _GEMMS.pop, self.handle, None)
@@ -74,5 +75,5 @@ def pack(prepared: PreparedShard) -> PreparedShard:
     holder = torch.nn.Module()
     holder.weight = torch.nn.Parameter(w.t().contiguous(), requires_grad=False)
     dispatch_cpu_unquantized_gemm(holder, remove_weight=True)
-    gemm = CpuGemm(holder.cpu_linear, tuple(w.shape))
+    gemm = CpuGemm(holder.cpu_linear, tuple(w.shape), w.dtype)
     return PreparedShard(gemm, {"weight": holder.weight.data}, prepared.out_features)
