@@ -126,6 +126,34 @@ def padded(features: int, block: int = HAD_BLOCK) -> int:
     return (features + block - 1) // block * block
 
 
+def padding_error(
+    stored: tuple[int, int], in_features: int, out_features: int, is_lm_head: bool, stores: str
+) -> str | None:
+    """The geometry rule of the trellis formats (EXL3, escha): stored sizes are the logical ones rounded up to
+    whole 128-feature blocks, and a head's stored rows may exceed its vocabulary by less than one block (the pack pads
+    the vocabulary, vLLM pads it to a multiple of 64).
+
+    Args:
+        stored: ``(k, n)`` stored input and output features.
+        in_features, out_features: the model layer's logical sizes.
+        is_lm_head: the layer is the head.
+        stores: how the message describes the stored matrix, with ``{k}`` / ``{n}`` (e.g. ``"stores a {k}x{n} (in x
+            out) EXL3 matrix"``).
+
+    Returns:
+        None when the stored sizes fit the layer, else why not (the stored and the wanted sizes).
+    """
+    k, n = stored
+    want_k, want_n = padded(in_features), padded(out_features)
+    ok_n = n == want_n or (is_lm_head and n >= out_features and n - out_features < HAD_BLOCK)
+    if k == want_k and ok_n:
+        return None
+    return (
+        f"{stores.format(k=k, n=n)}, the model's layer needs {in_features}x{out_features} (stored as "
+        f"{want_k}x{want_n} after padding to {HAD_BLOCK})"
+    )
+
+
 def check_rank(tp_size: int, tp_rank: int) -> None:
     """Raise ``ValueError`` unless ``0 <= tp_rank < tp_size`` and ``tp_size >= 1``."""
     if tp_size < 1 or not 0 <= tp_rank < tp_size:

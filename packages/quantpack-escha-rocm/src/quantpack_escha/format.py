@@ -17,7 +17,7 @@ import torch
 
 from quantpack_core.codec import HAD_BLOCK
 from quantpack_core.kernels import LinearSpec, Platform
-from quantpack_core.tp import TpCut, padded
+from quantpack_core.tp import TpCut, padding_error
 
 from .codec import CODE, CODEBOOK, EschaTensors, cut_tensors
 
@@ -53,14 +53,8 @@ class EschaFormat:
     def geometry_error(self, shard: EschaTensors, in_features: int, out_features: int, is_lm_head: bool) -> str | None:
         """Stored sizes must be the logical ones rounded up to 128 (a head's rows may exceed its vocabulary by less
         than one block)."""
-        k, n = shard.stored_shape
-        want_k, want_n = padded(in_features), padded(out_features)
-        ok_n = n == want_n or (is_lm_head and n >= out_features and n - out_features < HAD_BLOCK)
-        if k == want_k and ok_n:
-            return None
-        return (
-            f"codes a {k}x{n} (in x out) matrix, the model's layer needs {in_features}x{out_features} (stored as "
-            f"{want_k}x{want_n} after padding to {HAD_BLOCK})"
+        return padding_error(
+            shard.stored_shape, in_features, out_features, is_lm_head, "codes a {k}x{n} (in x out) matrix"
         )
 
     def cut(self, shard: EschaTensors, cut: TpCut) -> EschaTensors:

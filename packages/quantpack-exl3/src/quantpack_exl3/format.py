@@ -20,7 +20,7 @@ import torch
 from quantpack_core.codec import HAD_BLOCK, Exl3Tensors, cut_tensors
 from quantpack_core.kernels import ExpertSpec, LinearSpec, Platform
 from quantpack_core.moe import Exl3MoeBank, bank_from_tensors
-from quantpack_core.tp import TpCut, padded
+from quantpack_core.tp import TpCut, padding_error
 
 
 class Exl3Format:
@@ -56,14 +56,8 @@ class Exl3Format:
     def geometry_error(self, shard: Exl3Tensors, in_features: int, out_features: int, is_lm_head: bool) -> str | None:
         """Stored sizes must be the logical ones rounded up to 128; a head's stored rows may exceed its vocabulary
         by less than one block (exllamav3 pads the vocabulary, vLLM pads it to a multiple of 64)."""
-        k, n = shard.padded_shape
-        want_k, want_n = padded(in_features), padded(out_features)
-        ok_n = n == want_n or (is_lm_head and n >= out_features and n - out_features < HAD_BLOCK)
-        if k == want_k and ok_n:
-            return None
-        return (
-            f"stores a {k}x{n} (in x out) EXL3 matrix, the model's layer needs {in_features}x{out_features} (stored "
-            f"as {want_k}x{want_n} after padding to {HAD_BLOCK})"
+        return padding_error(
+            shard.padded_shape, in_features, out_features, is_lm_head, "stores a {k}x{n} (in x out) EXL3 matrix"
         )
 
     def cut(self, shard: Exl3Tensors, cut: TpCut) -> Exl3Tensors:
