@@ -1,15 +1,14 @@
 """Tier 2, end to end: the escha pack converted from the mcg llama-tiny fixture served by vLLM on CPU (float32),
 against the source EXL3 pack's reference logits (exllamav3's), with and without biases in the pack (loaded into the
 model's bias parameters, never applied); and small bad packs that must fail at load with the module, the tensor and
-the fix named. All jobs run in one vLLM process (``tests/vllm_e2e.py``)."""
+the fix named. All jobs run in one vLLM process (``tests/e2e_runner.py``)."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from e2e_runner import get, run_runner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -17,7 +16,6 @@ from quantpack_escha.convert import escha_from_exl3
 
 pytest.importorskip("vllm")
 
-RUNNER = Path(__file__).resolve().parents[3] / "tests" / "vllm_e2e.py"
 SOURCE = "llama-tiny-exl3-4.0bpw-mcg"
 
 
@@ -66,26 +64,7 @@ def results(fixtures_dir, tmp_path_factory):
             "pack": str(edited(plain, tmp / "unpaired", drop=("lm_head.weight_scale",))),
         },
     }
-    ids = list(jobs)
-    (tmp / "jobs.json").write_text(json.dumps([jobs[i] for i in ids]))
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(tmp / "jobs.json"), str(tmp / "results.json")],
-        capture_output=True, text=True, timeout=1500,
-    )  # fmt: skip
-    if not (tmp / "results.json").exists():
-        pytest.fail(f"the vLLM runner produced nothing (rc {proc.returncode}):\n{proc.stderr[-8000:]}")
-    out = {i: r["result"] for i, r in zip(ids, json.loads((tmp / "results.json").read_text()), strict=False)}
-    out["_log"] = proc.stderr[-8000:]
-    return out
-
-
-def get(results, key):
-    res = results.get(key)
-    if res is None:
-        pytest.fail(f"job {key} did not run; runner log tail:\n{results['_log']}")
-    if "failed" in res:
-        pytest.fail(f"job {key} failed: {res['failed']}\n{res.get('traceback', '')}")
-    return res
+    return run_runner(jobs, tmp, timeout=1500)
 
 
 @pytest.mark.parametrize("job", ["plain", "biased"])

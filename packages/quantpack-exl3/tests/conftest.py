@@ -32,24 +32,6 @@ def vllm_layers():
         cleanup_dist_env_and_memory()
 
 
-FIGURES: list[str] = []
-
-
-@pytest.fixture(scope="session")
-def figures():
-    """Tests append the figures they measured; they are printed at the end of the run."""
-    return FIGURES
-
-
-def pytest_terminal_summary(terminalreporter):
-    if FIGURES:
-        import vllm as _vllm
-
-        terminalreporter.section(f"measured (vllm {_vllm.__version__})")
-        for line in FIGURES:
-            terminalreporter.write_line(line)
-
-
 @pytest.fixture(scope="session")
 def e2e(fixtures_dir, tmp_path_factory):
     """Results of every end-to-end vLLM job (see e2e_jobs.py), run once per session in one vLLM process."""

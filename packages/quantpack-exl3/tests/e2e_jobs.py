@@ -1,16 +1,14 @@
 """The end-to-end jobs the vLLM tests share (run once per session by conftest's ``e2e`` fixture through
 vllm_e2e.py)."""
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
+from e2e_runner import get, run_runner  # noqa: F401  (re-exported: the tests import them from here)
 
 LLAMA_PACKS = [
     "llama-tiny-exl3-4.0bpw-mul1",
@@ -41,7 +39,6 @@ STDLIB_FILES = [
     "calendar.py",
     "statistics.py",
 ]
-RUNNER = Path(__file__).resolve().parents[3] / "tests" / "vllm_e2e.py"  # shared by every package's e2e tests
 
 
 def stdlib_tokens(tokenizer_json: Path, rows: int = 8, length: int = 256) -> list[list[int]]:
@@ -72,43 +69,11 @@ def broken_pack(fixtures_dir: Path, dst: Path) -> Path:
     return dst
 
 
-def run_runner(jobs: dict[str, dict], tmp: Path, timeout: float) -> dict:
-    """Hand ``{job id: job}`` to one run of vllm_e2e.py; returns ``{job id: result}`` plus ``_log`` (its stderr
-    tail). Fails the calling test when the runner produced nothing. With ``QUANTPACK_E2E_ONLY`` set
-    (comma-separated), only the jobs whose id contains one of its strings run (select the tests with ``-k``)."""
-    # re-runs on a GPU: just the jobs whose id contains one of these comma-separated strings
-    only = [s for s in os.environ.get("QUANTPACK_E2E_ONLY", "").split(",") if s]
-    ids = [i for i in jobs if not only or any(s in i for s in only)]
-    (tmp / "jobs.json").write_text(json.dumps([jobs[i] for i in ids]))
-    proc = subprocess.run(
-        [sys.executable, str(RUNNER), str(tmp / "jobs.json"), str(tmp / "results.json")],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if not (tmp / "results.json").exists():
-        pytest.fail(f"the vLLM runner produced nothing (rc {proc.returncode}):\n{proc.stderr[-8000:]}")
-    results = json.loads((tmp / "results.json").read_text())
-    out = {i: r["result"] for i, r in zip(ids, results, strict=False)}
-    out["_log"] = proc.stderr[-8000:]
-    return out
-
-
 def per_position_kl(ref_logits: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
     """KL(reference || served) per position, nats: ``ref_logits (1, T, V)`` (logits or log-probabilities) against
     ``lp (T', V)`` log-probabilities, over the first ``T'`` positions, in float64."""
     a = ref_logits[0, : lp.shape[0]].double().log_softmax(-1)
     return (a.exp() * (a - lp.double())).sum(-1)
-
-
-def get(results: dict, key: str) -> dict:
-    """One job's result; fails the test when the job did not run or raised."""
-    res = results.get(key)
-    if res is None:
-        pytest.fail(f"job {key} did not run; runner log tail:\n{results['_log']}")
-    if "failed" in res:
-        pytest.fail(f"job {key} failed: {res['failed']}\n{res['traceback']}")
-    return res
 
 
 def run_jobs(fixtures_dir: Path, tmp: Path) -> dict:

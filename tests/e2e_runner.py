@@ -1,0 +1,44 @@
+"""Running end-to-end vLLM jobs from tests: every package's e2e tests hand their jobs to one run of
+``vllm_e2e.py`` (this folder) and read its results (the repository's conftest.py puts this folder on the path)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RUNNER = Path(__file__).with_name("vllm_e2e.py")
+
+
+def run_runner(jobs: dict[str, dict], tmp: Path, timeout: float) -> dict:
+    """Hand ``{job id: job}`` to one run of vllm_e2e.py; returns ``{job id: result}`` plus ``_log`` (its stderr
+    tail). Fails the calling test when the runner produced nothing. With ``QUANTPACK_E2E_ONLY`` set
+    (comma-separated), only the jobs whose id contains one of its strings run (select the tests with ``-k``)."""
+    # re-runs on a GPU: just the jobs whose id contains one of these comma-separated strings
+    only = [s for s in os.environ.get("QUANTPACK_E2E_ONLY", "").split(",") if s]
+    ids = [i for i in jobs if not only or any(s in i for s in only)]
+    (tmp / "jobs.json").write_text(json.dumps([jobs[i] for i in ids]))
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), str(tmp / "jobs.json"), str(tmp / "results.json")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if not (tmp / "results.json").exists():
+        pytest.fail(f"the vLLM runner produced nothing (rc {proc.returncode}):\n{proc.stderr[-8000:]}")
+    results = json.loads((tmp / "results.json").read_text())
+    out = {i: r["result"] for i, r in zip(ids, results, strict=False)}
+    out["_log"] = proc.stderr[-8000:]
+    return out
+
+
+def get(results: dict, key: str) -> dict:
+    """One job's result; fails the test when the job did not run or raised."""
+    res = results.get(key)
+    if res is None:
+        pytest.fail(f"job {key} did not run; runner log tail:\n{results['_log']}")
+    if "failed" in res:
+        pytest.fail(f"job {key} failed: {res['failed']}\n{res['traceback']}")
+    return res
