@@ -19,24 +19,10 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
+    from quantpack_core.vllm.config import register_config
 
     from .config import EschaConfig
 
-    if "escha" in QUANTIZATION_METHODS:
-        from vllm.model_executor.layers.quantization import get_quantization_config
-
-        existing = get_quantization_config("escha")
-        if existing is not EschaConfig:
-            logger.warning(
-                "quantpack-escha: replacing the 'escha' quantization method registered by %s.%s",
-                existing.__module__,
-                existing.__qualname__,
-            )
-    register_quantization_config("escha")(EschaConfig)
-
-    from quantpack_core.vllm.layers import patch_embedding_constructors
-
-    patch_embedding_constructors()
+    register_config(EschaConfig)
     _registered = True
     logger.info("quantpack-escha: quant_method 'escha' registered")

@@ -74,24 +74,10 @@ def register() -> None:
             "comma-separated)"
         )
 
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
+    from quantpack_core.vllm.config import register_config
 
     from .config import Exl3Config
 
-    if "exl3" in QUANTIZATION_METHODS:
-        from vllm.model_executor.layers.quantization import get_quantization_config
-
-        existing = get_quantization_config("exl3")
-        if existing is not Exl3Config:
-            logger.warning(
-                "quantpack-exl3: replacing the 'exl3' quantization method registered by %s.%s",
-                existing.__module__,
-                existing.__qualname__,
-            )
-    register_quantization_config("exl3")(Exl3Config)
-
-    from quantpack_core.vllm.layers import patch_embedding_constructors
-
-    patch_embedding_constructors()
+    register_config(Exl3Config)
     _registered = True
     logger.info("quantpack-exl3: quant_method 'exl3' registered")
