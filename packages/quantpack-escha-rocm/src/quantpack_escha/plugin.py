@@ -19,7 +19,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from quantpack_core.vllm.config import register_config
+    from quantpack_core.vllm.plugin import register_config
 
     from .config import EschaConfig
 

@@ -74,7 +74,7 @@ def register() -> None:
             "comma-separated)"
         )
 
-    from quantpack_core.vllm.config import register_config
+    from quantpack_core.vllm.plugin import register_config
 
     from .config import Exl3Config
 

@@ -361,31 +361,3 @@ class QuantpackConfig(QuantizationConfig):
                 )
             return self.moe_method(layer.moe_config, self, prefix)
         return None
-
-
-def register_config(config_cls: type[QuantpackConfig]) -> None:
-    """Register a format's config class with vLLM under its format's name (a plugin's ``register``), warning when it
-    replaces a class another package registered under that name, and wrap the embedding / head constructors
-    (:func:`~.layers.patch_embedding_constructors`). Idempotent. Follows vLLM's ``register_quantization_config``
-    (``vllm/model_executor/layers/quantization/__init__.py``)."""
-    from vllm.model_executor.layers.quantization import (
-        QUANTIZATION_METHODS,
-        get_quantization_config,
-        register_quantization_config,
-    )
-
-    from .layers import patch_embedding_constructors
-
-    name = config_cls.get_name()
-    if name in QUANTIZATION_METHODS:
-        existing = get_quantization_config(name)
-        if existing is not config_cls:
-            logger.warning(
-                "%s: replacing the '%s' quantization method registered by %s.%s",
-                config_cls.title,
-                name,
-                existing.__module__,
-                existing.__qualname__,
-            )
-    register_quantization_config(name)(config_cls)
-    patch_embedding_constructors()
