@@ -89,6 +89,8 @@ def test_split_plan_fills_the_gpu_when_k_allows(lib):
     """One row of a 4096 -> 1024 layer (8 column blocks) is split until about the target number of CTAs."""
     assert lib.qp_trellis_mma_splits(1, 4096, 1024, 264, PARTIAL_FLOATS, COUNTERS) == 32
     assert lib.qp_trellis_mma_splits(1, 4096, 128256, 264, PARTIAL_FLOATS, COUNTERS) == 1
+    # whole waves: 112 column blocks (14336 columns) at 528 slots take 4 splits (448 CTAs), not 5 (560: a second wave)
+    assert lib.qp_trellis_mma_splits(1, 4096, 14336, 528, PARTIAL_FLOATS, COUNTERS) == 4
     # 16 rows: at most 128 partial rows per column block (8 splits), however few the column blocks
     assert lib.qp_trellis_mma_splits(16, 4096, 1024, 264, PARTIAL_FLOATS, COUNTERS) == 8
 

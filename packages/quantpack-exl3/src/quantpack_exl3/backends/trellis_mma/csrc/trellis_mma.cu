@@ -583,8 +583,10 @@ int dispatch(const Params& p, int codebook, int k2, dim3 grid, cudaStream_t s) {
 }  // namespace qp
 
 // Plan of one call: how many CTAs split k, given the column blocks (n: all shards' stored columns) and row chunks.
-// Enough splits for about target_ctas CTAs, whole 128-column blocks per split, up to 16 rows at most TAIL_ROWS partial
-// rows summed by a column block's last CTA (splits x rows), and the partials and counters within the workspace.
+// As many splits as keep the grid within target_ctas CTAs (one wave: a grid just above it, e.g. 560 CTAs for 528
+// slots, would run a second wave of a few CTAs that the whole call waits for), whole 128-column blocks per split, up
+// to 16 rows at most TAIL_ROWS partial rows summed by a column block's last CTA (splits x rows), and the partials and
+// counters within the workspace.
 QP_API int qp_trellis_mma_splits(int rows, int k, int n, int target_ctas, long long partial_floats,
                                  long long counters) {
     const int mb_rows = rows <= 16 ? 16 : 64;
@@ -592,7 +594,7 @@ QP_API int qp_trellis_mma_splits(int rows, int k, int n, int target_ctas, long l
     const int ktiles = k / 16, nbk = n / qp::BLOCK_N;
     const int mrows = rows < mb_rows ? rows : mb_rows;
     const long long ctas = (long long)nbk * chunks;
-    int splits = (int)((target_ctas + ctas - 1) / ctas);
+    int splits = (int)(target_ctas / ctas);
     const int max_splits = ktiles / 8;
     if (splits > max_splits) splits = max_splits;
     if (rows <= 16 && splits > qp::TAIL_ROWS / mrows) splits = qp::TAIL_ROWS / mrows;
