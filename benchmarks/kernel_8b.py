@@ -14,7 +14,10 @@ same way, and the GPU's copy bandwidth is measured in the same run: the bandwidt
 
 Writes a JSON record (``--json``, default ``benchmarks/results/kernel_8b.json``); ``benchmarks/plot_kernels.py``
 draws it. Usage (GPU machine, after ci/gpu/setup.sh): ``source ci/gpu/env.sh && python3 benchmarks/kernel_8b.py
-[--rows 1,4,16,64,256] [--kernels exllamav3,trellis_mma] [--codebook mul1] [--no-dense]``.
+[--rows 1,4,16,64,256] [--kernels exllamav3,trellis_mma] [--codebook mul1] [--layer-k 4] [--no-dense]``.
+
+The escha line (quantpack-escha-rocm's Triton kernel against the EXL3 kernels on the same trellis, read as an escha
+code: docs/escha-format.md): ``--codebook mcg --kernels exllamav3,trellis_mma,escha_triton --layer-k 2``.
 """
 
 from __future__ import annotations
@@ -43,16 +46,40 @@ LAYER_K, HEAD_K = 4.0, 6.0
 REPLAYS = 20
 
 
+#: record key of quantpack-escha-rocm's Triton kernel, timed on the same trellis as an escha stack (``--kernels``)
+ESCHA_TRITON = "escha_triton"
+
+
 def kernel_classes() -> dict:
-    """Name -> linear kernel class of every CUDA kernel."""
+    """Name -> linear kernel class of every CUDA kernel (EXL3's, and escha's Triton kernel when quantpack-escha-rocm
+    is installed, under :data:`ESCHA_TRITON`)."""
     from quantpack_exl3.backends.exllamav3 import Exllamav3LinearKernel
     from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel
 
-    return {k.name: k for k in (Exllamav3LinearKernel, TrellisMmaLinearKernel)}
+    classes = {k.name: k for k in (Exllamav3LinearKernel, TrellisMmaLinearKernel)}
+    try:
+        from quantpack_escha.backends.triton import EschaTritonLinearKernel
+    except ImportError:
+        return classes
+    classes[ESCHA_TRITON] = EschaTritonLinearKernel
+    return classes
 
 
-def make_stack(codebook: str, device: torch.device) -> list[tuple[str, object]]:
-    """The 225 shards as ``(class, Exl3Tensors)`` on the GPU, layer by layer, head last."""
+def as_escha(t):
+    """The same layer as an escha shard (docs/escha-format.md; as ``quantpack escha-from-exl3`` converts): code =
+    trellis, ``rin = suh / sqrt(128)`` and ``rout = svh / sqrt(128)`` (escha's Hadamard transforms are unnormalized),
+    s_in and s_out ones; the codebook must be mcg (escha's)."""
+    from quantpack_escha.codec import HAD_GAIN, EschaTensors
+
+    ones_in = torch.ones_like(t.suh, dtype=torch.float16)
+    ones_out = torch.ones_like(t.svh, dtype=torch.float16)
+    rin, rout = (t.suh.float() / HAD_GAIN).half(), (t.svh.float() / HAD_GAIN).half()
+    return EschaTensors(code=t.trellis, rin=rin, s_in=ones_in, rout=rout, s_out=ones_out)
+
+
+def make_stack(codebook: str, device: torch.device, layer_k: float = None) -> list[tuple[str, object]]:
+    """The 225 shards as ``(class, Exl3Tensors)`` on the GPU, layer by layer, head last (layers at ``layer_k``,
+    default :data:`LAYER_K`)."""
     from quantpack_core.codec import Exl3Tensors
     from quantpack_core.synthetic import random_exl3_layer
 
@@ -60,7 +87,7 @@ def make_stack(codebook: str, device: torch.device) -> list[tuple[str, object]]:
     stack = []
     for _ in range(LAYERS):
         for cls, i, o in LAYER_SHARDS:
-            t = random_exl3_layer(i, o, LAYER_K, codebook, generator=g, device=device)
+            t = random_exl3_layer(i, o, layer_k or LAYER_K, codebook, generator=g, device=device)
             stack.append((cls, Exl3Tensors.from_tensors(t)))
     t = random_exl3_layer(HIDDEN, VOCAB, HEAD_K, codebook, generator=g, device=device)
     stack.append(("head", Exl3Tensors.from_tensors(t)))
@@ -117,10 +144,15 @@ def bench_kernel(kernel, stack, rows_list, device) -> dict:
     from quantpack_exl3.format import EXL3
 
     plat = device_platform()
+    fmt = EXL3
+    if kernel is kernel_classes().get(ESCHA_TRITON):
+        from quantpack_escha.format import ESCHA
+
+        fmt, stack = ESCHA, [(cls, as_escha(t)) for cls, t in stack]
     prepared = []
     for cls, t in stack:
-        k, n = t.padded_shape
-        spec = EXL3.spec(t, plat, k, n, torch.float16, TP_WHOLE)
+        k, n = fmt.stored_shape(t)
+        spec = fmt.spec(t, plat, k, n, torch.float16, TP_WHOLE)
         ok, why = kernel.can_implement(spec)
         if not ok:
             return {"skipped": why}
@@ -202,6 +234,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,16,64,256")
     ap.add_argument("--kernels", default="exllamav3,trellis_mma")
     ap.add_argument("--codebook", default="mul1")
+    ap.add_argument("--layer-k", type=float, default=LAYER_K, help="K of the layers' shards (the head stays K=6)")
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--json", type=Path, default=Path(__file__).with_name("results") / "kernel_8b.json")
     args = ap.parse_args()
@@ -210,7 +243,7 @@ def main() -> None:
     bw = copy_bandwidth(device)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     t0 = time.time()
-    stack = make_stack(args.codebook, device)
+    stack = make_stack(args.codebook, device, args.layer_k)
     nbytes = sum(shard_bytes(t) for _, t in stack)
     print(f"stack: {len(stack)} shards, {nbytes / 1e9:.3f} GB, made in {time.time() - t0:.1f} s", flush=True)
     record = {
@@ -219,7 +252,7 @@ def main() -> None:
         "host": platform.node(),
         "date": time.strftime("%Y-%m-%d"),
         "codebook": args.codebook,
-        "layer_k": LAYER_K,
+        "layer_k": args.layer_k,
         "head_k": HEAD_K,
         "copy_bandwidth_Bps": bw,
         "exl3_bytes": nbytes,
@@ -231,7 +264,13 @@ def main() -> None:
 
     ops.delegate_rows = 0  # trellis_mma's own kernels at every row count (the served op hands large calls over)
     for name in args.kernels.split(","):
-        kernel = classes[name]
+        kernel = classes.get(name)
+        if kernel is None:
+            record["kernels"][name] = {"skipped": f"not installed here (known: {', '.join(classes)})"}
+            continue
+        if name == ESCHA_TRITON and args.codebook != "mcg":
+            record["kernels"][name] = {"skipped": "escha is the mcg codebook: run with --codebook mcg"}
+            continue
         ok, why = kernel.available(device_platform())
         record["kernels"][name] = bench_kernel(kernel, stack, rows_list, device) if ok else {"skipped": why}
         torch.cuda.empty_cache()
