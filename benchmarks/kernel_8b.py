@@ -77,7 +77,7 @@ def as_escha(t):
     return EschaTensors(code=t.trellis, rin=rin, s_in=ones_in, rout=rout, s_out=ones_out)
 
 
-def make_stack(codebook: str, device: torch.device, layer_k: float = None) -> list[tuple[str, object]]:
+def make_stack(codebook: str, device: torch.device, layer_k: float | None = None) -> list[tuple[str, object]]:
     """The 225 shards as ``(class, Exl3Tensors)`` on the GPU, layer by layer, head last (layers at ``layer_k``,
     default :data:`LAYER_K`)."""
     from quantpack_core.codec import Exl3Tensors

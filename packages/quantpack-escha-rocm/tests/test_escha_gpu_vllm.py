@@ -1,0 +1,81 @@
+"""GPU tier, end to end: escha packs converted (``quantpack escha-from-exl3``) from the bundled mcg EXL3 packs, served
+by vLLM's CUDA build through the plugin with the escha Triton kernel, float16, eager and with torch.compile + CUDA
+graphs: prompt logprobs against the source pack's reference logits (exllamav3's own forward; for a Qwen3.5 source
+without them, the core codec's dequantized source weights in transformers, float32).
+
+The packs: llama-tiny 4.0 bpw; llama-tiny with every gate_proj at K=2 and up_proj at K=3 (vLLM's merged
+gate_up_proj runs two K in one layer); the Qwen3.5 text model (Gated DeltaNet layers). The int8 embedding and head
+of an escha pack add their rounding to the trellis's, hence the bound of docs/escha-format.md (KL <= 5e-4).
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from e2e_runner import get, run_runner
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier: nox -s gpu-tests)"),
+]
+
+SOURCES = ["llama-tiny-exl3-4.0bpw-mcg", "llama-tiny-exl3-mcg-k2k3", "qwen3_5-tiny-exl3-4.0bpw-mcg"]
+#: the slim vLLM bundle of the GPU machine has no FlashAttention / FlashInfer binaries (ci/gpu/README.md)
+LLM_KWARGS = {
+    "attention_backend": "TRITON_ATTN",
+    "gpu_memory_utilization": 0.15,
+    "max_num_seqs": 8,
+    "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8]},
+    "additional_config": {"gdn_prefill_backend": "triton"},
+}
+
+
+def reference(fixtures_dir: Path, source: str, tmp: Path) -> str:
+    """The source pack's reference_logits.pt, or (without one) its dense core-codec weights in transformers."""
+    path = fixtures_dir / source / "reference_logits.pt"
+    if path.exists():
+        return str(path)
+    from quantpack_core.reference import dense_transformers_model
+
+    model = dense_transformers_model(
+        fixtures_dir / source, "Qwen3_5ForCausalLM", rename=("model.language_model.", "model.")
+    )
+    ids = torch.load(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1" / "reference_logits.pt")["input_ids"]
+    with torch.no_grad():
+        logits = model.cuda()(ids.cuda()).logits.float().cpu()
+    out = tmp / f"{source}.reference.pt"
+    torch.save({"input_ids": ids, "logits": logits}, out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def results(fixtures_dir, tmp_path_factory):
+    from quantpack_escha.convert import escha_from_exl3
+
+    tmp = tmp_path_factory.mktemp("escha_gpu_e2e")
+    jobs = {}
+    for source in SOURCES:
+        pack = escha_from_exl3(fixtures_dir / source, tmp / source).out_dir
+        base = {"kind": "logits", "pack": str(pack), "dtype": "float16", "llm_kwargs": LLM_KWARGS}
+        base["reference"] = reference(fixtures_dir, source, tmp)
+        jobs[f"{source}/eager"] = dict(base, eager=True)
+        jobs[f"{source}/graphs"] = dict(base, eager=False)
+    return run_runner(jobs, tmp, timeout=1800)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graphs"])
+@pytest.mark.parametrize("source", SOURCES)
+def test_converted_packs_on_cuda(results, figures, source, mode):
+    res = get(results, f"{source}/{mode}")
+    figures.append(f"GPU escha {source} float16 {mode}: KL {res['kl']:.3g}, top-1 {100 * res['top1']:.2f}%")
+    assert res["kl"] <= 5e-4 and res["top1"] >= 0.97
+    assert all("EschaInt8Embedding" in m["method"] for m in res["vocab_modules"].values()), res["vocab_modules"]
+
+
+def test_the_merged_gate_up_holds_two_k(fixtures_dir):
+    """The K=2 / K=3 source really codes gate_proj and up_proj at different K (what the pack above exercises)."""
+    import json
+
+    storage = json.loads((fixtures_dir / SOURCES[1] / "quantization_config.json").read_text())["tensor_storage"]
+    ks = {k.rsplit(".", 1)[-1]: v.get("bits_per_weight") for k, v in storage.items() if ".mlp." in k}
+    assert (ks["gate_proj"], ks["up_proj"], ks["down_proj"]) == (2, 3, 4), ks
