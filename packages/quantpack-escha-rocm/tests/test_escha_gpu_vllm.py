@@ -31,15 +31,19 @@ LLM_KWARGS = {
 
 
 def reference(fixtures_dir: Path, source: str, tmp: Path) -> str:
-    """The source pack's reference_logits.pt, or (without one) its dense core-codec weights in transformers."""
+    """The source pack's reference_logits.pt, or (without one) its dense core-codec weights in transformers
+    (float32, on the GPU), on the llama fixture's 128 reference ids."""
     path = fixtures_dir / source / "reference_logits.pt"
     if path.exists():
         return str(path)
     from quantpack_core.reference import dense_transformers_model
 
-    model = dense_transformers_model(
-        fixtures_dir / source, "Qwen3_5ForCausalLM", rename=("model.language_model.", "model.")
-    )
+    if source.startswith("qwen3_5"):  # the text-only class of a Qwen3.5 pack
+        model = dense_transformers_model(
+            fixtures_dir / source, "Qwen3_5ForCausalLM", rename=("model.language_model.", "model.")
+        )
+    else:
+        model = dense_transformers_model(fixtures_dir / source)
     ids = torch.load(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1" / "reference_logits.pt")["input_ids"]
     with torch.no_grad():
         logits = model.cuda()(ids.cuda()).logits.float().cpu()
