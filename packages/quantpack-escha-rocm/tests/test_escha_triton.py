@@ -1,7 +1,9 @@
 """The escha Triton kernels, run under Triton's interpreter on CPU (in a fresh process: ``triton_cases.py``) against
 the escha codec's fp64 reference: every integer K, padded layers (input zero-extended, output trimmed), rows below,
 at and above a program's 16 and above a launch's piece (pieces of 24 rows here), every model dtype, only the shard's
-columns written. The kernels on a GPU (CUDA, ROCm) were not run in this version."""
+columns written; and both kernels compiled ahead of time for CUDA sm_90 and ROCm gfx1201 (the interpreter accepts code
+that compiled Triton refuses). Their first H200 run (2026-12-02) failed to compile on a non-constexpr global, which
+the compile test now catches here; the fixed kernels have not run on a GPU yet."""
 
 import json
 import os
@@ -52,3 +54,35 @@ def test_opcheck(results):
     """``torch.library.opcheck`` of ``quantpack::escha_triton_`` (schema, fake implementation, tracing), under the
     interpreter (quantpack-exl3's tests list it among the project's ops)."""
     assert results[-1] == {"opcheck": "passed"}
+
+
+#: (target, K, activation dtype) compiled ahead of time below: both GPU kinds the kernel serves, K at both ends and
+#: in the middle, each model dtype once
+COMPILED = [("cuda", k, "fp16") for k in (1, 2, 3, 8)] + [("cuda", 2, "bf16"), ("cuda", 2, "fp32"), ("hip", 2, "fp16")]
+
+
+@pytest.mark.parametrize("target,k,act", COMPILED)
+def test_kernels_compile_for_hopper_and_gfx1201(target, k, act):
+    """The interpreter runs kernels as Python, so it takes what compiled Triton refuses (a non-constexpr global, say):
+    compile both kernels to device code here (CUDA sm_90 cubin, ROCm gfx1201 code object; no GPU needed) with the
+    argument types the op passes them (``ops.run_escha_triton``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from quantpack_escha.backends.triton import escha_triton as et
+    from quantpack_escha.backends.triton.ops import BK, BM
+
+    gpu = GPUTarget("cuda", 90, 32) if target == "cuda" else GPUTarget("hip", "gfx1201", 32)
+    i32 = "i32"
+    inputs = {"x_ptr": f"*{act}", "a_ptr": "*fp32", "h_ptr": "*fp32", "xt_ptr": "*fp16", "rows": i32, "width": i32}
+    inputs |= {"k": i32, "x_stride": i32, "BM": "constexpr"}
+    gemm = {"xt_ptr": "*fp16", "code_ptr": "*i32", "place_ptr": "*i32", "h_ptr": "*fp32", "b_ptr": "*fp32"}
+    gemm |= {"out_ptr": f"*{act}", "rows": i32, "k": i32, "n": i32, "out_stride": i32, "col": i32}
+    gemm |= {"out_features": i32, "KBITS": "constexpr", "BM": "constexpr", "BK": "constexpr"}
+    for fn, sig, consts in (
+        (et.input_kernel, inputs, {"BM": BM}),
+        (et.gemm_kernel, gemm, {"KBITS": k, "BM": BM, "BK": BK}),
+    ):
+        binary = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=gpu)
+        assert binary.asm.get("cubin" if target == "cuda" else "hsaco"), f"{fn.__name__}: no device code"

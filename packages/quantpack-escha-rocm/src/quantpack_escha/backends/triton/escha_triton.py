@@ -19,9 +19,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-MCG_MULT = 0xCBAC1FED
-HALF_MASK = 0x8FFF8FFF
-HALF_XOR = 0x3B603B60
+# tl.constexpr: compiled Triton kernels read only constexpr globals (the interpreter reads any)
+MCG_MULT = tl.constexpr(0xCBAC1FED)
+HALF_MASK = tl.constexpr(0x8FFF8FFF)
+HALF_XOR = tl.constexpr(0x3B603B60)
 
 
 @triton.jit

@@ -38,6 +38,8 @@ _workspaces: dict[tuple[str, int | None], Workspace] = {}
 def reserve(device: torch.device, k: int) -> Workspace:
     """The workspace of ``device``, created or widened for a shard of ``k`` input features (call at load)."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" is the current device: what a call's x.device names
+        device = torch.device(device.type, torch.cuda.current_device())
     key = (device.type, device.index)
     ws = _workspaces.get(key)
     if ws is None:
