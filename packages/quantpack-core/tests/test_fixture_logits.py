@@ -14,6 +14,7 @@ LLAMA_PACKS = [
     "llama-tiny-exl3-4.0bpw-mcg",
     "llama-tiny-exl3-3.0bpw-3inst-h8",
     "llama-tiny-exl3-2.5bpw-mul1",
+    "llama-tiny-exl3-mcg-k2k3",
 ]
 
 
@@ -40,6 +41,22 @@ def test_qwen3_5_pack_loads_completely_into_transformers(fixtures_dir):
         out = model(ids, labels=ids)
     # trained to about 2.26 nats on held-out Python source (REPORT.json); an undecodable pack gives ~ln(1024) = 6.9
     assert out.loss.item() < 3.5
+
+
+def test_qwen3_5_mcg_pack_reproduces_exllamav3_logits(fixtures_dir):
+    """The Qwen3.5 mcg pack (fixtures/tools/make_mcg_packs.py; escha's GPU tests convert it) carries exllamav3's own
+    logits: the core codec's weights in transformers reproduce them (measured KL 2.1e-5, top-1 100%)."""
+    name = "qwen3_5-tiny-exl3-4.0bpw-mcg"
+    ref = torch.load(fixtures_dir / name / "reference_logits.pt")
+    model = dense_transformers_model(
+        fixtures_dir / name, "Qwen3_5ForCausalLM", rename=("model.language_model.", "model.")
+    )
+    with torch.no_grad():
+        logits = model(ref["input_ids"]).logits
+    a = agreement(ref["logits"], logits)
+    print(f"{name}: {a}")
+    assert a.kl <= 1e-4
+    assert a.top1 >= 0.99
 
 
 def test_qwen3_next_pack_reproduces_exllamav3_logits(fixtures_dir):
