@@ -19,7 +19,7 @@ if compgen -G ".stage/nox/*.whl" >/dev/null && ! [ -d /tmp/nox-site/nox ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/nox-site .stage/nox/*.whl
   echo "nox installed into /tmp/nox-site"
 fi
-for d in .stage/vllm-a .stage/vllm-b .stage/vllm-c; do
+for d in .stage/vllm-?; do
   [ -d "$d" ] && cp "$d"/part-* "$d"/sha256 "$d"/parts /tmp/vllm-parts/ 2>/dev/null || true
 done
 parts=$(cat /tmp/vllm-parts/parts 2>/dev/null || echo 0)
