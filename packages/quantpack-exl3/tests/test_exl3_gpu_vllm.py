@@ -92,7 +92,17 @@ def gpu_e2e(fixtures_dir, tmp_path_factory):
         base = {"kind": "logits", "pack": str(fixtures_dir / name), "llm_kwargs": LLM_KWARGS, "dtype": "float16"}
         jobs[f"moe/{name}/eager"] = dict(base, eager=True, routing=True, save=str(tmp / f"{name}-eager.lp.pt"))
         jobs[f"moe/{name}/graphs"] = dict(base, eager=False, save=str(tmp / f"{name}-graphs.lp.pt"))
-    return run_runner({k: v for k, v in jobs.items() if selected(k)}, tmp, timeout=1800)
+    # the MoE engines in a runner process of their own: after the dense packs' compiled engines, one process could no
+    # longer fit two of them in GPU memory (17 of 19 passed in full runs on 2026-12-01 and 2026-12-02; alone, all did)
+    results = {}
+    for part, keep in (("dense", lambda k: not k.startswith("moe/")), ("moe", lambda k: k.startswith("moe/"))):
+        part_jobs = {k: v for k, v in jobs.items() if selected(k) and keep(k)}
+        if part_jobs:
+            (tmp / part).mkdir()
+            got = run_runner(part_jobs, tmp / part, timeout=1800)
+            results["_log"] = results.get("_log", "") + got.pop("_log")
+            results.update(got)
+    return results
 
 
 def vocab_module(res: dict, suffix: str) -> dict:
