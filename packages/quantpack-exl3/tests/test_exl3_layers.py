@@ -301,6 +301,32 @@ def test_mixed_k_and_codebooks_across_shards(vllm_layers):
     assert rel_err(y, expect) < 1e-5
 
 
+def test_one_run_layer_returns_vllms_cpu_gemm_product_with_its_bias(vllm_layers):
+    """On CPU a qkv layer's three shards are one dense run in vLLM's own CPU GEMM, and apply() returns that GEMM's
+    product with the bias added inside it (no output buffer): equal to the run's op writing into a buffer plus the
+    bias, and to the fp64 reference."""
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    layer = QKVParallelLinear(
+        256, 64, 4, 2, bias=False, quant_config=make_config(vllm_layers), prefix="l.qkv_proj",
+        params_dtype=torch.float32,
+    )  # fmt: skip
+    shards = {s: synthetic(s, 256, n, 4, "mul1", i) for i, (s, n) in enumerate((("q", 256), ("k", 128), ("v", 128)))}
+    for sid, t in shards.items():
+        feed(layer, t, sid)
+    finish(layer)
+    state = layer.quant_state
+    assert len(state.runs) == 1 and state.returns is not None
+    x, bias = torch.randn(5, 256), torch.randn(512)
+    y = layer.quant_method.apply(layer, x, bias)
+    run = state.runs[0]
+    out = torch.full((5, 512), float("nan"))
+    run.fn(x, *[getattr(layer, n) for n in run.params], *run.static, out, run.col)
+    torch.testing.assert_close(y, out + bias)
+    expect = ref_out(x, [Exl3Tensors.from_tensors(shards[s]) for s in "qkv"], [256, 128, 128])
+    assert rel_err(y - bias, expect) < 1e-5
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 def test_padded_layer_pads_input_and_trims_output(vllm_layers, dtype, tol):
     """A 200 -> 300 layer is stored 256 x 384 (exllamav3 pads to 128): the input is zero-extended and the extra

@@ -147,12 +147,17 @@ class PreparedShard:
         tensors: the shard's device tensors (the method registers them as parameters of the layer).
         out_features: output columns the shard writes.
         static: Python scalars passed after the tensors (codebook id, K, widths).
+        returns: optionally, ``returns(x, *tensors.values(), bias) -> y``: the same product as a new
+            ``(rows, out_features)`` tensor with ``bias`` (or None) added, through one registered op. When it is a
+            layer's only run and nothing is selected or padded around it, the linear method returns it directly (no
+            output buffer, no column copy): vLLM's own CPU GEMM (:mod:`quantpack_core.vllm.cpu_linear`).
     """
 
     run: Callable[..., None]
     tensors: dict[str, torch.Tensor]
     out_features: int
     static: tuple = field(default=())
+    returns: Callable[..., torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ def pack(prepared: PreparedShard) -> PreparedShard:
 
     Returns:
         a :class:`~quantpack_core.kernels.PreparedShard` running a :class:`CpuGemm`, its ``weight`` what vLLM's
-        dispatch keeps.
+        dispatch keeps, and ``returns`` vLLM's ``cpu_linear(x, weight, bias)`` itself.
     """
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
@@ -76,4 +76,5 @@ def pack(prepared: PreparedShard) -> PreparedShard:
     holder.weight = torch.nn.Parameter(w.t().contiguous(), requires_grad=False)
     dispatch_cpu_unquantized_gemm(holder, remove_weight=True)
     gemm = CpuGemm(holder.cpu_linear, tuple(w.shape), w.dtype)
-    return PreparedShard(gemm, {"weight": holder.weight.data}, prepared.out_features)
+    # a layer's only run returns vLLM's product itself, as UnquantizedLinearMethod.apply does on CPU
+    return PreparedShard(gemm, {"weight": holder.weight.data}, prepared.out_features, returns=holder.cpu_linear)

@@ -150,6 +150,8 @@ class LinearState:
         row_pad: zeros ``(before, after)`` a row-parallel fallback puts around the input slice, or None.
         col_select: whether the buffer ``col_select`` selects this rank's columns (a column-parallel fallback).
         empty_head: a head that received no weights (a draft's, shared from its target after loading).
+        returns: the only run's ``returns`` callable when ``apply`` hands its product back directly (one run
+            writing every column, no fallback selection or padding, and the kernel offers one); else None.
     """
 
     prefix: str
@@ -164,6 +166,7 @@ class LinearState:
     row_pad: tuple[int, int] | None = None
     col_select: bool = False
     empty_head: bool = False
+    returns: Callable[..., torch.Tensor] | None = None
 
 
 #: (layer kind, geometry) already reported, so a model with 64 identical layers logs each fallback once
@@ -409,9 +412,10 @@ class QuantLinearMethod(LinearMethodBase):
         for (_, p), select in zip(prepared, selects, strict=True):
             columns.extend(range(col, col + p.out_features) if select is None else [col + c for c in select])
             col += p.out_features
-        runs, first = [], 0
+        runs, first, finals = [], 0, []
         for i, (kernel, p) in enumerate(self._fused(prepared)):
             p = kernel.finalize(p)
+            finals.append(p)
             names = []
             for name, tensor in p.tensors.items():
                 layer.register_parameter(f"shard{i}_{name}", torch.nn.Parameter(tensor, requires_grad=False))
@@ -422,6 +426,8 @@ class QuantLinearMethod(LinearMethodBase):
         if any(s is not None for s in selects):
             layer.register_buffer("col_select", torch.tensor(columns, dtype=torch.int64, device=device), False)
             state.col_select = True
+        elif len(finals) == 1 and row_pad is None and finals[0].out_features == col:
+            state.returns = finals[0].returns
         log.finish(layer)
 
     @staticmethod
@@ -488,7 +494,8 @@ class QuantLinearMethod(LinearMethodBase):
         features under tensor parallelism): one registered custom op per run, each writing its columns of one
         output; then, for fallbacks (shares off the blocks), this rank's columns are selected from the kept blocks'
         product (column parallel) or its input was zero-extended to the kept blocks first (row parallel); then
-        ``bias``.
+        ``bias``. A layer whose one run offers ``returns`` (``LinearState.returns``: vLLM's CPU GEMM) returns that
+        op's product, bias included, instead.
 
         Raises:
             LayerLoadError: an empty draft head used before vLLM shared the target's, or a forward before
@@ -503,6 +510,9 @@ class QuantLinearMethod(LinearMethodBase):
                 )
             raise LayerLoadError(f"{self.prefix}: forward before process_weights_after_loading built its weights")
         x2 = x.reshape(-1, x.shape[-1])
+        if state.returns is not None:  # one run gives the whole product (vLLM's CPU GEMM, as its own method does)
+            y = state.returns(x2, *[getattr(layer, name) for name in state.runs[0].params], bias)
+            return y.reshape(*x.shape[:-1], state.out_width)
         if state.row_pad is not None:  # a row-parallel fallback: this rank's input slice at its place
             x2 = torch.nn.functional.pad(x2, state.row_pad)
         out = torch.empty((x2.shape[0], state.out_total), dtype=x.dtype, device=x.device)
