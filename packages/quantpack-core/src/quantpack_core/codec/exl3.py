@@ -143,7 +143,7 @@ def dequantize(t: Exl3Tensors, dtype: torch.dtype = torch.float32) -> torch.Tens
     """
     what = decode_matrix(t.trellis, t.codebook).to(dtype)
     w = had128(had128(what, 0), 1)
-    return t.suh.to(dtype)[:, None] * w * t.svh.to(dtype)[None, :]
+    return w.mul_(t.suh.to(dtype)[:, None]).mul_(t.svh.to(dtype)[None, :])  # in place: one (k, n) array at a time
 
 
 def reference_linear(

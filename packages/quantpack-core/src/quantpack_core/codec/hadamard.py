@@ -63,6 +63,10 @@ def had128(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if size % HAD_BLOCK:
         raise GeometryError(f"Hadamard transform over a dimension of {size}, which is not a multiple of {HAD_BLOCK}")
     h = hadamard_matrix(HAD_BLOCK, x.dtype, x.device)
+    if dim in (0, -x.dim()) and x.dim() > 1 and x.is_contiguous():
+        # the leading dimension: one batched product H^T @ block over contiguous blocks (moving the dimension last
+        # would make the product copy a strided view first; 4x slower for a 2048 x 8192 weight)
+        return torch.matmul(h.T, x.reshape(size // HAD_BLOCK, HAD_BLOCK, -1)).reshape(x.shape)
     moved = x.movedim(dim, -1)
     blocks = moved.reshape(*moved.shape[:-1], size // HAD_BLOCK, HAD_BLOCK)
     return (blocks @ h).reshape(moved.shape).movedim(-1, dim)

@@ -23,8 +23,9 @@ INTEGER_K = (1, 2, 3, 4, 5, 6, 7, 8)
 #: half-integer bitrates (mul1 codebook only); the tile is then 16*KA + 8 int16 words
 HALF_K = (1.5, 2.5, 3.5)
 LEGAL_K = tuple(sorted(INTEGER_K + HALF_K))
-#: how many tiles to decode at once (bounds the int64 scratch to ~64 MiB)
-DECODE_CHUNK_TILES = 32768
+#: how many tiles to decode at once: the int64 scratch (about 4 MiB per array) stays in the CPU's caches, which makes
+#: the decode 3x faster than with 64 MiB arrays (measured on 2 cores: 0.52 -> 0.18 s for a 2048 x 8192 layer)
+DECODE_CHUNK_TILES = 2048
 
 
 def k_from_width(width: int) -> float:
