@@ -150,3 +150,39 @@ def test_coded_expert_banks_are_refused_naming_the_layer(world, monkeypatch):
     with pytest.raises(LayerLoadError, match=r"layers\.0\.mlp\.experts: layer_meta codes its experts .*not supported"):
         cfg.get_quant_method(Experts(), "model.layers.0.mlp.experts")
     assert cfg.get_quant_method(Experts(), "model.layers.1.mlp.experts") is None
+
+
+def test_tensor_parallel_share_off_the_blocks_is_refused_naming_layer_and_sizes(world, monkeypatch):
+    """escha cuts whole 128-feature blocks per rank: gate_up of 2 x 384 over 2 ranks (192 each) must fail at load,
+    naming the layer, the shard and the sizes; 2 x 256 over 2 ranks (128 each) loads and computes its rank's part."""
+    import vllm.model_executor.layers.linear as lin
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    from quantpack_core.errors import GeometryError
+
+    p = "model.layers.0"
+    cfg = config({f"{p}.mlp.gate_proj": {"K": 2}, f"{p}.mlp.up_proj": {"K": 3}})
+    monkeypatch.setattr(lin, "get_tensor_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(lin, "get_tensor_model_parallel_world_size", lambda: 2)
+
+    def build(out):
+        layer = MergedColumnParallelLinear(
+            256, [out, out], bias=False, quant_config=cfg, prefix=f"{p}.mlp.gate_up_proj", params_dtype=torch.float32
+        )
+        shards = [random_escha(256, out, 2, 1), random_escha(256, out, 3, 2)]
+        for i, t in enumerate(shards):
+            feed(layer, t, i)
+        return layer, shards
+
+    layer, _ = build(384)
+    with pytest.raises(GeometryError) as e:
+        layer.quant_method.process_weights_after_loading(layer)
+    for fragment in (f"{p}.mlp.gate_up_proj", "gate_proj", "[(192, 384)] of 384", "whole 128-feature blocks"):
+        assert fragment in str(e.value), (fragment, str(e.value))
+
+    layer, shards = build(256)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(3, 256)
+    y = layer.quant_method.apply(layer, x)
+    refs = [reference_linear(x.double(), EschaTensors.from_tensors(t), torch.float64)[:, 128:] for t in shards]
+    assert rel(y, torch.cat(refs, 1)) < 1e-5

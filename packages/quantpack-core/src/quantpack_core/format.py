@@ -45,6 +45,9 @@ class LinearFormat(Protocol):
     main_suffix: ClassVar[str]
     #: features per block a tensor-parallel cut must keep whole (the Hadamard block), e.g. 128
     block: ClassVar[int]
+    #: whether a tensor-parallel share that is not whole blocks is served by the exact fallback (the share's blocks
+    #: kept, its features selected or zero-extended: docs/architecture.md) or refused at load (GeometryError)
+    tp_fallback: ClassVar[bool]
 
     def parse(self, tensors: Mapping[str, torch.Tensor]) -> Any:
         """One shard's captured tensors -> the format's shard object.

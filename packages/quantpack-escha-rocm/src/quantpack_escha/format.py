@@ -37,6 +37,8 @@ class EschaFormat:
     }
     main_suffix: ClassVar[str] = CODE
     block: ClassVar[int] = HAD_BLOCK
+    #: escha's runtimes cut whole 128-feature blocks per rank; a share off the blocks is refused at load
+    tp_fallback: ClassVar[bool] = False
 
     def parse(self, tensors: Mapping[str, torch.Tensor]) -> EschaTensors:
         """The shard's :class:`~quantpack_escha.codec.EschaTensors`.

@@ -39,6 +39,7 @@ class Exl3Format:
     }
     main_suffix: ClassVar[str] = "trellis"
     block: ClassVar[int] = HAD_BLOCK
+    tp_fallback: ClassVar[bool] = True
 
     def parse(self, tensors: Mapping[str, torch.Tensor]) -> Exl3Tensors:
         """The shard's :class:`~quantpack_core.codec.Exl3Tensors` (legacy sign vectors unpacked).

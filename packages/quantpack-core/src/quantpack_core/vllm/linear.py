@@ -385,6 +385,14 @@ class QuantLinearMethod(LinearMethodBase):
                         f"{self.prefix}: {plan.name} {why}: the pack does not match config.json - use the config the "
                         "pack was made with"
                     )
+                if cut is not None and not cut.sliced and not self.format.tp_fallback:
+                    side = "output" if cut.column else "input"
+                    raise GeometryError(
+                        f"{self.prefix}: {plan.name}: tensor parallelism gives this rank {side} features "
+                        f"{list(cut.ranges)} of {cut.features}, not whole {self.format.block}-feature blocks; "
+                        f"{self.format.label} shards are cut in whole blocks per rank - serve with a tensor-parallel "
+                        f"size whose shares of {cut.features} are multiples of {self.format.block}"
+                    )
                 if cut is not None:  # the blocks the rank's share touches (exactly its share when sliced)
                     shard = self.format.cut(shard, cut)
                     in_f, out_f = (cut.kept_features, out_f) if cut.kind == ROW else (in_f, cut.kept_features)
