@@ -81,6 +81,22 @@ def test_other_codebooks_and_non_empty_outputs_are_refused(fixtures_dir, tmp_pat
     with pytest.raises(FileExistsError, match="never overwrites"):
         escha_from_exl3(fixtures_dir / SOURCE, tmp_path / "b")
     assert (tmp_path / "b" / "keep.txt").read_text() == "mine"
+    (tmp_path / "c").write_text("mine too")
+    with pytest.raises(FileExistsError, match="is a file; --out names the folder"):
+        escha_from_exl3(fixtures_dir / SOURCE, tmp_path / "c")
+    assert (tmp_path / "c").read_text() == "mine too"
+
+
+def test_written_files_have_default_modes_and_no_source_logits(converted):
+    """The converted pack's files get the umask's default mode (not a private 0600), and the source's exllamav3
+    reference logits, which describe the EXL3 pack and not this one, are not copied."""
+    import os
+
+    _, out, _ = converted
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert not (out / "reference_logits.pt").exists()
 
 
 def test_the_quantpack_cli_runs_the_converter(fixtures_dir, tmp_path):

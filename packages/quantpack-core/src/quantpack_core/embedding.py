@@ -210,7 +210,7 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict | 
     os.close(fd)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        _default_mode(tmp)
+        default_file_mode(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -221,12 +221,13 @@ def _atomic_write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json.tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
-    _default_mode(tmp)
+    default_file_mode(tmp)
     os.replace(tmp, path)
 
 
-def _default_mode(path: str) -> None:
-    """Give a file made by ``tempfile.mkstemp`` (mode 0600) the mode a plain ``open`` would: 0666 minus the umask."""
+def default_file_mode(path: str | os.PathLike) -> None:
+    """Give a file made by ``tempfile.mkstemp`` or a writer that creates 0600 files the mode a plain ``open`` would:
+    0666 minus the umask."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)

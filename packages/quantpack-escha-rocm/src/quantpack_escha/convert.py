@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from quantpack_core.codec import HAD_BLOCK, Codebook, dequantize
-from quantpack_core.embedding import quantize_rows
+from quantpack_core.embedding import default_file_mode, quantize_rows
 from quantpack_core.errors import QuantpackError
 from quantpack_core.names import normalize_prefix
 from quantpack_core.pack import INDEX_FILE, MANIFEST_FILE, Pack
@@ -33,6 +33,8 @@ from .codec import CODE
 
 #: files of the source pack not copied (rewritten, or describing the EXL3 layout)
 REWRITTEN = {INDEX_FILE, MANIFEST_FILE, "config.json"}
+#: files of the source pack that do not describe the escha pack (exllamav3's logits of the source)
+NOT_COPIED = {"reference_logits.pt"}
 INT8_TABLES = ("embed_tokens", "lm_head")
 
 
@@ -91,6 +93,8 @@ def escha_from_exl3(src: str | Path, out: str | Path, *, seed: int = 0, biases: 
             f"{k}: coded with the {cb.value} codebook ({len(other)} modules are not mcg); escha decodes mcg codes only "
             "- quantize the model with exllamav3's --codebook mcg and convert that pack"
         )
+    if dst.exists() and not dst.is_dir():
+        raise FileExistsError(f"{dst} is a file; --out names the folder the escha pack is written to")
     if dst.exists() and any(dst.iterdir()):
         raise FileExistsError(f"{dst} exists and is not empty; the converter never overwrites")
     dst.mkdir(parents=True, exist_ok=True)
@@ -148,9 +152,10 @@ def escha_from_exl3(src: str | Path, out: str | Path, *, seed: int = 0, biases: 
     pack.close()
 
     for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in REWRITTEN:
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in REWRITTEN | NOT_COPIED:
             shutil.copy2(f, dst / f.name)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), {"format": "pt"})
+    default_file_mode(dst / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
     bits = sum(coded.values()) / max(len(coded), 1)
     config["quantization_config"] = {"quant_method": "escha", "bits": bits, "layer_meta": meta}
