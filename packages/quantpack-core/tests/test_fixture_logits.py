@@ -18,16 +18,21 @@ LLAMA_PACKS = [
 ]
 
 
-@pytest.mark.parametrize("name", LLAMA_PACKS)
-def test_dequantized_pack_reproduces_exllamav3_logits(fixtures_dir, name):
+def reproduces_reference(fixtures_dir, name, model) -> None:
+    """``model`` (the pack's dense weights in transformers) gives the pack's exllamav3 reference logits back:
+    KL <= 1e-4, top-1 >= 99%."""
     ref = torch.load(fixtures_dir / name / "reference_logits.pt")
-    model = dense_transformers_model(fixtures_dir / name, "LlamaForCausalLM")
     with torch.no_grad():
         logits = model(ref["input_ids"]).logits
     a = agreement(ref["logits"], logits)
     print(f"{name}: {a}")
     assert a.kl <= 1e-4
     assert a.top1 >= 0.99
+
+
+@pytest.mark.parametrize("name", LLAMA_PACKS)
+def test_dequantized_pack_reproduces_exllamav3_logits(fixtures_dir, name):
+    reproduces_reference(fixtures_dir, name, dense_transformers_model(fixtures_dir / name, "LlamaForCausalLM"))
 
 
 def test_qwen3_5_pack_loads_completely_into_transformers(fixtures_dir):
@@ -47,16 +52,10 @@ def test_qwen3_5_mcg_pack_reproduces_exllamav3_logits(fixtures_dir):
     """The Qwen3.5 mcg pack (fixtures/tools/make_mcg_packs.py; escha's GPU tests convert it) carries exllamav3's own
     logits: the core codec's weights in transformers reproduce them (measured KL 2.1e-5, top-1 100%)."""
     name = "qwen3_5-tiny-exl3-4.0bpw-mcg"
-    ref = torch.load(fixtures_dir / name / "reference_logits.pt")
     model = dense_transformers_model(
         fixtures_dir / name, "Qwen3_5ForCausalLM", rename=("model.language_model.", "model.")
     )
-    with torch.no_grad():
-        logits = model(ref["input_ids"]).logits
-    a = agreement(ref["logits"], logits)
-    print(f"{name}: {a}")
-    assert a.kl <= 1e-4
-    assert a.top1 >= 0.99
+    reproduces_reference(fixtures_dir, name, model)
 
 
 def test_qwen3_next_pack_reproduces_exllamav3_logits(fixtures_dir):
