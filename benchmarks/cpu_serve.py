@@ -3,7 +3,7 @@
 For each pair, both models are served by vLLM's OpenAI server on this machine (``VLLM_CPU_KVCACHE_SPACE=1``,
 bfloat16, ``--max-model-len 1024``; the pack through the installed quantpack plugins, the source through stock
 vLLM) and measured with ``vllm.benchmarks.serve`` (random dataset, 64-token prompts, 32 output tokens,
-``--ignore-eos``, 64 requests at concurrency 16, the server warmed by one untimed round first): requests/s, output
+``--ignore-eos``, 128 requests at concurrency 16, the server warmed by one untimed round first): requests/s, output
 tokens/s, mean TTFT and TPOT, each the median over ``--rounds`` timed rounds per model, the rounds alternating
 between the two servers (on a 2-core machine one round of a tiny model lasts about a second, and its figures drift
 by 10-20% over minutes: measured one model after the other, the bf16 model against a copy of itself came out
@@ -122,8 +122,8 @@ def summary(model: Path, rounds: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", default="llama", help=f"comma-separated, of {', '.join(PAIRS)}")
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=8, help="timed benchmark rounds per model, alternating models")
+    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=12, help="timed benchmark rounds per model, alternating models")
     ap.add_argument("--json", type=Path, default=Path(__file__).with_name("results") / "cpu_serve.json")
     ap.add_argument("--work", type=Path, default=Path("/tmp/cpu_serve"))
     args = ap.parse_args()
