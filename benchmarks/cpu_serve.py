@@ -7,8 +7,8 @@ vLLM) and measured with ``vllm.benchmarks.serve`` (random dataset, 64-token prom
 tokens/s, mean TTFT and TPOT, each the median over ``--rounds`` timed rounds per model, the rounds alternating
 between the two servers (on a 2-core machine one round of a tiny model lasts about a second, and its figures drift
 by 10-20% over minutes: measured one model after the other, the bf16 model against a copy of itself came out
-1.17x). Writes ``--json`` (default
-``benchmarks/results/cpu_serve.json``) and prints a markdown table with the pack / source ratios.
+1.17x). Writes ``--json`` (default ``benchmarks/results/cpu_serve.json``) and prints a markdown table with the
+pack / source ratios.
 
 Usage: ``VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python benchmarks/cpu_serve.py [--pairs llama]``.
 """

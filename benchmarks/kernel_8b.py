@@ -77,9 +77,8 @@ def as_escha(t):
     return EschaTensors(code=t.trellis, rin=rin, s_in=ones_in, rout=rout, s_out=ones_out)
 
 
-def make_stack(codebook: str, device: torch.device, layer_k: float | None = None) -> list[tuple[str, object]]:
-    """The 225 shards as ``(class, Exl3Tensors)`` on the GPU, layer by layer, head last (layers at ``layer_k``,
-    default :data:`LAYER_K`)."""
+def make_stack(codebook: str, device: torch.device, layer_k: float = LAYER_K) -> list[tuple[str, object]]:
+    """The 225 shards as ``(class, Exl3Tensors)`` on the GPU, layer by layer, head last (layers at ``layer_k``)."""
     from quantpack_core.codec import Exl3Tensors
     from quantpack_core.synthetic import random_exl3_layer
 
@@ -87,7 +86,7 @@ def make_stack(codebook: str, device: torch.device, layer_k: float | None = None
     stack = []
     for _ in range(LAYERS):
         for cls, i, o in LAYER_SHARDS:
-            t = random_exl3_layer(i, o, layer_k or LAYER_K, codebook, generator=g, device=device)
+            t = random_exl3_layer(i, o, layer_k, codebook, generator=g, device=device)
             stack.append((cls, Exl3Tensors.from_tensors(t)))
     t = random_exl3_layer(HIDDEN, VOCAB, HEAD_K, codebook, generator=g, device=device)
     stack.append(("head", Exl3Tensors.from_tensors(t)))

@@ -31,10 +31,8 @@ from quantpack_core.pack import INDEX_FILE, MANIFEST_FILE, Pack
 
 from .codec import CODE
 
-#: files of the source pack not copied (rewritten, or describing the EXL3 layout)
-REWRITTEN = {INDEX_FILE, MANIFEST_FILE, "config.json"}
-#: files of the source pack that do not describe the escha pack (exllamav3's logits of the source)
-NOT_COPIED = {"reference_logits.pt"}
+#: files of the source pack not copied (rewritten, or describing the EXL3 pack: its layout, exllamav3's logits of it)
+NOT_COPIED = {INDEX_FILE, MANIFEST_FILE, "config.json", "reference_logits.pt"}
 INT8_TABLES = ("embed_tokens", "lm_head")
 
 
@@ -152,7 +150,7 @@ def escha_from_exl3(src: str | Path, out: str | Path, *, seed: int = 0, biases: 
     pack.close()
 
     for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in REWRITTEN | NOT_COPIED:
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in NOT_COPIED:
             shutil.copy2(f, dst / f.name)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), {"format": "pt"})
     default_file_mode(dst / "model.safetensors")

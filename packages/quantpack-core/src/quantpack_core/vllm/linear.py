@@ -420,10 +420,9 @@ class QuantLinearMethod(LinearMethodBase):
         for (_, p), select in zip(prepared, selects, strict=True):
             columns.extend(range(col, col + p.out_features) if select is None else [col + c for c in select])
             col += p.out_features
-        runs, first, finals = [], 0, []
+        runs, first = [], 0
         for i, (kernel, p) in enumerate(self._fused(prepared)):
             p = kernel.finalize(p)
-            finals.append(p)
             names = []
             for name, tensor in p.tensors.items():
                 layer.register_parameter(f"shard{i}_{name}", torch.nn.Parameter(tensor, requires_grad=False))
@@ -434,8 +433,8 @@ class QuantLinearMethod(LinearMethodBase):
         if any(s is not None for s in selects):
             layer.register_buffer("col_select", torch.tensor(columns, dtype=torch.int64, device=device), False)
             state.col_select = True
-        elif len(finals) == 1 and row_pad is None and finals[0].out_features == col:
-            state.returns = finals[0].returns
+        elif len(runs) == 1 and row_pad is None:  # one run writing every column: its product is the output
+            state.returns = p.returns
         log.finish(layer)
 
     @staticmethod
