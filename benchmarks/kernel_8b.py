@@ -8,9 +8,10 @@ the values). For each kernel and row count the whole stack (225 shard launches) 
 replayed; the time is the median over replays. Each shape class (the 32 layers' q shards, ...) is also timed alone,
 which is what the per-shard kernel choice rests on. A kernel that fuses a layer's shards (``fuse``: q / k / v and
 gate / up in one launch) is also timed as the linear method runs it, fused (record key ``fused``, classes qkv, o,
-gate_up, down, head). Dense bf16 (``torch.matmul`` on the same shapes) is timed the
-same way, and the GPU's copy bandwidth is measured in the same run: the bandwidth floor of a stack is its bytes
-(trellis + suh + svh; bf16 weights for dense) over that bandwidth.
+gate_up, down, head); trellis_mma also as served, each fused run's row buckets routed to exllamav3 where the load-time
+measurement found it faster (key ``served``, with the measured ``routes``). Dense bf16 (``torch.matmul`` on the same
+shapes) is timed the same way, and the GPU's copy bandwidth is measured in the same run: the bandwidth floor of a
+stack is its bytes (trellis + suh + svh; bf16 weights for dense) over that bandwidth.
 
 Writes a JSON record (``--json``, default ``benchmarks/results/kernel_8b.json``); ``benchmarks/plot_kernels.py``
 draws it. Usage (GPU machine, after ci/gpu/setup.sh): ``source ci/gpu/env.sh && python3 benchmarks/kernel_8b.py
@@ -137,8 +138,9 @@ def device_platform():
     return Platform(CUDA, capability=major * 10 + minor)
 
 
-def bench_kernel(kernel, stack, rows_list, device) -> dict:
-    """Stack and per-class milliseconds of one kernel at each row count."""
+def bench_kernel(kernel, stack, rows_list, device, unfused: bool = True) -> dict:
+    """Stack and per-class milliseconds of one kernel at each row count (``unfused=False``: only the fused stack,
+    under key ``fused``)."""
     from quantpack_core.kernels import TP_WHOLE
     from quantpack_exl3.format import EXL3
 
@@ -156,7 +158,7 @@ def bench_kernel(kernel, stack, rows_list, device) -> dict:
         if not ok:
             return {"skipped": why}
         prepared.append((cls, kernel.prepare(t, spec, device), k, n))
-    result = time_stack(kernel.name, prepared, rows_list, device)
+    result = time_stack(kernel.name, prepared, rows_list, device) if unfused else {}
     fused = fused_stack(kernel, prepared)
     if fused is not None:
         result["fused"] = time_stack(f"{kernel.name}+", fused, rows_list, device)
@@ -202,6 +204,29 @@ def time_stack(label: str, prepared, rows_list, device) -> dict:
         result["class_ms"][rows] = by_class
         print(f"  {label:12s} rows {rows:4d}: stack {result['stack_ms'][rows]:8.3f} ms  "
               + "  ".join(f"{c} {v:.3f}" for c, v in by_class.items()), flush=True)  # fmt: skip
+    return result
+
+
+def bench_served(kernel, stack, rows_list, device) -> dict:
+    """The stack as a model is served with trellis_mma selected: fused runs whose row buckets go to exllamav3 where the
+    load-time measurement found it faster (``trellis_mma.kernels.measure_route``). Returns the fused stack's times
+    (``stack_ms``, ``class_ms``) and ``routes``: per run shape, both kernels' microseconds per call at each row
+    bucket and the kernel that serves it."""
+    from dataclasses import asdict
+
+    from quantpack_exl3.backends.trellis_mma import kernels as tm
+    from quantpack_exl3.backends.trellis_mma import ops
+
+    saved, ops.delegate_rows = ops.delegate_rows, None
+    try:
+        result = bench_kernel(kernel, stack, rows_list, device, unfused=False)["fused"]
+    finally:
+        ops.delegate_rows = saved
+    routes = [asdict(r) for r in tm.route_records() if r.trellis_mma_us]
+    for r in routes:
+        r["serves"] = ["exllamav3" if (r["route"] >> i) & 1 else "trellis_mma" for i in range(len(r["rows"]))]
+        print(f"  route {tm.RouteRecord(**{k: v for k, v in r.items() if k != 'serves'}).describe()}", flush=True)
+    result["routes"] = routes
     return result
 
 
@@ -273,6 +298,8 @@ def main() -> None:
         ok, why = kernel.available(device_platform())
         record["kernels"][name] = bench_kernel(kernel, stack, rows_list, device) if ok else {"skipped": why}
         torch.cuda.empty_cache()
+        if name == "trellis_mma" and ok and "exllamav3" in args.kernels.split(","):
+            record["kernels"]["trellis_mma"]["served"] = bench_served(kernel, stack, rows_list, device)
     del stack
     torch.cuda.empty_cache()
     if not args.no_dense:

@@ -34,6 +34,10 @@ def plot_kernels(record: dict, out: Path) -> None:
         if "fused" in res:
             fused = res["fused"]["stack_ms"]
             left.plot(rows, [fused[str(r)] for r in rows], marker="^", label=f"EXL3 {name}, q/k/v and gate/up fused")
+        if "served" in res:
+            served = res["served"]["stack_ms"]
+            label = f"EXL3 {name} as served (row buckets routed to exllamav3 where measured faster)"
+            left.plot(rows, [served[str(r)] for r in rows], marker="*", lw=2, label=label)
     dense = record.get("dense_bf16")
     if dense:
         rows = sorted(int(r) for r in dense["stack_ms"])

@@ -89,8 +89,8 @@ class TrellisMmaShards(Exllamav3Shards):
     def op_args(kernel, x: torch.Tensor, out: torch.Tensor, col: int) -> tuple:
         """The op takes lists of shards: one here."""
         t = kernel.tensors
-        codebook, k_bits, out_features = kernel.static
-        return (x, [t["trellis"]], [t["suh"]], [t["svh"]], codebook, k_bits, [out_features], out, col)
+        codebook, k_bits, out_features, route = kernel.static
+        return (x, [t["trellis"]], [t["suh"]], [t["svh"]], codebook, k_bits, [out_features], route, out, col)
 
 
 BACKENDS = [Exllamav3Shards, TrellisMmaShards]
@@ -212,13 +212,14 @@ def test_opcheck(backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype):
+def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, monkeypatch):
     """q / k / v of one K and codebook fused (one launch up to 16 rows, a launch per shard above) give each shard's
     columns as its own launch does, within fp32 summation order (the split of k depends on the launch's column
     blocks), and within the fp64 reference's bound; a graph replay is bit-identical to eager; shards of another K
     are not fused; the fused op passes opcheck."""
     from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel, ops
 
+    monkeypatch.setattr(ops, "delegate_rows", 0)  # every row count in trellis_mma's own launches
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(21)
     shapes = [(768, 512), (768, 128), (768, 128)]
@@ -228,42 +229,84 @@ def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype):
     assert fused is not None and fused.out_features == 768 and fused.static[2] == (512, 128, 128)
     other = Exl3Tensors.from_tensors(random_exl3_layer(768, 128, 3, "mul1", generator=g))
     assert TrellisMmaLinearKernel.fuse([*prepared, TrellisMmaShards.prepare_shard(other, 768, 128, dtype, dev)]) is None
-    saved, ops.delegate_rows = ops.delegate_rows, 0
-    try:
-        for rows in (1, 3, 16, 17, 70):
-            x = torch.randn((rows, 768), device=dev).to(dtype)
-            one = torch.full((rows, 800), float("nan"), dtype=dtype, device=dev)
-            fused.run(x, *fused.tensors.values(), *fused.static, one, 16)
-            assert torch.isnan(one[:, :16]).all() and torch.isnan(one[:, 784:]).all(), "wrote outside its columns"
-            col = 16
-            for p, t in zip(prepared, ts, strict=True):
-                alone = torch.empty((rows, p.out_features), dtype=dtype, device=dev)
-                p.run(x, *p.tensors.values(), *p.static, alone, 0)
-                mine = one[:, col : col + p.out_features]
-                assert torch.isfinite(mine).all()
-                assert rel_err(mine.float(), alone.double()) < 2e-3, rows
-                ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=p.out_features)
-                assert rel_err(mine.cpu(), ref) < 2e-2, rows
-                col += p.out_features
-        x = torch.randn((5, 768), device=dev).to(dtype)
-        out = torch.zeros((5, 768), dtype=dtype, device=dev)
+    for rows in (1, 3, 16, 17, 70):
+        x = torch.randn((rows, 768), device=dev).to(dtype)
+        one = torch.full((rows, 800), float("nan"), dtype=dtype, device=dev)
+        fused.run(x, *fused.tensors.values(), *fused.static, one, 16)
+        assert torch.isnan(one[:, :16]).all() and torch.isnan(one[:, 784:]).all(), "wrote outside its columns"
+        col = 16
+        for p, t in zip(prepared, ts, strict=True):
+            alone = torch.empty((rows, p.out_features), dtype=dtype, device=dev)
+            p.run(x, *p.tensors.values(), *p.static, alone, 0)
+            mine = one[:, col : col + p.out_features]
+            assert torch.isfinite(mine).all()
+            assert rel_err(mine.float(), alone.double()) < 2e-3, rows
+            ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=p.out_features)
+            assert rel_err(mine.cpu(), ref) < 2e-2, rows
+            col += p.out_features
+    x = torch.randn((5, 768), device=dev).to(dtype)
+    out = torch.zeros((5, 768), dtype=dtype, device=dev)
+    fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
+    eager = torch.empty_like(out)
+    for _ in range(2):
+        x.copy_(torch.randn((5, 768), device=dev).to(dtype))
+        graph.replay()
+        fused.run(x, *fused.tensors.values(), *fused.static, eager, 0)
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
-        eager = torch.empty_like(out)
-        for _ in range(2):
-            x.copy_(torch.randn((5, 768), device=dev).to(dtype))
-            graph.replay()
-            fused.run(x, *fused.tensors.values(), *fused.static, eager, 0)
-            torch.cuda.synchronize()
-            assert torch.equal(out, eager)
-        t = fused.tensors
-        lists = [[t[f"{name}{i}"] for i in range(3)] for name in ("trellis", "suh", "svh")]
-        opcheck("trellis_mma_", (x, *lists, *fused.static[:2], list(fused.static[2]), out, 0))
-    finally:
-        ops.delegate_rows = saved
+        assert torch.equal(out, eager)
+    t = fused.tensors
+    lists = [[t[f"{name}{i}"] for i in range(3)] for name in ("trellis", "suh", "svh")]
+    opcheck("trellis_mma_", (x, *lists, *fused.static[:2], list(fused.static[2]), fused.static[3], out, 0))
+
+
+@pytest.mark.parametrize("setting", [None, 16], ids=["measured", "fixed-16"])
+def test_trellis_mma_routes_each_row_bucket_to_the_kernel_its_route_names(setting, monkeypatch, caplog):
+    """A prepared run's route (which row buckets go to exllamav3's kernels) is the one its load-time timings give
+    (exllamav3 where it takes at most ROUTE_MARGIN of trellis_mma's time; a fixed QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS
+    sends the buckets above it), the timings are logged, and every call runs the kernel its bucket names: bit-equal to
+    trellis_mma's own launch where the route keeps it, equal to exllamav3's call (and not to trellis_mma's) where it
+    hands it over, within the fp64 reference's bound either way."""
+    import logging
+
+    from quantpack_exl3.backends.trellis_mma import kernels as tm
+    from quantpack_exl3.backends.trellis_mma import ops
+
+    monkeypatch.setattr(ops, "delegate_rows", setting)
+    dev = torch.device("cuda")
+    t = Exl3Tensors.from_tensors(random_exl3_layer(1024, 2048, 3, "mcg", generator=torch.Generator().manual_seed(31)))
+    with caplog.at_level(logging.INFO, logger="vllm.quantpack.exl3"):
+        p = TrellisMmaShards.prepare_shard(t, 1024, 2048, torch.float16, dev)
+    route = p.static[3]
+    record = [r for r in tm.route_records() if (r.k, r.out_features, r.k_bits, r.codebook) == (1024, (2048,), 3, 1)]
+    assert record and record[-1].route == route
+    record = record[-1]
+    if setting is None:
+        assert len(record.trellis_mma_us) == len(record.exllamav3_us) == len(ops.ROW_BUCKETS)
+        assert all(0 < us < 1e5 for us in record.trellis_mma_us + record.exllamav3_us)
+        times = zip(record.trellis_mma_us, record.exllamav3_us, strict=True)
+        assert route == sum(1 << i for i, (mine, theirs) in enumerate(times) if theirs <= tm.ROUTE_MARGIN * mine)
+    else:
+        assert route == ops.fixed_route(16) == 0b1111100000 and record.trellis_mma_us == ()
+    assert record.describe() in caplog.text
+    args = tuple(p.tensors.values())
+    for i, bound in enumerate(ops.ROW_BUCKETS):
+        for rows in {bound, max(1, bound // 2 + 1), 700 if i == len(ops.ROW_BUCKETS) - 1 else bound}:
+            assert ops.row_bucket(rows) == i
+            x = torch.randn((rows, 1024), device=dev).half()
+            served, mine, theirs = (torch.empty((rows, 2048), dtype=torch.float16, device=dev) for _ in range(3))
+            p.run(x, *args, *p.static, served, 0)
+            p.run(x, *args, *p.static[:3], 0, mine, 0)
+            p.run(x, *args, *p.static[:3], ops.ALL_BUCKETS, theirs, 0)
+            if (route >> i) & 1:
+                assert not torch.equal(served, mine) and rel_err(served.float(), theirs.double()) < 1e-3, rows
+            else:
+                assert torch.equal(served, mine), rows
+            ref = reference_linear(x.double().cpu(), t, torch.float64)
+            assert torch.isfinite(served).all() and rel_err(served.cpu(), ref) < 2e-2, rows
 
 
 def test_compiles_in_one_graph_and_captures_in_a_cuda_graph(backend):

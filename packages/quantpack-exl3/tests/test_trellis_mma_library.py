@@ -128,3 +128,16 @@ def test_missing_nvcc_names_the_fix(monkeypatch, tmp_path):
     monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
     with pytest.raises(library.LibraryError, match="CUDA_HOME or QUANTPACK_NVCC"):
         library.build(90)
+
+
+def test_row_buckets_and_fixed_routes():
+    """Calls fall into the power-of-two row buckets a route names (the last one open-ended), and a fixed
+    QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS sends exactly the buckets whose smallest row count exceeds it."""
+    from quantpack_exl3.backends.trellis_mma.ops import ROW_BUCKETS, fixed_route, row_bucket
+
+    for rows in range(1, 1100):
+        i = row_bucket(rows)
+        low = ROW_BUCKETS[i - 1] + 1 if i else 1
+        assert low <= rows and (rows <= ROW_BUCKETS[i] or i == len(ROW_BUCKETS) - 1), rows
+    assert fixed_route(0) == 0 and fixed_route(16) == 0b1111100000 and fixed_route(20) == 0b1111000000
+    assert fixed_route(1) == 0b1111111110 and fixed_route(512) == 0 and fixed_route(256) == 0b1000000000

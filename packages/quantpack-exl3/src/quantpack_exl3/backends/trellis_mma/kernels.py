@@ -8,7 +8,11 @@ to 16 rows (the decode case), for all shards of a layer that share its input in 
 (once per GPU architecture, cached) and loads them with ctypes. The trellis stays as the pack stores it (memory = the
 pack's size). Every K (1..8, 1.5 / 2.5 / 3.5 with mul1) and codebook; float16 and bfloat16 models (the activations
 are rounded to fp16 after the input transform, which keeps bf16 models' range in the kernels' own calls; float32
-models go to exllamav3). Calls of more than 16 rows go to exllamav3's kernels when they import (:mod:`.ops`).
+models go to exllamav3).
+
+Where exllamav3's kernels import, each run (a shard, or a layer's fused shards) is timed at load against them on
+its own shape, once per row bucket (:data:`.ops.ROW_BUCKETS`), and the buckets where exllamav3's are faster go to
+them (:func:`measure_route`; the run's ``route``). The table is logged per shape and kept (:func:`route_records`).
 
 Source: docs/exl3-format.md ("The math", tile placement), docs/kernels.md (how the kernels were measured).
 """
@@ -16,20 +20,28 @@ Source: docs/exl3-format.md ("The math", tile placement), docs/kernels.md (how t
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from quantpack_core.codec import Codebook, Exl3Tensors
 from quantpack_core.kernels import LinearKernel, LinearSpec, Platform, PreparedShard
 
+from . import ops
 from .library import compiler_reason
-from .ops import FUSED_ROWS, MAX_SHARDS, delegated_above, reserve, trellis_mma_, trellis_mma_shards_
+from .ops import ALL_BUCKETS, FUSED_ROWS, MAX_SHARDS, ROW_BUCKETS, reserve, trellis_mma_, trellis_mma_shards_
 
 NAME = "trellis_mma"
 #: mma.sync m16n8k16, ldmatrix and cp.async need sm_80
 MIN_CAPABILITY = 80
 CODEBOOK_IDS = {Codebook.INST3: 0, Codebook.MCG: 1, Codebook.MUL1: 2}
 ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+#: exllamav3 takes a row bucket when its calls there take at most this fraction of trellis_mma's time (near-ties stay
+#: here, where a CUDA-graph replay is bit-identical to an eager call)
+ROUTE_MARGIN = 0.97
+#: calls per timed CUDA graph, and replays of it (the best replay counts) when a route is measured
+ROUTE_CALLS, ROUTE_REPLAYS = 8, 3
 
 _warmed: set[tuple] = set()
 _warned_bf16 = False
@@ -70,12 +82,12 @@ class TrellisMmaLinearKernel(LinearKernel):
 
     @classmethod
     def prepare(cls, shard: Exl3Tensors, spec: LinearSpec, device: torch.device) -> PreparedShard:
-        """Move the shard's tensors to the GPU, reserve the GPU's workspace for its width and run both launch kinds
-        once (:func:`warm_up`).
+        """Move the shard's tensors to the GPU, reserve the GPU's workspace for its width, warm both launch kinds
+        and measure the shard's route (:func:`measure_route`).
 
         Returns:
             a :class:`PreparedShard` running ``quantpack::trellis_mma_`` with static ``(codebook id, K,
-            out_features)``.
+            out_features, route)``.
 
         Raises:
             quantpack_exl3.backends.trellis_mma.library.LibraryError: the kernels cannot be built or loaded, or a
@@ -88,27 +100,25 @@ class TrellisMmaLinearKernel(LinearKernel):
             "suh": t.suh.to(device=device, dtype=torch.float16).contiguous(),
             "svh": t.svh.to(device=device, dtype=torch.float16).contiguous(),
         }
-        reserve(device, tensors["trellis"].shape[0] * 16)
-        above = delegated_above(device)
-        if spec.act_dtype == torch.bfloat16 and above is not None and not _warned_bf16:
+        ws = reserve(device, tensors["trellis"].shape[0] * 16)
+        if spec.act_dtype == torch.bfloat16 and ws.delegate is not None and ops.delegate_rows != 0 and not _warned_bf16:
             _warned_bf16 = True
             logger.warning(
-                "quantpack-exl3: calls of more than %d rows go to exllamav3's kernels, which take float16 "
-                "activations: this bfloat16 model's activations are cast there, and values beyond +-65504 would "
-                "overflow. Serve with --dtype float16, or set QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS=0 to keep every "
-                "call in trellis_mma.",
-                above,
+                "quantpack-exl3: the row counts of each layer where exllamav3's kernels are faster go to them, and "
+                "they take float16 activations: this bfloat16 model's activations are cast there, and values beyond "
+                "+-65504 would overflow. Serve with --dtype float16, or set QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS=0 to "
+                "keep every call in trellis_mma."
             )
         static = (CODEBOOK_IDS[t.codebook], float(t.k_bits), spec.out_features)
-        prepared = PreparedShard(trellis_mma_, tensors, spec.out_features, static)
-        warm_up(prepared, spec.in_features, spec.act_dtype)
-        return prepared
+        route = measure_route(PreparedShard(trellis_mma_, tensors, spec.out_features, (*static, 0)))
+        return PreparedShard(trellis_mma_, tensors, spec.out_features, (*static, route))
 
     @classmethod
     def fuse(cls, shards: list[PreparedShard]) -> PreparedShard | None:
         """One run for a layer's shards that share its input (q / k / v, gate / up): up to 16 rows one launch runs
         them all from a table of shards (:func:`.ops.trellis_mma_shards_`; above, one launch per shard as before).
-        The shards keep their own tensors (no copy).
+        The shards keep their own tensors (no copy); the fused run's route is measured on its own
+        (:func:`measure_route`; on a GPU whose workspace :meth:`prepare` reserved).
 
         Returns:
             the fused run (``out_features`` the shards' sum), or None when the shards differ in codebook, K or
@@ -116,36 +126,157 @@ class TrellisMmaLinearKernel(LinearKernel):
         """
         if not 1 < len(shards) <= MAX_SHARDS or any(s.run is not trellis_mma_ for s in shards):
             return None
-        codebook, k_bits, _ = shards[0].static
+        codebook, k_bits = shards[0].static[:2]
         width = shards[0].tensors["trellis"].shape[0]
         if any(s.static[:2] != (codebook, k_bits) or s.tensors["trellis"].shape[0] != width for s in shards):
             return None
         tensors = {f"{name}{i}": s.tensors[name] for i, s in enumerate(shards) for name in ("trellis", "suh", "svh")}
         outs = tuple(s.out_features for s in shards)
-        return PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs))
+        route = measure_route(PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs, 0)))
+        return PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs, route))
 
 
-def warm_up(prepared: PreparedShard, in_features: int, dtype: torch.dtype) -> None:
-    """Run a new shard shape once at load with the fused kernel (1 row) and the unfused one (17 rows), so that their
-    shared-memory limits are set before any CUDA-graph capture; and, when calls above
-    :data:`.ops.delegate_rows` rows go to exllamav3, once per exllamav3 autotune bucket above that (its
-    kernels time their launch shapes on a shape's first call, which must not happen during capture). Shapes
-    already warmed in this process are skipped."""
-    tr = prepared.tensors["trellis"]
-    codebook, _, out_features = prepared.static
-    key = (tuple(tr.shape), codebook, dtype, tr.device)
+@dataclass(frozen=True)
+class RouteRecord:
+    """How one run shape was routed at load.
+
+    Attributes:
+        k: stored input features.
+        out_features: the run's shards' output widths.
+        k_bits, codebook: the shards' K and codebook id (0 = 3INST, 1 = mcg, 2 = mul1).
+        rows: the row count timed per bucket (:data:`.ops.ROW_BUCKETS`).
+        trellis_mma_us, exllamav3_us: microseconds per call (float16, CUDA-graph replay), per bucket; empty when the
+            route was not measured (a fixed ``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS``).
+        route: bit i set: bucket i goes to exllamav3.
+    """
+
+    k: int
+    out_features: tuple[int, ...]
+    k_bits: float
+    codebook: int
+    rows: tuple[int, ...]
+    trellis_mma_us: tuple[float, ...]
+    exllamav3_us: tuple[float, ...]
+    route: int
+
+    def describe(self) -> str:
+        """One log line: the shape, then per bucket both times and the kernel that serves it."""
+        outs = "+".join(str(n) for n in self.out_features)
+        cells = []
+        for i, rows in enumerate(self.rows):
+            mark = "exllamav3" if (self.route >> i) & 1 else "trellis_mma"
+            if self.trellis_mma_us:
+                cells.append(f"{rows}: {self.trellis_mma_us[i]:.1f}/{self.exllamav3_us[i]:.1f} us {mark}")
+            else:
+                cells.append(f"{rows}: {mark}")
+        return f"{self.k} -> {outs}, K {self.k_bits:g} codebook {self.codebook}: " + ", ".join(cells)
+
+
+_routes: dict[tuple, RouteRecord] = {}
+
+
+def route_records() -> list[RouteRecord]:
+    """Every run shape routed in this process so far, in the order they were first prepared."""
+    return list(_routes.values())
+
+
+def measure_route(run: PreparedShard) -> int:
+    """The route of a trellis_mma run (a shard, or a layer's fused shards): which row buckets
+    (:data:`.ops.ROW_BUCKETS`) go to exllamav3's kernels. Called at load, before any CUDA-graph capture.
+
+    With exllamav3's extension importable and ``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS`` unset, both kernels run the
+    run's shape at each bucket's largest row count (float16, ``ROUTE_CALLS`` calls in one CUDA graph, the best of
+    ``ROUTE_REPLAYS`` replays, the two kernels alternating), and a bucket goes to exllamav3 where its time is at most
+    :data:`ROUTE_MARGIN` of trellis_mma's. A shape measured once in a process keeps its route. With the setting, the
+    route is :func:`.ops.fixed_route`. Both kernels also run once here at every row count either would need warmed
+    before capture (each trellis_mma launch kind; exllamav3's autotune buckets). Tensors off the GPU, or a GPU
+    without a workspace, or no exllamav3: route 0 (every call here), nothing run.
+
+    Returns:
+        the route (an int bit mask).
+
+    Raises:
+        quantpack_exl3.backends.trellis_mma.library.LibraryError: a launch failed (the message names the shape).
+
+    Source: docs/kernels.md ("The selection").
+    """
+    trellis = [t for name, t in run.tensors.items() if name.startswith("trellis")]
+    device = trellis[0].device
+    ws = ops.workspace(device)
+    if ws is None:
+        return 0
+    codebook, k_bits, outs = run.static[:3]
+    outs = tuple(outs) if isinstance(outs, tuple) else (outs,)
+    k = trellis[0].shape[0] * 16
+    key = (k, tuple(tuple(t.shape) for t in trellis), codebook, k_bits, device, ops.delegate_rows)
+    known = _routes.get(key)
+    if known is not None:
+        return known.route
+    warm_up(run, k, ws.delegate is not None)
+    if ws.delegate is None:
+        return 0
+    if ops.delegate_rows is not None:
+        route, mine, theirs = ops.fixed_route(ops.delegate_rows), (), ()
+    else:
+        mine, theirs = [], []
+        generator = torch.Generator(device=device).manual_seed(0)
+        for rows in ROW_BUCKETS:
+            x = torch.randn((rows, k), generator=generator, device=device).half()
+            out = torch.empty((rows, run.out_features), dtype=torch.float16, device=device)
+            a, b = _graph_us(run, x, out, 0), _graph_us(run, x, out, ALL_BUCKETS)
+            mine.append(min(a, _graph_us(run, x, out, 0)))
+            theirs.append(min(b, _graph_us(run, x, out, ALL_BUCKETS)))
+            del x, out
+        route = sum(1 << i for i, (m, t) in enumerate(zip(mine, theirs, strict=True)) if t <= ROUTE_MARGIN * m)
+        torch.cuda.empty_cache()  # exllamav3's large-row path reconstructs whole matrices in the graphs' pools
+    record = RouteRecord(k, outs, k_bits, codebook, ROW_BUCKETS, tuple(mine), tuple(theirs), route)
+    _routes[key] = record
+    logger.info("quantpack-exl3: trellis_mma route, %s", record.describe())
+    return route
+
+
+def _graph_us(run: PreparedShard, x: torch.Tensor, out: torch.Tensor, route: int) -> float:
+    """Microseconds per call of ``run`` on ``x`` with ``route``: ``ROUTE_CALLS`` calls captured in one CUDA graph,
+    the best of ``ROUTE_REPLAYS`` replays."""
+    static = (*run.static[:3], route)
+    run.run(x, *run.tensors.values(), *static, out, 0)  # eager first: nothing lazy happens during the capture
+    torch.cuda.synchronize(x.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(ROUTE_CALLS):
+            run.run(x, *run.tensors.values(), *static, out, 0)
+    best = float("inf")
+    for _ in range(ROUTE_REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / ROUTE_CALLS)
+    del graph
+    return best
+
+
+def warm_up(run: PreparedShard, in_features: int, exllamav3: bool) -> None:
+    """Run a new run shape once eagerly at every row count a CUDA-graph capture would otherwise meet first: the fused
+    kernel (1 row) and the unfused one (17 rows), so that their shared-memory limits are set; and, with
+    ``exllamav3`` (its kernels can take buckets), each of exllamav3's autotune buckets (its kernels time their launch
+    shapes on a shape's first call, which must not happen during capture). Shapes already warmed in this process
+    are skipped."""
+    trellis = [t for name, t in run.tensors.items() if name.startswith("trellis")]
+    device = trellis[0].device
+    key = (tuple(tuple(t.shape) for t in trellis), run.static[0], device)
     if key in _warmed:
         return
-    rows_list = [1, FUSED_ROWS + 1]
-    above = delegated_above(tr.device)
-    if above is not None:
+    calls = [(1, 0), (FUSED_ROWS + 1, 0)]
+    if exllamav3:
         from ..exllamav3.kernels import WARMUP_ROWS
 
-        rows_list += [r for r in WARMUP_ROWS if r > above]
-    generator = torch.Generator(device=tr.device).manual_seed(0)
-    for rows in rows_list:
-        x = torch.randn((rows, in_features), generator=generator, device=tr.device).to(dtype)
-        out = torch.empty((rows, out_features), dtype=dtype, device=tr.device)
-        prepared.run(x, *prepared.tensors.values(), *prepared.static, out, 0)
-    torch.cuda.synchronize(tr.device)
+        calls += [(r, ALL_BUCKETS) for r in WARMUP_ROWS]
+    generator = torch.Generator(device=device).manual_seed(0)
+    for rows, r in calls:
+        x = torch.randn((rows, in_features), generator=generator, device=device).half()
+        out = torch.empty((rows, run.out_features), dtype=torch.float16, device=device)
+        run.run(x, *run.tensors.values(), *run.static[:3], r, out, 0)
+    torch.cuda.synchronize(device)
     _warmed.add(key)

@@ -52,9 +52,39 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
 
 #: CTAs a launch aims at per SM (split-K fills the GPU with them); QUANTPACK_TRELLIS_MMA_CTAS_PER_SM overrides
 CTAS_PER_SM = 4
-#: above this many rows a call goes to exllamav3's kernels when they are importable: measured on an H200, they are
-#: faster there (docs/kernels.md). QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS overrides; 0 keeps every call here.
-delegate_rows = env_int("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", FUSED_ROWS)
+#: upper row counts of the row buckets a run's route names: bucket i holds calls of ROW_BUCKETS[i - 1] + 1 ..
+#: ROW_BUCKETS[i] rows, the last bucket every call above 256 rows
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+#: a route sending every bucket to exllamav3
+ALL_BUCKETS = (1 << len(ROW_BUCKETS)) - 1
+
+
+def _delegate_rows_setting() -> int | None:
+    """``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS``: None (unset: each run's route is measured at load), or a fixed row
+    count above which every run's calls go to exllamav3 (0: none do)."""
+    if os.environ.get("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", "").strip() == "":
+        return None
+    return env_int("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", FUSED_ROWS)
+
+
+#: None: each run's route (which row buckets go to exllamav3's kernels) is measured when it is prepared
+#: (kernels.measure_route); an integer N: every run sends the buckets wholly above N rows to exllamav3 (N rounded up
+#: to a bucket bound; 0 keeps every call here). From QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS.
+delegate_rows: int | None = _delegate_rows_setting()
+
+
+def row_bucket(rows: int) -> int:
+    """The index into :data:`ROW_BUCKETS` of a call of ``rows`` (>= 1) rows: the smallest bound >= rows, the last
+    bucket above 256."""
+    return min((rows - 1).bit_length(), len(ROW_BUCKETS) - 1)
+
+
+def fixed_route(above: int) -> int:
+    """The route (bit i set: bucket i goes to exllamav3) that sends every bucket whose smallest row count exceeds
+    ``above`` to exllamav3; 0 for ``above`` = 0 (every call here)."""
+    if above <= 0:
+        return 0
+    return sum(1 << i for i in range(len(ROW_BUCKETS)) if (ROW_BUCKETS[i - 1] + 1 if i else 1) > above)
 
 
 @dataclass
@@ -68,7 +98,7 @@ class Workspace:
         arch: compute capability (``major * 10 + minor``), which library to load.
         target_ctas: CTAs a launch aims at.
         delegate: exllamav3's implementation of the same call (``run_exl3_gemm``) when its extension imports, for
-            calls of more than :data:`delegate_rows` rows; None otherwise.
+            the row buckets a run's route sends there; None otherwise.
     """
 
     partials: torch.Tensor
@@ -110,11 +140,12 @@ def reserve(device: torch.device, k: int) -> Workspace:
     return ws
 
 
-def delegated_above(device: torch.device) -> int | None:
-    """The row count above which calls on ``device`` go to exllamav3's kernels (:data:`delegate_rows`), or None when
-    every call runs here (after :func:`reserve`)."""
-    ws = _workspaces.get(torch.device(device).index)
-    return delegate_rows if ws is not None and ws.delegate is not None and delegate_rows > 0 else None
+def workspace(device: torch.device) -> Workspace | None:
+    """The workspace :func:`reserve` made for ``device`` (a CUDA device), or None (none made, or not a CUDA device)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _workspaces.get(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def _exllamav3_gemm():
@@ -142,6 +173,7 @@ def run_trellis_mma(
     codebook: int,
     k_bits: float,
     out_features: list[int],
+    route: int,
     out: torch.Tensor,
     col: int,
 ) -> None:
@@ -157,7 +189,7 @@ def run_trellis_mma(
             f"{tuple(out.stride())}, workspace {'ready' if ws is not None else 'missing'})"
         )
     cols = [col + sum(out_features[:i]) for i in range(len(trellis))]
-    if ws.delegate is not None and 0 < delegate_rows < rows:
+    if ws.delegate is not None and (route >> row_bucket(rows)) & 1:
         for t, s, v, o, c in zip(trellis, suh, svh, out_features, cols, strict=True):
             ws.delegate(x, t, s, v, codebook, k_bits, o, out, c)
         return
@@ -210,7 +242,7 @@ def _launch(
 define_op(
     "trellis_mma_",
     "(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, float k_bits, int[] out_features, "
-    "Tensor(a!) out, int col) -> ()",
+    "int route, Tensor(a!) out, int col) -> ()",
     {"CUDA": run_trellis_mma},
 )
 
@@ -222,15 +254,24 @@ def trellis_mma_shards_(x: torch.Tensor, *args) -> None:
     Args:
         x: ``(rows, in)`` float16 or bfloat16 activations.
         args: ``trellis_0, suh_0, svh_0, trellis_1, ...`` (each as in :func:`trellis_mma_`), then ``codebook``,
-            ``k_bits``, ``out_features`` (a tuple, one per shard), ``out``, ``col``: shard ``i`` writes
+            ``k_bits``, ``out_features`` (a tuple, one per shard), ``route``, ``out``, ``col``: shard ``i`` writes
             ``out[:, col + sum(out_features[:i]):][:, :out_features[i]]``.
 
     Raises:
         quantpack_exl3.backends.trellis_mma.library.LibraryError: a launch failed (the message names the shape).
     """
-    *tensors, codebook, k_bits, out_features, out, col = args
+    *tensors, codebook, k_bits, out_features, route, out, col = args
     torch.ops.quantpack.trellis_mma_(
-        x, list(tensors[0::3]), list(tensors[1::3]), list(tensors[2::3]), codebook, k_bits, list(out_features), out, col
+        x,
+        list(tensors[0::3]),
+        list(tensors[1::3]),
+        list(tensors[2::3]),
+        codebook,
+        k_bits,
+        list(out_features),
+        route,
+        out,
+        col,
     )
 
 
@@ -242,15 +283,16 @@ def trellis_mma_(
     codebook: int,
     k_bits: float,
     out_features: int,
+    route: int,
     out: torch.Tensor,
     col: int,
 ) -> None:
     """One EXL3 shard through the trellis_mma kernels: ``out[:, col:col + out_features] = (x @ W)[:, :out_features]``
     (the op with one shard; :func:`trellis_mma_shards_` runs several).
 
-    Calls of more than :data:`delegate_rows` rows run exllamav3's kernels instead when they are importable (faster
-    there on an H200); otherwise every row count runs here (more than 16 rows: 64-row chunks, the input transform in
-    its own launch).
+    A call whose row bucket (:func:`row_bucket`) has its bit set in ``route`` runs exllamav3's kernels instead, when
+    they are importable (the route is measured per shape at load: :func:`.kernels.measure_route`); every other call
+    runs here (more than 16 rows: 64-row chunks, the input transform in its own launch).
 
     Args:
         x: ``(rows, in)`` float16 or bfloat16 activations (zero-extended to k inside the kernel).
@@ -259,6 +301,7 @@ def trellis_mma_(
         codebook: 0 = 3INST, 1 = mcg, 2 = mul1.
         k_bits: bits per weight K.
         out_features: logical output width (<= n).
+        route: bit i set: calls in row bucket i go to exllamav3 (:data:`ROW_BUCKETS`).
         out: ``(rows, total)`` layer output in ``x``'s dtype, unit column stride, written in place.
         col: first output column of this shard.
 
@@ -267,4 +310,4 @@ def trellis_mma_(
 
     Source: docs/exl3-format.md ("The math"); ``csrc/trellis_mma.cu`` describes the kernels.
     """
-    torch.ops.quantpack.trellis_mma_(x, [trellis], [suh], [svh], codebook, k_bits, [out_features], out, col)
+    torch.ops.quantpack.trellis_mma_(x, [trellis], [suh], [svh], codebook, k_bits, [out_features], route, out, col)
