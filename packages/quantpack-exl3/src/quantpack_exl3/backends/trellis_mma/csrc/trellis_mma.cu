@@ -401,14 +401,20 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
                 }
             }
         } else {
+            // copied by cp.async (every piece in flight at once), rows beyond the chunk zeroed; the wait below also
+            // drains the warps' trellis rings, whose accounting only needs at most GROUPS_IN_FLIGHT - 1 pending
             const int pieces = ptiles * 2;  // 16-byte pieces per row
             const __half* xh = static_cast<const __half*>(p.xh);
             for (int item = threadIdx.x; item < MROWS * pieces; item += THREADS) {
                 const int m = item / pieces, q = item % pieces;
-                uint4 v = make_uint4(0, 0, 0, 0);
-                if (m < rows) v = *reinterpret_cast<const uint4*>(xh + (size_t)(row0 + m) * p.k + kc0 + q * 8);
-                *reinterpret_cast<uint4*>(A + m * A_STRIDE + q * 8) = v;
+                __half* dst = A + m * A_STRIDE + q * 8;
+                if (m < rows)
+                    cp_async16(dst, xh + (size_t)(row0 + m) * p.k + kc0 + q * 8);
+                else
+                    *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
             }
+            cp_async_commit();
+            cp_async_wait<0>();
         }
         __syncthreads();
 
@@ -454,10 +460,13 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     __syncthreads();
 
     if (p.splits > 1) {
+        // partials and their sum move as float4 (a row's 128 columns are 32 of them; rows start 16-byte aligned in
+        // the workspace, n being a multiple of 128, and in F, F_STRIDE a multiple of 4)
         const size_t n0 = (size_t)nb * BLOCK_N;
         float* mine = p.partials + ((size_t)(chunk * p.splits + split) * p.mrows) * p.n + n0;
-        for (int e = threadIdx.x; e < rows * BLOCK_N; e += THREADS)
-            mine[(size_t)(e / BLOCK_N) * p.n + e % BLOCK_N] = F[(e / BLOCK_N) * F_STRIDE + e % BLOCK_N];
+        for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4)
+            *reinterpret_cast<float4*>(mine + (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N) =
+                *reinterpret_cast<const float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N);
         __threadfence();
         __syncthreads();
         int* counter = p.counters + (size_t)chunk * gridDim.x + nb;
@@ -466,12 +475,18 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
         if (!last_arrival) return;
         __threadfence();
         const float* all = p.partials + ((size_t)chunk * p.splits * p.mrows) * p.n + n0;
-        for (int e = threadIdx.x; e < rows * BLOCK_N; e += THREADS) {
+        for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4) {
             const size_t at = (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N;
-            float s = 0.0f;
+            float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // summed in split order: deterministic
 #pragma unroll 8
-            for (int sp = 0; sp < p.splits; ++sp) s += __ldcg(all + (size_t)sp * p.mrows * p.n + at);
-            F[(e / BLOCK_N) * F_STRIDE + e % BLOCK_N] = s;
+            for (int sp = 0; sp < p.splits; ++sp) {
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(all + (size_t)sp * p.mrows * p.n + at));
+                s.x += v.x;
+                s.y += v.y;
+                s.z += v.z;
+                s.w += v.w;
+            }
+            *reinterpret_cast<float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N) = s;
         }
         if (threadIdx.x == 0) *counter = 0;
         __syncthreads();
