@@ -1,6 +1,7 @@
 """GPU tier, end to end: vLLM's CUDA build serves the bundled packs through the plugin (entry point, as any user's
 process) with the kernels it chooses: trellis_mma for linear shards of float16 / bfloat16 models (exllamav3's
-kernels for calls above 16 rows), exllamav3's for expert banks. Prompt logprobs against exllamav3's reference
+kernels for the row buckets of each layer where the load-time measurement found them faster), exllamav3's for
+expert banks. Prompt logprobs against exllamav3's reference
 logits (for the Qwen3.5 pack, against the core codec's dequantized weights in transformers), and the same greedy
 tokens eager and with torch.compile + CUDA graphs. vLLM 0.25.1 does not register the Qwen3.5 text architecture;
 quantpack-families does.

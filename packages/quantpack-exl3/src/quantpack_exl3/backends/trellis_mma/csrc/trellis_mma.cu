@@ -527,25 +527,45 @@ __global__ void __launch_bounds__(THREADS) input_transform_kernel(const Params p
     dst[1] = __floats2half2_rn(v[2], v[3]);
 }
 
-template <int CB, int KA, bool HALFK, int MB, bool FUSED>
-int launch(const Params& p, dim3 grid, cudaStream_t stream) {
-    using T = Tile<KA, HALFK>;
+// Dynamic shared memory of one kernel instantiation: the A panel (or, after it, the 128-column partial sums) and the
+// warps' trellis rings.
+template <int KA, bool HALFK, int MB>
+constexpr int smem_bytes() {
     constexpr int MROWS = 16 * MB;
     constexpr int PANEL = MB == 1 ? 64 : 32;
     constexpr int A_BYTES = MROWS * (PANEL * 16 + 8) * 2;
     constexpr int F_BYTES = MROWS * F_STRIDE * 4;
-    constexpr int SMEM = (A_BYTES > F_BYTES ? A_BYTES : F_BYTES) + WARPS * GROUPS_IN_FLIGHT * GROUP * T::BYTES;
-    auto kernel = trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>;
-    static uint64_t configured = 0;  // one bit per device: set at warm-up, before any CUDA-graph capture
+    return (A_BYTES > F_BYTES ? A_BYTES : F_BYTES) + WARPS * GROUPS_IN_FLIGHT * GROUP * Tile<KA, HALFK>::BYTES;
+}
+
+// Raises a kernel instantiation's shared-memory limit once per device (at warm-up, before any CUDA-graph capture)
+// and gives how many of its CTAs fit in one SM at once (*fit; cached with the limit). Returns 0 or a CUDA error code.
+template <int CB, int KA, bool HALFK, int MB, bool FUSED>
+int configure(int* fit) {
+    static int fits[64] = {};  // per device; 0 = not configured yet
     int device = 0;
-    cudaGetDevice(&device);
-    const uint64_t bit = uint64_t(1) << (device & 63);
-    if (!(configured & bit)) {
-        const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+    cudaError_t e = cudaGetDevice(&device);
+    if (e != cudaSuccess) return (int)e;
+    int& cached = fits[device & 63];
+    if (cached == 0) {
+        auto kernel = trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>;
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<KA, HALFK, MB>());
         if (e != cudaSuccess) return (int)e;
-        configured |= bit;
+        int n = 0;
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, THREADS, smem_bytes<KA, HALFK, MB>());
+        if (e != cudaSuccess) return (int)e;
+        cached = n > 0 ? n : 1;
     }
-    kernel<<<grid, THREADS, SMEM, stream>>>(p);
+    *fit = cached;
+    return 0;
+}
+
+template <int CB, int KA, bool HALFK, int MB, bool FUSED>
+int launch(const Params& p, dim3 grid, cudaStream_t stream) {
+    int fit = 0;
+    const int e = configure<CB, KA, HALFK, MB, FUSED>(&fit);
+    if (e != 0) return e;
+    trellis_mma_kernel<CB, KA, HALFK, MB, FUSED><<<grid, THREADS, smem_bytes<KA, HALFK, MB>(), stream>>>(p);
     return (int)cudaGetLastError();
 }
 
@@ -592,6 +612,15 @@ template <int MB, bool FUSED>
 int dispatch(const Params& p, int codebook, int k2, dim3 grid, cudaStream_t s) {
     return with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
         return launch<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, MB, FUSED>(p, grid, s);
+    });
+}
+
+// CTAs of the kernel a launch of (codebook, 2K, MB, FUSED) uses that fit in one SM at once (*fit). Returns 0, a CUDA
+// error code, -2 (no such K) or -3 (bad codebook).
+template <int MB, bool FUSED>
+int resident_ctas(int codebook, int k2, int* fit) {
+    return with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
+        return configure<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, MB, FUSED>(fit);
     });
 }
 
@@ -650,6 +679,16 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
     }
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int mb_rows = fused ? 16 : 64;
+    // one wave is what fits at once: above 16 rows the kernel's 70-99 KB of shared memory holds 2-3 CTAs per SM, so
+    // a target of 4 per SM would split k twice as finely for a grid of two waves (measured slower: docs/kernels.md)
+    int fit = 0, sms = 0;
+    int e = fused ? qp::resident_ctas<1, true>(codebook, k2, &fit) : qp::resident_ctas<4, false>(codebook, k2, &fit);
+    if (e != 0) return e;
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+        return (int)cudaGetLastError();
+    if ((long long)fit * sms < target_ctas) target_ctas = fit * sms;
     const int splits = qp_trellis_mma_splits(rows, k, n_total, target_ctas, partial_floats, counters_len);
     const int ktiles = k / 16;
     const int slice = (ktiles / 8 + splits - 1) / splits * 8;
@@ -678,8 +717,8 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
     if (xh == nullptr) return -4;
     const long items = (long)rows * (k / 128);
     qp::input_transform_kernel<<<(unsigned)((items + qp::WARPS - 1) / qp::WARPS), qp::THREADS, 0, s>>>(p);
-    const cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) return (int)e;
+    e = (int)cudaGetLastError();
+    if (e != 0) return e;
     return qp::dispatch<4, false>(p, codebook, k2, grid, s);
 }
 
