@@ -1,22 +1,28 @@
-"""End-to-end serving speed side by side on the Llama-3-8B shape: vLLM + quantpack-exl3, vLLM bf16, vLLM W4A16 (AWQ)
-and exllamav3 native, each engine in its own process, in one run.
+"""End-to-end serving speed side by side on the Llama-3-8B shape: vLLM + quantpack-exl3 (its kernels as chosen, and
+with exllamav3's kernels forced), vLLM bf16, vLLM W4A16 (AWQ) and exllamav3 native, each engine in its own process, in
+one run.
 
-* vLLM + quantpack-exl3: the synthetic EXL3 pack of ``decode_8b.py`` (K=4 mul1, head K=6), kernels as chosen.
-* vLLM bf16: the same config.json without its quantization config, ``load_format="dummy"`` (no weights written).
-* vLLM W4A16: the same config with an AWQ quantization config (4 bits, group 128, zero point), ``load_format="dummy"``:
+* plugin: vLLM + quantpack-exl3 on the synthetic EXL3 pack of ``decode_8b.py`` (K=4 mul1, head K=6), kernels as
+  chosen (trellis_mma, its row buckets routed to exllamav3 where measured faster).
+* plugin-exllamav3: the same with ``QUANTPACK_EXL3_BACKEND=exllamav3`` (exllamav3's kernels for every shard).
+* bf16: vLLM on the same config.json without its quantization config, ``load_format="dummy"`` (no weights written).
+* w4a16: the same config with an AWQ quantization config (4 bits, group 128, zero point), ``load_format="dummy"``:
   vLLM's own 4-bit path (AWQ-Marlin / Machete on Hopper).
-* exllamav3 native: its Generator on the same pack, batch 1 only (decode and time to first token).
+* exllamav3: its own Generator on the same pack (jobs of token ids, argmax sampling, all of a batch enqueued at
+  once).
 
-Per vLLM engine and batch size B (default 1, 8, 64, 256): decode with B prompts of 64 tokens and 256 new tokens
+Per engine and batch size B (default 1, 8, 64, 256): decode with B prompts of 64 tokens and 256 new tokens
 (greedy, no early stop): tokens/s = B x 256 / (t(257 tokens) - t(1 token)), ms per step, and the time to first token
-t(1 token); prefill with B prompts of 512 tokens and one new token: prompt tokens/s and its time. Plus the load time,
-the weights' size on the GPU and the process's peak GPU memory (torch's allocator). CUDA graphs and torch.compile
-as vLLM configures them by default; the attention backend is ``TRITON_ATTN`` (the GPU bundle has no FlashAttention).
+t(1 token); prefill with B prompts of 512 tokens and one new token: prompt tokens/s and its time. Every call's
+prompts are new token sequences (a per-call first token), and vLLM's prefix caching is off, so no call reuses an
+earlier one's KV cache. Plus the load time, the weights' size on the GPU and the process's peak GPU memory (torch's
+allocator). CUDA graphs and torch.compile as vLLM configures them by default; the attention backend is
+``TRITON_ATTN`` (the GPU bundle has no FlashAttention).
 
 Writes ``--json`` (default ``benchmarks/results/serve_8b.json``) and prints a markdown table;
 ``benchmarks/plot_kernels.py`` draws both this and ``kernel_8b.py``'s record. Usage (GPU machine, after
-ci/gpu/setup.sh): ``source ci/gpu/env.sh && python3 benchmarks/serve_8b.py [--engines plugin,bf16,w4a16,exllamav3]
-[--batches 1,8,64,256] [--repeats 2]``.
+ci/gpu/setup.sh): ``source ci/gpu/env.sh && python3 benchmarks/serve_8b.py
+[--engines plugin,plugin-exllamav3,bf16,w4a16,exllamav3] [--batches 1,8,64,256] [--repeats 2]``.
 """
 
 from __future__ import annotations
@@ -30,11 +36,31 @@ import sys
 import time
 from pathlib import Path
 
-from decode_8b import SHAPE, KernelTable, exllamav3_runner, make_pack
+from decode_8b import SHAPE, KernelTable, make_pack
 
 PROMPT_TOKENS, DECODE_TOKENS, PREFILL_TOKENS = 64, 256, 512
-ENGINES = ("plugin", "bf16", "w4a16", "exllamav3")
+ENGINES = ("plugin", "plugin-exllamav3", "bf16", "w4a16", "exllamav3")
+#: the engines that load the EXL3 pack through the plugin, and the kernel backend each forces (None: as chosen)
+PLUGIN_BACKENDS = {"plugin": None, "plugin-exllamav3": "exllamav3"}
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+_calls = [0]
+
+
+def prompt_ids(batch: int, length: int, vocab: int) -> list[list[int]]:
+    """``batch`` distinct prompts of ``length`` token ids below ``vocab``, unlike those of any earlier call in this
+    process (the first token counts the calls, in the lower half of the vocabulary; the rest lie in the upper half),
+    so that no engine serves a prompt from a prefix cache."""
+    _calls[0] += 1
+    half = vocab // 2
+    return [
+        [1 + _calls[0] % (half - 1)] + [half + (7 * i + j) % (half - 1) for j in range(length - 1)]
+        for i in range(batch)
+    ]
+
+
+def vocab_size(model: Path) -> int:
+    """The ``vocab_size`` of a model folder's config.json."""
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
 
 def dummy_model(pack: Path, kind: str) -> Path:
@@ -75,6 +101,7 @@ def bench_vllm(model: Path, kind: str, batches: list[int], repeats: int) -> dict
 
     kernels = KernelTable()
     logging.getLogger("vllm.quantpack").addHandler(kernels)
+    vocab = vocab_size(model)
     cuda = torch.cuda.is_available()
     t0 = time.time()
     llm = LLM(
@@ -84,7 +111,8 @@ def bench_vllm(model: Path, kind: str, batches: list[int], repeats: int) -> dict
         max_num_seqs=max(batches),
         skip_tokenizer_init=True,
         seed=0,
-        load_format="auto" if kind == "plugin" else "dummy",
+        load_format="auto" if kind in PLUGIN_BACKENDS else "dummy",
+        enable_prefix_caching=False,
         **({"attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.6} if cuda else {}),
     )
     load_s = time.time() - t0
@@ -95,15 +123,26 @@ def bench_vllm(model: Path, kind: str, batches: list[int], repeats: int) -> dict
 
     weights_gib = llm.apply_model(model_bytes)[0] / 2**30
 
-    def prompts(batch: int, length: int) -> list[dict]:
-        """``batch`` distinct token-id prompts of ``length`` tokens."""
-        return [{"prompt_token_ids": [100 + (7 * i + j) % 5000 for j in range(length)]} for i in range(batch)]
-
     def run(batch: int, length: int, new: int) -> float:
-        """Seconds to generate ``new`` tokens (greedy, no early stop) for ``batch`` prompts of ``length``."""
+        """Seconds to generate ``new`` tokens (greedy, no early stop) for ``batch`` new prompts of ``length``."""
         sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, detokenize=False)
-        return timed(lambda: llm.generate(prompts(batch, length), sp, use_tqdm=False))
+        prompts = [{"prompt_token_ids": ids} for ids in prompt_ids(batch, length, vocab)]
+        return timed(lambda: llm.generate(prompts, sp, use_tqdm=False))
 
+    rows = measure(kind, run, batches, repeats)
+    return {
+        "engine": kind,
+        "load_s": load_s,
+        "weights_gib": weights_gib,
+        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "kernels": kernels.tables[-1] if kernels.tables else None,
+        "rows": rows,
+    }
+
+
+def measure(kind: str, run, batches: list[int], repeats: int) -> list[dict]:
+    """Decode and prefill figures of one engine at every batch size (see the module), from ``run(batch, length,
+    new)`` -> seconds."""
     rows = []
     for batch in batches:
         run(batch, PROMPT_TOKENS, 8)  # warm this batch size
@@ -122,31 +161,46 @@ def bench_vllm(model: Path, kind: str, batches: list[int], repeats: int) -> dict
             }
         )
         print(f"  {kind} batch {batch}: {rows[-1]}", file=sys.stderr, flush=True)
-    return {
-        "engine": kind,
-        "load_s": load_s,
-        "weights_gib": weights_gib,
-        "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-        "kernels": kernels.tables[-1] if kernels.tables else None,
-        "rows": rows,
-    }
+    return rows
 
 
-def bench_exllamav3(pack: Path, repeats: int) -> dict:
-    """exllamav3's own Generator on the pack, batch 1: decode tokens/s and time to first token."""
+def bench_exllamav3(pack: Path, batches: list[int], repeats: int) -> dict:
+    """exllamav3's own Generator on the pack (exllamav3 1.6.5's ``Generator`` / ``Job`` API): every batch size, decode
+    and prefill as for the vLLM engines; the cache holds the largest batch's sequences of 512 + 257 tokens."""
     import torch
+    from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Job, Model, Tokenizer
 
-    run, load_s = exllamav3_runner(pack)
-    run(DECODE_TOKENS + 1)
-    first = min(run(1) for _ in range(repeats))
-    full = min(run(DECODE_TOKENS + 1) for _ in range(repeats))
-    step = max(full - first, 1e-9) / DECODE_TOKENS
-    row = {"batch": 1, "decode_tok_s": 1 / step, "ms_per_step": step * 1000, "ttft_ms": first * 1000}
+    config = Config.from_directory(str(pack))
+    model = Model.from_config(config)
+    per_sequence = -(-(PREFILL_TOKENS + DECODE_TOKENS + 1) // 256) * 256  # whole cache pages of 256 tokens
+    cache = Cache(model, max_num_tokens=max(batches) * per_sequence)
+    t0 = time.time()
+    model.load()
+    load_s = time.time() - t0
+    generator = Generator(
+        model=model, cache=cache, tokenizer=Tokenizer.from_config(config), max_batch_size=max(batches)
+    )
+
+    def run(batch: int, length: int, new: int) -> float:
+        """Seconds to generate ``new`` tokens for ``batch`` new prompts of ``length`` ids, enqueued at once."""
+
+        def generate() -> None:
+            for ids in prompt_ids(batch, length, vocab_size(pack)):
+                ids = torch.tensor([ids])
+                generator.enqueue(Job(input_ids=ids, max_new_tokens=new, stop_conditions=[], sampler=ArgmaxSampler()))
+            while generator.num_remaining_jobs():
+                generator.iterate()
+
+        return timed(generate)
+
+    rows = measure("exllamav3", run, batches, repeats)
+    weights = sum(f.stat().st_size for f in pack.glob("*.safetensors")) / 2**30
     return {
         "engine": "exllamav3",
         "load_s": load_s,
+        "weights_gib": weights,
         "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "rows": [row],
+        "rows": rows,
     }
 
 
@@ -184,10 +238,13 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     if args.engine:
         if args.engine == "exllamav3":
-            res = bench_exllamav3(args.pack, args.repeats)
+            res = bench_exllamav3(args.pack, batches, args.repeats)
+        elif args.engine in PLUGIN_BACKENDS:
+            if PLUGIN_BACKENDS[args.engine]:
+                os.environ["QUANTPACK_EXL3_BACKEND"] = PLUGIN_BACKENDS[args.engine]
+            res = bench_vllm(args.pack, args.engine, batches, args.repeats)
         else:
-            model = args.pack if args.engine == "plugin" else dummy_model(args.pack, args.engine)
-            res = bench_vllm(model, args.engine, batches, args.repeats)
+            res = bench_vllm(dummy_model(args.pack, args.engine), args.engine, batches, args.repeats)
         print("RESULT " + json.dumps(res), flush=True)
         return
     make_pack(args.pack)
