@@ -20,6 +20,7 @@ import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
 from quantpack_core.errors import LayerLoadError
+from quantpack_core.int8_logits import int8_rows_logits
 
 from .params import ShardParam
 
@@ -182,14 +183,18 @@ class Int8RowsEmbeddingMethod(QuantizeMethodBase):
         return torch.nn.functional.embedding(input_, layer.weight)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of a head tied to this table: ``x @ table.T`` (the int8 table is dequantized for the call).
+        """Logits of a head tied to this table (or stored as one): ``x @ table.T``. An int8 table is never
+        dequantized: ``quantpack::int8_rows_logits_`` reads its rows and applies each row's scale to its logit
+        (:mod:`quantpack_core.int8_logits`).
 
         Raises:
             LayerLoadError: a tied head over an embedding without a table.
         """
         if layer.quant_state.int8:
-            w = (layer.qweight.to(torch.float32) * layer.scales[:, None]).to(x.dtype)
-        elif layer.weight is not None:
+            logits = int8_rows_logits(x.reshape(-1, x.shape[-1]), layer.qweight, layer.scales)
+            logits = logits.reshape(*x.shape[:-1], logits.shape[-1])
+            return logits if bias is None else logits + bias
+        if layer.weight is not None:
             w = layer.weight
         else:
             raise LayerLoadError(f"{self.prefix}: tied head over an embedding that has no table")
