@@ -139,7 +139,8 @@ def gpu_tests(session: nox.Session) -> None:
         for a in session.posargs
         if not a.startswith("-")
     )
-    tests = [] if given else ["packages/quantpack-exl3/tests", "packages/quantpack-escha-rocm/tests"]
+    packages = ("quantpack-core", "quantpack-exl3", "quantpack-escha-rocm")
+    tests = [] if given else [f"packages/{p}/tests" for p in packages]
     session.run(
         "python3",
         "-m",

@@ -16,6 +16,6 @@ if PYTHONPATH=/tmp/nox-site:$PYTHONPATH python3 -c "import nox" 2>/dev/null; the
   PYTHONPATH=/tmp/nox-site:$PYTHONPATH exec python3 -m nox -s gpu-tests -- "$@"
 fi
 # as the nox session: test files among the arguments narrow the selection, otherwise every GPU test
-paths=(packages/quantpack-exl3/tests packages/quantpack-escha-rocm/tests)
+paths=(packages/quantpack-core/tests packages/quantpack-exl3/tests packages/quantpack-escha-rocm/tests)
 for a in "$@"; do case "$a" in *.py | *.py::*) paths=() ;; esac; done
 exec python3 -m pytest -ra -p no:cacheprovider --durations=15 -m gpu "${paths[@]}" "$@"

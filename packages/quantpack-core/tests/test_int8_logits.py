@@ -114,3 +114,27 @@ def test_triton_kernel_compiles_for_hopper_and_gfx1201(target, act):
         consts = {"BLOCK_M": block_m, "BLOCK_V": k.BLOCK_V, "BLOCK_H": k.BLOCK_H}
         binary = triton.compile(ASTSource(fn=k.int8_rows_logits_kernel, signature=sig, constexprs=consts), target=gpu)
         assert binary.asm.get("cubin" if target == "cuda" else "hsaco")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier: nox -s gpu-tests)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 16, 17, 300])
+def test_on_the_gpu(dtype, rows):
+    """On the device (the Triton kernel for 16-bit activations, the chunked path for float32): within the dtype's
+    rounding of fp64 at a vocabulary and width not multiples of the blocks, a CUDA-graph replay equal to the eager
+    call, and opcheck."""
+    x, q, s, ref = case(rows, 5003, 640 + 24, dtype, seed=rows)
+    x, q, s = x.cuda(), q.cuda(), s.cuda()
+    out = int8_rows_logits(x, q, s)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel_err(out.cpu(), ref) < TOL[dtype]
+    static = torch.empty_like(out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.quantpack.int8_rows_logits_(x, q, s, static)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, out)
+    torch.library.opcheck(torch.ops.quantpack.int8_rows_logits_.default, (x, q, s, torch.empty_like(out)))
