@@ -27,9 +27,19 @@ import torch
 from quantpack_core.codec import Codebook, Exl3Tensors
 from quantpack_core.kernels import LinearKernel, LinearSpec, Platform, PreparedShard
 
-from . import ops
 from .library import compiler_reason
-from .ops import ALL_BUCKETS, FUSED_ROWS, MAX_SHARDS, ROW_BUCKETS, reserve, trellis_mma_, trellis_mma_shards_
+from .ops import (
+    ALL_BUCKETS,
+    FUSED_ROWS,
+    MAX_SHARDS,
+    ROW_BUCKETS,
+    delegate_rows_now,
+    fixed_route,
+    reserve,
+    trellis_mma_,
+    trellis_mma_shards_,
+    workspace,
+)
 
 NAME = "trellis_mma"
 #: mma.sync m16n8k16, ldmatrix and cp.async need sm_80
@@ -101,7 +111,8 @@ class TrellisMmaLinearKernel(LinearKernel):
             "svh": t.svh.to(device=device, dtype=torch.float16).contiguous(),
         }
         ws = reserve(device, tensors["trellis"].shape[0] * 16)
-        if spec.act_dtype == torch.bfloat16 and ws.delegate is not None and ops.delegate_rows != 0 and not _warned_bf16:
+        routed = ws.delegate is not None and delegate_rows_now() != 0
+        if spec.act_dtype == torch.bfloat16 and routed and not _warned_bf16:
             _warned_bf16 = True
             logger.warning(
                 "quantpack-exl3: the row counts of each layer where exllamav3's kernels are faster go to them, and "
@@ -202,21 +213,22 @@ def measure_route(run: PreparedShard) -> int:
     """
     trellis = [t for name, t in run.tensors.items() if name.startswith("trellis")]
     device = trellis[0].device
-    ws = ops.workspace(device)
+    ws = workspace(device)
     if ws is None:
         return 0
     codebook, k_bits, outs = run.static[:3]
     outs = tuple(outs) if isinstance(outs, tuple) else (outs,)
     k = trellis[0].shape[0] * 16
-    key = (k, tuple(tuple(t.shape) for t in trellis), codebook, k_bits, device, ops.delegate_rows)
+    setting = delegate_rows_now()
+    key = (k, tuple(tuple(t.shape) for t in trellis), codebook, k_bits, device, setting)
     known = _routes.get(key)
     if known is not None:
         return known.route
     warm_up(run, k, ws.delegate is not None)
     if ws.delegate is None:
         return 0
-    if ops.delegate_rows is not None:
-        route, mine, theirs = ops.fixed_route(ops.delegate_rows), (), ()
+    if setting is not None:
+        route, mine, theirs = fixed_route(setting), (), ()
     else:
         mine, theirs = [], []
         generator = torch.Generator(device=device).manual_seed(0)

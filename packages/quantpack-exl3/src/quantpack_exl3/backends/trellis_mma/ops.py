@@ -73,6 +73,11 @@ def _delegate_rows_setting() -> int | None:
 delegate_rows: int | None = _delegate_rows_setting()
 
 
+def delegate_rows_now() -> int | None:
+    """:data:`delegate_rows` as it is now (tests and benchmarks set it at run time)."""
+    return delegate_rows
+
+
 def row_bucket(rows: int) -> int:
     """The index into :data:`ROW_BUCKETS` of a call of ``rows`` (>= 1) rows: the smallest bound >= rows, the last
     bucket above 256."""
