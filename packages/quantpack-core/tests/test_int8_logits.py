@@ -43,6 +43,22 @@ def test_chunked_path_matches_fp64(monkeypatch, dtype, rows, vocab, width):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+def test_float16_logits_beyond_the_int8_range_stay_finite():
+    """A real head's rows (N(0, 0.02), quantized as the converter does) and activations whose true logits reach 60:
+    the float16 result is finite and close, on the chunked path (the raw int8 product would pass 65504)."""
+    from quantpack_core.embedding import quantize_rows
+
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn((300, 512), generator=g) * 0.02
+    q, s = quantize_rows(table)
+    x = torch.stack([table[7] / table[7].norm() ** 2 * target for target in (30.0, 45.0, 60.0)]).half()
+    out = int8_rows_logits(x, q, s)
+    ref = x.double() @ (q.double() * s.double()[:, None]).T
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[torch.float16]
+    assert out[2, 7].item() == pytest.approx(60.0, rel=1e-2)
+
+
 def test_opcheck():
     x, q, s, _ = case(3, 200, 128, torch.float32)
     out = torch.empty((3, 200))
@@ -57,6 +73,8 @@ def test_bad_tables_are_named():
         int8_rows_logits(x, q, s[:9])
     with pytest.raises(ValueError, match=r"got x \[2, 8\]"):
         int8_rows_logits(x[:, :8], q, s)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        int8_rows_logits(x, torch.cat([q, q], 1)[:, :16], s)
 
 
 INTERPRETED = [(1, 300, 200), (16, 130, 256), (17, 200, 128), (70, 65, 136)]

@@ -13,6 +13,7 @@ from quantpack_core.ops import defined_ops
 def test_every_op_the_project_defines_has_an_opcheck_case():
     import importlib.util
 
+    import quantpack_core.int8_logits
     import quantpack_core.vllm.cpu_linear
     import quantpack_core.vllm.cpu_moe  # noqa: F401
     import quantpack_exl3.backends.exllamav3.ops

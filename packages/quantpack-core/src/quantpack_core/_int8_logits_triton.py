@@ -28,8 +28,8 @@ def int8_rows_logits_kernel(
     """One ``(BLOCK_M, BLOCK_V)`` block of logits (see the module)."""
     pid_v = tl.program_id(0)
     pid_m = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # 64-bit offsets: rows x vocab can pass 2^31
+    rv = (pid_v * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
     rh = tl.arange(0, BLOCK_H)
     acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
     for h0 in range(0, width, BLOCK_H):

@@ -7,8 +7,9 @@ product reads each int8 weight once: on CUDA / ROCm a Triton kernel (:mod:`._int
 to the activations' 16-bit type in registers and applies each row's scale to its logit; elsewhere (the CPU, float32
 activations) the table is converted a few megabytes at a time into the output's columns, never as a whole.
 
-Exact for the int8 values (every int8 is a float16 / bfloat16); the scale multiplies the float32 dot product (Triton)
-or the product in the activations' dtype (the chunked path), where the int8 method dequantized the table first.
+The Triton kernel is exact for the int8 values (every int8 is a float16 / bfloat16) and multiplies the float32 dot
+product by the row's scale; the chunked path dequantizes each chunk in float32 and rounds it once to the activations'
+dtype, as the int8 method did for the whole table before.
 
 Source: the row format of :mod:`quantpack_core.embedding` (:func:`~quantpack_core.embedding.dequantize_rows`), its
 scale applied after the product instead of before; docs/escha-format.md (int8 embedding and head).
@@ -25,14 +26,16 @@ CHUNK_ELEMENTS = 4 << 20
 
 
 def int8_rows_logits_chunked(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-    """The portable implementation: ``out[:, a:b] = (x @ qweight[a:b].T) * scales[a:b]`` over chunks of at most
-    :data:`CHUNK_ELEMENTS` table elements, each converted to ``x``'s dtype (the whole table never is)."""
+    """The portable implementation: ``out[:, a:b] = x @ (qweight[a:b] * scales[a:b]).T`` over chunks of at most
+    :data:`CHUNK_ELEMENTS` table elements, each dequantized in float32 and rounded once to ``x``'s dtype (the whole
+    table never is; scaling before the product keeps float16 products in range, which the raw int8 values times
+    the activations would leave above a logit of about 30)."""
     vocab, width = qweight.shape
     step = max(1, CHUNK_ELEMENTS // max(width, 1))
     for a in range(0, vocab, step):
         b = min(vocab, a + step)
-        part = torch.mm(x, qweight[a:b].to(x.dtype).t())
-        out[:, a:b].copy_(part.mul_(scales[a:b].to(part.dtype)))
+        w = (qweight[a:b].to(torch.float32) * scales[a:b, None].to(torch.float32)).to(x.dtype)
+        out[:, a:b].copy_(torch.mm(x, w.t()))
 
 
 def _int8_rows_logits_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
@@ -40,7 +43,8 @@ def _int8_rows_logits_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch
     if x.dtype in (torch.float16, torch.bfloat16):
         from ._int8_logits_triton import int8_rows_logits_triton
 
-        int8_rows_logits_triton(x, qweight, scales, out)
+        # the kernel indexes the table and scales as contiguous (no copy when they are, as the method keeps them)
+        int8_rows_logits_triton(x, qweight.contiguous(), scales.contiguous(), out)
     else:
         int8_rows_logits_chunked(x, qweight, scales, out)
 
@@ -64,7 +68,8 @@ def int8_rows_logits(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         ``(rows, vocab)`` logits in ``x``'s dtype.
 
     Raises:
-        ValueError: shapes that do not fit each other, or a table that is not int8 (named in the message).
+        ValueError: shapes that do not fit each other, a table that is not int8, or a table or scales that are not
+            contiguous (named in the message).
     """
     if qweight.dtype != torch.int8 or qweight.dim() != 2 or x.dim() != 2 or x.shape[1] != qweight.shape[1]:
         raise ValueError(
@@ -75,6 +80,8 @@ def int8_rows_logits(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         raise ValueError(
             f"int8_rows_logits: {qweight.shape[0]} table rows need as many scales, got {list(scales.shape)}"
         )
+    if not (qweight.is_contiguous() and scales.is_contiguous()):
+        raise ValueError("int8_rows_logits: the int8 table and its scales must be contiguous (call .contiguous() once)")
     out = x.new_empty((x.shape[0], qweight.shape[0]))
     torch.ops.quantpack.int8_rows_logits_(x if x.stride(1) == 1 else x.contiguous(), qweight, scales, out)
     return out
