@@ -222,10 +222,13 @@ def bench_served(kernel, stack, rows_list, device) -> dict:
         result = bench_kernel(kernel, stack, rows_list, device, unfused=False)["fused"]
     finally:
         ops.delegate_rows = saved
-    routes = [asdict(r) for r in tm.route_records() if r.trellis_mma_us]
-    for r in routes:
-        r["serves"] = ["exllamav3" if (r["route"] >> i) & 1 else "trellis_mma" for i in range(len(r["rows"]))]
-        print(f"  route {tm.RouteRecord(**{k: v for k, v in r.items() if k != 'serves'}).describe()}", flush=True)
+    routes = []
+    for record in tm.route_records():
+        if record.trellis_mma_us:
+            print(f"  route {record.describe()}", flush=True)
+            r = asdict(record) | {"dtype": str(record.dtype).removeprefix("torch.")}
+            r["serves"] = ["exllamav3" if (r["route"] >> i) & 1 else "trellis_mma" for i in range(len(r["rows"]))]
+            routes.append(r)
     result["routes"] = routes
     return result
 

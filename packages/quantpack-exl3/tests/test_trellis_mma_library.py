@@ -135,9 +135,22 @@ def test_row_buckets_and_fixed_routes():
     QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS sends exactly the buckets whose smallest row count exceeds it."""
     from quantpack_exl3.backends.trellis_mma.ops import ROW_BUCKETS, fixed_route, row_bucket
 
-    for rows in range(1, 1100):
+    for rows in range(1, 5000):
         i = row_bucket(rows)
         low = ROW_BUCKETS[i - 1] + 1 if i else 1
         assert low <= rows and (rows <= ROW_BUCKETS[i] or i == len(ROW_BUCKETS) - 1), rows
-    assert fixed_route(0) == 0 and fixed_route(16) == 0b1111100000 and fixed_route(20) == 0b1111000000
-    assert fixed_route(1) == 0b1111111110 and fixed_route(512) == 0 and fixed_route(256) == 0b1000000000
+    assert fixed_route(0) == 0 and fixed_route(16) == 0b111111100000 and fixed_route(20) == 0b111111000000
+    assert fixed_route(1) == 0b111111111110 and fixed_route(512) == 0b110000000000
+    # a threshold above the last bounded bucket still sends the open-ended one (every call above 1024 rows)
+    assert fixed_route(1024) == fixed_route(1500) == fixed_route(10**6) == 0b100000000000
+
+
+def test_a_bad_delegate_rows_setting_measures_instead(monkeypatch, caplog):
+    """QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS: unset or not an integer >= 0 -> measured routes (None, with a warning for
+    the latter); an integer -> that threshold."""
+    from quantpack_exl3.backends.trellis_mma.ops import _delegate_rows_setting
+
+    for raw, want in (("", None), ("abc", None), ("-3", None), ("0", 0), ("300", 300)):
+        monkeypatch.setenv("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", raw)
+        assert _delegate_rows_setting() == want, raw
+    assert "is not an integer >= 0; measuring each layer's routes instead" in caplog.text

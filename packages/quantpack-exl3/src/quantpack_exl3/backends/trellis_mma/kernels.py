@@ -20,6 +20,7 @@ Source: docs/exl3-format.md ("The math", tile placement), docs/kernels.md (how t
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,8 @@ ROUTE_CALLS, ROUTE_REPLAYS = 8, 3
 
 _warmed: set[tuple] = set()
 _warned_bf16 = False
+#: a prepared shard's trellis tensor -> its model's activation dtype, for fuse(), which sees only prepared shards
+_act_dtypes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 logger = logging.getLogger("vllm.quantpack.exl3")
 
 
@@ -121,7 +124,8 @@ class TrellisMmaLinearKernel(LinearKernel):
                 "keep every call in trellis_mma."
             )
         static = (CODEBOOK_IDS[t.codebook], float(t.k_bits), spec.out_features)
-        route = measure_route(PreparedShard(trellis_mma_, tensors, spec.out_features, (*static, 0)))
+        _act_dtypes[tensors["trellis"]] = spec.act_dtype
+        route = measure_route(PreparedShard(trellis_mma_, tensors, spec.out_features, (*static, 0)), spec.act_dtype)
         return PreparedShard(trellis_mma_, tensors, spec.out_features, (*static, route))
 
     @classmethod
@@ -143,7 +147,9 @@ class TrellisMmaLinearKernel(LinearKernel):
             return None
         tensors = {f"{name}{i}": s.tensors[name] for i, s in enumerate(shards) for name in ("trellis", "suh", "svh")}
         outs = tuple(s.out_features for s in shards)
-        route = measure_route(PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs, 0)))
+        dtype = _act_dtypes.get(shards[0].tensors["trellis"], torch.float16)
+        run = PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs, 0))
+        route = measure_route(run, dtype)
         return PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs, route))
 
 
@@ -155,9 +161,10 @@ class RouteRecord:
         k: stored input features.
         out_features: the run's shards' output widths.
         k_bits, codebook: the shards' K and codebook id (0 = 3INST, 1 = mcg, 2 = mul1).
+        dtype: the model's activation dtype, timed with.
         rows: the row count timed per bucket (:data:`.ops.ROW_BUCKETS`).
-        trellis_mma_us, exllamav3_us: microseconds per call (float16, CUDA-graph replay), per bucket; empty when the
-            route was not measured (a fixed ``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS``).
+        trellis_mma_us, exllamav3_us: microseconds per call (CUDA-graph replay), per bucket; empty when the route was
+            not measured (a fixed ``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS``).
         route: bit i set: bucket i goes to exllamav3.
     """
 
@@ -165,6 +172,7 @@ class RouteRecord:
     out_features: tuple[int, ...]
     k_bits: float
     codebook: int
+    dtype: torch.dtype
     rows: tuple[int, ...]
     trellis_mma_us: tuple[float, ...]
     exllamav3_us: tuple[float, ...]
@@ -180,7 +188,8 @@ class RouteRecord:
                 cells.append(f"{rows}: {self.trellis_mma_us[i]:.1f}/{self.exllamav3_us[i]:.1f} us {mark}")
             else:
                 cells.append(f"{rows}: {mark}")
-        return f"{self.k} -> {outs}, K {self.k_bits:g} codebook {self.codebook}: " + ", ".join(cells)
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.k} -> {outs}, K {self.k_bits:g} codebook {self.codebook}, {dtype}: " + ", ".join(cells)
 
 
 _routes: dict[tuple, RouteRecord] = {}
@@ -191,17 +200,18 @@ def route_records() -> list[RouteRecord]:
     return list(_routes.values())
 
 
-def measure_route(run: PreparedShard) -> int:
+def measure_route(run: PreparedShard, dtype: torch.dtype = torch.float16) -> int:
     """The route of a trellis_mma run (a shard, or a layer's fused shards): which row buckets
     (:data:`.ops.ROW_BUCKETS`) go to exllamav3's kernels. Called at load, before any CUDA-graph capture.
 
     With exllamav3's extension importable and ``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS`` unset, both kernels run the
-    run's shape at each bucket's largest row count (float16, ``ROUTE_CALLS`` calls in one CUDA graph, the best of
-    ``ROUTE_REPLAYS`` replays, the two kernels alternating), and a bucket goes to exllamav3 where its time is at most
-    :data:`ROUTE_MARGIN` of trellis_mma's. A shape measured once in a process keeps its route. With the setting, the
-    route is :func:`.ops.fixed_route`. Both kernels also run once here at every row count either would need warmed
-    before capture (each trellis_mma launch kind; exllamav3's autotune buckets). Tensors off the GPU, or a GPU
-    without a workspace, or no exllamav3: route 0 (every call here), nothing run.
+    run's shape at each bucket's largest row count with activations of the model's ``dtype`` (exllamav3's calls of a
+    bfloat16 model cast and copy, and tune as a float32-output shape): ``ROUTE_CALLS`` calls in one CUDA graph, the
+    best of ``ROUTE_REPLAYS`` replays, the two kernels alternating. A bucket goes to exllamav3 where its time is at
+    most :data:`ROUTE_MARGIN` of trellis_mma's. A shape measured once in a process (per dtype) keeps its route. With
+    the setting, the route is :func:`.ops.fixed_route`. Both kernels also run once here at every row count either
+    would need warmed before capture (each trellis_mma launch kind; exllamav3's autotune buckets). Tensors off the
+    GPU, or a GPU without a workspace, or no exllamav3: route 0 (every call here), nothing timed.
 
     Returns:
         the route (an int bit mask).
@@ -220,11 +230,11 @@ def measure_route(run: PreparedShard) -> int:
     outs = tuple(outs) if isinstance(outs, tuple) else (outs,)
     k = trellis[0].shape[0] * 16
     setting = delegate_rows_now()
-    key = (k, tuple(tuple(t.shape) for t in trellis), codebook, k_bits, device, setting)
+    key = (k, tuple(tuple(t.shape) for t in trellis), codebook, k_bits, dtype, device, setting)
     known = _routes.get(key)
     if known is not None:
         return known.route
-    warm_up(run, k, ws.delegate is not None)
+    warm_up(run, k, ws.delegate is not None, dtype)
     if ws.delegate is None:
         return 0
     if setting is not None:
@@ -233,15 +243,15 @@ def measure_route(run: PreparedShard) -> int:
         mine, theirs = [], []
         generator = torch.Generator(device=device).manual_seed(0)
         for rows in ROW_BUCKETS:
-            x = torch.randn((rows, k), generator=generator, device=device).half()
-            out = torch.empty((rows, run.out_features), dtype=torch.float16, device=device)
+            x = torch.randn((rows, k), generator=generator, device=device).to(dtype)
+            out = torch.empty((rows, run.out_features), dtype=dtype, device=device)
             a, b = _graph_us(run, x, out, 0), _graph_us(run, x, out, ALL_BUCKETS)
             mine.append(min(a, _graph_us(run, x, out, 0)))
             theirs.append(min(b, _graph_us(run, x, out, ALL_BUCKETS)))
             del x, out
         route = sum(1 << i for i, (m, t) in enumerate(zip(mine, theirs, strict=True)) if t <= ROUTE_MARGIN * m)
         torch.cuda.empty_cache()  # exllamav3's large-row path reconstructs whole matrices in the graphs' pools
-    record = RouteRecord(k, outs, k_bits, codebook, ROW_BUCKETS, tuple(mine), tuple(theirs), route)
+    record = RouteRecord(k, outs, k_bits, codebook, dtype, ROW_BUCKETS, tuple(mine), tuple(theirs), route)
     _routes[key] = record
     logger.info("quantpack-exl3: trellis_mma route, %s", record.describe())
     return route
@@ -269,15 +279,15 @@ def _graph_us(run: PreparedShard, x: torch.Tensor, out: torch.Tensor, route: int
     return best
 
 
-def warm_up(run: PreparedShard, in_features: int, exllamav3: bool) -> None:
+def warm_up(run: PreparedShard, in_features: int, exllamav3: bool, dtype: torch.dtype = torch.float16) -> None:
     """Run a new run shape once eagerly at every row count a CUDA-graph capture would otherwise meet first: the fused
     kernel (1 row) and the unfused one (17 rows), so that their shared-memory limits are set; and, with
     ``exllamav3`` (its kernels can take buckets), each of exllamav3's autotune buckets (its kernels time their launch
-    shapes on a shape's first call, which must not happen during capture). Shapes already warmed in this process
-    are skipped."""
+    shapes on a shape's first call, which must not happen during capture; its key includes the output's dtype, so
+    activations of the model's ``dtype``). Shapes already warmed in this process for this dtype are skipped."""
     trellis = [t for name, t in run.tensors.items() if name.startswith("trellis")]
     device = trellis[0].device
-    key = (tuple(tuple(t.shape) for t in trellis), run.static[0], device)
+    key = (tuple(tuple(t.shape) for t in trellis), run.static[0], dtype, device)
     if key in _warmed:
         return
     calls = [(1, 0), (FUSED_ROWS + 1, 0)]
@@ -287,8 +297,8 @@ def warm_up(run: PreparedShard, in_features: int, exllamav3: bool) -> None:
         calls += [(r, ALL_BUCKETS) for r in WARMUP_ROWS]
     generator = torch.Generator(device=device).manual_seed(0)
     for rows, r in calls:
-        x = torch.randn((rows, in_features), generator=generator, device=device).half()
-        out = torch.empty((rows, run.out_features), dtype=torch.float16, device=device)
+        x = torch.randn((rows, in_features), generator=generator, device=device).to(dtype)
+        out = torch.empty((rows, run.out_features), dtype=dtype, device=device)
         run.run(x, *run.tensors.values(), *run.static[:3], r, out, 0)
     torch.cuda.synchronize(device)
     _warmed.add(key)

@@ -53,23 +53,36 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
 #: CTAs a launch aims at per SM (split-K fills the GPU with them); QUANTPACK_TRELLIS_MMA_CTAS_PER_SM overrides
 CTAS_PER_SM = 4
 #: upper row counts of the row buckets a run's route names: bucket i holds calls of ROW_BUCKETS[i - 1] + 1 ..
-#: ROW_BUCKETS[i] rows, the last bucket every call above 256 rows
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+#: ROW_BUCKETS[i] rows, the last bucket every call above 1024 rows (timed at 2048)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 #: a route sending every bucket to exllamav3
 ALL_BUCKETS = (1 << len(ROW_BUCKETS)) - 1
 
 
 def _delegate_rows_setting() -> int | None:
-    """``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS``: None (unset: each run's route is measured at load), or a fixed row
-    count above which every run's calls go to exllamav3 (0: none do)."""
-    if os.environ.get("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", "").strip() == "":
+    """``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS``: None (unset, or not an integer >= 0: each run's route is measured at
+    load; the latter with a warning), or a fixed row count above which every run's calls go to exllamav3 (0: none
+    do)."""
+    raw = os.environ.get("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", "").strip()
+    if raw == "":
         return None
-    return env_int("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", FUSED_ROWS)
+    try:
+        value = int(raw)
+        if value < 0:
+            raise ValueError
+    except ValueError:
+        logger.warning(
+            "quantpack-exl3: QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS=%r is not an integer >= 0; measuring each layer's "
+            "routes instead",
+            raw,
+        )
+        return None
+    return value
 
 
 #: None: each run's route (which row buckets go to exllamav3's kernels) is measured when it is prepared
-#: (kernels.measure_route); an integer N: every run sends the buckets wholly above N rows to exllamav3 (N rounded up
-#: to a bucket bound; 0 keeps every call here). From QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS.
+#: (kernels.measure_route); an integer N: a fixed route for every run (:func:`fixed_route`; 0 keeps every call
+#: here). From QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS.
 delegate_rows: int | None = _delegate_rows_setting()
 
 
@@ -80,15 +93,17 @@ def delegate_rows_now() -> int | None:
 
 def row_bucket(rows: int) -> int:
     """The index into :data:`ROW_BUCKETS` of a call of ``rows`` (>= 1) rows: the smallest bound >= rows, the last
-    bucket above 256."""
+    bucket above 1024."""
     return min((rows - 1).bit_length(), len(ROW_BUCKETS) - 1)
 
 
 def fixed_route(above: int) -> int:
-    """The route (bit i set: bucket i goes to exllamav3) that sends every bucket whose smallest row count exceeds
-    ``above`` to exllamav3; 0 for ``above`` = 0 (every call here)."""
+    """The route (bit i set: bucket i goes to exllamav3) for a row threshold ``above``: every bucket whose smallest
+    row count exceeds it, i.e. ``above`` rounded up to a bucket bound; above 1024 it counts as 1024 (the last bucket,
+    every call above 1024 rows, goes to exllamav3); 0 for ``above`` = 0 (every call here)."""
     if above <= 0:
         return 0
+    above = min(above, ROW_BUCKETS[-2])
     return sum(1 << i for i in range(len(ROW_BUCKETS)) if (ROW_BUCKETS[i - 1] + 1 if i else 1) > above)
 
 
