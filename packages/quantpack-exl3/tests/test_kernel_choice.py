@@ -174,7 +174,9 @@ def test_platform_without_any_kernel_fails_at_config_time():
 
 
 def _trellis_mma_shard(in_tiles: int, out_features: int, codebook: int, k_bits: float) -> PreparedShard:
-    """A prepared trellis_mma shard as ``prepare`` returns it (CPU tensors: fuse only groups, it never launches)."""
+    """A prepared trellis_mma shard as ``prepare`` returns it and records it (its model's dtype, which fuse reads;
+    CPU tensors: fuse only groups, it never launches)."""
+    from quantpack_exl3.backends.trellis_mma import kernels
     from quantpack_exl3.backends.trellis_mma.ops import trellis_mma_
 
     tensors = {
@@ -182,6 +184,8 @@ def _trellis_mma_shard(in_tiles: int, out_features: int, codebook: int, k_bits: 
         "suh": torch.ones(in_tiles * 16, dtype=torch.float16),
         "svh": torch.ones(out_features, dtype=torch.float16),
     }
+    kernels._act_dtypes[tensors["trellis"]] = torch.bfloat16
+    kernels._act_dtypes[tensors["trellis"]] = torch.bfloat16  # recorded again, as a re-prepared shard would be
     return PreparedShard(trellis_mma_, tensors, out_features, (codebook, float(k_bits), out_features, 0))
 
 

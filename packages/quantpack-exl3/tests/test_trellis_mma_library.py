@@ -132,7 +132,8 @@ def test_missing_nvcc_names_the_fix(monkeypatch, tmp_path):
 
 def test_row_buckets_and_fixed_routes():
     """Calls fall into the power-of-two row buckets a route names (the last one open-ended), and a fixed
-    QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS sends exactly the buckets whose smallest row count exceeds it."""
+    QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS sends exactly the buckets whose smallest row count exceeds it, a threshold
+    above 1024 counting as 1024 (the open-ended bucket above 1024 rows goes to exllamav3)."""
     from quantpack_exl3.backends.trellis_mma.ops import ROW_BUCKETS, fixed_route, row_bucket
 
     for rows in range(1, 5000):

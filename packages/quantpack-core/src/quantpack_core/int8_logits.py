@@ -7,9 +7,9 @@ product reads each int8 weight once: on CUDA / ROCm a Triton kernel (:mod:`._int
 to the activations' 16-bit type in registers and applies each row's scale to its logit; elsewhere (the CPU, float32
 activations) the table is converted a few megabytes at a time into the output's columns, never as a whole.
 
-The Triton kernel is exact for the int8 values (every int8 is a float16 / bfloat16) and multiplies the float32 dot
-product by the row's scale; the chunked path dequantizes each chunk in float32 and rounds it once to the activations'
-dtype, as the int8 method did for the whole table before.
+Exact for the int8 values (every int8 is a float16 / bfloat16): the Triton kernel multiplies the float32 dot product
+by the row's scale; the chunked path multiplies the product in the activations' dtype (float32 for float16
+activations, whose range the unscaled product would exceed).
 
 Source: the row format of :mod:`quantpack_core.embedding` (:func:`~quantpack_core.embedding.dequantize_rows`), its
 scale applied after the product instead of before; docs/escha-format.md (int8 embedding and head).
@@ -26,16 +26,19 @@ CHUNK_ELEMENTS = 4 << 20
 
 
 def int8_rows_logits_chunked(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-    """The portable implementation: ``out[:, a:b] = x @ (qweight[a:b] * scales[a:b]).T`` over chunks of at most
-    :data:`CHUNK_ELEMENTS` table elements, each dequantized in float32 and rounded once to ``x``'s dtype (the whole
-    table never is; scaling before the product keeps float16 products in range, which the raw int8 values times
-    the activations would leave above a logit of about 30)."""
+    """The portable implementation: ``out[:, a:b] = (x @ qweight[a:b].T) * scales[a:b]`` over chunks of at most
+    :data:`CHUNK_ELEMENTS` table elements (the whole table is never converted at once). Each chunk's int8 rows are
+    converted exactly to ``x``'s dtype and the scales multiply the product; for float16 activations the product is
+    taken in float32 and rounded once, since the raw int8 values times the activations would pass float16's 65504
+    above a logit of about 30 (bfloat16 and float32 have float32's range)."""
     vocab, width = qweight.shape
     step = max(1, CHUNK_ELEMENTS // max(width, 1))
+    wide = x.dtype == torch.float16
+    xs = x.float() if wide else x
     for a in range(0, vocab, step):
         b = min(vocab, a + step)
-        w = (qweight[a:b].to(torch.float32) * scales[a:b, None].to(torch.float32)).to(x.dtype)
-        out[:, a:b].copy_(torch.mm(x, w.t()))
+        part = torch.mm(xs, qweight[a:b].to(xs.dtype).t())
+        out[:, a:b].copy_(part.mul_(scales[a:b].to(part.dtype)))
 
 
 def _int8_rows_logits_cuda(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:

@@ -20,10 +20,10 @@ Source: docs/exl3-format.md ("The math", tile placement), docs/kernels.md (how t
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from quantpack_core.codec import Codebook, Exl3Tensors
 from quantpack_core.kernels import LinearKernel, LinearSpec, Platform, PreparedShard
@@ -57,7 +57,8 @@ ROUTE_CALLS, ROUTE_REPLAYS = 8, 3
 _warmed: set[tuple] = set()
 _warned_bf16 = False
 #: a prepared shard's trellis tensor -> its model's activation dtype, for fuse(), which sees only prepared shards
-_act_dtypes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: (keyed by identity: a tensor's == is elementwise)
+_act_dtypes = WeakIdKeyDictionary()
 logger = logging.getLogger("vllm.quantpack.exl3")
 
 
