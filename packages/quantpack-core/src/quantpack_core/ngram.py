@@ -1,0 +1,220 @@
+"""A hashed n-gram embedding table as exllamav3 stores it (Qwen3.8-Flash-Next's per-layer embedding): read it, check
+it, and decode only the rows a batch gathers.
+
+The table of one module ``<key>`` (e.g. ``model.language_model.layers.1.ple.ple_embedding.ngram_embedding``) lives
+in ``ngram_embedding.safetensors``, a file the pack's index does not list:
+
+- ``<key>.shard_N.trellis`` (N = 0, 1, ...; or one ``<key>.trellis``): int16 rows of the ring codec
+  (:mod:`quantpack_core.codec.ring`, 160 positions at K bits each); every shard but the last holds the same number of
+  rows, the last no more, and global row ``r`` is row ``r % rows_per_shard`` of shard ``r // rows_per_shard``;
+- ``<key>.head_offsets`` / ``<key>.head_vocab_sizes`` (one per hash head): each head's first row and row count;
+- ``<key>.layer_multipliers``: the integer multipliers of the n-gram hash, one per token position of an n-gram (the
+  ids are computed from token ids outside this module; they are kept for that, not applied to rows);
+- ``<key>.head_bias`` ``(heads, 160)``: added to every row of its head; a row's head is the last head whose offset
+  is not above it.
+
+Source: docs/exl3-format.md ("Row rings"), docs/families.md (Flash-Next PLE; exllamav3 1.6.5's
+``modules/ngram_embedding.py`` and ``modules/row_table.py``, read).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .codec.ring import NGRAM_ROW_DIM, decode_ring_rows, ring_dim
+from .errors import PackError, Problem
+
+#: the file exllamav3 writes the table to, next to the pack's other shards
+NGRAM_FILE = "ngram_embedding.safetensors"
+AUX = ("head_offsets", "head_vocab_sizes", "layer_multipliers", "head_bias")
+RECONVERT = "re-convert the table with exllamav3"
+RECOPY = f"copy {NGRAM_FILE} from the original pack"
+
+
+@dataclass
+class NgramTable:
+    """One n-gram table (see the module).
+
+    Attributes:
+        key: the module's checkpoint name.
+        shards: int16 ``(rows_i, 1 + 10 K)`` ring rows per shard.
+        rows_per_shard: rows of every shard but the last.
+        k_bits: K of the rings.
+        head_offsets, head_vocab_sizes, layer_multipliers: int64 ``(heads,)`` (multipliers: as stored).
+        head_bias: float32 ``(heads, 160)``.
+    """
+
+    key: str
+    shards: list[torch.Tensor]
+    rows_per_shard: int
+    k_bits: int
+    head_offsets: torch.Tensor
+    head_vocab_sizes: torch.Tensor
+    layer_multipliers: torch.Tensor
+    head_bias: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the whole table."""
+        return sum(s.shape[0] for s in self.shards)
+
+    @classmethod
+    def from_tensors(cls, key: str, tensors: Mapping[str, torch.Tensor], where: str = "pack") -> NgramTable:
+        """Build and check the table of ``key`` from a name -> tensor mapping (a safetensors file's tensors).
+
+        Raises:
+            PackError: every problem found, each naming the tensor and the fix: no ring tensors, a gap in the shard
+                numbers, shards of different widths or uneven row counts, a width that is no ring of 160 positions,
+                a missing or misshapen head tensor, head ranges outside the table.
+        """
+        problems: list[Problem] = []
+
+        def problem(tensor: str, what: str, fix: str) -> None:
+            problems.append(Problem(key, tensor, what, fix))
+
+        names = [f"{key}.trellis"] if f"{key}.trellis" in tensors else []
+        while f"{key}.shard_{len(names)}.trellis" in tensors:
+            names.append(f"{key}.shard_{len(names)}.trellis")
+        stray = sorted(
+            n for n in tensors if n.startswith(f"{key}.shard_") and n.endswith(".trellis") and n not in names
+        )
+        if stray:
+            problem(stray[0], "a shard after a gap in the shard numbers", "restore the missing shards from the pack")
+        if not names:
+            missing = Problem(key, f"{key}.shard_0.trellis", "no ring rows for this n-gram table", RECOPY)
+            raise PackError(where, [missing])
+        shards = [tensors[n] for n in names]
+        width = shards[0].shape[1] if shards[0].dim() == 2 else -1
+        for name, shard in zip(names, shards, strict=True):
+            if shard.dtype != torch.int16 or shard.dim() != 2 or shard.shape[1] != width:
+                problem(
+                    name,
+                    f"{shard.dtype} {list(shard.shape)}: ring rows are 2-D int16 of one width",
+                    RECONVERT,
+                )
+        rows_per_shard = shards[0].shape[0]
+        if any(s.shape[0] != rows_per_shard for s in shards[:-1]) or shards[-1].shape[0] > rows_per_shard:
+            problem(names[-1], "shards of uneven row counts (only the last may be shorter)", RECONVERT)
+        k_bits = (width - 1) * 16 // NGRAM_ROW_DIM if width > 1 else 0
+        try:
+            if ring_dim(width, k_bits) != NGRAM_ROW_DIM:
+                raise ValueError
+        except Exception:
+            problem(names[0], f"rows of {width} words are no ring of {NGRAM_ROW_DIM} positions", RECONVERT)
+        aux = {}
+        for suffix in AUX:
+            t = tensors.get(f"{key}.{suffix}")
+            if t is None:
+                problem(f"{key}.{suffix}", "missing", RECOPY)
+            aux[suffix] = t
+        if problems:
+            raise PackError(where, problems)
+        heads = aux["head_offsets"].numel()
+        if aux["head_vocab_sizes"].numel() != heads:
+            count = aux["head_vocab_sizes"].numel()
+            problem(f"{key}.head_vocab_sizes", f"{count} entries for {heads} heads", RECONVERT)
+        if tuple(aux["head_bias"].shape) != (heads, NGRAM_ROW_DIM):
+            problem(f"{key}.head_bias", f"shape {list(aux['head_bias'].shape)}, want [{heads}, 160]", RECONVERT)
+        offsets = aux["head_offsets"].reshape(-1).long()
+        sizes = aux["head_vocab_sizes"].reshape(-1).long()
+        total = sum(s.shape[0] for s in shards)
+        if not problems and (bool((offsets[1:] < offsets[:-1]).any()) or bool(((offsets + sizes) > total).any())):
+            problem(f"{key}.head_offsets", f"head rows outside the table's {total} rows", RECONVERT)
+        if problems:
+            raise PackError(where, problems)
+        return cls(
+            key=key,
+            shards=shards,
+            rows_per_shard=rows_per_shard,
+            k_bits=k_bits,
+            head_offsets=offsets,
+            head_vocab_sizes=sizes,
+            layer_multipliers=aux["layer_multipliers"].reshape(-1).long(),
+            head_bias=aux["head_bias"].float(),
+        )
+
+    @classmethod
+    def load(cls, pack: str | Path, key: str) -> NgramTable:
+        """The table of ``key`` from the pack directory's :data:`NGRAM_FILE`.
+
+        Raises:
+            PackError: the file is missing (the pack's index does not list it, so copies of a pack often lack it)
+                or its table is malformed (see :meth:`from_tensors`).
+        """
+        from safetensors.torch import load_file
+
+        path = Path(pack) / NGRAM_FILE
+        if not path.is_file():
+            what = "missing: the n-gram table is stored outside the index"
+            raise PackError(str(pack), [Problem(key, NGRAM_FILE, what, f"{RECOPY} into {pack}")])
+        tensors = load_file(str(path))
+        return cls.from_tensors(key, {k: v for k, v in tensors.items() if k.startswith(f"{key}.")}, str(pack))
+
+    def heads_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """The hash head each global row belongs to: the last head whose offset is not above it (int64)."""
+        heads = torch.searchsorted(self.head_offsets, rows.long().reshape(-1), right=True) - 1
+        return heads.clamp(0, self.head_offsets.numel() - 1).reshape(rows.shape)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Decoded rows of global row ids (any shape): ``(*ids.shape, 160)`` float32, with each row's head bias.
+
+        Raises:
+            IndexError: an id outside ``0 .. num_rows - 1``.
+        """
+        flat = ids.long().reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_rows):
+            raise IndexError(f"{self.key}: row ids must lie in 0..{self.num_rows - 1}")
+        packed = torch.empty((flat.numel(), self.shards[0].shape[1]), dtype=torch.int16)
+        shard_of, local = flat // self.rows_per_shard, flat % self.rows_per_shard
+        for s, shard in enumerate(self.shards):
+            pick = shard_of == s
+            if bool(pick.any()):
+                packed[pick] = shard[local[pick]]
+        bias = self.head_bias[self.heads_of(flat)]
+        return decode_ring_rows(packed, self.k_bits, bias).reshape(*ids.shape, NGRAM_ROW_DIM)
+
+
+def make_ngram_tensors(
+    key: str,
+    head_vocab_sizes: list[int],
+    k_bits: int,
+    rows_per_shard: int,
+    ngram_size: int = 3,
+    generator: torch.Generator | None = None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """A random n-gram table in exllamav3's layout, for test packs: random ring symbols (every one is a legal
+    ring), row scales of a real table's size, a random head bias.
+
+    Args:
+        key: the module's checkpoint name.
+        head_vocab_sizes: rows per hash head (heads are laid out one after another).
+        k_bits: K of the rings (1..8).
+        rows_per_shard: rows of every shard but the last.
+        ngram_size: token positions per n-gram: one hash multiplier each (the first primes above 10 000).
+
+    Returns:
+        ``(tensors, symbols, scales)``: the name -> tensor mapping to save as :data:`NGRAM_FILE`, and the encoded
+        symbols ``(rows, 160)`` and float16 scales ``(rows,)`` in global row order.
+    """
+    from .codec.ring import pack_ring_rows
+
+    rows = sum(head_vocab_sizes)
+    g = generator or torch.Generator().manual_seed(0)
+    symbols = torch.randint(0, 1 << k_bits, (rows, NGRAM_ROW_DIM), generator=g)
+    scales = (torch.rand(rows, generator=g) * 0.02 + 0.002).half()
+    packed = pack_ring_rows(symbols, scales, k_bits)
+    heads = len(head_vocab_sizes)
+    offsets = torch.tensor([0, *head_vocab_sizes[:-1]], dtype=torch.int64).cumsum(0)
+    primes = (p for p in range(10_001, 20_000, 2) if all(p % d for d in range(3, int(p**0.5) + 1, 2)))
+    multipliers = [next(primes) for _ in range(ngram_size)]
+    starts = range(0, rows, rows_per_shard)
+    tensors = {f"{key}.shard_{i}.trellis": packed[a : a + rows_per_shard].clone() for i, a in enumerate(starts)}
+    tensors[f"{key}.head_offsets"] = offsets
+    tensors[f"{key}.head_vocab_sizes"] = torch.tensor(head_vocab_sizes, dtype=torch.int64)
+    tensors[f"{key}.layer_multipliers"] = torch.tensor(multipliers, dtype=torch.int64)
+    tensors[f"{key}.head_bias"] = (torch.randn((heads, NGRAM_ROW_DIM), generator=g) * 0.01).half()
+    return tensors, symbols, scales
