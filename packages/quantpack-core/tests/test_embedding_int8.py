@@ -81,6 +81,9 @@ def test_cli(fixtures_dir, tmp_path):
     assert res.exit_code == 2 and "--out DIR, or --in-place" in res.output
     res = runner.invoke(main, ["inspect", str(tmp_path / "o")])
     assert res.exit_code == 0 and "lm_head" in res.output and "K=4: 28" in res.output
+    # the int8 table is named as what it is (it used to print as "other float32")
+    embed = [line.split() for line in res.output.splitlines() if line.startswith("model.embed_tokens")]
+    assert embed and embed[0][1:3] == ["int8-rows", "-"] and "int8" in embed[0], embed
     (tmp_path / "a-file").write_text("")
     res = runner.invoke(main, ["embed-int8", str(fixtures_dir / MAIN), "--out", str(tmp_path / "a-file")])
     assert res.exit_code == 2 and "Not a directory" in res.output and res.exception.__class__ is SystemExit

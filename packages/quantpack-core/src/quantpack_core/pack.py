@@ -86,8 +86,10 @@ class ModuleInfo:
 
     Attributes:
         key: HF module name (``model.layers.0.mlp.down_proj``).
-        format: ``"exl3"`` (a trellis linear layer), ``"dense"`` (a plain ``.weight``) or ``"other"`` (anything
-            else: exllamav3's 2-D embedding codec, ``A_log``, ``dt_bias`` ...).
+        format: ``"exl3"`` (a trellis linear layer), ``"dense"`` (a plain ``.weight``), ``"int8-rows"`` (an int8
+            table with per-row scales: ``qweight`` / ``scales`` of ``quantpack embed-int8``, escha's
+            ``weight_int8`` / ``weight_scale``) or ``"other"`` (anything else: exllamav3's 2-D embedding codec,
+            ``A_log``, ``dt_bias`` ...).
         k_bits: bits per weight K of an EXL3 module, else None.
         codebook: codebook of an EXL3 module, else None.
         padded_shape: ``(in, out)`` features as stored (EXL3: multiples of 128), or None.
@@ -393,6 +395,9 @@ class Pack:
             elif (t.keys() & {"suh", "svh", "su", "sv", "mcg", "mul1"}) and "trellis" not in t and "weight" not in t:
                 # the vectors of an EXL3 layer whose trellis is gone
                 self.modules[key] = ModuleInfo(key, "exl3", None, None, None, None, None, nbytes, t)
+            elif (rows := self._int8_rows(t)) is not None:
+                shape = (rows.shape[1], rows.shape[0]) if len(rows.shape) == 2 else None
+                self.modules[key] = ModuleInfo(key, "int8-rows", None, None, shape, shape, rows.dtype, nbytes, t)
             elif "weight" in t and "trellis" not in t:
                 w = t["weight"]
                 shape = (w.shape[1], w.shape[0]) if len(w.shape) == 2 else None
@@ -400,6 +405,14 @@ class Pack:
             else:
                 main = next(iter(t.values()))
                 self.modules[key] = ModuleInfo(key, "other", None, None, None, None, main.dtype, nbytes, t)
+
+    @staticmethod
+    def _int8_rows(t: dict[str, TensorInfo]) -> TensorInfo | None:
+        """The int8 rows of a module stored as an int8 table with per-row scales (either naming), else None."""
+        for rows, scales in (("qweight", "scales"), ("weight_int8", "weight_scale")):
+            if rows in t and scales in t and t[rows].dtype == torch.int8:
+                return t[rows]
+        return None
 
     def _exl3_module(self, key: str, t: dict[str, TensorInfo], nbytes: int) -> ModuleInfo:
         tr = t["trellis"]
