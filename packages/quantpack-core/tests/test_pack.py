@@ -34,7 +34,14 @@ def base_tensors():
 
 
 def snapshot(path: Path) -> dict:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+    """Every entry of the pack folder: a file's hash, a link's target, or "dir"."""
+
+    def state(p: Path) -> str:
+        if p.is_symlink():
+            return f"-> {p.readlink()}"
+        return hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+
+    return {p.name: state(p) for p in sorted(path.iterdir())}
 
 
 def expect_problem(path: Path, *needles, **open_kw):
@@ -333,3 +340,27 @@ def test_moe_layer_with_two_codebooks(fixtures_dir, tmp_path):
 
     path = moe_copy(fixtures_dir, tmp_path, to_3inst)
     expect_problem(path, "model.layers.1.mlp.experts", "several codebooks (3inst, mul1)")
+
+
+@pytest.mark.parametrize(
+    "damage,needles",
+    [
+        (lambda p: (p / "config.json").write_text("[" * 100_000 + "]" * 100_000), ["config.json", "RecursionError"]),
+        (
+            lambda p: (p / "config.json").write_text(json.dumps({**CONFIG, "text_config": [1, 2]})),
+            ["config.json: text_config", "is list"],
+        ),
+        (lambda p: (p / "model-extra.safetensors").mkdir(), ["model-extra.safetensors", "not a regular file"]),
+        (
+            lambda p: (p / "model-extra.safetensors").symlink_to(p / "gone.safetensors"),
+            ["model-extra.safetensors", "a symbolic link to nothing"],
+        ),
+    ],
+    ids=["deep-json", "text-config-list", "shard-directory", "dangling-symlink"],
+)
+def test_hostile_files_are_problems_not_crashes(tmp_path, damage, needles):
+    """What a fuzz run of corrupted packs found crashing the validator (RecursionError, AttributeError,
+    IsADirectoryError, FileNotFoundError) is a listed problem with its fix, and the pack is left as it was."""
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG)
+    damage(path)
+    expect_problem(path, *needles)

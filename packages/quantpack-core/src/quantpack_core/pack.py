@@ -129,8 +129,8 @@ def _read_header(path: Path) -> tuple[dict, int]:
         raw = f.read(n)
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"header is not valid JSON ({e}): the file is corrupt") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"header is not valid JSON ({type(e).__name__}): the file is corrupt") from None
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object: the file is corrupt")
     header.pop("__metadata__", None)
@@ -232,8 +232,8 @@ class Pack:
         else:
             try:
                 self.config = self._object(json.loads(cfg.read_text()), "config.json")
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                self._problem("", "config.json", f"not valid JSON ({e})", FIX_REDOWNLOAD)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+                self._problem("", "config.json", f"not valid JSON ({type(e).__name__}: {e})", FIX_REDOWNLOAD)
         text_config = self._object(self.config.get("text_config") or {}, "config.json: text_config")
         qc = self._object(
             self.config.get("quantization_config") or text_config.get("quantization_config") or {},
@@ -245,8 +245,8 @@ class Pack:
         if mf.is_file():
             try:
                 extra = self._object(json.loads(mf.read_text()), MANIFEST_FILE)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                self._problem("", MANIFEST_FILE, f"not valid JSON ({e})", FIX_REDOWNLOAD)
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+                self._problem("", MANIFEST_FILE, f"not valid JSON ({type(e).__name__}: {e})", FIX_REDOWNLOAD)
                 extra = {}
             storage = self._object(extra.get("tensor_storage") or {}, f"{MANIFEST_FILE}: tensor_storage")
             self.manifest = {}
@@ -272,12 +272,19 @@ class Pack:
 
     def _scan_files(self) -> None:
         index_path = self.path / INDEX_FILE
-        present = sorted(p.name for p in self.path.glob("*.safetensors"))
+        present = []
+        for entry in sorted(self.path.glob("*.safetensors")):
+            if entry.is_file():
+                present.append(entry.name)
+            elif entry.is_symlink() and not entry.exists():
+                self._problem("", entry.name, "a symbolic link to nothing", f"re-download {entry.name}")
+            else:
+                self._problem("", entry.name, "not a regular file (a directory?)", f"re-download {entry.name}")
         weight_map: dict[str, str] | None = None
         if index_path.is_file():
             try:
                 weight_map = dict(json.loads(index_path.read_text())["weight_map"])
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError) as e:
                 self._problem("", INDEX_FILE, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD)
                 weight_map = None
             if weight_map is not None:
@@ -314,7 +321,7 @@ class Pack:
         for f in self.files:
             try:
                 header, start = _read_header(self.path / f)
-            except ValueError as e:
+            except (ValueError, OSError) as e:
                 self._problem("", f, str(e), f"re-download {f}")
                 self._bad_files.add(f)
                 continue
@@ -454,6 +461,8 @@ class Pack:
 
     def _configured_experts(self) -> int | None:
         for cfg in (self.config, self.config.get("text_config") or {}):
+            if not isinstance(cfg, dict):  # recorded as a problem when the config was read
+                continue
             for key in ("num_experts", "num_local_experts", "n_routed_experts"):
                 if isinstance(cfg.get(key), int):
                     return cfg[key]
