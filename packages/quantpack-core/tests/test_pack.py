@@ -364,3 +364,18 @@ def test_hostile_files_are_problems_not_crashes(tmp_path, damage, needles):
     path = write_pack(tmp_path / "p", base_tensors(), CONFIG)
     damage(path)
     expect_problem(path, *needles)
+
+
+def test_a_lost_codebook_marker_is_named(fixtures_dir, tmp_path):
+    """Without its manifest, a layer whose .mul1 marker is gone would decode as 3INST: the pack's own codebook
+    (quantization_config) names the mismatch instead."""
+    from safetensors.torch import load_file
+
+    dst = tmp_path / "p"
+    shutil.copytree(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1", dst)
+    (dst / "quantization_config.json").unlink()
+    tensors = load_file(str(dst / "model.safetensors"))
+    del tensors["model.layers.0.mlp.down_proj.mul1"]
+    (dst / "model.safetensors").unlink()
+    save_file(tensors, str(dst / "model.safetensors"))
+    expect_problem(dst, "model.layers.0.mlp.down_proj.mul1", "says codebook mul1", "markers say 3inst")

@@ -527,6 +527,14 @@ class Pack:
                 )
         return out
 
+    def _pack_codebook(self) -> Codebook | None:
+        """The codebook the pack's quantization config names (exllamav3 writes ``codebook``), or None."""
+        name = self.quant_config.get("codebook")
+        try:
+            return Codebook.parse(name) if isinstance(name, str) else None
+        except CodecError:
+            return None
+
     def _exl3_problems(self, m: ModuleInfo, check_values: bool) -> list[Problem]:
         key, t = m.key, m.tensors
         out: list[Problem] = []
@@ -565,6 +573,16 @@ class Pack:
                 "trellis",
                 f"half-integer K={m.k_bits:g} needs the mul1 codebook, the module has "
                 f"{m.codebook.value if m.codebook else 'none'}",
+            )
+        elif (said := self._pack_codebook()) is not None and m.codebook is not None and m.codebook is not said:
+            # exllamav3 quantizes a whole pack with one codebook, marked per tensor: a lost (or stray) marker would
+            # silently decode the layer with another codebook
+            marker = "marker" if said is Codebook.INST3 else f".{said.value} marker"
+            bad(
+                said.value if said is not Codebook.INST3 else m.codebook.value,
+                f"quantization_config says codebook {said.value}, this tensor's markers say {m.codebook.value} "
+                f"(a {marker} lost or added)",
+                "re-download the pack's file that holds this layer",
             )
         kp, np_ = m.padded_shape or (0, 0)
         for side, legacy, length in (("suh", "su", kp), ("svh", "sv", np_)):

@@ -107,7 +107,8 @@ def write_pack(
         config: ``config.json`` content; ``quantization_config`` is added unless present.
         shards: number of safetensors files; above 1 an index is written.
         manifest: write ``quantization_config.json`` with ``tensor_storage``.
-        quant_config: the quantization config (default: exl3, 4 bits, mul1).
+        quant_config: the quantization config (default: exl3, 4 bits, and the tensors' codebook as exllamav3 writes
+            it, when they share one: from their ``.mcg`` / ``.mul1`` markers, 3INST without either).
 
     Returns:
         the pack directory.
@@ -119,9 +120,13 @@ def write_pack(
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} exists and is not empty; write_pack never overwrites")
     path.mkdir(parents=True, exist_ok=True)
-    qc = dict(
-        quant_config or {"quant_method": "exl3", "version": "1.6.5", "bits": 4.0, "head_bits": 6, "codebook": "mul1"}
-    )
+    if quant_config is None:
+        quant_config = {"quant_method": "exl3", "version": "1.6.5", "bits": 4.0, "head_bits": 6}
+        trellis = {n.removesuffix(".trellis") for n in tensors if n.endswith(".trellis") and tensors[n].dim() == 3}
+        used = {"mcg" if f"{m}.mcg" in tensors else "mul1" if f"{m}.mul1" in tensors else "3inst" for m in trellis}
+        if len(used) == 1:
+            quant_config["codebook"] = used.pop()
+    qc = dict(quant_config)
     cfg = dict(config)
     cfg.setdefault("quantization_config", qc)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
