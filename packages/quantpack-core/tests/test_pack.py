@@ -379,3 +379,12 @@ def test_a_lost_codebook_marker_is_named(fixtures_dir, tmp_path):
     (dst / "model.safetensors").unlink()
     save_file(tensors, str(dst / "model.safetensors"))
     expect_problem(dst, "model.layers.0.mlp.down_proj.mul1", "says codebook mul1", "markers say 3inst")
+
+
+def test_nan_in_a_norm_weight_is_named(tmp_path):
+    """A norm weight (a dense 1-D tensor every token passes through) holding NaN / Inf is a problem, read at open."""
+    tensors = base_tensors()
+    tensors["model.norm.weight"][3] = float("nan")
+    tensors["model.norm.weight"][5] = float("inf")
+    path = write_pack(tmp_path / "p", tensors, CONFIG)
+    expect_problem(path, "model.norm.weight", "2 of 256 values are NaN or infinite")

@@ -195,8 +195,9 @@ class Pack:
         Args:
             path: the pack directory.
             require_exl3: fail unless config.json says ``quant_method: "exl3"``.
-            check_values: also read every EXL3 module's small tensors (markers, suh, svh: a few KiB each) and check
-                marker values and that the vectors are finite.
+            check_values: also read every EXL3 module's small tensors (markers, suh, svh: a few KiB each) and the
+                other modules' 1-D floating tensors (norm weights, biases, int8 row scales), and check marker values
+                and that the vectors are finite.
 
         Returns:
             the Pack.
@@ -436,7 +437,8 @@ class Pack:
 
     def problems(self, *, require_exl3: bool = True, check_values: bool = True) -> list[Problem]:
         """Every defect of the pack (empty list when it is sound). Reads only headers, plus each EXL3 module's
-        markers and suh/svh when ``check_values``."""
+        markers and suh/svh and the other modules' 1-D floating tensors (norms, biases, row scales) when
+        ``check_values``."""
         out = list(self._problems)
         if require_exl3 and self.config and self._config_method != "exl3":
             said = (
@@ -455,6 +457,8 @@ class Pack:
         for m in self.modules.values():
             if m.format == "exl3":
                 out.extend(self._exl3_problems(m, check_values))
+            elif check_values and m.format in ("dense", "int8-rows"):
+                out.extend(self._vector_problems(m))
         out.extend(self._moe_problems())
         out.extend(self._manifest_problems())
         return out
@@ -638,6 +642,30 @@ class Pack:
             elif not bool(torch.isfinite(v).all()):
                 count = int((~torch.isfinite(v)).sum())
                 out.append(Problem(key, name, f"{count} of {v.numel()} values are NaN or infinite", FIX_REDOWNLOAD))
+        return out
+
+    #: elements up to which a dense module's floating vectors are read and checked for NaN / Inf (norm weights, biases,
+    #: int8 row scales; whole tables and matrices are not read)
+    VECTOR_CHECK_ELEMENTS = 1 << 20
+
+    def _vector_problems(self, m: ModuleInfo) -> list[Problem]:
+        """Non-finite values in a dense or int8-row module's 1-D floating tensors (a norm's weight, a bias, the row
+        scales of an int8 table): a NaN there reaches every token."""
+        out: list[Problem] = []
+        for suffix, info in m.tensors.items():
+            if len(info.shape) != 1 or not info.dtype.is_floating_point or info.shape[0] > self.VECTOR_CHECK_ELEMENTS:
+                continue
+            if info.file in self._bad_files:
+                continue
+            name = f"{m.key}.{suffix}"
+            try:
+                v = self.get_tensor(name)
+            except Exception as e:  # bytes safetensors cannot read
+                out.append(Problem(m.key, name, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD))
+                continue
+            if not bool(torch.isfinite(v).all()):
+                count = int((~torch.isfinite(v)).sum())
+                out.append(Problem(m.key, name, f"{count} of {v.numel()} values are NaN or infinite", FIX_REDOWNLOAD))
         return out
 
     def _manifest_problems(self) -> list[Problem]:
