@@ -629,19 +629,16 @@ class Pack:
             if suffix not in t:
                 continue
             name = f"{key}.{suffix}"
-            try:
-                v = self.get_tensor(name)
-            except Exception as e:  # bytes safetensors cannot read
-                out.append(Problem(key, name, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD))
+            v = self._read_value(key, name, out)
+            if v is None:
                 continue
             if suffix in ("mcg", "mul1"):
                 try:
                     check_marker(v, Codebook(suffix))
                 except CodecError as e:
                     out.append(Problem(key, name, str(e), FIX_REQUANTIZE))
-            elif not bool(torch.isfinite(v).all()):
-                count = int((~torch.isfinite(v)).sum())
-                out.append(Problem(key, name, f"{count} of {v.numel()} values are NaN or infinite", FIX_REDOWNLOAD))
+            else:
+                self._check_finite(key, name, v, out)
         return out
 
     #: elements up to which a dense module's floating vectors are read and checked for NaN / Inf (norm weights, biases,
@@ -658,15 +655,25 @@ class Pack:
             if info.file in self._bad_files:
                 continue
             name = f"{m.key}.{suffix}"
-            try:
-                v = self.get_tensor(name)
-            except Exception as e:  # bytes safetensors cannot read
-                out.append(Problem(m.key, name, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD))
-                continue
-            if not bool(torch.isfinite(v).all()):
-                count = int((~torch.isfinite(v)).sum())
-                out.append(Problem(m.key, name, f"{count} of {v.numel()} values are NaN or infinite", FIX_REDOWNLOAD))
+            v = self._read_value(m.key, name, out)
+            if v is not None:
+                self._check_finite(m.key, name, v, out)
         return out
+
+    def _read_value(self, key: str, name: str, out: list[Problem]) -> torch.Tensor | None:
+        """Tensor ``name`` of module ``key``, or None after recording why safetensors cannot read its bytes."""
+        try:
+            return self.get_tensor(name)
+        except Exception as e:  # bytes safetensors cannot read
+            out.append(Problem(key, name, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD))
+            return None
+
+    @staticmethod
+    def _check_finite(key: str, name: str, v: torch.Tensor, out: list[Problem]) -> None:
+        """Record a problem when ``v`` holds NaN or infinite values."""
+        if not bool(torch.isfinite(v).all()):
+            count = int((~torch.isfinite(v)).sum())
+            out.append(Problem(key, name, f"{count} of {v.numel()} values are NaN or infinite", FIX_REDOWNLOAD))
 
     def _manifest_problems(self) -> list[Problem]:
         out: list[Problem] = []
