@@ -32,20 +32,6 @@ import torch
 SHAPES = "128256x4096,151936x5120"
 
 
-def timer(device: torch.device):
-    """``ms(fn)``: milliseconds of one call of ``fn`` (the device synchronized around it)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def ms(fn) -> float:
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        return (time.perf_counter() - t) * 1000
-
-    return ms
-
-
 def variants(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> dict:
     """Name -> (logits function of x, table bytes on the device, scratch bytes per call by construction)."""
     from quantpack_core import int8_logits
@@ -82,7 +68,12 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
-    ms = timer(device)
+    from serve_8b import timed
+
+    def ms(fn) -> float:
+        """Milliseconds of one call of ``fn`` (the device synchronized around it)."""
+        return timed(fn) * 1000
+
     record = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
         "threads": torch.get_num_threads(),

@@ -222,7 +222,7 @@ def measure_route(run: PreparedShard, dtype: torch.dtype = torch.float16) -> int
 
     Source: docs/kernels.md ("The selection").
     """
-    trellis = [t for name, t in run.tensors.items() if name.startswith("trellis")]
+    trellis = _trellis_of(run)
     device = trellis[0].device
     ws = workspace(device)
     if ws is None:
@@ -235,7 +235,7 @@ def measure_route(run: PreparedShard, dtype: torch.dtype = torch.float16) -> int
     known = _routes.get(key)
     if known is not None:
         return known.route
-    warm_up(run, k, ws.delegate is not None, dtype)
+    warm_up(run, k, ws.delegate is not None and setting != 0, dtype)  # exllamav3 only where a route can reach it
     if ws.delegate is None:
         return 0
     if setting is not None:
@@ -256,6 +256,11 @@ def measure_route(run: PreparedShard, dtype: torch.dtype = torch.float16) -> int
     _routes[key] = record
     logger.info("quantpack-exl3: trellis_mma route, %s", record.describe())
     return route
+
+
+def _trellis_of(run: PreparedShard) -> list[torch.Tensor]:
+    """The trellis tensors of a run: ``trellis`` of one shard, ``trellis0``, ``trellis1``, ... of a fused one."""
+    return [t for name, t in run.tensors.items() if name.startswith("trellis")]
 
 
 def _graph_us(run: PreparedShard, x: torch.Tensor, out: torch.Tensor, route: int) -> float:
@@ -285,10 +290,10 @@ def warm_up(run: PreparedShard, in_features: int, exllamav3: bool, dtype: torch.
     kernel (1 row) and the unfused one (17 rows), so that their shared-memory limits are set; and, with
     ``exllamav3`` (its kernels can take buckets), each of exllamav3's autotune buckets (its kernels time their launch
     shapes on a shape's first call, which must not happen during capture; its key includes the output's dtype, so
-    activations of the model's ``dtype``). Shapes already warmed in this process for this dtype are skipped."""
-    trellis = [t for name, t in run.tensors.items() if name.startswith("trellis")]
+    activations of the model's ``dtype``). A shape already warmed in this process the same way is skipped."""
+    trellis = _trellis_of(run)
     device = trellis[0].device
-    key = (tuple(tuple(t.shape) for t in trellis), run.static[0], dtype, device)
+    key = (tuple(tuple(t.shape) for t in trellis), run.static[0], dtype, device, exllamav3)
     if key in _warmed:
         return
     calls = [(1, 0), (FUSED_ROWS + 1, 0)]
