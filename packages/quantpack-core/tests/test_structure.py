@@ -64,10 +64,21 @@ def test_no_import_cycle_in_the_workspace():
 
 def test_core_outside_its_vllm_subpackage_imports_no_vllm():
     names = sorted(m for m in modules() if m.startswith("quantpack_core") and not m.startswith("quantpack_core.vllm"))
+    # A GPU-only module (the Triton kernels) needs triton, which a CPU-only torch does not bring: it is skipped there,
+    # and it is listed, so a module that fails for any other reason still fails the test.
     code = (
         "import importlib, sys\n"
-        f"for m in {names!r}: importlib.import_module(m)\n"
-        "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))"
+        "skipped = []\n"
+        f"for m in {names!r}:\n"
+        "    try: importlib.import_module(m)\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        if e.name != 'triton': raise\n"
+        "        skipped.append(m)\n"
+        "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))\n"
+        "print(skipped)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]", out
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    loaded_vllm, skipped = res.stdout.strip().splitlines()
+    assert loaded_vllm == "[]", loaded_vllm
+    assert set(ast.literal_eval(skipped)) <= {"quantpack_core._int8_logits_triton"}, skipped
