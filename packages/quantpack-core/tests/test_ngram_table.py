@@ -67,3 +67,21 @@ def test_malformed_tables_are_refused_naming_the_tensor(breakage, message):
     breakage(tensors)
     with pytest.raises(PackError, match=message):
         NgramTable.from_tensors(KEY, tensors)
+
+
+def test_layout_from_the_header_and_row_ranges_read_alone(tmp_path):
+    """The layout is read from the file's header (ring shards as meta tensors: nothing of the table is loaded), the
+    module found by its canonical name in vLLM's spelling; any row range reads exactly those packed rows."""
+    tensors, _, _ = make_ngram_tensors(KEY, SIZES, 3, rows_per_shard=400)
+    save_file(tensors, str(tmp_path / NGRAM_FILE))
+    table = NgramTable.open_layout(
+        tmp_path / NGRAM_FILE, "language_model.model.layers.1.ple.ple_embedding.ngram_embedding"
+    )
+    assert table.key == KEY and all(s.is_meta for s in table.shards) and table.num_rows == sum(SIZES)
+    whole = torch.cat([tensors[f"{KEY}.shard_{i}.trellis"] for i in range(4)])
+    for start, stop in [(0, 1422), (399, 401), (400, 800), (1300, 1422), (5, 5)]:
+        assert torch.equal(table.read_rows(tmp_path / NGRAM_FILE, start, stop), whole[start:stop])
+    with pytest.raises(IndexError, match="outside the table"):
+        table.read_rows(tmp_path / NGRAM_FILE, 1000, 1423)
+    with pytest.raises(PackError, match="holds no n-gram table for this module"):
+        NgramTable.open_layout(tmp_path / NGRAM_FILE, "model.layers.5.ple.ple_embedding.ngram_embedding")

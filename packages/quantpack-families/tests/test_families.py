@@ -163,16 +163,16 @@ def test_registry_declares_versions_and_imports_no_model_code():
     from quantpack_families.families import FAMILIES
 
     by_name = {f.name: f for f in FAMILIES}
-    assert set(by_name) == {"qwen3_5", "qwen3_next"}
+    assert set(by_name) == {"qwen3_5", "qwen3_next", "qwen4_exp"}
     assert by_name["qwen3_5"].applies_to("0.25.1") and not by_name["qwen3_5"].applies_to("0.32.0")
     assert by_name["qwen3_5"].applies_to("0.28.0rc1") and not by_name["qwen3_5"].applies_to("0.29.0")
-    assert all(by_name["qwen3_next"].applies_to(v) for v in ("0.20.0", "0.25.1", "0.32.0"))
+    assert all(by_name[f].applies_to(v) for f in ("qwen3_next", "qwen4_exp") for v in ("0.20.0", "0.25.1", "0.32.0"))
     code = (
         "import sys\n"
         "from quantpack_families.families import FAMILIES\n"
         "from quantpack_families.registry import install_announcements\n"
         "install_announcements(FAMILIES)\n"
-        "print(sorted(m for m in sys.modules if m.startswith('vllm.model_executor.models.')))"
+        "print(sorted(m for m in sys.modules if m.startswith(('vllm.model_executor.models.', 'vllm.models.'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

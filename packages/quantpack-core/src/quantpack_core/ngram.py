@@ -46,6 +46,7 @@ class NgramTable:
         k_bits: K of the rings.
         head_offsets, head_vocab_sizes, layer_multipliers: int64 ``(heads,)`` (multipliers: as stored).
         head_bias: float32 ``(heads, 160)``.
+        shard_names: the ring tensors' names, in row order.
     """
 
     key: str
@@ -56,6 +57,7 @@ class NgramTable:
     head_vocab_sizes: torch.Tensor
     layer_multipliers: torch.Tensor
     head_bias: torch.Tensor
+    shard_names: tuple[str, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -135,6 +137,7 @@ class NgramTable:
             head_vocab_sizes=sizes,
             layer_multipliers=aux["layer_multipliers"].reshape(-1).long(),
             head_bias=aux["head_bias"].float(),
+            shard_names=tuple(names),
         )
 
     @classmethod
@@ -153,6 +156,74 @@ class NgramTable:
             raise PackError(str(pack), [Problem(key, NGRAM_FILE, what, f"{RECOPY} into {pack}")])
         tensors = load_file(str(path))
         return cls.from_tensors(key, {k: v for k, v in tensors.items() if k.startswith(f"{key}.")}, str(pack))
+
+    @classmethod
+    def open_layout(cls, path: str | Path, prefix: str) -> NgramTable:
+        """The table behind module ``prefix`` in the file ``path``, read from the file's header: its ring shards are
+        ``meta`` tensors (shape and dtype, no data; :meth:`read_rows` reads rows), its head tensors are loaded (a
+        few hundred bytes). ``prefix`` may be vLLM's spelling of the module: tables are matched on their canonical
+        name (:func:`quantpack_core.names.normalize_prefix`).
+
+        Raises:
+            PackError: the file is missing or unreadable, holds no table for ``prefix``, or the table is malformed
+                (see :meth:`from_tensors`).
+        """
+        from safetensors import safe_open
+
+        from .names import normalize_prefix
+
+        path = Path(path)
+        if not path.is_file():
+            what = "missing: the n-gram table is stored outside the index"
+            raise PackError(str(path.parent), [Problem(prefix, NGRAM_FILE, what, f"{RECOPY} into {path.parent}")])
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names = list(f.keys())
+                want = normalize_prefix(prefix)
+                keys = sorted({n.rsplit(".", 2 if ".shard_" in n else 1)[0] for n in names if n.endswith(".trellis")})
+                key = next((k for k in keys if normalize_prefix(k) == want), None)
+                if key is None:
+                    what = f"holds no n-gram table for this module (tables: {', '.join(keys) or 'none'})"
+                    raise PackError(str(path.parent), [Problem(prefix, path.name, what, RECOPY)])
+                tensors: dict[str, torch.Tensor] = {}
+                for n in names:
+                    if not n.startswith(f"{key}."):
+                        continue
+                    if n.endswith(".trellis"):
+                        sl = f.get_slice(n)
+                        dtype = {"I16": torch.int16}.get(sl.get_dtype(), torch.uint8)
+                        tensors[n] = torch.empty(sl.get_shape(), dtype=dtype, device="meta")
+                    else:
+                        tensors[n] = f.get_tensor(n)
+        except PackError:
+            raise
+        except Exception as e:  # a truncated or foreign file
+            what = f"unreadable ({type(e).__name__}: {e})"
+            raise PackError(str(path.parent), [Problem(prefix, path.name, what, RECOPY)]) from e
+        return cls.from_tensors(key, tensors, str(path.parent))
+
+    def read_rows(self, path: str | Path, start: int, stop: int) -> torch.Tensor:
+        """Packed rows ``[start, stop)`` of the table (global row ids) from the file ``path``, reading only them.
+
+        Returns:
+            int16 ``(stop - start, 1 + 10 K)``.
+
+        Raises:
+            IndexError: a range outside the table.
+        """
+        from safetensors import safe_open
+
+        if not 0 <= start <= stop <= self.num_rows:
+            raise IndexError(f"{self.key}: rows [{start}, {stop}) outside the table's {self.num_rows}")
+        out = torch.empty((stop - start, self.shards[0].shape[1]), dtype=torch.int16)
+        with safe_open(str(path), framework="pt") as f:
+            for i, name in enumerate(self.shard_names):
+                a = max(start, i * self.rows_per_shard)
+                b = min(stop, i * self.rows_per_shard + self.shards[i].shape[0])
+                if a < b:
+                    local = a - i * self.rows_per_shard
+                    out[a - start : b - start] = f.get_slice(name)[local : local + b - a]
+        return out
 
     def heads_of(self, rows: torch.Tensor) -> torch.Tensor:
         """The hash head each global row belongs to: the last head whose offset is not above it (int64)."""

@@ -31,6 +31,7 @@ from .codec.hadamard import HAD_BLOCK
 from .codec.trellis import HALF_K, TILE, k_from_width
 from .errors import CodecError, PackError, Problem
 from .names import split_tensor_name
+from .ngram import NGRAM_FILE, RECOPY
 
 INDEX_FILE = "model.safetensors.index.json"
 MANIFEST_FILE = "quantization_config.json"
@@ -275,6 +276,8 @@ class Pack:
         index_path = self.path / INDEX_FILE
         present = []
         for entry in sorted(self.path.glob("*.safetensors")):
+            if entry.name == NGRAM_FILE:  # an n-gram table, read by its own module (quantpack_core.ngram)
+                continue
             if entry.is_file():
                 present.append(entry.name)
             elif entry.is_symlink() and not entry.exists():
@@ -461,7 +464,21 @@ class Pack:
                 out.extend(self._vector_problems(m))
         out.extend(self._moe_problems())
         out.extend(self._manifest_problems())
+        out.extend(self._unindexed_problems())
         return out
+
+    def _unindexed_problems(self) -> list[Problem]:
+        """Files a model needs that the pack's index does not list, so copies of a pack often lack them: the hashed
+        n-gram table of a model with per-layer n-gram embeddings (config ``ple_layer_ids``: Qwen3.8-Flash-Next).
+        Source: docs/families.md (Flash-Next PLE)."""
+        for cfg in (self.config, self.config.get("text_config") or {}):
+            if isinstance(cfg, dict) and cfg.get("ple_layer_ids") and not (self.path / NGRAM_FILE).is_file():
+                what = (
+                    f"missing: config.json gives per-layer n-gram embeddings (ple_layer_ids {cfg['ple_layer_ids']}), "
+                    "whose table is stored outside the index"
+                )
+                return [Problem("", NGRAM_FILE, what, f"{RECOPY} into {self.path}")]
+        return []
 
     def _configured_experts(self) -> int | None:
         for cfg in (self.config, self.config.get("text_config") or {}):

@@ -14,6 +14,7 @@ from typing import Any
 from quantpack_core.codec import Codebook
 from quantpack_core.pack import Pack
 from quantpack_core.vllm.config import QuantpackConfig, untie_if_head_stored
+from quantpack_core.vllm.ngram import NgramRingsEmbeddingMethod
 
 from .format import EXL3
 from .kernels import BACKEND_ENV, EXPERT_KERNELS, LINEAR_KERNELS
@@ -43,6 +44,7 @@ class Exl3Config(QuantpackConfig):
     format = EXL3
     linear_method = Exl3LinearMethod
     moe_method = Exl3MoEMethod
+    ngram_method = NgramRingsEmbeddingMethod  # exllamav3's row rings (Flash-Next's n-gram table)
     LINEAR_KERNELS = LINEAR_KERNELS
     EXPERT_KERNELS = EXPERT_KERNELS
     BACKEND_ENV = BACKEND_ENV
@@ -77,6 +79,7 @@ class Exl3Config(QuantpackConfig):
         Raises:
             PackError: the pack is unsound (every problem is listed, each with module, tensor and fix).
         """
+        self.pack_source = (model_name, revision)
         if not os.path.isdir(model_name):
             self.fetch_manifest(model_name, revision)
             return

@@ -22,8 +22,9 @@ import functools
 import importlib.abc
 import logging
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 
 logger = logging.getLogger("vllm.quantpack.families")
 
@@ -56,6 +57,9 @@ class Family:
         announces: vLLM model module -> its classes whose ``__init__(self, *, vllm_config, prefix="")`` builds
             ``embed_tokens`` without a name.
         remaps: checkpoint prefix -> vLLM prefix (None: not loaded) that the family's model class applies.
+        patches: vLLM module -> function applied to the module object right after vLLM imports it (or at once if
+            it is imported already), for fixes that are not an announcement: it patches what it finds there and
+            must be idempotent (it returns whether it changed anything).
     """
 
     name: str
@@ -64,6 +68,7 @@ class Family:
     registers: Mapping[str, Architecture] = field(default_factory=dict)
     announces: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     remaps: Mapping[str, str | None] = field(default_factory=dict)
+    patches: Mapping[str, Callable[[ModuleType], bool]] = field(default_factory=dict)
 
     def applies_to(self, version: str) -> bool:
         """Whether the family applies to vLLM ``version`` (a release string such as ``"0.25.1"``)."""
@@ -125,20 +130,25 @@ class _PatchingLoader(importlib.abc.Loader):
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for the announced modules it returns the real spec with a :class:`_PatchingLoader`."""
+    """Finds nothing itself: for the announced and patched modules it returns the real spec with a
+    :class:`_PatchingLoader`."""
 
     def __init__(self):
         self.announced: dict[str, tuple[str, ...]] = {}
+        self.patchers: dict[str, tuple[Callable[[ModuleType], bool], ...]] = {}
 
     def patch(self, module) -> None:
-        """Wrap the announced classes of an imported model module."""
+        """Wrap the announced classes of an imported model module and run the families' patches of it."""
         for name in self.announced.get(module.__name__, ()):
             cls = getattr(module, name, None)
             if cls is not None and wrap_init(cls):
                 logger.debug("quantpack-families: %s.%s announces its embedding name", module.__name__, name)
+        for fix in self.patchers.get(module.__name__, ()):
+            if fix(module):
+                logger.debug("quantpack-families: %s patched %s", fix.__qualname__, module.__name__)
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in self.announced:
+        if fullname not in self.announced and fullname not in self.patchers:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -154,11 +164,14 @@ FINDER = _PostImportFinder()
 
 
 def install_announcements(families: Iterable[Family]) -> None:
-    """Patch the announced model modules now if already imported, else when vLLM imports them (idempotent)."""
+    """Patch the announced and patched model modules now if already imported, else when vLLM imports them
+    (idempotent)."""
     for family in families:
         for module, classes in family.announces.items():
             FINDER.announced[module] = tuple(dict.fromkeys((*FINDER.announced.get(module, ()), *classes)))
-    for name in FINDER.announced:
+        for module, fix in family.patches.items():
+            FINDER.patchers[module] = tuple(dict.fromkeys((*FINDER.patchers.get(module, ()), fix)))
+    for name in {*FINDER.announced, *FINDER.patchers}:
         if name in sys.modules:
             FINDER.patch(sys.modules[name])
     if FINDER not in sys.meta_path:

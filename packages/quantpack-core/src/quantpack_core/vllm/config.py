@@ -39,6 +39,7 @@ from quantpack_core.names import FUSED_LAYERS, constituents, normalize_prefix
 from quantpack_core.pack import MANIFEST_FILE
 
 from .embedding import Int8RowsEmbeddingMethod
+from .ngram import NGRAM_MODULE
 from .platform import current_platform
 
 logger = logging.getLogger("vllm.quantpack")
@@ -132,6 +133,8 @@ class QuantpackConfig(QuantizationConfig):
             :class:`~.moe.QuantMoEMethod` bound to the format).
         embedding_method: the method of int8-row (or unknown) embeddings and int8-row heads
             (:class:`~.embedding.Int8RowsEmbeddingMethod` or a subclass naming the format's int8 tensors).
+        ngram_method: the method of a hashed n-gram table (``...ngram_embedding``: Flash-Next's per-layer
+            embedding), or None where the format stores none (:class:`~.ngram.NgramRingsEmbeddingMethod`).
         LINEAR_KERNELS, EXPERT_KERNELS: platform kind -> kernels in priority order (fastest first).
         BACKEND_ENV: the environment variable that forces one kernel by name.
         UNAVAILABLE_HINT: what to tell a user whose platform has no usable kernel.
@@ -147,6 +150,8 @@ class QuantpackConfig(QuantizationConfig):
         dense_kernels: the kernels of dense shards.
         routes: canonical module name -> kind (empty without a manifest).
         kernel_log: the model's kernel choices.
+        pack_source: ``(model, revision)`` as vLLM named the pack, once :meth:`maybe_update_config` ran (the
+            methods that read files the index omits need it); else None.
 
     Raises:
         BackendUnavailableError: at construction, when no kernel can run on this platform (or the forced one
@@ -158,6 +163,7 @@ class QuantpackConfig(QuantizationConfig):
     linear_method: ClassVar[type]
     moe_method: ClassVar[type | None] = None
     embedding_method: ClassVar[type] = Int8RowsEmbeddingMethod
+    ngram_method: ClassVar[type | None] = None
     LINEAR_KERNELS: ClassVar[Mapping[str, Sequence[type[LinearKernel]]]]
     EXPERT_KERNELS: ClassVar[Mapping[str, Sequence[type[ExpertKernel]]]] = {}
     BACKEND_ENV: ClassVar[str]
@@ -173,6 +179,7 @@ class QuantpackConfig(QuantizationConfig):
         self.routes: dict[str, str] = manifest_routes(quant_config.get("tensor_storage") or {}, self.format)
         check_fused_routes(self.routes)
         self.kernel_log = KernelLog(self.title)
+        self.pack_source: tuple[str, str | None] | None = None
 
     # ---------------------------------------------------------------------------------------------- kernels
 
@@ -319,6 +326,21 @@ class QuantpackConfig(QuantizationConfig):
         key = normalize_prefix(prefix) + "."
         return {kind for name, kind in self.routes.items() if name.startswith(key)}
 
+    def ngram_embedding_method(self, prefix: str) -> QuantizeMethodBase:
+        """The method of the hashed n-gram table ``prefix`` (vLLM's PLE embedding layer; the Flash-Next family fix
+        calls it where vLLM's own selection would refuse this config).
+
+        Raises:
+            LayerLoadError: the format stores no n-gram tables.
+            PackError: the pack's table file is missing or unsound (:class:`~.ngram.NgramRingsEmbeddingMethod`).
+        """
+        if self.ngram_method is None:
+            raise LayerLoadError(
+                f"{prefix}: {self.format.label} packs store no hashed n-gram table; this model needs a pack whose "
+                "table vLLM or a quantpack format reads (bf16, FP8, or an EXL3 pack made by exllamav3)"
+            )
+        return self.ngram_method(self, prefix)
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method for one layer vLLM builds.
 
@@ -342,6 +364,8 @@ class QuantpackConfig(QuantizationConfig):
             if route == INT8_ROWS:
                 return self.embedding_method(prefix)
             return self.linear_method(self, prefix, is_lm_head=True)
+        if isinstance(layer, VocabParallelEmbedding) and prefix.rsplit(".", 1)[-1] == NGRAM_MODULE:
+            return self.ngram_embedding_method(prefix)
         if isinstance(layer, VocabParallelEmbedding):
             # a dense table known from the manifest goes to vLLM's own method; int8 rows, or an unknown table, here
             return None if route == DENSE else self.embedding_method(prefix)
