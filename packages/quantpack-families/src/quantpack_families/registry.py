@@ -57,6 +57,8 @@ class Family:
         announces: vLLM model module -> its classes whose ``__init__(self, *, vllm_config, prefix="")`` builds
             ``embed_tokens`` without a name.
         remaps: checkpoint prefix -> vLLM prefix (None: not loaded) that the family's model class applies.
+        configs: ``model_type`` -> ``module:Class`` of a transformers config class, registered with transformers'
+            ``AutoConfig`` where transformers does not know the type (so vLLM can read the checkpoint's config.json).
         patches: vLLM module -> function applied to the module object right after vLLM imports it (or at once if
             it is imported already), for fixes that are not an announcement: it patches what it finds there and
             must be idempotent (it returns whether it changed anything).
@@ -68,6 +70,7 @@ class Family:
     registers: Mapping[str, Architecture] = field(default_factory=dict)
     announces: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     remaps: Mapping[str, str | None] = field(default_factory=dict)
+    configs: Mapping[str, str] = field(default_factory=dict)
     patches: Mapping[str, Callable[[ModuleType], bool]] = field(default_factory=dict)
 
     def applies_to(self, version: str) -> bool:
@@ -206,6 +209,27 @@ def register_architectures(family: Family) -> list[str]:
     return done
 
 
+def register_configs(family: Family) -> list[str]:
+    """Register the family's config classes with transformers' ``AutoConfig`` for the model types it does not know.
+
+    Returns:
+        the model types registered by this call.
+    """
+    import importlib
+
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    done = []
+    for model_type, target in family.configs.items():
+        if model_type in CONFIG_MAPPING:
+            continue
+        module, _, name = target.partition(":")
+        AutoConfig.register(model_type, getattr(importlib.import_module(module), name))
+        done.append(model_type)
+    return done
+
+
 def apply(families: Iterable[Family], version: str | None = None) -> list[Family]:
     """Apply every family that applies to this vLLM: its announcements, and its architectures vLLM lacks.
 
@@ -220,5 +244,6 @@ def apply(families: Iterable[Family], version: str | None = None) -> list[Family
     active = [f for f in families if f.applies_to(version)]
     install_announcements(active)
     for family in active:
+        register_configs(family)
         register_architectures(family)
     return active

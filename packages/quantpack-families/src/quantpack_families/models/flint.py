@@ -1,0 +1,311 @@
+"""Flint (``FlintForCausalLM``) for vLLM, which has no model of it; written from the public description of its
+architecture (docs/families.md, Flint; transformers 5.24's ``models/flint``, read), on vLLM's Qwen2-MoE blocks.
+
+Per layer: RMSNorm, attention, RMSNorm, then a dense SwiGLU MLP (layers in ``mlp_only_layers``) or a MoE block
+(a float32 router with sigmoid scores, top-k, renormalised when ``norm_topk_prob``, each expert's output scaled
+after its down projection, plus an ungated shared SwiGLU expert). Attention: q / k / v / o projections, per-head
+RMSNorm of q and k before any rotation; ``sliding_attention`` layers rotate q and k with NeoX RoPE and see the last
+``sliding_window`` tokens (the current one included), ``full_attention`` layers have no positional encoding and see
+everything; every head has a learned sink, a float32 logit added to the softmax's denominator only. Untied head.
+
+Checkpoint names are Qwen2-MoE's (``model.layers.N.self_attn.{q,k,v,o}_proj``, ``q_norm``, ``k_norm``,
+``sinks``; ``mlp.gate``, ``mlp.experts.E.{gate,up,down}_proj``, ``mlp.shared_expert.{gate,up,down}_proj``;
+``mlp.{gate,up,down}_proj`` on dense layers): loading is vLLM's ``Qwen2MoeForCausalLM.load_weights`` (its mapper
+fuses q / k / v and gate / up), so any quantization vLLM or a quantpack plugin loads for Qwen2-MoE loads here, and
+a pack that stores the shared expert dense keeps it dense (the quant config routes each module as stored).
+
+Follows vLLM 0.29-0.32 ``vllm/model_executor/models/qwen2_moe.py`` (``Qwen2MoeMLP``, ``Qwen2MoeSparseMoeBlock``,
+``Qwen2MoeForCausalLM``) and ``gpt_oss.py`` (attention sinks through ``Attention(..., sinks=)``); the semantics
+are checked against transformers' Flint where it exists (``tests/test_flint.py``).
+"""
+
+from itertools import islice
+
+import torch
+from torch import nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeMLP
+from vllm.model_executor.models.utils import make_empty_intermediate_tensors_factory, make_layers, maybe_prefix
+from vllm.model_executor.utils import set_weight_attrs
+from vllm.sequence import IntermediateTensors
+
+from .flint_config import SLIDING, FlintConfig
+
+
+def layer_index(prefix: str) -> int:
+    """The layer number in a module name such as ``model.layers.3.self_attn``."""
+    parts = prefix.split(".")
+    return int(parts[parts.index("layers") + 1])
+
+
+def sinks_dtype() -> torch.dtype:
+    """float32, as Flint keeps its sinks; bfloat16 on vLLM's CPU attention before 0.31, whose kernel takes sinks in
+    bfloat16 only (0.31 added float32: ``cpu_attn.py``)."""
+    from packaging.version import Version
+    from vllm import __version__
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and Version(Version(__version__).base_version) < Version("0.31"):
+        return torch.bfloat16
+    return torch.float32
+
+
+class FlintAttention(nn.Module):
+    """Flint's attention of one layer (see the module); heads split over TP ranks, the sinks with them.
+
+    Raises:
+        ValueError: heads or kv heads that the TP size does not divide, or a layer type other than
+            ``sliding_attention`` / ``full_attention``.
+    """
+
+    def __init__(self, config: FlintConfig, cache_config=None, quant_config=None, prefix: str = ""):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.layer = layer_index(prefix)
+        kind = config.layer_types[self.layer]
+        if kind not in (SLIDING, "full_attention"):
+            raise ValueError(f"{prefix}: layer_types[{self.layer}] is {kind!r}, not sliding_ or full_attention")
+        if config.num_attention_heads % tp:
+            raise ValueError(f"{prefix}: {config.num_attention_heads} heads do not split over {tp} TP ranks")
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        sliding = kind == SLIDING
+        self.rotary_emb = (
+            get_rope(
+                self.head_dim,
+                max_position=config.max_position_embeddings,
+                is_neox_style=True,
+                rope_parameters=dict(config.rope_parameters),
+            )
+            if sliding
+            else None
+        )
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=sinks_dtype()), requires_grad=False)
+        set_weight_attrs(self.sinks, {"weight_loader": self.load_sinks})
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            # both count the current token (transformers' mask: key visible while query - key < window)
+            per_layer_sliding_window=config.sliding_window if sliding else None,
+            prefix=f"{prefix}.attn",
+            sinks=self.sinks,
+        )
+
+    def load_sinks(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        """This rank's heads of the checkpoint's ``(heads,)`` sinks, in the parameter's dtype (:func:`sinks_dtype`).
+
+        Raises:
+            ValueError: a sinks tensor of another length than the configured heads.
+        """
+        tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        if loaded.shape != (param.shape[0] * tp,):
+            raise ValueError(f"layer {self.layer}: sinks of shape {tuple(loaded.shape)}, want ({param.shape[0] * tp},)")
+        with torch.no_grad():
+            param.copy_(loaded.narrow(0, rank * param.shape[0], param.shape[0]).to(param.dtype))
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(*q.shape[:-1], self.num_heads, self.head_dim)).view(q.shape)
+        k = self.k_norm(k.view(*k.shape[:-1], self.num_kv_heads, self.head_dim)).view(k.shape)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
+        out, _ = self.o_proj(self.attn(q, k, v))
+        return out
+
+
+def sigmoid_topk(
+    hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flint's routing: the ``topk`` largest sigmoid scores of the router logits ``(tokens, experts)``, divided by
+    their sum when ``renormalize``; float32 weights and int32 expert ids, ``(tokens, topk)`` each (vLLM's
+    ``custom_routing_function`` contract, e.g. ``llama4.py``)."""
+    weights, ids = torch.topk(gating_output.float().sigmoid(), topk, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(torch.float32).contiguous(), ids.to(torch.int32).contiguous()
+
+
+class FlintSparseMoeBlock(nn.Module):
+    """Routed experts with a float32 sigmoid router (top-k, renormalised when ``norm_topk_prob``) and an ungated
+    shared expert, whose output vLLM's MoE layer adds to the routed ones (Qwen2-MoE's block gates it; Flint does
+    not)."""
+
+    def __init__(self, config: FlintConfig, quant_config=None, prefix: str = ""):
+        super().__init__()
+        if get_tensor_model_parallel_world_size() > config.num_experts:
+            raise ValueError(f"{prefix}: more TP ranks than the {config.num_experts} experts")
+        self.gate = ReplicatedLinear(
+            config.hidden_size,
+            config.num_experts,
+            bias=False,
+            quant_config=None,
+            params_dtype=torch.float32,
+            prefix=f"{prefix}.gate",
+        )
+        self.shared_expert = None
+        if config.shared_expert_intermediate_size > 0:
+            self.shared_expert = Qwen2MoeMLP(
+                config.hidden_size,
+                config.shared_expert_intermediate_size,
+                config.hidden_act,
+                quant_config=quant_config,
+                reduce_results=False,
+                prefix=f"{prefix}.shared_expert",
+            )
+        self.experts = FusedMoEFactory(
+            shared_experts=self.shared_expert,
+            num_experts=config.num_experts,
+            top_k=config.num_experts_per_tok,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size,
+            renormalize=config.norm_topk_prob,
+            # vLLM's CPU router has no plain sigmoid top-k; a routing function runs the same on every platform
+            custom_routing_function=sigmoid_topk,
+            quant_config=quant_config,
+            prefix=f"{prefix}.experts",
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, shape[-1])
+        router_logits, _ = self.gate(hidden_states.float())
+        return self.experts(hidden_states=hidden_states, router_logits=router_logits).view(shape)
+
+
+class FlintDecoderLayer(nn.Module):
+    """One layer: pre-norm attention and pre-norm MLP / MoE, residuals fused into the norms (vLLM's RMSNorm)."""
+
+    def __init__(self, config: FlintConfig, cache_config=None, quant_config=None, prefix: str = ""):
+        super().__init__()
+        index = layer_index(prefix)
+        self.self_attn = FlintAttention(config, cache_config, quant_config, prefix=f"{prefix}.self_attn")
+        sparse = index not in config.mlp_only_layers and config.num_experts > 0
+        sparse = sparse and (index + 1) % config.decoder_sparse_step == 0
+        if sparse:
+            self.mlp = FlintSparseMoeBlock(config, quant_config, prefix=f"{prefix}.mlp")
+        else:
+            self.mlp = Qwen2MoeMLP(
+                config.hidden_size,
+                config.intermediate_size,
+                config.hidden_act,
+                quant_config=quant_config,
+                prefix=f"{prefix}.mlp",
+            )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, residual):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+@support_torch_compile
+class FlintModel(nn.Module):
+    """Embedding, layers, final norm (pipeline-parallel like vLLM's Qwen2-MoE model)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        cache_config, quant_config = vllm_config.cache_config, vllm_config.quant_config
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
+        )
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: FlintDecoderLayer(config, cache_config, quant_config, prefix=prefix),
+            prefix=f"{prefix}.layers",
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], config.hidden_size
+        )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if get_pp_group().is_first_rank:
+            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            residual = None
+        else:
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class FlintForCausalLM(Qwen2MoeForCausalLM):
+    """Flint with an untied head; loading, logits and the forward are vLLM's Qwen2-MoE ones (see the module)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        nn.Module.__init__(self)
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.quant_config = vllm_config.quant_config
+        self.packed_modules_mapping = {
+            "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+            "gate_up_proj": ["gate_proj", "up_proj"],
+        }
+        self.model = FlintModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size,
+            config.hidden_size,
+            quant_config=self.quant_config,
+            prefix=maybe_prefix(prefix, "lm_head"),
+        )
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
