@@ -72,3 +72,33 @@ def test_config_claims_exl3_without_a_flag():
     assert Exl3Config.override_quantization_method({"quant_method": "EXL3"}, None, hf_config=None) == "exl3"
     assert Exl3Config.override_quantization_method({"quant_method": "gptq"}, None) is None
     assert Exl3Config.override_quantization_method({"quant_method": "exl3"}, "awq") is None
+
+
+def test_untested_vllm_releases_are_named_not_refused():
+    """Outside the releases the tests ran on (per platform), the plugin warns with the tested range; inside, it is
+    silent; a platform never run here (ROCm) is named as such."""
+    from quantpack_core.vllm.compat import TESTED_VLLM, untested_vllm
+
+    low, high = TESTED_VLLM["cpu"]
+    assert untested_vllm(low, "cpu") is None and untested_vllm(high, "cpu") is None
+    assert untested_vllm("0.31.0", "cpu") is None and untested_vllm("0.30.0rc1", "cpu") is None
+    assert "tests ran on 0.29.0 - 0.32.0" in untested_vllm("0.33.0", "cpu")
+    assert "tests ran on 0.25.1 there" in untested_vllm("0.26.0", "cuda")
+    assert untested_vllm("0.25.1", "cuda") is None
+    assert "never run on this platform" in untested_vllm("0.25.1", "rocm")
+
+
+def test_plugin_warns_once_for_an_untested_vllm(monkeypatch, caplog):
+    import logging
+
+    import vllm
+
+    from quantpack_core.vllm import plugin
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.setattr(plugin, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger="vllm.quantpack"):
+        plugin.warn_untested_vllm("quantpack-exl3")
+        plugin.warn_untested_vllm("quantpack-exl3")
+    hits = [r.getMessage() for r in caplog.records if "vLLM 0.99.0 on cpu" in r.getMessage()]
+    assert len(hits) == 1 and "0.29.0 - 0.32.0" in hits[0]

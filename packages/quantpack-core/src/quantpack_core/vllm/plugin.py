@@ -35,3 +35,24 @@ def register_config(config_cls: type[QuantpackConfig]) -> None:
             )
     register_quantization_config(name)(config_cls)
     patch_embedding_constructors()
+    warn_untested_vllm(config_cls.title)
+
+
+_warned = False
+
+
+def warn_untested_vllm(title: str) -> None:
+    """Log once per process when the installed vLLM is outside the releases tested on this platform
+    (:func:`.compat.untested_vllm`)."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    import vllm
+
+    from .compat import untested_vllm
+    from .platform import current_platform
+
+    message = untested_vllm(vllm.__version__, current_platform().kind)
+    if message:
+        logger.warning("%s: %s", title, message)
