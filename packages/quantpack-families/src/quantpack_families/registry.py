@@ -59,6 +59,9 @@ class Family:
         remaps: checkpoint prefix -> vLLM prefix (None: not loaded) that the family's model class applies.
         configs: ``model_type`` -> ``module:Class`` of a transformers config class, registered with transformers'
             ``AutoConfig`` where transformers does not know the type (so vLLM can read the checkpoint's config.json).
+        conflicts: a function returning a message when another installed package would fight the family (e.g. a
+            vendor plugin registering the same architecture), else None; logged as an error when the family is
+            applied, and the family's model class refuses to build.
         patches: vLLM module -> function applied to the module object right after vLLM imports it (or at once if
             it is imported already), for fixes that are not an announcement: it patches what it finds there and
             must be idempotent (it returns whether it changed anything).
@@ -72,6 +75,7 @@ class Family:
     remaps: Mapping[str, str | None] = field(default_factory=dict)
     configs: Mapping[str, str] = field(default_factory=dict)
     patches: Mapping[str, Callable[[ModuleType], bool]] = field(default_factory=dict)
+    conflicts: Callable[[], str | None] | None = None
 
     def applies_to(self, version: str) -> bool:
         """Whether the family applies to vLLM ``version`` (a release string such as ``"0.25.1"``)."""
@@ -244,6 +248,9 @@ def apply(families: Iterable[Family], version: str | None = None) -> list[Family
     active = [f for f in families if f.applies_to(version)]
     install_announcements(active)
     for family in active:
+        message = family.conflicts() if family.conflicts is not None else None
+        if message:
+            logger.error("quantpack-families: %s: %s", family.name, message)
         register_configs(family)
         register_architectures(family)
     return active

@@ -1,0 +1,87 @@
+"""Spark-X2.5 (family ``spark``): the model class written for vLLM serves a tiny EXL3 pack in exllamav3's layout
+(split q / k / v, fp16 ``g_proj``, ``lm_head`` stored though the config ties it) with the sigmoid and with the SiLU
+output gate, and a bf16 checkpoint in the published layout (``model.embedding``, fused ``q_k_v_proj``, tied head),
+on CPU in float32, against an independent float64 forward (spark_reference.py). Each feature of the model moves the
+reference beyond the end-to-end bound; the vendor's plugin is refused by name.
+
+The tiny pack is written with quantpack-core's writer, not exllamav3's converter (which would need the H200; not run
+here): its names follow exllamav3 1.6.5's ``architecture/spark2_5.py`` as described in docs/families.md.
+"""
+
+import pytest
+import torch
+from spark_reference import TINY, forward, tiny_spark, write_spark_packs
+
+pytest.importorskip("vllm")
+
+KL_BOUND = 1e-4
+
+
+def kl(a: torch.Tensor, b: torch.Tensor) -> float:
+    la, lb = a.double().log_softmax(-1), b.double().log_softmax(-1)
+    return float((la.exp() * (la - lb)).sum(-1).mean())
+
+
+@pytest.mark.parametrize(
+    "change", ["silu gate", "no gate", "window - 1", "window + 1", "full rotary on full layers",
+               "sliding theta on full layers", "tied head instead of the stored one"],
+)  # fmt: skip
+def test_each_feature_moves_the_reference_beyond_the_bound(change):
+    _, dense = tiny_spark(0)
+    ids = torch.randint(3, TINY["vocab_size"], (32,), generator=torch.Generator().manual_seed(1))
+    cfg, w = dict(TINY), dict(dense)
+    rope = {k: dict(v) for k, v in TINY["rope_parameters"].items()}
+    if change == "silu gate":
+        cfg["gate_attn_act_mode"] = "silu"
+    elif change == "no gate":
+        cfg["headwise_attn_output_gate"] = False
+    elif change.startswith("window"):
+        cfg["sliding_window"] += -1 if "-" in change else 1
+    elif change == "full rotary on full layers":
+        rope["full_attention"]["partial_rotary_factor"] = 1.0
+    elif change == "sliding theta on full layers":
+        rope["full_attention"]["rope_theta"] = rope["sliding_attention"]["rope_theta"]
+    elif change == "tied head instead of the stored one":
+        del w["lm_head.weight"]
+    cfg["rope_parameters"] = rope
+    moved = kl(forward(dense, TINY, ids), forward(w, cfg, ids))
+    assert moved > 10 * KL_BOUND, (change, moved)
+
+
+def test_vendor_plugin_is_refused_by_name(monkeypatch):
+    """Beside the vendor's plugin (same architecture name, last registration wins) the family names what to
+    uninstall or the VLLM_PLUGINS value; excluded through VLLM_PLUGINS, it is no conflict."""
+    from importlib.metadata import EntryPoint
+
+    from quantpack_families.families import spark
+
+    eps = [
+        EntryPoint("spark2_5", "vllm_spark2_5_plugin:register", "vllm.general_plugins"),
+        EntryPoint("quantpack_families", "quantpack_families.plugin:register", "vllm.general_plugins"),
+    ]
+    monkeypatch.setattr(spark, "entry_points", lambda group: eps)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    message = spark.vendor_conflict()
+    assert "uninstall vllm_spark2_5_plugin" in message and "VLLM_PLUGINS=quantpack_families" in message
+    monkeypatch.setenv("VLLM_PLUGINS", "quantpack_families,quantpack_exl3")
+    assert spark.vendor_conflict() is None
+    monkeypatch.setattr(spark, "entry_points", lambda group: eps[1:])
+    monkeypatch.delenv("VLLM_PLUGINS")
+    assert spark.vendor_conflict() is None
+
+
+@pytest.mark.slow
+def test_vllm_serves_tiny_spark_packs(tmp_path_factory, tmp_path):
+    from e2e_runner import get, run_runner
+
+    packs = write_spark_packs(tmp_path_factory.mktemp("spark"))
+    jobs = {
+        name: {"kind": "logits", "pack": str(path), "dtype": "float32", "eager": True} for name, path in packs.items()
+    }
+    results = run_runner(jobs, tmp_path, timeout=900)
+    for name in jobs:
+        res = get(results, name)
+        assert res["kl"] <= KL_BOUND and res["top1"] >= 0.99, (name, res["kl"], res["top1"])
+    # the EXL3 pack's stored head is served although its config ties the head; the bf16 checkpoint is tied
+    assert get(results, "spark-exl3")["vocab_modules"]["lm_head"]["method"] == "Exl3LinearMethod"
+    assert get(results, "spark-bf16")["vocab_modules"]["lm_head"]["method"] == "UnquantizedEmbeddingMethod"
