@@ -56,11 +56,37 @@ def test_a_missing_table_file_is_named(tmp_path):
         ),
         (
             lambda t: t.__setitem__(f"{KEY}.head_offsets", torch.tensor([0, 211, 518, 1300])),
-            "head rows outside the table's 1422 rows",
+            r"heads do not tile the table \(offsets \[0, 211, 518, 1300\]",
+        ),
+        (
+            lambda t: t.__setitem__(f"{KEY}.head_vocab_sizes", torch.tensor([211, 307, 401, 600])),
+            "heads reach row 1519, the table has 1422 rows",
+        ),
+        (  # overlapping heads would give rows another head's bias
+            lambda t: t.__setitem__(f"{KEY}.head_offsets", torch.tensor([0, 200, 518, 919])),
+            "heads do not tile the table",
+        ),
+        (lambda t: t.__setitem__(f"{KEY}.head_offsets", torch.tensor([-10, 211, 518, 919])), "do not tile"),
+        (lambda t: t.__setitem__(f"{KEY}.head_offsets", torch.tensor([0.0, 211, 518, 919])), "are integers"),
+        (
+            lambda t: t.__setitem__(f"{KEY}.shard_0.trellis", t[f"{KEY}.shard_0.trellis"].int()),
+            r"torch.int32 \[400, 31\]: ring rows are 2-D int16",
         ),
         (lambda t: [t.pop(n) for n in list(t) if n.endswith(".trellis")], "no ring rows for this n-gram table"),
     ],
-    ids=["shard-gap", "no-bias", "bias-shape", "width", "offsets", "no-rows"],
+    ids=[
+        "shard-gap",
+        "no-bias",
+        "bias-shape",
+        "width",
+        "offsets",
+        "sizes",
+        "overlap",
+        "negative",
+        "float",
+        "int32",
+        "no-rows",
+    ],
 )
 def test_malformed_tables_are_refused_naming_the_tensor(breakage, message):
     tensors, _, _ = make_ngram_tensors(KEY, SIZES, 3, rows_per_shard=400)

@@ -85,3 +85,32 @@ def test_vllm_serves_tiny_spark_packs(tmp_path_factory, tmp_path):
     # the EXL3 pack's stored head is served although its config ties the head; the bf16 checkpoint is tied
     assert get(results, "spark-exl3")["vocab_modules"]["lm_head"]["method"] == "Exl3LinearMethod"
     assert get(results, "spark-bf16")["vocab_modules"]["lm_head"]["method"] == "UnquantizedEmbeddingMethod"
+
+
+@pytest.mark.parametrize(
+    "change,tp,message",
+    [
+        ({"layer_types": ["sliding_attention"] * 3}, 1, "layer_types has 3 entries for 4 layers"),
+        ({"layer_types": ["sliding_attention"] * 3 + ["chunked"]}, 1, r"layer_types holds \['chunked'\]"),
+        ({"num_key_value_heads": 3, "num_attention_heads": 6}, 2, "6 attention heads / 3 kv heads do not split over 2"),
+        ({}, 4, "2 attention heads / 1 kv heads do not split over 4"),
+    ],
+)
+def test_bad_attention_configs_are_named_before_any_layer_is_built(monkeypatch, change, tp, message):
+    """Flint and Spark share the check: a short or unknown layer_types, or heads the TP size cannot split, raise
+    naming the config (not an IndexError deep in the model)."""
+    from quantpack_families.models import flint
+    from quantpack_families.models.flint_config import FlintConfig
+    from quantpack_families.models.spark_config import Spark2_5Config
+
+    monkeypatch.setattr(flint, "get_tensor_model_parallel_world_size", lambda: tp)
+    for cls in (Spark2_5Config, FlintConfig):
+        cfg = cls(**{k: v for k, v in TINY.items() if k not in ("rope_parameters", "layer_types")})
+        cfg.layer_types = list(TINY["layer_types"])
+        for k, v in change.items():
+            setattr(cfg, k, v)
+        with pytest.raises(ValueError, match=message):
+            flint.check_attention_config(cfg, ("sliding_attention", "full_attention"))
+    ok = Spark2_5Config(**{k: v for k, v in TINY.items() if k != "rope_parameters"})
+    monkeypatch.setattr(flint, "get_tensor_model_parallel_world_size", lambda: 2)
+    flint.check_attention_config(ok, ("sliding_attention", "full_attention"))  # 1 kv head replicated over 2 ranks

@@ -33,6 +33,11 @@ NGRAM_FILE = "ngram_embedding.safetensors"
 AUX = ("head_offsets", "head_vocab_sizes", "layer_multipliers", "head_bias")
 RECONVERT = "re-convert the table with exllamav3"
 RECOPY = f"copy {NGRAM_FILE} from the original pack"
+#: safetensors dtype names of the tensors a table file may hold (others read as uint8, and are refused)
+SAFETENSORS_DTYPES = {
+    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+}  # fmt: skip
 
 
 @dataclass
@@ -121,11 +126,25 @@ class NgramTable:
             problem(f"{key}.head_vocab_sizes", f"{count} entries for {heads} heads", RECONVERT)
         if tuple(aux["head_bias"].shape) != (heads, NGRAM_ROW_DIM):
             problem(f"{key}.head_bias", f"shape {list(aux['head_bias'].shape)}, want [{heads}, 160]", RECONVERT)
+        for suffix in ("head_offsets", "head_vocab_sizes", "layer_multipliers"):
+            if aux[suffix].dtype.is_floating_point or aux[suffix].dtype == torch.bool:
+                problem(
+                    f"{key}.{suffix}", f"{aux[suffix].dtype}: row counts and hash multipliers are integers", RECONVERT
+                )
+        if heads == 0:
+            problem(f"{key}.head_offsets", "no hash heads", RECONVERT)
+        if problems:
+            raise PackError(where, problems)
         offsets = aux["head_offsets"].reshape(-1).long()
         sizes = aux["head_vocab_sizes"].reshape(-1).long()
         total = sum(s.shape[0] for s in shards)
-        if not problems and (bool((offsets[1:] < offsets[:-1]).any()) or bool(((offsets + sizes) > total).any())):
-            problem(f"{key}.head_offsets", f"head rows outside the table's {total} rows", RECONVERT)
+        # heads tile the table: the first starts at row 0, each starts where the one before it ends, none is empty
+        ends = offsets + sizes
+        if int(offsets[0]) != 0 or bool((sizes <= 0).any()) or bool((offsets[1:] != ends[:-1]).any()):
+            what = f"heads do not tile the table (offsets {offsets.tolist()[:8]}, sizes {sizes.tolist()[:8]})"
+            problem(f"{key}.head_offsets", what, RECONVERT)
+        elif int(ends[-1]) > total:
+            problem(f"{key}.head_offsets", f"heads reach row {int(ends[-1])}, the table has {total} rows", RECONVERT)
         if problems:
             raise PackError(where, problems)
         return cls(
@@ -191,7 +210,7 @@ class NgramTable:
                         continue
                     if n.endswith(".trellis"):
                         sl = f.get_slice(n)
-                        dtype = {"I16": torch.int16}.get(sl.get_dtype(), torch.uint8)
+                        dtype = SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.uint8)
                         tensors[n] = torch.empty(sl.get_shape(), dtype=dtype, device="meta")
                     else:
                         tensors[n] = f.get_tensor(n)

@@ -38,7 +38,33 @@ from vllm.model_executor.models.utils import make_empty_intermediate_tensors_fac
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.sequence import IntermediateTensors
 
-from .flint_config import SLIDING, FlintConfig
+from .flint_config import FULL, SLIDING, FlintConfig
+
+
+def check_attention_config(config, kinds: tuple[str, ...]) -> None:
+    """The attention fields a model file of this package indexes, checked once: one ``layer_types`` entry per layer,
+    each one of ``kinds``, and heads and kv heads that split over the TP ranks (kv heads may be replicated when
+    fewer than the ranks, as vLLM's ``QKVParallelLinear`` does).
+
+    Raises:
+        ValueError: naming the config field and the fix.
+    """
+    types = list(getattr(config, "layer_types", None) or [])
+    if len(types) != config.num_hidden_layers:
+        raise ValueError(
+            f"{type(config).__name__}: layer_types has {len(types)} entries for {config.num_hidden_layers} layers - "
+            "use the config.json that came with the checkpoint"
+        )
+    odd = sorted({t for t in types if t not in kinds})
+    if odd:
+        raise ValueError(f"{type(config).__name__}: layer_types holds {odd}; this model knows {list(kinds)}")
+    tp = get_tensor_model_parallel_world_size()
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    if heads % tp or (kv % tp if kv >= tp else tp % kv):
+        raise ValueError(
+            f"{type(config).__name__}: {heads} attention heads / {kv} kv heads do not split over {tp} TP ranks - "
+            "choose a tensor-parallel size that divides the heads"
+        )
 
 
 def layer_index(prefix: str) -> int:
@@ -63,19 +89,15 @@ class FlintAttention(nn.Module):
     """Flint's attention of one layer (see the module); heads split over TP ranks, the sinks with them.
 
     Raises:
-        ValueError: heads or kv heads that the TP size does not divide, or a layer type other than
-            ``sliding_attention`` / ``full_attention``.
+        ValueError: as :func:`check_attention_config`.
     """
 
     def __init__(self, config: FlintConfig, cache_config=None, quant_config=None, prefix: str = ""):
         super().__init__()
+        check_attention_config(config, (SLIDING, FULL))
         tp = get_tensor_model_parallel_world_size()
         self.layer = layer_index(prefix)
         kind = config.layer_types[self.layer]
-        if kind not in (SLIDING, "full_attention"):
-            raise ValueError(f"{prefix}: layer_types[{self.layer}] is {kind!r}, not sliding_ or full_attention")
-        if config.num_attention_heads % tp:
-            raise ValueError(f"{prefix}: {config.num_attention_heads} heads do not split over {tp} TP ranks")
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads // tp
         self.num_kv_heads = max(1, config.num_key_value_heads // tp)

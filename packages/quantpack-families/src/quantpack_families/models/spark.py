@@ -46,8 +46,8 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from .flint import layer_index
-from .spark_config import SLIDING, Spark2_5Config
+from .flint import check_attention_config, layer_index
+from .spark_config import FULL, SLIDING, Spark2_5Config
 
 GATE_ACTS = {"sigmoid": torch.sigmoid, "silu": F.silu}
 
@@ -56,11 +56,13 @@ class Spark2_5Attention(nn.Module):
     """Spark's attention of one layer (see the module).
 
     Raises:
-        ValueError: a ``gate_attn_act_mode`` other than sigmoid / silu, or a layer type without rope parameters.
+        ValueError: a ``gate_attn_act_mode`` other than sigmoid / silu, a layer type without rope parameters, or
+            as :func:`~.flint.check_attention_config`.
     """
 
     def __init__(self, config: Spark2_5Config, cache_config=None, quant_config=None, prefix: str = ""):
         super().__init__()
+        check_attention_config(config, (SLIDING, FULL))
         tp = get_tensor_model_parallel_world_size()
         kind = config.layer_types[layer_index(prefix)]
         if kind not in config.rope_parameters:
