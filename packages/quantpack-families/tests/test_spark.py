@@ -99,18 +99,18 @@ def test_vllm_serves_tiny_spark_packs(tmp_path_factory, tmp_path):
 def test_bad_attention_configs_are_named_before_any_layer_is_built(monkeypatch, change, tp, message):
     """Flint and Spark share the check: a short or unknown layer_types, or heads the TP size cannot split, raise
     naming the config (not an IndexError deep in the model)."""
-    from quantpack_families.models import flint
+    from quantpack_families.models import prenorm
     from quantpack_families.models.flint_config import FlintConfig
     from quantpack_families.models.spark_config import Spark2_5Config
 
-    monkeypatch.setattr(flint, "get_tensor_model_parallel_world_size", lambda: tp)
+    monkeypatch.setattr(prenorm, "get_tensor_model_parallel_world_size", lambda: tp)
     for cls in (Spark2_5Config, FlintConfig):
         cfg = cls(**{k: v for k, v in TINY.items() if k not in ("rope_parameters", "layer_types")})
         cfg.layer_types = list(TINY["layer_types"])
         for k, v in change.items():
             setattr(cfg, k, v)
         with pytest.raises(ValueError, match=message):
-            flint.check_attention_config(cfg, ("sliding_attention", "full_attention"))
+            prenorm.check_attention_config(cfg, ("sliding_attention", "full_attention"))
     ok = Spark2_5Config(**{k: v for k, v in TINY.items() if k != "rope_parameters"})
-    monkeypatch.setattr(flint, "get_tensor_model_parallel_world_size", lambda: 2)
-    flint.check_attention_config(ok, ("sliding_attention", "full_attention"))  # 1 kv head replicated over 2 ranks
+    monkeypatch.setattr(prenorm, "get_tensor_model_parallel_world_size", lambda: 2)
+    prenorm.check_attention_config(ok, ("sliding_attention", "full_attention"))  # 1 kv head replicated over 2 ranks

@@ -19,58 +19,28 @@ Follows vLLM 0.29-0.32 ``vllm/model_executor/models/qwen2_moe.py`` (``Qwen2MoeML
 are checked against transformers' Flint where it exists (``tests/test_flint.py``).
 """
 
-from itertools import islice
+from typing import ClassVar
 
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import VllmConfig
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeMLP
-from vllm.model_executor.models.utils import make_empty_intermediate_tensors_factory, make_layers, maybe_prefix
 from vllm.model_executor.utils import set_weight_attrs
-from vllm.sequence import IntermediateTensors
 
 from .flint_config import FULL, SLIDING, FlintConfig
-
-
-def check_attention_config(config, kinds: tuple[str, ...]) -> None:
-    """The attention fields a model file of this package indexes, checked once: one ``layer_types`` entry per layer,
-    each one of ``kinds``, and heads and kv heads that split over the TP ranks (kv heads may be replicated when
-    fewer than the ranks, as vLLM's ``QKVParallelLinear`` does).
-
-    Raises:
-        ValueError: naming the config field and the fix.
-    """
-    types = list(getattr(config, "layer_types", None) or [])
-    if len(types) != config.num_hidden_layers:
-        raise ValueError(
-            f"{type(config).__name__}: layer_types has {len(types)} entries for {config.num_hidden_layers} layers - "
-            "use the config.json that came with the checkpoint"
-        )
-    odd = sorted({t for t in types if t not in kinds})
-    if odd:
-        raise ValueError(f"{type(config).__name__}: layer_types holds {odd}; this model knows {list(kinds)}")
-    tp = get_tensor_model_parallel_world_size()
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    if heads % tp or (kv % tp if kv >= tp else tp % kv):
-        raise ValueError(
-            f"{type(config).__name__}: {heads} attention heads / {kv} kv heads do not split over {tp} TP ranks - "
-            "choose a tensor-parallel size that divides the heads"
-        )
-
-
-def layer_index(prefix: str) -> int:
-    """The layer number in a module name such as ``model.layers.3.self_attn``."""
-    parts = prefix.split(".")
-    return int(parts[parts.index("layers") + 1])
+from .prenorm import (
+    PrenormDecoderLayer,
+    PrenormForCausalLM,
+    PrenormModel,
+    check_attention_config,
+    layer_index,
+)
 
 
 def sinks_dtype() -> torch.dtype:
@@ -229,11 +199,11 @@ class FlintSparseMoeBlock(nn.Module):
         return self.experts(hidden_states=hidden_states, router_logits=router_logits).view(shape)
 
 
-class FlintDecoderLayer(nn.Module):
-    """One layer: pre-norm attention and pre-norm MLP / MoE, residuals fused into the norms (vLLM's RMSNorm)."""
+class FlintDecoderLayer(PrenormDecoderLayer):
+    """One layer: attention, then the dense MLP or the MoE block (:class:`~.prenorm.PrenormDecoderLayer`)."""
 
     def __init__(self, config: FlintConfig, cache_config=None, quant_config=None, prefix: str = ""):
-        super().__init__()
+        super().__init__(config)
         index = layer_index(prefix)
         self.self_attn = FlintAttention(config, cache_config, quant_config, prefix=f"{prefix}.self_attn")
         sparse = index not in config.mlp_only_layers and config.num_experts > 0
@@ -248,86 +218,21 @@ class FlintDecoderLayer(nn.Module):
                 quant_config=quant_config,
                 prefix=f"{prefix}.mlp",
             )
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, positions, hidden_states, residual):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 @support_torch_compile
-class FlintModel(nn.Module):
-    """Embedding, layers, final norm (pipeline-parallel like vLLM's Qwen2-MoE model)."""
+class FlintModel(PrenormModel):
+    """Embedding, Flint's layers, final norm."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__()
-        config = vllm_config.model_config.hf_config
-        cache_config, quant_config = vllm_config.cache_config, vllm_config.quant_config
-        self.config = config
-        self.vocab_size = config.vocab_size
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
-        )
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers,
-            lambda prefix: FlintDecoderLayer(config, cache_config, quant_config, prefix=prefix),
-            prefix=f"{prefix}.layers",
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], config.hidden_size
-        )
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        if get_pp_group().is_first_rank:
-            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-            residual = None
-        else:
-            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
-        for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+    layer_cls = FlintDecoderLayer
 
 
-class FlintForCausalLM(Qwen2MoeForCausalLM):
-    """Flint with an untied head; loading, logits and the forward are vLLM's Qwen2-MoE ones (see the module)."""
+class FlintForCausalLM(PrenormForCausalLM, Qwen2MoeForCausalLM):
+    """Flint with an untied head (:class:`~.prenorm.PrenormForCausalLM`); loading is vLLM's Qwen2-MoE one (its
+    ``load_weights`` and mapper, see the module)."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        nn.Module.__init__(self)
-        config = vllm_config.model_config.hf_config
-        self.config = config
-        self.quant_config = vllm_config.quant_config
-        self.packed_modules_mapping = {
-            "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-            "gate_up_proj": ["gate_proj", "up_proj"],
-        }
-        self.model = FlintModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(
-            config.vocab_size,
-            config.hidden_size,
-            quant_config=self.quant_config,
-            prefix=maybe_prefix(prefix, "lm_head"),
-        )
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+    model_cls = FlintModel
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }

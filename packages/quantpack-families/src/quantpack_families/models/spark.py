@@ -15,7 +15,6 @@ Follows vLLM 0.29-0.32's layer and loader conventions (``qwen2_moe.py``: ``AutoW
 """
 
 from collections.abc import Iterable
-from itertools import islice
 from typing import ClassVar
 
 import torch
@@ -23,30 +22,19 @@ import torch.nn.functional as F
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import GeluAndMul
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import SupportsPP
-from vllm.model_executor.models.utils import (
-    AutoWeightsLoader,
-    WeightsMapper,
-    make_empty_intermediate_tensors_factory,
-    make_layers,
-    maybe_prefix,
-)
-from vllm.sequence import IntermediateTensors
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
-from .flint import check_attention_config, layer_index
+from .prenorm import PrenormDecoderLayer, PrenormForCausalLM, PrenormModel, check_attention_config, layer_index
 from .spark_config import FULL, SLIDING, Spark2_5Config
 
 GATE_ACTS = {"sigmoid": torch.sigmoid, "silu": F.silu}
@@ -57,7 +45,7 @@ class Spark2_5Attention(nn.Module):
 
     Raises:
         ValueError: a ``gate_attn_act_mode`` other than sigmoid / silu, a layer type without rope parameters, or
-            as :func:`~.flint.check_attention_config`.
+            as :func:`~.prenorm.check_attention_config`.
     """
 
     def __init__(self, config: Spark2_5Config, cache_config=None, quant_config=None, prefix: str = ""):
@@ -154,75 +142,26 @@ class Spark2_5MLP(nn.Module):
         return out
 
 
-class Spark2_5DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP, residuals fused into vLLM's RMSNorm."""
+class Spark2_5DecoderLayer(PrenormDecoderLayer):
+    """Attention, then the MLP (:class:`~.prenorm.PrenormDecoderLayer`)."""
 
     def __init__(self, config: Spark2_5Config, cache_config=None, quant_config=None, prefix: str = ""):
-        super().__init__()
+        super().__init__(config)
         self.self_attn = Spark2_5Attention(config, cache_config, quant_config, prefix=f"{prefix}.self_attn")
         self.mlp = Spark2_5MLP(config, quant_config, prefix=f"{prefix}.mlp")
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, positions, hidden_states, residual):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 @support_torch_compile
-class Spark2_5Model(nn.Module):
-    """Embedding, layers, final norm."""
+class Spark2_5Model(PrenormModel):
+    """Embedding, Spark's layers, final norm."""
 
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__()
-        config = vllm_config.model_config.hf_config
-        cache_config, quant_config = vllm_config.cache_config, vllm_config.quant_config
-        self.config = config
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, quant_config=quant_config, prefix=f"{prefix}.embed_tokens"
-        )
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers,
-            lambda prefix: Spark2_5DecoderLayer(config, cache_config, quant_config, prefix=prefix),
-            prefix=f"{prefix}.layers",
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], config.hidden_size
-        )
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        if get_pp_group().is_first_rank:
-            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-            residual = None
-        else:
-            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
-        for layer in islice(self.layers, self.start_layer, self.end_layer):
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+    layer_cls = Spark2_5DecoderLayer
 
 
-class Spark2_5ForCausalLM(nn.Module, SupportsPP):
+class Spark2_5ForCausalLM(PrenormForCausalLM):
     """Spark-X2.5 for both checkpoint layouts (see the module)."""
 
+    model_cls = Spark2_5Model
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
@@ -243,35 +182,12 @@ class Spark2_5ForCausalLM(nn.Module, SupportsPP):
         """Raises:
         RuntimeError: the vendor's Spark plugin is installed and enabled too (it registers this architecture).
         """
-        super().__init__()
         from ..families.spark import vendor_conflict
 
         conflict = vendor_conflict()
         if conflict:
             raise RuntimeError(f"Spark2_5ForCausalLM: {conflict}")
-        config = vllm_config.model_config.hf_config
-        self.config = config
-        self.quant_config = vllm_config.quant_config
-        self.model = Spark2_5Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(
-            config.vocab_size,
-            config.hidden_size,
-            quant_config=self.quant_config,
-            prefix=maybe_prefix(prefix, "lm_head"),
-        )
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
-
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        return self.logits_processor(self.lm_head, hidden_states)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Both layouts through one mapper; a tied model skips a stored ``lm_head`` (a tied model has none to load)."""
