@@ -113,23 +113,35 @@ def forward(w: dict[str, torch.Tensor], cfg: dict, input_ids: torch.Tensor) -> t
     return rms_norm(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
 
 
+class TinyPack:
+    """A tiny pack's tensors as they are stored (``pack``) beside its dense float32 weights (``dense``, the EXL3
+    layers decoded by the core codec), built layer by layer from one RNG."""
+
+    def __init__(self, generator: torch.Generator):
+        self.g = generator
+        self.pack: dict[str, torch.Tensor] = {}
+        self.dense: dict[str, torch.Tensor] = {}
+
+    def exl3(self, name: str, n_in: int, n_out: int, k: float, scale: float = 0.02) -> None:
+        """A random mul1 EXL3 linear ``name`` at K ``k`` (weights about ``scale`` in size)."""
+        t = random_exl3_layer(n_in, n_out, k, "mul1", generator=self.g, scale=scale)
+        self.pack.update({f"{name}.{s}": v for s, v in t.items()})
+        self.dense[f"{name}.weight"] = dequantize(Exl3Tensors.from_tensors(t))[:n_in, :n_out].T.contiguous()
+
+    def plain(self, name: str, tensor: torch.Tensor) -> None:
+        """A tensor stored as it is."""
+        self.pack[name] = tensor
+        self.dense[name] = tensor.float()
+
+
 def tiny_flint(seed: int = 0, shared_expert_k: float | None = None):
     """The tiny Flint's pack tensors (EXL3 attention, dense MLP, routed experts and head; the shared expert dense
     fp16, or EXL3 at ``shared_expert_k``) and its dense weights (the EXL3 ones decoded by the core codec, float32).
     """
     cfg = TINY
     g = torch.Generator().manual_seed(seed)
-    pack: dict[str, torch.Tensor] = {}
-    dense: dict[str, torch.Tensor] = {}
-
-    def exl3(name, n_in, n_out, k, scale=0.02):
-        t = random_exl3_layer(n_in, n_out, k, "mul1", generator=g, scale=scale)
-        pack.update({f"{name}.{s}": v for s, v in t.items()})
-        dense[f"{name}.weight"] = dequantize(Exl3Tensors.from_tensors(t))[:n_in, :n_out].T.contiguous()
-
-    def plain(name, tensor):
-        pack[name] = tensor
-        dense[name] = tensor.float()
+    built = TinyPack(g)
+    exl3, plain = built.exl3, built.plain
 
     hid, hd, heads, kvh = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     plain("model.embed_tokens.weight", torch.randn(cfg["vocab_size"], hid, generator=g).half())
@@ -163,7 +175,7 @@ def tiny_flint(seed: int = 0, shared_expert_k: float | None = None):
                 exl3(name, n_in, n_out, shared_expert_k, scale=1 / math.sqrt(n_in))
     plain("model.norm.weight", (1 + 0.1 * torch.randn(hid, generator=g)).half())
     exl3("lm_head", hid, cfg["vocab_size"], 6, scale=0.15)  # logits of a few units: a peaked distribution
-    return pack, dense
+    return built.pack, built.dense
 
 
 def config_json(quantized: bool) -> dict:

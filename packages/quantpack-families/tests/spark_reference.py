@@ -10,11 +10,9 @@ import math
 from pathlib import Path
 
 import torch
-from flint_reference import rms_norm
+from flint_reference import TinyPack, rms_norm
 
-from quantpack_core.codec import Exl3Tensors
-from quantpack_core.codec.exl3 import dequantize
-from quantpack_core.synthetic import random_exl3_layer, write_pack, write_word_tokenizer
+from quantpack_core.synthetic import write_pack, write_word_tokenizer
 
 #: families-notes section 5: 4 layers (three sliding, one full), window 8 so a 32-token prompt crosses it
 TINY = dict(
@@ -92,17 +90,8 @@ def tiny_spark(seed: int = 0):
     """The tiny Spark's EXL3 pack tensors (exllamav3's layout) and its dense weights (float32, EXL3 ones decoded)."""
     cfg = TINY
     g = torch.Generator().manual_seed(seed)
-    pack: dict[str, torch.Tensor] = {}
-    dense: dict[str, torch.Tensor] = {}
-
-    def exl3(name, n_in, n_out, k, scale):
-        t = random_exl3_layer(n_in, n_out, k, "mul1", generator=g, scale=scale)
-        pack.update({f"{name}.{s}": v for s, v in t.items()})
-        dense[f"{name}.weight"] = dequantize(Exl3Tensors.from_tensors(t))[:n_in, :n_out].T.contiguous()
-
-    def plain(name, tensor):
-        pack[name] = tensor
-        dense[name] = tensor.float()
+    built = TinyPack(g)
+    exl3, plain = built.exl3, built.plain
 
     hid, hd, heads, kvh = cfg["hidden_size"], cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     plain("model.embed_tokens.weight", (0.5 * torch.randn(cfg["vocab_size"], hid, generator=g)).half())
@@ -120,7 +109,7 @@ def tiny_spark(seed: int = 0):
             exl3(f"{p}.mlp.{proj}_proj", n_in, n_out, 4, 1 / math.sqrt(n_in))
     plain("model.norm.weight", (1 + 0.1 * torch.randn(hid, generator=g)).half())
     exl3("lm_head", hid, cfg["vocab_size"], 6, 0.15)  # stored, though the config ties the head
-    return pack, dense
+    return built.pack, built.dense
 
 
 def config_json(**changes) -> dict:
