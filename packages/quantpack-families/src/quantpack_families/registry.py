@@ -94,27 +94,41 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
+def wrap_attribute(cls, name: str, mark: str, make: Callable[[Callable], Callable]) -> bool:
+    """Replace the function ``name`` that ``cls`` itself defines (a method, or a staticmethod, which stays one) by
+    ``make(original)``, once: the replacement carries the attribute ``mark``, so a second call changes nothing.
+
+    Returns:
+        True when this call replaced it; False when ``cls`` does not define ``name`` or it is replaced already.
+    """
+    raw = cls.__dict__.get(name)
+    original = getattr(raw, "__func__", raw)
+    if original is None or getattr(original, mark, False):
+        return False
+    wrapped = functools.wraps(original)(make(original))
+    setattr(wrapped, mark, True)
+    setattr(cls, name, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
+    return True
+
+
 def wrap_init(cls) -> bool:
     """Make ``cls.__init__`` announce ``<prefix>.embed_tokens`` while it runs (idempotent).
 
     Returns:
         True when this call wrapped it.
     """
-    init = cls.__dict__.get("__init__")
-    if init is None or getattr(init, _MARK, False):
-        return False
 
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        from quantpack_core.vllm.layers import embedding_prefix
+    def make(init):
+        def __init__(self, *args, **kwargs):
+            from quantpack_core.vllm.layers import embedding_prefix
 
-        prefix = kwargs.get("prefix", "")
-        with embedding_prefix(f"{prefix}.embed_tokens" if prefix else "embed_tokens"):
-            init(self, *args, **kwargs)
+            prefix = kwargs.get("prefix", "")
+            with embedding_prefix(f"{prefix}.embed_tokens" if prefix else "embed_tokens"):
+                init(self, *args, **kwargs)
 
-    setattr(__init__, _MARK, True)
-    cls.__init__ = __init__
-    return True
+        return __init__
+
+    return wrap_attribute(cls, "__init__", _MARK, make)
 
 
 class _PatchingLoader(importlib.abc.Loader):

@@ -27,10 +27,9 @@ read; docs/families.md.
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
 
-from ..registry import Family
+from ..registry import Family, wrap_attribute
 
 _MARK = "_quantpack_qwen4_exp"
 
@@ -58,20 +57,16 @@ def wrap_selection(cls) -> bool:
     Returns:
         True when this call wrapped it.
     """
-    raw = cls.__dict__.get("from_quant_config")
-    select = getattr(raw, "__func__", raw)
-    if select is None or getattr(select, _MARK, False):
-        return False
 
-    @functools.wraps(select)
-    def from_quant_config(quant_config, prefix, embedding_dtype=None):
-        if _quantpack_config(quant_config):
-            return quant_config.ngram_embedding_method(prefix)
-        return select(quant_config, prefix, embedding_dtype)
+    def make(select):
+        def from_quant_config(quant_config, prefix, embedding_dtype=None):
+            if _quantpack_config(quant_config):
+                return quant_config.ngram_embedding_method(prefix)
+            return select(quant_config, prefix, embedding_dtype)
 
-    setattr(from_quant_config, _MARK, True)
-    cls.from_quant_config = staticmethod(from_quant_config)
-    return True
+        return from_quant_config
+
+    return wrap_attribute(cls, "from_quant_config", _MARK, make)
 
 
 def wrap_owner(cls) -> bool:
@@ -81,21 +76,18 @@ def wrap_owner(cls) -> bool:
     Returns:
         True when this call wrapped it.
     """
-    init = cls.__dict__.get("__init__")
-    if init is None or getattr(init, _MARK, False):
-        return False
 
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        table = getattr(self, "ngram_embedding", None)
-        method = getattr(table, "quant_method", None)
-        if hasattr(method, "bind"):
-            method.bind(self)
+    def make(init):
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            table = getattr(self, "ngram_embedding", None)
+            method = getattr(table, "quant_method", None)
+            if hasattr(method, "bind"):
+                method.bind(self)
 
-    setattr(__init__, _MARK, True)
-    cls.__init__ = __init__
-    return True
+        return __init__
+
+    return wrap_attribute(cls, "__init__", _MARK, make)
 
 
 def patch(module: ModuleType) -> bool:
