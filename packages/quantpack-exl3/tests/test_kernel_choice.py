@@ -211,3 +211,38 @@ def test_trellis_mma_fuses_shards_of_one_k_and_codebook_into_one_run():
     assert TrellisMmaLinearKernel.fuse([q]) is None
     assert TrellisMmaLinearKernel.fuse([_trellis_mma_shard(256, 128, 2, 4.0)] * (MAX_SHARDS + 1)) is None
     assert TrellisMmaLinearKernel.fuse([_trellis_mma_shard(256, 128, 2, 4.0)] * MAX_SHARDS) is not None
+
+
+def _plan_of(vllm_layers, kernels=()):
+    """The compile-key digest vLLM's current config holds after one qkv layer of ``shards()`` is processed with
+    ``kernels`` put first in the CPU list, and that config's hash."""
+    from vllm.config import get_current_vllm_config
+
+    from quantpack_core.vllm.compile_key import PLAN_KEY
+
+    config = make_config(vllm_layers)
+    config.linear_kernels = (*kernels, *config.linear_kernels)
+    layer = qkv(config)
+    for sid, t in shards().items():
+        feed(layer, t, sid)
+    layer.quant_method.process_weights_after_loading(layer)
+    vllm_config = get_current_vllm_config()
+    return vllm_config.additional_config[PLAN_KEY], vllm_config.compute_hash()
+
+
+def test_the_kernel_plan_joins_vllms_compile_cache_key(vllm_layers):
+    """vLLM keys its compile cache on ``VllmConfig.compute_hash()``; the kernels chosen per shard change the traced
+    graph (ops, parameter names), so they must change that hash: the same plan twice gives the same key (no
+    addresses in it), another plan (a fusing kernel taking k and v) another key, and the user's own
+    ``additional_config`` entries stay."""
+    from vllm.config import get_current_vllm_config
+
+    extra = get_current_vllm_config().additional_config
+    extra["user_setting"] = "kept"
+    plan, config_hash = _plan_of(vllm_layers)
+    again, config_hash_again = _plan_of(vllm_layers)
+    fused, config_hash_fused = _plan_of(vllm_layers, (FusingStandInKernel,))
+    assert plan == again and config_hash == config_hash_again
+    assert fused != plan and config_hash_fused != config_hash
+    assert extra["user_setting"] == "kept"
+    extra.pop("user_setting")

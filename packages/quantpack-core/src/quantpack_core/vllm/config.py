@@ -38,6 +38,7 @@ from quantpack_core.kernels import ExpertKernel, KernelLog, LinearKernel, Linear
 from quantpack_core.names import FUSED_LAYERS, constituents, normalize_prefix
 from quantpack_core.pack import MANIFEST_FILE
 
+from .compile_key import CompileKey
 from .embedding import Int8RowsEmbeddingMethod
 from .ngram import NGRAM_MODULE
 from .platform import current_platform
@@ -150,6 +151,7 @@ class QuantpackConfig(QuantizationConfig):
         dense_kernels: the kernels of dense shards.
         routes: canonical module name -> kind (empty without a manifest).
         kernel_log: the model's kernel choices.
+        compile_key: the model's kernel plan, in vLLM's compile-cache key (:mod:`.compile_key`).
         pack_source: ``(model, revision)`` as vLLM named the pack, once :meth:`maybe_update_config` ran (the
             methods that read files the index omits need it); else None.
 
@@ -179,6 +181,7 @@ class QuantpackConfig(QuantizationConfig):
         self.routes: dict[str, str] = manifest_routes(quant_config.get("tensor_storage") or {}, self.format)
         check_fused_routes(self.routes)
         self.kernel_log = KernelLog(self.title)
+        self.compile_key = CompileKey()
         self.pack_source: tuple[str, str | None] | None = None
 
     # ---------------------------------------------------------------------------------------------- kernels
@@ -357,6 +360,7 @@ class QuantpackConfig(QuantizationConfig):
 
         from .compat import routed_experts_class
 
+        self.compile_key.bind()
         route = self.route(prefix)
         if isinstance(layer, ParallelLMHead):
             if route == DENSE:

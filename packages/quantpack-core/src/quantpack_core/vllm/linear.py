@@ -45,6 +45,7 @@ from quantpack_core.kernels import (
 from quantpack_core.names import expand_fused, shard_partitions
 from quantpack_core.tp import COLUMN, ROW, TpCut, cut_dense, make_cut, partition_ranges, plan_cut, sliced_tp_sizes
 
+from .compile_key import op_name
 from .params import ShardParam
 
 logger = logging.getLogger("vllm.quantpack")
@@ -435,6 +436,13 @@ class QuantLinearMethod(LinearMethodBase):
             state.col_select = True
         elif len(runs) == 1 and row_pad is None:  # one run writing every column: its product is the output
             state.returns = p.returns
+        self.config.compile_key.add(
+            self.prefix,
+            tuple((r.kernel, op_name(r.fn), r.params, r.static, r.col) for r in runs),
+            op_name(state.returns),
+            state.col_select,
+            row_pad,
+        )
         log.finish(layer)
 
     @staticmethod

@@ -41,6 +41,7 @@ from quantpack_core.kernels import TP_EXPERT_SPLIT, TP_SLICED, TP_WHOLE, choose_
 from quantpack_core.moe import PROJ_DOWN, PROJ_GATE, PROJ_MODULES, PROJ_UP, PROJECTIONS
 from quantpack_core.tp import expert_split, padded, sliced_tp_sizes
 
+from .compile_key import op_name
 from .params import STACK, ExpertParam
 
 logger = logging.getLogger("vllm.quantpack")
@@ -398,6 +399,7 @@ class QuantMoEMethod(FusedMoEMethodBase):
             prepared.static,
         )
         logger.debug("quantpack: %s: %s on %s", self.prefix, spec.describe(), choice.kernel.name)
+        self.config.compile_key.add(self.prefix, state.kernel, op_name(state.fn), state.params, state.static)
         self.config.kernel_log.finish(layer)
 
     # ------------------------------------------------------------------------------------------------- apply
