@@ -17,6 +17,7 @@ COVERED = {
     "exl3_gemm_": "test_exl3_gpu_kernels.py::test_opcheck",
     "trellis_mma_": "test_exl3_gpu_kernels.py::test_opcheck",
     "exl3_moe_": "test_exl3_gpu_moe.py::test_opcheck",
+    "trellis_moe_": "test_exl3_gpu_moe.py::test_opcheck",
     "escha_hip_": "quantpack-escha-rocm/tests/test_escha_hip.py::test_opcheck (extension stand-in)",
     "escha_triton_": "quantpack-escha-rocm/tests/test_escha_triton.py::test_opcheck (Triton's interpreter)",
     "int8_rows_logits_": "quantpack-core/tests/test_int8_logits.py::test_opcheck (CPU; the Triton kernel under the "

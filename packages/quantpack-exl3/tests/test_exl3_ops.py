@@ -18,6 +18,7 @@ def test_every_op_the_project_defines_has_an_opcheck_case():
     import quantpack_core.vllm.cpu_moe  # noqa: F401
     import quantpack_exl3.backends.exllamav3.ops
     import quantpack_exl3.backends.reference.ops
+    import quantpack_exl3.backends.trellis_mma.moe
     import quantpack_exl3.backends.trellis_mma.ops  # noqa: F401
 
     expected = set(COVERED)

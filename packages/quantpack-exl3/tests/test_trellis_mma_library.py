@@ -155,3 +155,99 @@ def test_a_bad_delegate_rows_setting_measures_instead(monkeypatch, caplog):
         monkeypatch.setenv("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", raw)
         assert _delegate_rows_setting() == want, raw
     assert "is not an integer >= 0; measuring each layer's routes instead" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------- expert banks
+
+
+def _plan_model(counts: list[int], group_lo: list[int]):
+    """The route step's plan, written out: slots in order, each slot's picks at consecutive sorted positions and cut
+    into 16-row work items, the items of a K group contiguous."""
+    offsets, item_base, group_work, pos, item = [], [], [], 0, 0
+    bounds = [*group_lo, len(counts)]
+    for g in range(len(group_lo)):
+        group_work.append(item)
+        for s in range(bounds[g], bounds[g + 1]):
+            offsets.append(pos)
+            item_base.append(item)
+            pos += counts[s]
+            item += -(-counts[s] // 16)
+    return [*offsets, pos], [*group_work, item], item_base
+
+
+@needs_nvcc
+@pytest.mark.parametrize("seed", range(6))
+def test_moe_route_plan(lib, seed):
+    """The route kernel's plan (the one serial step, built for the host from the same source) equals the written-out
+    plan; each K group's work items stay within the grid extent the op launches for it (``group_items`` =
+    ``qp_moe_items``), however the picks fall."""
+    from quantpack_exl3.backends.trellis_mma.moe import group_items
+
+    g = torch.Generator().manual_seed(seed)
+    experts = [8, 64, 128, 256, 3, 128][seed]
+    top_k = [2, 8, 8, 8, 1, 8][seed]
+    tokens = [5, 1, 64, 256, 600, 2][seed]
+    cuts = sorted(torch.randperm(experts - 1, generator=g)[: min(3, experts - 1)].add(1).tolist())
+    group_lo = [0, *cuts][: 1 + seed % 4]
+    slots = tokens * top_k
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).reshape(-1)
+    if seed == 5:
+        ids[:] = 0  # every pick on one expert
+    counts = torch.bincount(ids, minlength=experts).to(torch.int32)
+    groups = len(group_lo)
+    offsets = torch.empty(experts + 1, dtype=torch.int32)
+    group_work = torch.empty(groups + 1, dtype=torch.int32)
+    item_base = torch.empty(experts, dtype=torch.int32)
+    lo = (ctypes.c_int * groups)(*group_lo)
+    lib.qp_moe_plan_host(
+        ctypes.c_void_p(counts.data_ptr()), experts, lo, groups, ctypes.c_void_p(offsets.data_ptr()),
+        ctypes.c_void_p(group_work.data_ptr()), ctypes.c_void_p(item_base.data_ptr()),
+    )  # fmt: skip
+    want_offsets, want_group_work, want_base = _plan_model(counts.tolist(), group_lo)
+    assert offsets.tolist() == want_offsets
+    assert group_work.tolist() == want_group_work
+    assert item_base.tolist() == want_base
+    assert offsets[-1] == slots
+    bounds = [*group_lo, experts]
+    for i in range(groups):
+        cap = group_items(slots, bounds[i + 1] - bounds[i])
+        assert cap == lib.qp_moe_items(slots, bounds[i + 1] - bounds[i])
+        assert group_work[i + 1] - group_work[i] <= cap
+
+
+@needs_nvcc
+@pytest.mark.parametrize("items", [1, 8, 16, 160, 2200])
+@pytest.mark.parametrize("k,n", [(2048, 1536), (768, 2048), (256, 512), (7168, 4096)])
+def test_moe_split_plan(lib, items, k, n):
+    """An expert launch's splits cover k in whole 128-column blocks, keep the partials and counters within the
+    linear workspace, and a column block's last CTA sums at most 128 partial rows."""
+    splits = lib.qp_moe_splits(items, k, n, 528, PARTIAL_FLOATS, COUNTERS)
+    ktiles = k // 16
+    slice_tiles = (ktiles // 8 + splits - 1) // splits * 8
+    assert 1 <= splits <= ktiles // 8
+    assert (splits - 1) * slice_tiles < ktiles <= splits * slice_tiles
+    if splits > 1:
+        assert items * splits * 16 * n <= PARTIAL_FLOATS
+        assert items * (n // 128) <= COUNTERS
+        assert splits * 16 <= TAIL_ROWS
+    if items == 8 and (k, n) == (2048, 1536):
+        # batch 1, top-8 gate/up of a 30B-A3B layer: 96 CTAs; 5 splits would fit 528, but 16 blocks of k in equal
+        # whole-block slices give 4 slices of 4 blocks (384 CTAs)
+        assert splits == 4
+
+
+@needs_nvcc
+def test_moe_bad_arguments_are_refused_before_any_launch(lib):
+    """k or an output width off the 128 grid, more K groups than a launch plan holds, or groups that do not start at
+    slot 0: -1 before any CUDA call, named by check()."""
+    code = lib.qp_moe_gemm(
+        0, None, None, None, None, 8, None, None, None, None, 0, None, 0, None, 0, None, 0,
+        4, 8, 100, 100, 100, 768, 2, 8, 0, 528, None,
+    )  # fmt: skip
+    assert code == -1
+    with pytest.raises(library.LibraryError, match="multiples of 128"):
+        library.check(code, "test")
+    for group_lo in ([0] * 17, [1, 2], [0, 3, 2]):
+        lo = (ctypes.c_int * len(group_lo))(*group_lo)
+        code = lib.qp_moe_route(None, 0, None, 8, 8, lo, len(group_lo), None, None, None, None, None, None)
+        assert code == -1

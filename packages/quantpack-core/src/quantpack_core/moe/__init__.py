@@ -10,7 +10,7 @@
 See docs/moe-bank.md. Plain torch on any device; no vLLM and no exllamav3 import.
 """
 
-from .bank import Exl3MoeBank, ExpertViews, ProjView, bank_from_tensors, pointer_tables
+from .bank import Exl3MoeBank, ExpertViews, ProjView, bank_from_tensors, grouped_inputs, pointer_tables
 from .plan import (
     BANK_TENSORS,
     PIECE_KINDS,
@@ -54,6 +54,7 @@ __all__ = [
     "bank_from_tensors",
     "bank_layout",
     "dequantize_expert",
+    "grouped_inputs",
     "plan_moe_layer",
     "pointer_tables",
     "reference_moe_forward",

@@ -468,3 +468,36 @@ def pointer_tables(bank: Exl3MoeBank) -> BankTables:
         for k in bank.plan.groups
     )
     return BankTables(groups, g, u, d)
+
+
+def grouped_inputs(bank: Exl3MoeBank, codebook_id: int, device: torch.device) -> tuple[dict[str, torch.Tensor], tuple]:
+    """What a grouped expert kernel's op reads for ``bank``: its tensors and scalars, as the exllamav3 and
+    trellis_mma expert kernels both take them.
+
+    Args:
+        bank: a loaded bank on ``device``.
+        codebook_id: the kernels' id of the bank's codebook (0 = 3INST, 1 = mcg, 2 = mul1).
+        device: the bank's device.
+
+    Returns:
+        ``(tensors, static)``: tensors ``perm`` (int64 ``(E + 1,)``: expert -> slot, a trailing -1 that an expert id
+        of -1, another tensor-parallel rank's expert, indexes), ``tables`` (int64 ``(9, E)``: the trellis, suh and
+        svh pointers of w1, w3, w2 per slot) and the six bank tensors (:data:`BANK_TENSORS`); static
+        ``(codebook_id, group_lo, group_hi, k_gu, k_d)``, one entry per K group in slot order.
+
+    Source: docs/moe-bank.md ("Pointer tables"); exllamav3 ``MultiLinear`` (``ptrs_trellis`` / ``ptrs_suh`` /
+    ``ptrs_svh``).
+    """
+    plan = bank.plan
+    t = bank.pointer_tables()
+    rows = [getattr(p, f) for p in (t.gate, t.up, t.down) for f in ("trellis", "suh", "svh")]
+    tables = torch.stack(rows).to(device)
+    perm = torch.tensor([*plan.perm, -1], dtype=torch.int64, device=device)
+    static = (
+        codebook_id,
+        [g.lo for g in plan.groups],
+        [g.hi for g in plan.groups],
+        [float(g.k_gu) for g in plan.groups],
+        [float(g.k_d) for g in plan.groups],
+    )
+    return {"perm": perm, "tables": tables, **{n: bank.tensors[n] for n in BANK_TENSORS}}, static

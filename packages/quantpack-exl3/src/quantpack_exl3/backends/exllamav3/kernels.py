@@ -31,7 +31,7 @@ from quantpack_core.kernels import (
     PreparedBank,
     PreparedShard,
 )
-from quantpack_core.moe import BANK_TENSORS, Exl3MoeBank
+from quantpack_core.moe import Exl3MoeBank, grouped_inputs
 
 from .extension import INSTALL_HINT, load_extension
 from .gemm import AUTO_RECONSTRUCT_THRESHOLD
@@ -175,18 +175,5 @@ class Exllamav3ExpertKernel(ExpertKernel):
         Source: docs/moe-bank.md ("Pointer tables"); exllamav3 ``MultiLinear`` (``ptrs_trellis`` / ``ptrs_suh`` /
         ``ptrs_svh``).
         """
-        plan = bank.plan
-        t = bank.pointer_tables()
-        rows = [getattr(p, f) for p in (t.gate, t.up, t.down) for f in ("trellis", "suh", "svh")]
-        tables = torch.stack(rows).to(device)
-        # a trailing -1: the op's id -1 (an expert of another tensor-parallel rank) indexes it and stays -1
-        perm = torch.tensor([*plan.perm, -1], dtype=torch.int64, device=device)
-        static = (
-            CODEBOOK_IDS[plan.codebook],
-            [g.lo for g in plan.groups],
-            [g.hi for g in plan.groups],
-            [float(g.k_gu) for g in plan.groups],
-            [float(g.k_d) for g in plan.groups],
-        )
-        tensors = {"perm": perm, "tables": tables, **{n: bank.tensors[n] for n in BANK_TENSORS}}
+        tensors, static = grouped_inputs(bank, CODEBOOK_IDS[bank.plan.codebook], device)
         return PreparedBank(exl3_moe_, tensors, static)

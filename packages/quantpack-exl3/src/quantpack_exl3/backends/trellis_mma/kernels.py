@@ -26,9 +26,21 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from quantpack_core.codec import Codebook, Exl3Tensors
-from quantpack_core.kernels import LinearKernel, LinearSpec, Platform, PreparedShard
+from quantpack_core.kernels import (
+    ExpertKernel,
+    ExpertSpec,
+    LinearKernel,
+    LinearSpec,
+    Platform,
+    PreparedBank,
+    PreparedShard,
+)
+from quantpack_core.moe import Exl3MoeBank, grouped_inputs
 
 from .library import compiler_reason
+from .moe import MAX_EXPERTS as MOE_MAX_EXPERTS
+from .moe import MAX_GROUPS as MOE_MAX_GROUPS
+from .moe import reserve_moe, trellis_moe_
 from .ops import (
     ALL_BUCKETS,
     FUSED_ROWS,
@@ -152,6 +164,66 @@ class TrellisMmaLinearKernel(LinearKernel):
         run = PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs, 0))
         route = measure_route(run, dtype)
         return PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs, route))
+
+
+class TrellisMmaExpertKernel(ExpertKernel):
+    """An EXL3 expert bank through the trellis_mma grouped kernels (``quantpack::trellis_moe_``, :mod:`.moe`): the
+    routed picks bucketed per expert on the GPU, each expert's trellis decoded once per 16 of its tokens, gate and up
+    in one launch per K group, silu(gate) * up inside the down launch, the routing weight applied and the token's
+    picks summed in a fixed order. Second in the CUDA list: exllamav3's serves banks until this kernel is measured
+    on the GPU (``QUANTPACK_EXL3_BACKEND=trellis_mma`` selects it)."""
+
+    name = NAME
+
+    @classmethod
+    def available(cls, platform: Platform) -> tuple[bool, str | None]:
+        """As the linear kernel: CUDA sm_80+, a device torch sees, a compiler."""
+        return TrellisMmaLinearKernel.available(platform)
+
+    @classmethod
+    def can_implement(cls, spec: ExpertSpec) -> tuple[bool, str | None]:
+        """EXL3 banks of float16 / bfloat16 models on CUDA sm_80+, up to :data:`.moe.MAX_EXPERTS` slots and
+        :data:`.moe.MAX_GROUPS` K groups."""
+        if spec.format != "exl3":
+            return False, f"runs EXL3 only, this is {spec.format}"
+        why = spec.platform.cuda_reason(MIN_CAPABILITY)
+        if why is not None:
+            return False, why
+        if spec.act_dtype not in ACT_DTYPES:
+            return False, f"takes float16 / bfloat16 models, not {spec.act_dtype}"
+        if spec.num_experts > MOE_MAX_EXPERTS:
+            return False, f"takes up to {MOE_MAX_EXPERTS} experts per bank, this one has {spec.num_experts}"
+        if len(spec.k_groups) > MOE_MAX_GROUPS:
+            return False, f"takes up to {MOE_MAX_GROUPS} K groups per bank, this one has {len(spec.k_groups)}"
+        return True, None
+
+    @classmethod
+    def prepare(
+        cls, bank: Exl3MoeBank, spec: ExpertSpec, hidden: int, intermediate: int, device: torch.device
+    ) -> PreparedBank:
+        """Keep the bank as stored, build its pointer tables, reserve the GPU's buffers for it and run the op once
+        (which sets each kernel instantiation's shared-memory limit before any CUDA-graph capture).
+
+        Returns:
+            a :class:`PreparedBank` running ``quantpack::trellis_moe_`` (the inputs of
+            :func:`quantpack_core.moe.grouped_inputs`).
+
+        Raises:
+            quantpack_exl3.backends.trellis_mma.library.LibraryError: the kernels cannot be built or loaded, or the
+                warm-up launch failed.
+        """
+        plan = bank.plan
+        tensors, static = grouped_inputs(bank, CODEBOOK_IDS[plan.codebook], device)
+        reserve_moe(device, bank.num_experts, plan.hidden, plan.intermediate)
+        dtype = spec.act_dtype
+        x = torch.zeros((1, hidden), dtype=dtype, device=device)
+        # one pick per group's first slot: every group's gate/up and down instantiation is configured
+        firsts = [plan.inv_perm[g.lo] for g in plan.groups]
+        ids = torch.tensor([firsts], dtype=torch.int32, device=device)
+        w = torch.ones((1, len(firsts)), dtype=torch.float32, device=device)
+        trellis_moe_(x, ids, w, *tensors.values(), *static, torch.empty_like(x))
+        torch.cuda.synchronize(device)
+        return PreparedBank(trellis_moe_, tensors, static)
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,28 @@ def load(arch: int) -> ctypes.CDLL:
     lib.qp_trellis_mma_splits.argtypes = [i32, i32, i32, i32, i64, i64]
     lib.qp_decode_tile_host.restype = i32
     lib.qp_decode_tile_host.argtypes = [ptr, i32, i32, ptr]
+    # expert banks
+    lib.qp_moe_items.restype = i32
+    lib.qp_moe_items.argtypes = [i32, i32]
+    lib.qp_moe_splits.restype = i32
+    lib.qp_moe_splits.argtypes = [i32, i32, i32, i32, i64, i64]
+    lib.qp_moe_plan_host.restype = None
+    lib.qp_moe_plan_host.argtypes = [ptr, i32, ptr, i32, ptr, ptr, ptr]
+    lib.qp_moe_route.restype = i32
+    lib.qp_moe_route.argtypes = [
+        ptr, i32, ptr, i32, i32, ptr, i32,  # ids, ids are int64, perm, picks, slots, group starts (host), groups
+        ptr, ptr, ptr, ptr, ptr, ptr,  # slot_of, offsets, sorted, work, group_work, stream
+    ]  # fmt: skip
+    lib.qp_moe_gemm.restype = i32
+    lib.qp_moe_gemm.argtypes = [
+        i32, ptr, ptr, ptr, ptr, i32,  # down, x, gu, y, tables, slots
+        ptr, ptr, ptr, ptr, i32, ptr, i32,  # sorted, offsets, work, group_work, group, weights, weights dtype
+        ptr, i64, ptr, i64,  # partials, capacity, counters, capacity
+        i32, i32, i32, i32, i32, i32,  # items, top_k, x_width, x_stride, k, n_proj
+        i32, i32, i32, i32, ptr,  # codebook, 2K, bf16, target CTAs, stream
+    ]  # fmt: skip
+    lib.qp_moe_reduce.restype = i32
+    lib.qp_moe_reduce.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, ptr]
     return lib
 
 

@@ -751,3 +751,483 @@ QP_API int qp_decode_tile_host(const uint32_t* words, int codebook, int k2, uint
         return 0;
     });
 }
+
+// ------------------------------------------------------------------------------------------------------------------
+// Expert banks (docs/moe-bank.md): one MoE layer's routed experts in four kinds of launch per call, each expert's
+// trellis read once per 16 of its routed tokens, graph-safe (every size below depends on the token count only).
+//
+//   route     one CTA: each pick (token t, choice j; pick index t * top_k + j) gets its expert's physical slot
+//             (perm; -1 for an expert another tensor-parallel rank holds). Picks are counted per slot and bucketed in
+//             slot order (`sorted`, slot s's picks at offsets[s] .. offsets[s + 1]), and every slot's picks are cut
+//             into work items of up to 16 rows (slot, first row), numbered in slot order, so the items of one K group
+//             (a contiguous slot range) are contiguous: group g owns items group_work[g] .. group_work[g + 1].
+//   gate/up   per K group: a CTA per (128-column block of gate or up, k split, work item); the item's rows are its
+//             picks' token rows of x, transformed with that projection's suh inside the CTA; the output Hadamard
+//             transform and svh as in the dense kernel, written in fp16 to the pick's row of `gu` (sorted position,
+//             gate in columns 0 .. I, up in I .. 2I).
+//   down      per K group: a CTA per (128-column block of the hidden side, k split, work item); the input rows are
+//             silu(gate) * up of its picks, read from `gu` and multiplied with down's suh before the transform; the
+//             output, times the pick's routing weight, goes to the pick's row of `y` (fp32).
+//   reduce    out[t] = sum over the token's picks held here of y[pick], in choice order (deterministic).
+//
+// A grid's z extent is an upper bound of the group's work items for the call's token count; CTAs past the group's
+// actual count return at once. Rows of one work item are independent in the mma, and split-K partials are summed in
+// split order, so results do not depend on the order in which the route kernel bucketed the picks.
+// ------------------------------------------------------------------------------------------------------------------
+
+namespace qp {
+
+constexpr int MOE_ROWS = 16;          // rows per work item (one mma fragment)
+constexpr int MOE_MAX_GROUPS = 16;    // K groups one bank may have
+constexpr int MOE_ROUTE_THREADS = 1024;
+
+struct MoeParams {
+    const void* x;                 // (tokens, x_width) model dtype, row stride x_stride (gate/up)
+    __half* gu;                    // (slots, 2 * inter) fp16: gate/up writes, down reads
+    float* y;                      // (slots, hidden) fp32: down writes its weighted rows at the pick's index
+    const long long* tables;       // (9, E) device pointers: w1, w3, w2 x (trellis, suh, svh) per slot
+    const int* sorted;             // (slots,) pick indices in slot order
+    const int* offsets;            // (E + 1,) first sorted position of each slot
+    const int* work;               // (2 * items,) (slot, first row) per work item
+    const int* group_work;         // (groups + 1,) first work item of each K group
+    const void* weights;           // (slots,) routing weights: fp32, fp16 or bf16 (weights_dtype 0 / 1 / 2)
+    float* partials;               // split-K partials: (grid z, splits, 16, n)
+    int* counters;                 // (grid z, n / 128), zero between launches
+    int E, group, top_k;
+    int x_width, x_stride, bf16, weights_dtype;
+    int k;      // reduction width: stored hidden (gate/up) or stored intermediate (down)
+    int n_proj; // stored output columns of one projection: intermediate (gate/up) or hidden (down)
+    int n;      // the grid's columns: 2 * intermediate or hidden
+    int slice_tiles, splits;
+};
+
+__device__ __forceinline__ float load_weight(const void* w, int i, int dtype) {
+    if (dtype == 0) return static_cast<const float*>(w)[i];
+    if (dtype == 1) return __half2float(static_cast<const __half*>(w)[i]);
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(w)[i]);
+}
+
+// The work items of slots lo .. hi - 1 given their pick counts, numbered from `item`; offsets of their sorted picks
+// from `pos`. Host and device (the route kernel's one serial step), so a test checks the plan on the CPU.
+__host__ __device__ inline void moe_plan_groups(const int* counts, int E, const int* group_lo, int groups,
+                                                int* offsets, int* group_work, int* item_base) {
+    int pos = 0, item = 0;
+    for (int g = 0; g < groups; ++g) {
+        group_work[g] = item;
+        const int lo = group_lo[g], hi = g + 1 < groups ? group_lo[g + 1] : E;
+        for (int s = lo; s < hi; ++s) {
+            offsets[s] = pos;
+            item_base[s] = item;
+            pos += counts[s];
+            item += (counts[s] + MOE_ROWS - 1) / MOE_ROWS;
+        }
+    }
+    offsets[E] = pos;
+    group_work[groups] = item;
+}
+
+struct MoeRoute {
+    const void* ids;        // (slots,) logical expert ids, int32 or int64 (ids64)
+    const long long* perm;  // (E + 1,) expert id -> slot, last entry -1 (id -1 reads it)
+    int ids64, slots, E;
+    int groups;
+    int group_lo[MOE_MAX_GROUPS];
+    int* slot_of;     // (slots,) each pick's slot, -1 when another rank holds its expert
+    int* offsets;     // (E + 1,)
+    int* sorted;      // (slots,)
+    int* work;        // (2 * items,)
+    int* group_work;  // (groups + 1,)
+};
+
+// One CTA; dynamic shared memory: counts, cursors and item bases of E slots, E + 1 offsets.
+__global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_kernel(const MoeRoute r) {
+    extern __shared__ int sm[];
+    int* counts = sm;
+    int* cursor = sm + r.E;
+    int* item_base = sm + 2 * r.E;
+    int* offsets = sm + 3 * r.E;  // E + 1
+    for (int s = threadIdx.x; s < r.E; s += blockDim.x) counts[s] = cursor[s] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < r.slots; i += blockDim.x) {
+        const long long id = r.ids64 ? static_cast<const long long*>(r.ids)[i] : static_cast<const int*>(r.ids)[i];
+        const int s = (int)r.perm[id < 0 ? (long long)r.E : id];
+        r.slot_of[i] = s;
+        if (s >= 0) atomicAdd(&counts[s], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) moe_plan_groups(counts, r.E, r.group_lo, r.groups, offsets, r.group_work, item_base);
+    __syncthreads();
+    for (int s = threadIdx.x; s <= r.E; s += blockDim.x) r.offsets[s] = offsets[s];
+    for (int s = threadIdx.x; s < r.E; s += blockDim.x)
+        for (int row = 0; row < counts[s]; row += MOE_ROWS) {
+            const int item = item_base[s] + row / MOE_ROWS;
+            r.work[2 * item] = s;
+            r.work[2 * item + 1] = row;
+        }
+    for (int i = threadIdx.x; i < r.slots; i += blockDim.x) {
+        const int s = r.slot_of[i];
+        if (s >= 0) r.sorted[offsets[s] + atomicAdd(&cursor[s], 1)] = i;
+    }
+}
+
+}  // namespace qp
+
+namespace qp {
+
+// One value of an expert GEMM's input row before the Hadamard transform: gate/up (DOWN false) reads the pick's token
+// row of x, down reads silu(gate) * up of the pick from gu; both times the projection's suh.
+template <bool DOWN>
+__device__ __forceinline__ float moe_input(const MoeParams& p, int pick_or_pos, int c, float suh) {
+    if constexpr (DOWN) {
+        const size_t row = (size_t)pick_or_pos * 2 * p.k;
+        const float g = __half2float(p.gu[row + c]), u = __half2float(p.gu[row + p.k + c]);
+        return g / (1.0f + __expf(-g)) * u * suh;
+    } else {
+        const int token = pick_or_pos / p.top_k;
+        return c < p.x_width ? load_act(p.x, (size_t)token * p.x_stride + c, p.bf16) * suh : 0.0f;
+    }
+}
+
+template <int CB, int KA, bool HALFK, bool DOWN>
+__global__ void __launch_bounds__(THREADS) trellis_moe_kernel(const MoeParams p) {
+    using T = Tile<KA, HALFK>;
+    constexpr int PANEL = 64;
+    constexpr int A_STRIDE = PANEL * 16 + 8;
+    constexpr int A_BYTES = MOE_ROWS * A_STRIDE * 2;
+    constexpr int F_BYTES = MOE_ROWS * F_STRIDE * 4;
+    constexpr int AF_BYTES = A_BYTES > F_BYTES ? A_BYTES : F_BYTES;
+
+    extern __shared__ __align__(16) uint8_t smem[];
+    __half* A = reinterpret_cast<__half*>(smem);
+    float* F = reinterpret_cast<float*>(smem);
+    uint32_t* ring = reinterpret_cast<uint32_t*>(smem + AF_BYTES);
+    __shared__ int last_arrival;
+    __shared__ int row_pick[MOE_ROWS];  // gate/up: the rows' pick indices; down: their sorted positions
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int nb = blockIdx.x, split = blockIdx.y, z = blockIdx.z;
+    const int w = p.group_work[p.group] + z;
+    if (w >= p.group_work[p.group + 1]) return;  // past this call's work items (uniform over the CTA)
+    const int slot = p.work[2 * w], r0 = p.work[2 * w + 1];
+    const int base = p.offsets[slot] + r0;
+    const int rows = min(p.offsets[slot + 1] - base, MOE_ROWS);
+    if (threadIdx.x < MOE_ROWS) row_pick[threadIdx.x] = threadIdx.x < rows ? (DOWN ? base + threadIdx.x : p.sorted[base + threadIdx.x]) : 0;
+
+    // the projection: gate/up's first n_proj / 128 column blocks are gate (w1), the rest up (w3); down is w2
+    const int blocks_proj = p.n_proj / BLOCK_N;
+    const int proj = DOWN ? 2 : nb / blocks_proj;
+    const int lnb = DOWN ? nb : nb % blocks_proj;
+    const uint8_t* trellis = reinterpret_cast<const uint8_t*>(p.tables[(3 * proj + 0) * p.E + slot]);
+    const __half* suh = reinterpret_cast<const __half*>(p.tables[(3 * proj + 1) * p.E + slot]);
+    const int ntiles_n = p.n_proj / 16;
+    const int kt0 = split * p.slice_tiles;
+    const int ktiles = min(p.slice_tiles, p.k / 16 - kt0);
+
+    constexpr int GROUP_WORDS = GROUP * T::WORDS;
+    constexpr int PIECES = GROUP * T::CHUNKS;
+    constexpr int PER_LANE = (PIECES + 31) / 32;
+    const int tn = lnb * (BLOCK_N / 16) + warp;
+    uint32_t* wring = ring + warp * GROUPS_IN_FLIGHT * GROUP_WORDS;
+    const size_t tile_stride = (size_t)ntiles_n * T::BYTES;
+    const uint8_t* tiles = trellis + ((size_t)kt0 * ntiles_n + tn) * T::BYTES;
+    size_t src_off[PER_LANE];
+#pragma unroll
+    for (int r = 0; r < PER_LANE; ++r) {
+        const int c = lane + 32 * r;
+        src_off[r] = (size_t)(c / T::CHUNKS) * tile_stride + (c % T::CHUNKS) * 16;
+    }
+    const int ngroups = ktiles / GROUP;
+    auto issue = [&](int g) {
+        if (g < ngroups) {
+            const uint8_t* src = tiles + (size_t)g * GROUP * tile_stride;
+            uint32_t* dst = wring + (g % GROUPS_IN_FLIGHT) * GROUP_WORDS;
+#pragma unroll
+            for (int r = 0; r < PER_LANE; ++r)
+                if (PIECES % 32 == 0 || lane + 32 * r < PIECES) cp_async16(dst + (lane + 32 * r) * 4, src + src_off[r]);
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int g = 0; g < GROUPS_IN_FLIGHT - 1; ++g) issue(g);
+
+    int widx[T::NORM + 1], shift0;
+    lane_window<KA, HALFK>(lane, widx, shift0);
+    const __half* a_lane = A + (lane % 16) * A_STRIDE + (lane / 16) * 8;
+    float acc[2][4] = {};
+
+    for (int p0 = 0; p0 < ktiles; p0 += PANEL) {
+        const int ptiles = min(PANEL, ktiles - p0);
+        __syncthreads();  // also publishes row_pick before the first panel
+        const int kc0 = (kt0 + p0) * 16;
+        // the panel: rows x blocks items of 128 columns, one warp per item, padding rows zero
+        const int blocks = ptiles / 8, items = MOE_ROWS * blocks;
+        for (int item = warp; item < items; item += WARPS) {
+            const int m = item / blocks, kc = kc0 + item % blocks * 128;
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            if (m < rows) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int c = kc + lane * 4 + i;
+                    v[i] = moe_input<DOWN>(p, row_pick[m], c, __half2float(suh[c]));
+                }
+                input_transform(v, lane);
+            }
+            __half2* dst = reinterpret_cast<__half2*>(A + m * A_STRIDE + item % blocks * 128 + lane * 4);
+            dst[0] = __floats2half2_rn(v[0], v[1]);
+            dst[1] = __floats2half2_rn(v[2], v[3]);
+        }
+        __syncthreads();
+
+        for (int g = p0 / GROUP; g < (p0 + ptiles) / GROUP; ++g) {
+            issue(g + GROUPS_IN_FLIGHT - 1);
+            cp_async_wait<GROUPS_IN_FLIGHT - 1>();
+            __syncwarp();
+            const uint32_t* gw = wring + (g % GROUPS_IN_FLIGHT) * GROUP_WORDS;
+#pragma unroll
+            for (int u = 0; u < GROUP; ++u) {
+                uint32_t b[4];
+                decode_lane<CB, KA, HALFK>(gw + u * T::WORDS, widx, shift0, b);
+                uint32_t a[4];
+                ldmatrix_x4(a, a_lane + (g * GROUP + u - p0) * 16);
+                mma16816(acc[0], a, b[0], b[1]);
+                mma16816(acc[1], a, b[2], b[3]);
+            }
+            __syncwarp();
+        }
+    }
+    cp_async_wait<0>();
+
+    __syncthreads();
+    {
+        const int g = lane / 4, c = warp * 16 + 2 * (lane % 4);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            F[g * F_STRIDE + c + h * 8] = acc[h][0];
+            F[g * F_STRIDE + c + h * 8 + 1] = acc[h][1];
+            F[(g + 8) * F_STRIDE + c + h * 8] = acc[h][2];
+            F[(g + 8) * F_STRIDE + c + h * 8 + 1] = acc[h][3];
+        }
+    }
+    __syncthreads();
+
+    if (p.splits > 1) {
+        const size_t n0 = (size_t)nb * BLOCK_N;
+        float* mine = p.partials + ((size_t)(z * p.splits + split) * MOE_ROWS) * p.n + n0;
+        for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4)
+            *reinterpret_cast<float4*>(mine + (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N) =
+                *reinterpret_cast<const float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N);
+        __threadfence();
+        __syncthreads();
+        int* counter = p.counters + (size_t)z * gridDim.x + nb;
+        if (threadIdx.x == 0) last_arrival = atomicAdd(counter, 1) == p.splits - 1;
+        __syncthreads();
+        if (!last_arrival) return;
+        __threadfence();
+        const float* all = p.partials + ((size_t)z * p.splits * MOE_ROWS) * p.n + n0;
+        for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4) {
+            const size_t at = (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N;
+            float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int sp = 0; sp < p.splits; ++sp) {
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(all + (size_t)sp * MOE_ROWS * p.n + at));
+                s.x += v.x;
+                s.y += v.y;
+                s.z += v.z;
+                s.w += v.w;
+            }
+            *reinterpret_cast<float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N) = s;
+        }
+        if (threadIdx.x == 0) *counter = 0;
+        __syncthreads();
+    }
+
+    const __half* svh = reinterpret_cast<const __half*>(p.tables[(3 * proj + 2) * p.E + slot]);
+    for (int m = warp; m < rows; m += WARPS) {
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = F[m * F_STRIDE + lane * 4 + i];
+        fwht128(v, lane);
+        const int c0 = lnb * BLOCK_N + lane * 4;
+        if constexpr (DOWN) {
+            const int pick = p.sorted[row_pick[m]];
+            const float wt = load_weight(p.weights, pick, p.weights_dtype);
+            float4 o;
+            o.x = v[0] * HAD_SCALE * __half2float(svh[c0]) * wt;
+            o.y = v[1] * HAD_SCALE * __half2float(svh[c0 + 1]) * wt;
+            o.z = v[2] * HAD_SCALE * __half2float(svh[c0 + 2]) * wt;
+            o.w = v[3] * HAD_SCALE * __half2float(svh[c0 + 3]) * wt;
+            *reinterpret_cast<float4*>(p.y + (size_t)pick * p.n + c0) = o;
+        } else {
+            __half2* dst = reinterpret_cast<__half2*>(p.gu + (size_t)(base + m) * p.n + proj * p.n_proj + c0);
+            dst[0] = __floats2half2_rn(v[0] * HAD_SCALE * __half2float(svh[c0]), v[1] * HAD_SCALE * __half2float(svh[c0 + 1]));
+            dst[1] = __floats2half2_rn(v[2] * HAD_SCALE * __half2float(svh[c0 + 2]), v[3] * HAD_SCALE * __half2float(svh[c0 + 3]));
+        }
+    }
+}
+
+// out[t, c] = sum over the token's picks j held here (slot_of >= 0) of y[t * top_k + j, c], for c < hidden.
+__global__ void moe_reduce_kernel(const float* y, const int* slot_of, void* out, int tokens, int top_k, int hidden_stored,
+                                  int hidden, int out_stride, int bf16) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)tokens * hidden) return;
+    const int t = i / hidden, c = i % hidden;
+    float s = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+        const int pick = t * top_k + j;
+        if (slot_of[pick] >= 0) s += y[(size_t)pick * hidden_stored + c];
+    }
+    store_act(out, (size_t)t * out_stride + c, s, bf16);
+}
+
+template <int CB, int KA, bool HALFK, bool DOWN>
+int moe_configure(int* fit) {
+    static int fits[64] = {};
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e != cudaSuccess) return (int)e;
+    int& cached = fits[device & 63];
+    if (cached == 0) {
+        auto kernel = trellis_moe_kernel<CB, KA, HALFK, DOWN>;
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<KA, HALFK, 1>());
+        if (e != cudaSuccess) return (int)e;
+        int n = 0;
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, THREADS, smem_bytes<KA, HALFK, 1>());
+        if (e != cudaSuccess) return (int)e;
+        cached = n > 0 ? n : 1;
+    }
+    *fit = cached;
+    return 0;
+}
+
+}  // namespace qp
+
+// Work items a K group of `group_slots` slots can have for `slots` picks at most: each non-empty slot one item more
+// than its share of whole 16-row items.
+QP_API int qp_moe_items(int slots, int group_slots) {
+    return (group_slots < slots ? group_slots : slots) + (slots + qp::MOE_ROWS - 1) / qp::MOE_ROWS;
+}
+
+// k splits of one expert launch: as many as keep `items` x (n / 128) x splits within target_ctas (whole 128-column
+// blocks of k per split), within the workspace's partials and counters.
+QP_API int qp_moe_splits(int items, int k, int n, int target_ctas, long long partial_floats, long long counters) {
+    const int ktiles = k / 16, nbk = n / qp::BLOCK_N;
+    const long long ctas = (long long)nbk * items;
+    int splits = (int)(target_ctas / (ctas > 0 ? ctas : 1));
+    if (splits > ktiles / 8) splits = ktiles / 8;
+    if (splits > qp::TAIL_ROWS / qp::MOE_ROWS) splits = qp::TAIL_ROWS / qp::MOE_ROWS;
+    if (splits < 1) splits = 1;
+    int slice = (ktiles / 8 + splits - 1) / splits * 8;
+    splits = (ktiles + slice - 1) / slice;
+    while (splits > 1 && ((long long)items * splits * qp::MOE_ROWS * n > partial_floats || ctas > counters)) {
+        splits /= 2;
+        slice = (ktiles / 8 + splits - 1) / splits * 8;
+        splits = (ktiles + slice - 1) / slice;
+    }
+    return splits;
+}
+
+// The route step's plan on the host (for tests): offsets (E + 1), group_work (groups + 1) and each slot's first work
+// item (E) from per-slot pick counts.
+QP_API void qp_moe_plan_host(const int* counts, int E, const int* group_lo, int groups, int* offsets, int* group_work,
+                             int* item_base) {
+    qp::moe_plan_groups(counts, E, group_lo, groups, offsets, group_work, item_base);
+}
+
+// Route `slots` picks (ids: int32 or int64 expert ids, -1 for another rank's) over E slots in `groups` K groups
+// (group_lo: host array, the first slot of each). Returns 0, a CUDA error code, or -1 (bad sizes).
+QP_API int qp_moe_route(const void* ids, int ids64, const long long* perm, int slots, int E, const int* group_lo,
+                        int groups, int* slot_of, int* offsets, int* sorted, int* work, int* group_work, void* stream) {
+    if (slots <= 0 || E <= 0 || groups < 1 || groups > qp::MOE_MAX_GROUPS || group_lo[0] != 0) return -1;
+    qp::MoeRoute r{};
+    r.ids = ids;
+    r.perm = perm;
+    r.ids64 = ids64;
+    r.slots = slots;
+    r.E = E;
+    r.groups = groups;
+    for (int g = 0; g < groups; ++g) {
+        if (group_lo[g] >= E || (g > 0 && group_lo[g] <= group_lo[g - 1])) return -1;
+        r.group_lo[g] = group_lo[g];
+    }
+    r.slot_of = slot_of;
+    r.offsets = offsets;
+    r.sorted = sorted;
+    r.work = work;
+    r.group_work = group_work;
+    const size_t smem = (size_t)(4 * E + 1) * sizeof(int);
+    if (smem > 48 * 1024) return -1;
+    qp::moe_route_kernel<<<1, qp::MOE_ROUTE_THREADS, smem, static_cast<cudaStream_t>(stream)>>>(r);
+    return (int)cudaGetLastError();
+}
+
+// One expert launch of K group `group`: down = 0 runs gate and up (x -> gu), down = 1 the down projection (gu -> y).
+// `items` is the grid's z extent (qp_moe_items for the call's picks and the group's slots); k and n_proj are the
+// stored reduction width and one projection's stored output width. Returns 0, a CUDA error code, -1 (bad geometry),
+// -2 (no kernel for this K), -3 (bad codebook) or -4 (workspace too small).
+QP_API int qp_moe_gemm(int down, const void* x, void* gu, float* y, const long long* tables, int E, const int* sorted,
+                       const int* offsets, const int* work, const int* group_work, int group, const void* weights,
+                       int weights_dtype, float* partials, long long partial_floats, int* counters,
+                       long long counters_len, int items, int top_k, int x_width, int x_stride, int k, int n_proj,
+                       int codebook, int k2, int bf16, int target_ctas, void* stream) {
+    if (items <= 0) return 0;
+    if (k % 128 || k <= 0 || n_proj % 128 || n_proj <= 0 || (!down && x_width > k) || top_k < 1) return -1;
+    qp::MoeParams p{};
+    p.x = x;
+    p.gu = static_cast<__half*>(gu);
+    p.y = y;
+    p.tables = tables;
+    p.sorted = sorted;
+    p.offsets = offsets;
+    p.work = work;
+    p.group_work = group_work;
+    p.weights = weights;
+    p.partials = partials;
+    p.counters = counters;
+    p.E = E;
+    p.group = group;
+    p.top_k = top_k;
+    p.x_width = x_width;
+    p.x_stride = x_stride;
+    p.bf16 = bf16;
+    p.weights_dtype = weights_dtype;
+    p.k = k;
+    p.n_proj = n_proj;
+    p.n = down ? n_proj : 2 * n_proj;
+    int fit = 0, sms = 0, device = 0;
+    int e = qp::with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
+        return down ? qp::moe_configure<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, true>(&fit)
+                    : qp::moe_configure<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, false>(&fit);
+    });
+    if (e != 0) return e;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+        return (int)cudaGetLastError();
+    if ((long long)fit * sms < target_ctas) target_ctas = fit * sms;
+    p.splits = qp_moe_splits(items, k, p.n, target_ctas, partial_floats, counters_len);
+    const int ktiles = k / 16;
+    p.slice_tiles = (ktiles / 8 + p.splits - 1) / p.splits * 8;
+    if (p.splits > 1 && ((long long)items * p.splits * qp::MOE_ROWS * p.n > partial_floats ||
+                         (long long)items * (p.n / qp::BLOCK_N) > counters_len))
+        return -4;
+    const dim3 grid(p.n / qp::BLOCK_N, p.splits, items);
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    return qp::with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
+        constexpr int CB = decltype(cb)::value, KA = decltype(ka)::value;
+        constexpr bool H = decltype(half)::value;
+        if (down)
+            qp::trellis_moe_kernel<CB, KA, H, true><<<grid, qp::THREADS, qp::smem_bytes<KA, H, 1>(), s>>>(p);
+        else
+            qp::trellis_moe_kernel<CB, KA, H, false><<<grid, qp::THREADS, qp::smem_bytes<KA, H, 1>(), s>>>(p);
+        return (int)cudaGetLastError();
+    });
+}
+
+// out[t, :hidden] = the sum of token t's weighted down rows in y (row stride hidden_stored), in the model dtype.
+QP_API int qp_moe_reduce(const float* y, const int* slot_of, void* out, int tokens, int top_k, int hidden_stored,
+                         int hidden, int out_stride, int bf16, void* stream) {
+    if (tokens <= 0) return 0;
+    if (hidden > hidden_stored || top_k < 1) return -1;
+    const long total = (long)tokens * hidden;
+    qp::moe_reduce_kernel<<<(unsigned)((total + 255) / 256), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+        y, slot_of, out, tokens, top_k, hidden_stored, hidden, out_stride, bf16);
+    return (int)cudaGetLastError();
+}
