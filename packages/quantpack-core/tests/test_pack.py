@@ -388,3 +388,51 @@ def test_nan_in_a_norm_weight_is_named(tmp_path):
     tensors["model.norm.weight"][5] = float("inf")
     path = write_pack(tmp_path / "p", tensors, CONFIG)
     expect_problem(path, "model.norm.weight", "2 of 256 values are NaN or infinite")
+
+
+@pytest.mark.parametrize(
+    "edit,needles",
+    [
+        ({"hidden_size": 512}, ["model.embed_tokens.weight", "is 1024 x 256", "hidden_size 512"]),
+        ({"vocab_size": "1024"}, ["config.json", "vocab_size is '1024' (str)"]),
+        ({"vocab_size": 2048}, ["model.embed_tokens.weight", "1024 rows", "vocab_size 2048"]),
+        ({"num_hidden_layers": 10**9}, ["num_hidden_layers is 1000000000", "layer(s) 1, 2, 3", "999999999 in all"]),
+        ({"num_hidden_layers": 2}, ["num_hidden_layers is 2", "no tensor of layer(s) 1 ->"]),
+        ({"num_attention_heads": True}, ["num_attention_heads is True (bool)"]),
+        ({"architectures": None}, ["architectures is None"]),
+        ({"architectures": []}, ["architectures is []"]),
+    ],
+    ids=[
+        "hidden",
+        "vocab-string",
+        "vocab-rows",
+        "huge-layer-count",
+        "missing-layer",
+        "bool-heads",
+        "no-arch",
+        "empty-arch",
+    ],
+)
+def test_config_that_contradicts_itself_or_the_tensors(tmp_path, edit, needles):
+    """config.json values vLLM builds the model from are checked at open, against their own types and against the
+    tensors: a layer the config counts but the pack lacks (absent from files and manifest alike) would otherwise fail
+    only in vLLM's worker. A config whose counts fit (1 layer, 1024 rows) passes; a huge layer count is reported
+    without being enumerated."""
+    sound = {**CONFIG, "num_hidden_layers": 1, "vocab_size": 1024}
+    Pack.open(write_pack(tmp_path / "ok", base_tensors(), sound))
+    path = write_pack(tmp_path / "p", base_tensors(), {**sound, **edit})
+    expect_problem(path, *needles)
+
+
+def test_a_header_naming_a_tensor_twice_is_corrupt(tmp_path):
+    """JSON readers keep one of two equal keys without a word; the header is refused, naming the tensor."""
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG)
+    f = path / "model.safetensors"
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    text = raw[8 : 8 + n].decode().rstrip()
+    twice = text[:-1] + ', "model.norm.weight": ' + json.dumps(header["model.norm.weight"]) + "}"
+    body = twice.encode() + b" " * (-len(twice) % 8)
+    f.write_bytes(len(body).to_bytes(8, "little") + body + raw[8 + n :])
+    expect_problem(path, "model.safetensors", "names 'model.norm.weight' twice")

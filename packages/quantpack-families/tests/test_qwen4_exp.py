@@ -30,6 +30,7 @@ pytest.importorskip("vllm")
 KEY = "model.language_model.layers.1.ple.ple_embedding.ngram_embedding"  # the table's name in the pack
 PREFIX = "language_model.model.layers.1.ple.ple_embedding"  # vLLM's name of the n-gram module
 LAYER_ID = 1  # ple_layer_ids [2] is 1-based
+ARCH = "Qwen4ExpForConditionalGeneration"
 CONFIG = SimpleNamespace(  # docs/families.md: 2 heads per n-gram, n-grams of 2 and 3 tokens -> 4 heads x 160
     ngram_size=3,
     heads_per_ngram=2,
@@ -118,7 +119,8 @@ def write_pack(tmp_path, k_bits, sizes):
     tensors, symbols, scales = make_ngram_tensors(KEY, sizes, k_bits, rows_per_shard=math.ceil(sum(sizes) / 2))
     pack = tmp_path / f"pack-k{k_bits}"
     pack.mkdir()
-    (pack / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "exl3", "bits": 4}}))
+    config = {"architectures": [ARCH], "quantization_config": {"quant_method": "exl3", "bits": 4}}
+    (pack / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(pack / NGRAM_FILE))
     save_file({"model.language_model.norm.weight": torch.ones(640)}, str(pack / "model.safetensors"))  # the rest
     return pack, tensors, symbols, scales
@@ -233,7 +235,11 @@ def test_missing_table_file_is_named(world, tmp_path):
     (pack / NGRAM_FILE).unlink()
     with pytest.raises(PackError, match=f"{NGRAM_FILE}: missing: the n-gram table is stored outside the index"):
         build(world, pack)
-    cfg = {"quantization_config": {"quant_method": "exl3"}, "text_config": {"ple_layer_ids": [2]}}
+    cfg = {
+        "architectures": [ARCH],
+        "quantization_config": {"quant_method": "exl3"},
+        "text_config": {"ple_layer_ids": [2]},
+    }
     (pack / "config.json").write_text(json.dumps(cfg))
     problems = [p for p in Pack(pack).problems() if p.tensor == NGRAM_FILE]
     assert len(problems) == 1 and "ple_layer_ids [2]" in problems[0].what and "copy" in problems[0].fix

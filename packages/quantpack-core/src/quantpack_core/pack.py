@@ -112,6 +112,22 @@ class ModuleInfo:
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json.loads`` object hook: a JSON object, refusing a key given twice (:class:`_DuplicateKey`)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
 def _read_header(path: Path) -> tuple[dict, int]:
     """Parse a safetensors header. Returns (header without __metadata__, data start offset).
 
@@ -129,9 +145,11 @@ def _read_header(path: Path) -> tuple[dict, int]:
             )
         raw = f.read(n)
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"header is not valid JSON ({type(e).__name__}): the file is corrupt") from None
+    except _DuplicateKey as e:
+        raise ValueError(f"header names {e.key!r} twice: the file is corrupt") from None
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object: the file is corrupt")
     header.pop("__metadata__", None)
@@ -465,6 +483,80 @@ class Pack:
         out.extend(self._moe_problems())
         out.extend(self._manifest_problems())
         out.extend(self._unindexed_problems())
+        out.extend(self._config_problems())
+        return out
+
+    #: config.json sizes that must be positive integers where they are given (num_experts may be 0: a dense model)
+    CONFIG_SIZES = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "head_dim",
+        "moe_intermediate_size",
+        "num_experts_per_tok",
+    )
+    #: layer keys that belong to another stack than the model's decoder layers (MTP heads, vision towers, drafts)
+    OTHER_STACKS = re.compile(r"(^|\.)(mtp|vision_tower|vision_model|visual|vision|audio_tower|draft)\.")
+
+    def _config_problems(self) -> list[Problem]:
+        """config.json against itself and the tensors, before vLLM builds the model from it: ``architectures`` a
+        non-empty list of names; the sizes vLLM reads positive integers; every decoder layer the config counts
+        present in the pack (a layer missing from both the files and the manifest would otherwise fail in vLLM's
+        worker); the token embedding as wide as ``hidden_size`` and as long as ``vocab_size``."""
+        if not self.config:
+            return []
+        out: list[Problem] = []
+        fix = "use the config.json the pack was made with (re-download the pack)"
+        arch = self.config.get("architectures")
+        if not (isinstance(arch, list) and arch and all(isinstance(a, str) and a for a in arch)):
+            out.append(Problem("", "config.json", f"architectures is {arch!r}, not a list of model class names", fix))
+        text = self.config.get("text_config")
+        cfg = text if isinstance(text, dict) and text else self.config
+        sizes: dict[str, int] = {}
+        for where, c in (("config.json", self.config), ("config.json: text_config", text)):
+            if not isinstance(c, dict):
+                continue
+            for key in (*self.CONFIG_SIZES, "num_experts"):
+                v = c.get(key)
+                if v is None:
+                    continue
+                low = 0 if key == "num_experts" else 1
+                if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                    what = f"{key} is {v!r} ({type(v).__name__}), not an integer >= {low}"
+                    out.append(Problem("", where, what, fix))
+                elif c is cfg:
+                    sizes[key] = v
+        layers = sizes.get("num_hidden_layers")
+        present = set()
+        for key in self.modules:
+            m = re.search(r"(?:^|\.)layers\.(\d+)\.", key)
+            if m and not self.OTHER_STACKS.search(key[: m.start() + 1]):
+                present.add(int(m.group(1)))
+        if layers is not None and present:
+            count = layers - len({i for i in present if i < layers})  # never materializes range(layers)
+            missing, i = [], 0
+            while len(missing) < min(count, 8):
+                if i not in present:
+                    missing.append(i)
+                i += 1
+            if count:
+                shown = ", ".join(map(str, missing)) + (f" ... ({count} in all)" if count > len(missing) else "")
+                what = f"num_hidden_layers is {layers}, but the pack holds no tensor of layer(s) {shown}"
+                out.append(Problem("", "config.json", what, "the pack is incomplete (re-download it), or " + fix))
+        for key, m in self.modules.items():
+            if not key.endswith("embed_tokens") or m.format not in ("dense", "int8-rows") or m.padded_shape is None:
+                continue
+            width, rows = m.padded_shape
+            name = f"{key}.{'weight' if m.format == 'dense' else next(iter(m.tensors))}"
+            if "hidden_size" in sizes and width != sizes["hidden_size"]:
+                what = f"is {rows} x {width}, but config.json gives hidden_size {sizes['hidden_size']}"
+                out.append(Problem(key, name, what, fix))
+            if "vocab_size" in sizes and rows != sizes["vocab_size"]:
+                what = f"has {rows} rows, but config.json gives vocab_size {sizes['vocab_size']}"
+                out.append(Problem(key, name, what, fix))
         return out
 
     def _unindexed_problems(self) -> list[Problem]:
