@@ -3,7 +3,7 @@
 
 * kernel_8b.png: left, the 8B stack's milliseconds per row count for every kernel, dense bf16 and the EXL3 bandwidth
   floor (at the run's measured copy bandwidth and at 4.3 TB/s); right, each shape class at one row, per kernel.
-* serve_8b.png: decode tokens/s per batch size for every engine.
+* serve_<model>.png: decode tokens/s per batch size for every engine, per ``serve_8b.py`` record.
 
 Usage: ``uv run --group bench python3 benchmarks/plot_kernels.py [--results DIR]``.
 """
@@ -89,7 +89,9 @@ def plot_serve(record: dict, out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("batch (concurrent sequences)")
     ax.set_ylabel("decode tokens/s")
-    ax.set_title(f"Llama-3-8B shape, decode after 64-token prompts ({record['date']})")
+    shape = {"8b": "Llama-3-8B", "30b-a3b": "Qwen3-30B-A3B", "30b-a3b-mixed": "Qwen3-30B-A3B, 3 K groups"}
+    title = shape.get(record.get("model", "8b"), record.get("model"))
+    ax.set_title(f"{title} shape, decode after 64-token prompts ({record['date']})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -100,9 +102,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, default=Path(__file__).with_name("results"))
     args = ap.parse_args()
-    for name, draw in (("kernel_8b", plot_kernels), ("serve_8b", plot_serve)):
-        src = args.results / f"{name}.json"
-        if src.exists():
+    for pattern, draw in (("kernel_8b.json", plot_kernels), ("serve_*.json", plot_serve)):
+        for src in sorted(args.results.glob(pattern)):
             draw(json.loads(src.read_text()), src.with_suffix(".png"))
             print(f"wrote {src.with_suffix('.png')}")
 

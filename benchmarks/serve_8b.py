@@ -1,13 +1,20 @@
-"""End-to-end serving speed side by side on the Llama-3-8B shape: vLLM + quantpack-exl3 (its kernels as chosen, and
-with exllamav3's kernels forced), vLLM bf16, vLLM W4A16 (AWQ) and exllamav3 native, each engine in its own process, in
-one run.
+"""End-to-end serving speed side by side on the Llama-3-8B shape (``--model 8b``) or the Qwen3-30B-A3B MoE shape
+(``--model 30b-a3b``, ``30b-a3b-mixed``: three K groups per expert bank): vLLM + quantpack-exl3 (its kernels as chosen,
+and with one kernel backend forced), vLLM bf16, vLLM W4A16 and exllamav3 native, each engine in its own process, in one
+run.
+
+The 8B model uses the synthetic pack of ``decode_8b.py``; the MoE models that of ``decode_moe_30b_a3b.py``; the engines
+below are described for the 8B one, and differ for the MoE models where said.
 
 * plugin: vLLM + quantpack-exl3 on the synthetic EXL3 pack of ``decode_8b.py`` (K=4 mul1, head K=6), kernels as
   chosen (trellis_mma, its row buckets routed to exllamav3 where measured faster).
 * plugin-exllamav3: the same with ``QUANTPACK_EXL3_BACKEND=exllamav3`` (exllamav3's kernels for every shard).
 * bf16: vLLM on the same config.json without its quantization config, ``load_format="dummy"`` (no weights written).
 * w4a16: the same config with an AWQ quantization config (4 bits, group 128, zero point), ``load_format="dummy"``:
-  vLLM's own 4-bit path (AWQ-Marlin / Machete on Hopper).
+  vLLM's own 4-bit path (AWQ-Marlin / Machete on Hopper). For the MoE models a GPTQ config (4 bits, group 128,
+  symmetric, no act-order, the router left in bf16): vLLM's Marlin MoE kernels for the experts.
+* plugin-trellis_mma (MoE models): the plugin with ``QUANTPACK_EXL3_BACKEND=trellis_mma``, so the expert banks run the
+  trellis_mma grouped kernels instead of exllamav3's ``exl3_mgemm``.
 * exllamav3: its own Generator on the same pack (jobs of token ids, argmax sampling, all of a batch enqueued at
   once).
 
@@ -19,9 +26,9 @@ earlier one's KV cache. Plus the load time, the weights' size on the GPU and the
 allocator). CUDA graphs and torch.compile as vLLM configures them by default; the attention backend is
 ``TRITON_ATTN`` (the GPU bundle has no FlashAttention).
 
-Writes ``--json`` (default ``benchmarks/results/serve_8b.json``) and prints a markdown table;
+Writes ``--json`` (default ``benchmarks/results/serve_<model>.json``) and prints a markdown table;
 ``benchmarks/plot_kernels.py`` draws both this and ``kernel_8b.py``'s record. Usage (GPU machine, after
-ci/gpu/setup.sh): ``source ci/gpu/env.sh && python3 benchmarks/serve_8b.py
+ci/gpu/setup.sh): ``source ci/gpu/env.sh && python3 benchmarks/serve_8b.py [--model 8b|30b-a3b|30b-a3b-mixed]
 [--engines plugin,plugin-exllamav3,bf16,w4a16,exllamav3] [--batches 1,8,64,256] [--repeats 2]``.
 """
 
@@ -36,13 +43,35 @@ import sys
 import time
 from pathlib import Path
 
-from decode_8b import SHAPE, KernelTable, make_pack
+import decode_8b
+import decode_moe_30b_a3b
+from decode_8b import KernelTable
 
 PROMPT_TOKENS, DECODE_TOKENS, PREFILL_TOKENS = 64, 256, 512
-ENGINES = ("plugin", "plugin-exllamav3", "bf16", "w4a16", "exllamav3")
+ENGINES = ("plugin", "plugin-exllamav3", "plugin-trellis_mma", "bf16", "w4a16", "exllamav3")
 #: the engines that load the EXL3 pack through the plugin, and the kernel backend each forces (None: as chosen)
-PLUGIN_BACKENDS = {"plugin": None, "plugin-exllamav3": "exllamav3"}
+PLUGIN_BACKENDS = {"plugin": None, "plugin-exllamav3": "exllamav3", "plugin-trellis_mma": "trellis_mma"}
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+#: as GPTQ MoE checkpoints are made: the router (``mlp.gate``) left in bf16 (vLLM's GPTQ ``dynamic`` exclusion)
+GPTQ = {
+    "quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
+    "dynamic": {r"-:.*\.mlp\.gate$": {}},
+}  # fmt: skip
+#: model -> (write its pack, its shape, the W4A16 config, the default pack folder, the default engines)
+MODELS = {
+    "8b": (
+        decode_8b.make_pack, decode_8b.SHAPE, AWQ, "/tmp/bench-8b-exl3",
+        ("plugin", "plugin-exllamav3", "bf16", "w4a16", "exllamav3"),
+    ),
+    "30b-a3b": (
+        lambda p: decode_moe_30b_a3b.make_pack(p, False), decode_moe_30b_a3b.SHAPE, GPTQ, "/tmp/bench-moe-exl3",
+        ("plugin", "plugin-trellis_mma", "bf16", "w4a16"),
+    ),
+    "30b-a3b-mixed": (
+        lambda p: decode_moe_30b_a3b.make_pack(p, True), decode_moe_30b_a3b.SHAPE, GPTQ, "/tmp/bench-moe-exl3-mixed",
+        ("plugin", "plugin-trellis_mma"),
+    ),
+}  # fmt: skip
 _calls = [0]
 
 
@@ -63,14 +92,14 @@ def vocab_size(model: Path) -> int:
     return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
 
-def dummy_model(pack: Path, kind: str) -> Path:
-    """A weightless copy of the pack's config for ``load_format="dummy"``: bf16, or with an AWQ config."""
+def dummy_model(pack: Path, kind: str, w4a16: dict) -> Path:
+    """A weightless copy of the pack's config for ``load_format="dummy"``: bf16, or with the W4A16 config ``w4a16``."""
     target = pack.parent / f"{pack.name}-{kind}-dummy"
     target.mkdir(exist_ok=True)
     config = json.loads((pack / "config.json").read_text())
     config.pop("quantization_config", None)
     if kind == "w4a16":
-        config["quantization_config"] = AWQ
+        config["quantization_config"] = w4a16
         config["dtype"] = config["torch_dtype"] = "float16"
     (target / "config.json").write_text(json.dumps(config, indent=1))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -228,13 +257,17 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     """Run each engine in its own process (or, with ``--engine``, one here), print the table, write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pack", type=Path, default=Path("/tmp/bench-8b-exl3"))
-    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--model", choices=sorted(MODELS), default="8b")
+    ap.add_argument("--pack", type=Path, help="the EXL3 pack (written there unless present); default per model")
+    ap.add_argument("--engines", help="comma-separated, of " + ", ".join(ENGINES) + "; default per model")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--json", type=Path, default=Path(__file__).with_name("results") / "serve_8b.json")
+    ap.add_argument("--json", type=Path, help="default benchmarks/results/serve_<model>.json")
     ap.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)  # one engine, in this process
     args = ap.parse_args()
+    make_pack, shape, w4a16, default_pack, default_engines = MODELS[args.model]
+    args.pack = args.pack or Path(default_pack)
+    args.json = args.json or Path(__file__).with_name("results") / f"serve_{args.model.replace('-', '_')}.json"
     batches = [int(b) for b in args.batches.split(",")]
     if args.engine:
         if args.engine == "exllamav3":
@@ -244,14 +277,14 @@ def main() -> None:
                 os.environ["QUANTPACK_EXL3_BACKEND"] = PLUGIN_BACKENDS[args.engine]
             res = bench_vllm(args.pack, args.engine, batches, args.repeats)
         else:
-            res = bench_vllm(dummy_model(args.pack, args.engine), args.engine, batches, args.repeats)
+            res = bench_vllm(dummy_model(args.pack, args.engine, w4a16), args.engine, batches, args.repeats)
         print("RESULT " + json.dumps(res), flush=True)
         return
     make_pack(args.pack)
     results = []
-    for engine in args.engines.split(","):  # each in its own process: one engine's GPU memory never meets another's
+    for engine in args.engines.split(",") if args.engines else default_engines:  # each in its own process
         t0 = time.time()
-        cmd = [sys.executable, __file__, "--pack", str(args.pack), "--engine", engine]
+        cmd = [sys.executable, __file__, "--model", args.model, "--pack", str(args.pack), "--engine", engine]
         cmd += ["--batches", args.batches, "--repeats", str(args.repeats)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -268,7 +301,8 @@ def main() -> None:
             print(f"\n{r['engine']} failed:\n{r['error']}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     record = {
-        "shape": SHAPE, "date": time.strftime("%Y-%m-%d"), "batches": batches, "repeats": args.repeats,
+        "model": args.model, "shape": shape, "date": time.strftime("%Y-%m-%d"), "batches": batches,
+        "repeats": args.repeats,
         "results": results,
     }  # fmt: skip
     args.json.write_text(json.dumps(record, indent=1))
