@@ -1,7 +1,8 @@
 """``quantpack``: look at and prepare EXL3 packs from the command line.
 
 * ``quantpack --version``: every installed quantpack package, vLLM, torch and exllamav3, with their versions.
-* ``quantpack inspect PACK``: validate a pack and print its per-module inventory.
+* ``quantpack inspect PACK [--tp N --max-model-len L]``: validate a pack and print its per-module inventory, and what
+  tensor parallelism N does to it (:mod:`quantpack_core.tp_report`).
 * ``quantpack embed-int8 PACK --out DIR``: store the token-embedding table as int8 rows + per-row scales.
 
 Errors on bad input exit with status 2 and the problems listed (module, tensor, fix); nothing the user gave is
@@ -64,11 +65,23 @@ def main() -> None:
     """Tools for EXL3 packs (exllamav3 checkpoints) served with vllm-quantpack."""
 
 
+def _table(header: tuple, rows: list) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
+    for r in (header, *rows):
+        click.echo("  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=True)).rstrip())
+
+
 @main.command()
 @click.argument("pack", type=click.Path(path_type=Path))
 @click.option("--all", "show_all", is_flag=True, help="List every module, not only EXL3 and dense 2-D ones.")
-def inspect(pack: Path, show_all: bool) -> None:
-    """Validate PACK and print its modules: format, K, codebook, padded and logical shapes, dtype, bytes."""
+@click.option("--tp", type=click.IntRange(min=1), help="Also plan the pack at this tensor-parallel size.")
+@click.option(
+    "--max-model-len", type=click.IntRange(min=1), help="With --tp: the KV cache of one sequence of this many tokens."
+)
+def inspect(pack: Path, show_all: bool, tp: int | None, max_model_len: int | None) -> None:
+    """Validate PACK and print its modules (format, K, codebook, padded and logical shapes, dtype, bytes), a K
+    histogram and the bytes per storage kind; with --tp N, every module whose cut at N ranks falls back to whole
+    blocks or is refused, and the memory per rank (exit status 1 when a module would be refused)."""
     from .pack import Pack
 
     try:
@@ -76,13 +89,43 @@ def inspect(pack: Path, show_all: bool) -> None:
     except QuantpackError as e:
         _fail(e)
     header = ("module", "format", "K", "codebook", "padded in x out", "logical", "dtype", "bytes")
-    rows = [r for r in p.summary_rows() if show_all or r[1] == "exl3" or r[4] != "-"]
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
-    for r in (header, *rows):
-        click.echo("  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=True)).rstrip())
+    _table(header, [r for r in p.summary_rows() if show_all or r[1] == "exl3" or r[4] != "-"])
     total = sum(m.nbytes for m in p.modules.values())
     hist = ", ".join(f"K={k:g}: {n}" for k, n in p.bits_histogram().items())
     click.echo(f"\n{len(p.modules)} modules, {total / 2**20:.1f} MiB in {len(p.files)} file(s); EXL3 modules {hist}")
+    kinds: dict[str, int] = {}
+    for m in p.modules.values():
+        kinds[m.format] = kinds.get(m.format, 0) + m.nbytes
+    click.echo("bytes per storage kind: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(kinds.items())))
+    if tp is not None:
+        _print_tp(p, tp, max_model_len, show_all)
+
+
+def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool) -> None:
+    """The ``--tp`` part of ``inspect``."""
+    from .tp_report import EXACT, REPLICATED, tp_report
+
+    fallback = str(p.quant_config.get("quant_method", "exl3")).lower() != "escha"
+    r = tp_report(p, tp, fallback=fallback)
+    shown = [c for c in r.cuts if c.outcome not in (EXACT, REPLICATED) or show_all]
+    click.echo(f"\ntensor parallelism {tp}:")
+    if shown:
+        rows = [(c.key, c.kind, c.features, c.share, c.kept, c.outcome, c.why) for c in shown]
+        _table(("module", "cut", "features", "rank share", "kept", "outcome", "why"), rows)
+    exact = sum(c.outcome == EXACT for c in r.cuts)
+    click.echo(
+        f"{exact} modules cut exactly, {len(r.fallbacks)} through the block fallback (more memory and work per rank), "
+        f"{len(r.refused)} refused; weights per rank about {r.weights_bytes / 2**30:.3f} GiB"
+    )
+    if r.kv_bytes_per_token is not None:
+        per_token = r.kv_bytes_per_token
+        line = f"KV cache per rank: {per_token / 2**10:.1f} KiB per token ({r.attention_layers} attention layers)"
+        if max_model_len:
+            line += f", {per_token * max_model_len / 2**30:.3f} GiB for one sequence of {max_model_len} tokens"
+        click.echo(line)
+    if r.refused:
+        click.echo(f"error: {len(r.refused)} module(s) cannot be served at tensor parallelism {tp}", err=True)
+        sys.exit(1)
 
 
 @main.command("embed-int8")

@@ -1,0 +1,184 @@
+"""What serving a pack at tensor-parallel size N means before anything loads: how each quantized module is cut per
+rank (exact, the block fallback, or refused), the weights each rank holds, and the KV cache of one sequence.
+
+It applies the rules the vLLM methods apply at load (docs/architecture.md, "Tensor parallelism"; :mod:`.tp`):
+column-parallel modules (q / k / v, gate / up, GDN input projections, the head) split their outputs, row-parallel
+ones (o, down, GDN output) their inputs, expert banks their intermediate channels; a rank's share is exact when it
+covers whole 128-feature Hadamard blocks, else EXL3 keeps the blocks the share touches (the fallback: more memory
+and work on that rank) and escha refuses. An uneven split is refused by vLLM itself. k / v with fewer heads than
+ranks are replicated, one head per rank, as vLLM's ``QKVParallelLinear`` does.
+
+Sizes are the stored ones (EXL3 pads to 128), so a module whose logical size is not a multiple of 128 is judged on
+its padded size; the KV cache counts every layer that stores a k projection, at full length (a sliding window would
+hold less), in 2-byte elements.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import GeometryError
+from .pack import ModuleInfo, Pack
+from .tp import COLUMN, ROW, plan_cut
+
+#: last name component -> how tensor parallelism splits the module
+COLUMN_NAMES = frozenset(
+    {"q_proj", "k_proj", "v_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj", "in_proj_qkv", "in_proj_z",
+     "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "lm_head", "w1", "w3"}
+)  # fmt: skip
+ROW_NAMES = frozenset({"o_proj", "down_proj", "out_proj", "w2"})
+EXPERT = re.compile(r"\.experts\.\d+\.")
+#: outcomes
+EXACT, FALLBACK, REFUSED, REPLICATED = "exact", "fallback", "refused", "replicated"
+
+
+@dataclass(frozen=True)
+class ModuleCut:
+    """One module at a tensor-parallel size.
+
+    Attributes:
+        key: the module.
+        kind: ``"column"``, ``"row"`` or ``"expert"`` (intermediate channels of an expert), or ``"-"``.
+        features: stored features along the split side.
+        share: features rank 0 owns.
+        kept: stored features rank 0 holds (its share, or the blocks the share touches under the fallback).
+        outcome: ``"exact"``, ``"fallback"``, ``"refused"`` or ``"replicated"`` (not split).
+        why: for a fallback or refusal, what does not divide.
+        rank_bytes: bytes rank 0 holds of the module.
+    """
+
+    key: str
+    kind: str
+    features: int
+    share: int
+    kept: int
+    outcome: str
+    why: str
+    rank_bytes: int
+
+
+def _text_config(pack: Pack) -> dict:
+    text = pack.config.get("text_config")
+    return text if isinstance(text, dict) and text else pack.config
+
+
+def module_cut(m: ModuleInfo, tp: int, kv_heads: int | None, head_dim: int | None, fallback: bool = True) -> ModuleCut:
+    """How rank 0 of ``tp`` holds module ``m`` (see the module docstring).
+
+    Args:
+        m: a quantized (EXL3) module of the pack.
+        tp: the tensor-parallel size.
+        kv_heads, head_dim: the model's key-value heads and head width (for k / v replication), when known.
+        fallback: whether the format keeps whole blocks around an inexact share (EXL3) or refuses it (escha).
+    """
+    name = m.key.rsplit(".", 1)[-1]
+    if m.padded_shape is None:
+        return ModuleCut(m.key, "-", 0, 0, 0, REPLICATED, "", m.nbytes)
+    if tp == 1:
+        return ModuleCut(m.key, "-", 0, 0, 0, EXACT, "", m.nbytes)
+    n_in, n_out = m.padded_shape
+    if EXPERT.search(m.key + "."):
+        kind, features = "expert", (n_out if name in ("gate_proj", "up_proj", "w1", "w3") else n_in)
+    elif name in COLUMN_NAMES:
+        kind, features = COLUMN, n_out
+    elif name in ROW_NAMES:
+        kind, features = ROW, n_in
+    else:
+        return ModuleCut(m.key, "-", 0, 0, 0, REPLICATED, "", m.nbytes)
+    if name in ("k_proj", "v_proj") and kv_heads and head_dim and kv_heads < tp:
+        # vLLM replicates the kv heads: each rank holds one whole head
+        share = head_dim
+        exact = head_dim % 128 == 0
+        kept = share if exact else -(-head_dim // 128) * 128
+        why = "" if exact else f"a head of {head_dim} is not whole 128-feature blocks"
+        outcome = EXACT if exact else (FALLBACK if fallback else REFUSED)
+        return ModuleCut(m.key, kind, features, share, kept, outcome, why, m.nbytes * kept // max(features, 1))
+    try:
+        cut = plan_cut(ROW if kind == ROW else COLUMN, features, tp, 0, m.key)
+    except GeometryError:
+        why = f"{features} features do not split evenly over {tp} ranks"
+        return ModuleCut(m.key, kind, features, 0, 0, REFUSED, why, 0)
+    if cut.sliced:
+        return ModuleCut(m.key, kind, features, cut.width, cut.width, EXACT, "", m.nbytes // tp)
+    why = f"a share of {cut.width} is not whole 128-feature blocks"
+    if kind == "expert":  # the bank keeps whole experts per rank instead (quantpack_core.tp.expert_split)
+        return ModuleCut(m.key, kind, features, cut.width, features, FALLBACK, why + "; whole experts per rank", 0)
+    if not fallback:
+        return ModuleCut(m.key, kind, features, cut.width, 0, REFUSED, why, 0)
+    kept = cut.kept_features
+    return ModuleCut(m.key, kind, features, cut.width, kept, FALLBACK, why, m.nbytes * kept // features)
+
+
+@dataclass(frozen=True)
+class TpReport:
+    """A pack at one tensor-parallel size (rank 0; the other ranks hold the same amounts, up to a block).
+
+    Attributes:
+        tp: the size.
+        cuts: every quantized module's :class:`ModuleCut`.
+        weights_bytes: bytes of weights rank 0 holds (quantized modules as cut, vocabulary tables split, experts of a
+            whole-expert fallback as an even share, everything else whole).
+        kv_bytes_per_token: bytes of KV cache per token per rank, or None when the config lacks the sizes.
+        attention_layers: layers counted in the KV cache.
+    """
+
+    tp: int
+    cuts: tuple[ModuleCut, ...]
+    weights_bytes: int
+    kv_bytes_per_token: int | None
+    attention_layers: int
+
+    @property
+    def refused(self) -> list[ModuleCut]:
+        """Modules vLLM or the method would refuse at this size."""
+        return [c for c in self.cuts if c.outcome == REFUSED]
+
+    @property
+    def fallbacks(self) -> list[ModuleCut]:
+        """Modules that load through the block fallback (more memory and work on a rank)."""
+        return [c for c in self.cuts if c.outcome == FALLBACK]
+
+
+def tp_report(pack: Pack, tp: int, fallback: bool = True) -> TpReport:
+    """Plan ``pack`` at tensor-parallel size ``tp`` (see the module).
+
+    Args:
+        pack: an opened pack.
+        tp: the tensor-parallel size (>= 1).
+        fallback: whether the pack's format keeps whole blocks around an inexact share (EXL3) or refuses (escha).
+
+    Raises:
+        ValueError: ``tp`` < 1.
+    """
+    if tp < 1:
+        raise ValueError(f"a tensor-parallel size is at least 1, not {tp}")
+    cfg = _text_config(pack)
+    heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    kv_heads = kv_heads if isinstance(kv_heads, int) and kv_heads > 0 else heads
+    hidden = cfg.get("hidden_size")
+    head_dim = cfg.get("head_dim")
+    if not isinstance(head_dim, int) and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        head_dim = hidden // heads
+    cuts, weights = [], 0
+    for m in pack.modules.values():
+        if m.format == "exl3":
+            c = module_cut(m, tp, kv_heads if isinstance(kv_heads, int) else None, head_dim, fallback)
+            cuts.append(c)
+            weights += c.rank_bytes if not (c.kind == "expert" and c.outcome == FALLBACK) else m.nbytes // tp
+        elif m.key.endswith(("embed_tokens", "lm_head")) and m.format in ("dense", "int8-rows"):
+            weights += -(-m.nbytes // tp)  # vocabulary-parallel
+        elif EXPERT.search(m.key + ".") or m.key.rsplit(".", 1)[-1] in COLUMN_NAMES | ROW_NAMES:
+            weights += -(-m.nbytes // tp)  # dense shards of split layers
+        else:
+            weights += m.nbytes
+    layers = {
+        k.rsplit(".self_attn", 1)[0]
+        for k in pack.modules
+        if re.search(r"\.self_attn\.(k_proj|qkv_proj)$", k) and not re.search(r"(^|\.)(mtp|visual|vision\w*)\.", k)
+    }
+    kv = None
+    if isinstance(kv_heads, int) and isinstance(head_dim, int) and head_dim > 0:
+        per_rank_heads = max(1, kv_heads // tp)
+        kv = 2 * len(layers) * per_rank_heads * head_dim * 2
+    return TpReport(tp, tuple(cuts), weights, kv, len(layers))

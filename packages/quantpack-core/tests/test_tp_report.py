@@ -1,0 +1,78 @@
+"""``quantpack inspect --tp N``: each quantized module's cut at N ranks (exact on whole 128-feature blocks, the block
+fallback, or refused), the weights and KV cache per rank, checked against the split written out here from the
+fixture packs' shapes and config."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from quantpack_core import Pack
+from quantpack_core.cli import main
+from quantpack_core.tp_report import EXACT, FALLBACK, REFUSED, tp_report
+
+LLAMA = "llama-tiny-exl3-4.0bpw-mul1"
+MOE = "qwen3moe-tiny-exl3-mixed-k"
+
+
+def expected(features: int, tp: int) -> tuple[str, int, int]:
+    """(outcome, rank 0's share, features rank 0 keeps) of an even split of ``features`` over ``tp`` ranks."""
+    if features % tp:
+        return REFUSED, 0, 0
+    share = features // tp
+    if share % 128 == 0:
+        return EXACT, share, share
+    return FALLBACK, share, -(-share // 128) * 128
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_llama_cuts_follow_the_block_rule(fixtures_dir, tp):
+    pack = Pack.open(fixtures_dir / LLAMA)
+    cfg = json.loads((fixtures_dir / LLAMA / "config.json").read_text())
+    r = tp_report(pack, tp)
+    assert len(r.cuts) == sum(m.format == "exl3" for m in pack.modules.values())
+    for c in r.cuts:
+        m = pack.modules[c.key]
+        if tp == 1:
+            assert c.outcome == EXACT and c.rank_bytes == m.nbytes
+            continue
+        n_in, n_out = m.padded_shape
+        name = c.key.rsplit(".", 1)[-1]
+        if name in ("k_proj", "v_proj") and cfg["num_key_value_heads"] < tp:  # one replicated head per rank
+            want = (EXACT, 64, 64) if cfg["head_dim"] % 128 == 0 else (FALLBACK, 64, 128)
+        else:
+            want = expected(n_in if name in ("o_proj", "down_proj") else n_out, tp)
+        assert (c.outcome, c.share, c.kept) == want, c
+    heads = max(1, cfg["num_key_value_heads"] // tp)
+    assert r.attention_layers == cfg["num_hidden_layers"]
+    assert r.kv_bytes_per_token == 2 * cfg["num_hidden_layers"] * heads * cfg["head_dim"] * 2
+    assert r.weights_bytes <= sum(m.nbytes for m in pack.modules.values())
+
+
+def test_experts_below_a_block_fall_back_to_whole_experts(fixtures_dir):
+    """Intermediate 256: 128 channels per rank at TP 2 (exact), 64 at TP 4 (whole experts per rank instead)."""
+    pack = Pack.open(fixtures_dir / MOE)
+    experts = lambda r: [c for c in r.cuts if ".experts." in c.key]  # noqa: E731
+    assert {c.outcome for c in experts(tp_report(pack, 2))} == {EXACT}
+    four = experts(tp_report(pack, 4))
+    assert {c.outcome for c in four} == {FALLBACK}
+    assert all("whole experts" in c.why for c in four)
+
+
+def test_a_format_without_the_fallback_refuses_inexact_shares(fixtures_dir):
+    """escha keeps no blocks around a share: what EXL3 loads through the fallback is refused."""
+    pack = Pack.open(fixtures_dir / LLAMA)
+    exl3, escha = tp_report(pack, 2), tp_report(pack, 2, fallback=False)
+    assert {c.key for c in escha.refused} == {c.key for c in exl3.fallbacks}
+
+
+def test_cli_lists_fallbacks_and_exits_1_on_refusals(fixtures_dir):
+    runner = CliRunner()
+    ok = runner.invoke(main, ["inspect", str(fixtures_dir / LLAMA), "--tp", "2", "--max-model-len", "1024"])
+    assert ok.exit_code == 0, ok.output
+    assert "model.layers.0.mlp.gate_proj" in ok.output and "fallback" in ok.output
+    assert "0 refused" in ok.output and "KV cache per rank: 1.0 KiB per token (4 attention layers)" in ok.output
+    assert "bytes per storage kind: dense 0.5 MiB, exl3 1.5 MiB" in ok.output
+    bad = runner.invoke(main, ["inspect", str(fixtures_dir / LLAMA), "--tp", "3"])
+    assert bad.exit_code == 1
+    assert "640 features do not split evenly over 3 ranks" in bad.output
