@@ -74,6 +74,19 @@ _act_dtypes = WeakIdKeyDictionary()
 logger = logging.getLogger("vllm.quantpack.exl3")
 
 
+def _common_reason(spec: LinearSpec | ExpertSpec) -> str | None:
+    """Why neither trellis_mma kernel takes ``spec`` (not EXL3, not CUDA sm_80+, not a float16 / bfloat16 model), or
+    None."""
+    if spec.format != "exl3":
+        return f"runs EXL3 only, this is {spec.format}"
+    why = spec.platform.cuda_reason(MIN_CAPABILITY)
+    if why is not None:
+        return why
+    if spec.act_dtype not in ACT_DTYPES:
+        return f"takes float16 / bfloat16 models, not {spec.act_dtype}"
+    return None
+
+
 class TrellisMmaLinearKernel(LinearKernel):
     """One EXL3 shard through the trellis_mma kernels (see the module)."""
 
@@ -97,14 +110,8 @@ class TrellisMmaLinearKernel(LinearKernel):
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str | None]:
         """Every EXL3 shard of a float16 / bfloat16 model on CUDA sm_80+."""
-        if spec.format != "exl3":
-            return False, f"runs EXL3 only, this is {spec.format}"
-        why = spec.platform.cuda_reason(MIN_CAPABILITY)
-        if why is not None:
-            return False, why
-        if spec.act_dtype not in ACT_DTYPES:
-            return False, f"takes float16 / bfloat16 models, not {spec.act_dtype}"
-        return True, None
+        why = _common_reason(spec)
+        return why is None, why
 
     @classmethod
     def prepare(cls, shard: Exl3Tensors, spec: LinearSpec, device: torch.device) -> PreparedShard:
@@ -184,13 +191,9 @@ class TrellisMmaExpertKernel(ExpertKernel):
     def can_implement(cls, spec: ExpertSpec) -> tuple[bool, str | None]:
         """EXL3 banks of float16 / bfloat16 models on CUDA sm_80+, up to :data:`.moe.MAX_EXPERTS` slots and
         :data:`.moe.MAX_GROUPS` K groups."""
-        if spec.format != "exl3":
-            return False, f"runs EXL3 only, this is {spec.format}"
-        why = spec.platform.cuda_reason(MIN_CAPABILITY)
+        why = _common_reason(spec)
         if why is not None:
             return False, why
-        if spec.act_dtype not in ACT_DTYPES:
-            return False, f"takes float16 / bfloat16 models, not {spec.act_dtype}"
         if spec.num_experts > MOE_MAX_EXPERTS:
             return False, f"takes up to {MOE_MAX_EXPERTS} experts per bank, this one has {spec.num_experts}"
         if len(spec.k_groups) > MOE_MAX_GROUPS:
