@@ -238,8 +238,8 @@ def test_moe_split_plan(lib, items, k, n):
 
 @needs_nvcc
 def test_moe_bad_arguments_are_refused_before_any_launch(lib):
-    """k or an output width off the 128 grid, more K groups than a launch plan holds, or groups that do not start at
-    slot 0: -1 before any CUDA call, named by check()."""
+    """k or an output width off the 128 grid, a K group or grid extent out of range, more K groups than a launch plan
+    holds, or groups that do not start at slot 0: -1 before any CUDA call, named by check()."""
     code = lib.qp_moe_gemm(
         0, None, None, None, None, 8, None, None, None, None, 0, None, 0, None, 0, None, 0,
         4, 8, 100, 100, 100, 768, 2, 8, 0, 528, None,
@@ -247,6 +247,12 @@ def test_moe_bad_arguments_are_refused_before_any_launch(lib):
     assert code == -1
     with pytest.raises(library.LibraryError, match="multiples of 128"):
         library.check(code, "test")
+    for group, items in ((16, 4), (-1, 4), (0, 70000)):  # a K group past the plan's 16, a grid z past 65535
+        code = lib.qp_moe_gemm(
+            0, None, None, None, None, 8, None, None, None, None, group, None, 0, None, 0, None, 0,
+            items, 8, 256, 256, 256, 768, 2, 8, 0, 528, None,
+        )  # fmt: skip
+        assert code == -1, (group, items)
     for group_lo in ([0] * 17, [1, 2], [0, 3, 2]):
         lo = (ctypes.c_int * len(group_lo))(*group_lo)
         code = lib.qp_moe_route(None, 0, None, 8, 8, lo, len(group_lo), None, None, None, None, None, None)

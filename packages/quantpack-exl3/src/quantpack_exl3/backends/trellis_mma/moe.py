@@ -62,6 +62,8 @@ class MoeBuffers:
 
 
 _buffers: dict[int, MoeBuffers] = {}
+#: buffers a wider bank replaced: kept alive, since a CUDA graph captured before may still read them
+_retired: list[MoeBuffers] = []
 
 
 def reserve_moe(device: torch.device, experts: int, hidden: int, intermediate: int) -> MoeBuffers:
@@ -89,6 +91,8 @@ def reserve_moe(device: torch.device, experts: int, hidden: int, intermediate: i
         inter = max(intermediate, 0 if have is None else have.gu.shape[1] // 2)
         hid = max(hidden, 0 if have is None else have.y.shape[1])
         i32 = dict(dtype=torch.int32, device=dev)
+        if have is not None:
+            _retired.append(have)
         have = MoeBuffers(
             slot_of=torch.empty(SLOTS, **i32),
             sorted=torch.empty(SLOTS, **i32),
@@ -133,6 +137,8 @@ def run_trellis_moe(
             f"out {out.dtype}, ids {topk_ids.dtype}, weights {topk_weights.dtype}, buffers "
             f"{'ready' if buf is not None else 'missing'})"
         )
+    if top_k > SLOTS:
+        raise LibraryError(f"trellis_moe: top_k {top_k} is more than the {SLOTS} picks one chunk of launches routes")
     lib = load(ws.arch)
     stream = torch.cuda.current_stream(device).cuda_stream
     x = x if x.stride(1) == 1 else x.contiguous()

@@ -850,7 +850,7 @@ __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_kernel(const MoeR
     __syncthreads();
     for (int i = threadIdx.x; i < r.slots; i += blockDim.x) {
         const long long id = r.ids64 ? static_cast<const long long*>(r.ids)[i] : static_cast<const int*>(r.ids)[i];
-        const int s = (int)r.perm[id < 0 ? (long long)r.E : id];
+        const int s = id < 0 || id >= r.E ? -1 : (int)r.perm[id];  // -1: another rank's expert (never out of range)
         r.slot_of[i] = s;
         if (s >= 0) atomicAdd(&counts[s], 1);
     }
@@ -1170,6 +1170,7 @@ QP_API int qp_moe_gemm(int down, const void* x, void* gu, float* y, const long l
                        int codebook, int k2, int bf16, int target_ctas, void* stream) {
     if (items <= 0) return 0;
     if (k % 128 || k <= 0 || n_proj % 128 || n_proj <= 0 || (!down && x_width > k) || top_k < 1) return -1;
+    if (group < 0 || group >= qp::MOE_MAX_GROUPS || items > 65535) return -1;  // 65535: the grid's z limit
     qp::MoeParams p{};
     p.x = x;
     p.gu = static_cast<__half*>(gu);
