@@ -3,6 +3,7 @@
 * ``quantpack --version``: every installed quantpack package, vLLM, torch and exllamav3, with their versions.
 * ``quantpack inspect PACK [--tp N --max-model-len L]``: validate a pack and print its per-module inventory, and what
   tensor parallelism N does to it (:mod:`quantpack_core.tp_report`).
+* ``quantpack verify PACK [--against REF]``: the pack's logits on the CPU against a reference (:mod:`.verify`).
 * ``quantpack embed-int8 PACK --out DIR``: store the token-embedding table as int8 rows + per-row scales.
 
 Errors on bad input exit with status 2 and the problems listed (module, tensor, fix); nothing the user gave is
@@ -125,6 +126,34 @@ def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool) -> None:
         click.echo(line)
     if r.refused:
         click.echo(f"error: {len(r.refused)} module(s) cannot be served at tensor parallelism {tp}", err=True)
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("pack", type=click.Path(path_type=Path))
+@click.option(
+    "--against",
+    type=click.Path(path_type=Path),
+    help="A reference_logits.pt file or the bf16 source model's folder (default: the pack's reference_logits.pt).",
+)
+@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True, help="Positions, against a model.")
+@click.option("--max-kl", type=float, help="Largest mean KL in nats/token (default 1e-2 against logits, 1.0 a model).")
+@click.option("--min-top1", type=float, help="Smallest top-1 agreement (default 0.95 against logits, 0.5 a model).")
+def verify(pack: Path, against: Path | None, tokens: int, max_kl: float | None, min_top1: float | None) -> None:
+    """Decode PACK on the CPU, run it through transformers and compare its next-token logits with a reference: KL and
+    top-1 printed; exit status 1 beyond the bounds, 2 when it cannot run."""
+    from .verify import verify_pack
+
+    try:
+        v = verify_pack(pack, against, tokens=tokens, max_kl=max_kl, min_top1=min_top1)
+    except QuantpackError as e:
+        _fail(e)
+    verdict = "within" if v.ok else "beyond"
+    click.echo(
+        f"{pack} against {v.source} ({v.kind}): {v.agreement}; {verdict} the bounds (KL <= {v.max_kl:g}, "
+        f"top-1 >= {100 * v.min_top1:g}%)"
+    )
+    if not v.ok:
         sys.exit(1)
 
 

@@ -1,0 +1,42 @@
+"""``quantpack verify``: a bundled pack agrees with the logits exllamav3 stored beside it and with its bf16 source;
+the same pack with one layer's output scales negated (a pack that decodes, but wrongly) is beyond the bounds (exit
+1); no reference is a named error (exit 2)."""
+
+import shutil
+
+import pytest
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from quantpack_core.cli import main
+from quantpack_core.verify import verify_pack
+
+pytest.importorskip("transformers")
+
+PACK = "llama-tiny-exl3-4.0bpw-mul1"
+
+
+def test_a_sound_pack_agrees_with_its_references(fixtures_dir):
+    own = verify_pack(fixtures_dir / PACK)
+    assert own.kind == "logits" and own.ok and own.agreement.kl <= 1e-4 and own.agreement.top1 >= 0.99
+    source = verify_pack(fixtures_dir / PACK, fixtures_dir / "llama-tiny-bf16")
+    assert source.kind == "model" and source.ok and source.agreement.positions == 128  # the pack's own ids
+
+
+def test_a_wrong_pack_is_beyond_the_bounds_and_no_reference_is_named(fixtures_dir, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(fixtures_dir / PACK, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    for i in range(4):  # every layer's MLP output sign-flipped: still decodes, computes something else
+        tensors[f"model.layers.{i}.mlp.down_proj.svh"] = -tensors[f"model.layers.{i}.mlp.down_proj.svh"]
+    (bad / "model.safetensors").unlink()
+    save_file(tensors, str(bad / "model.safetensors"))
+    runner = CliRunner()
+    out = runner.invoke(main, ["verify", str(bad)])
+    assert out.exit_code == 1, out.output
+    assert "beyond the bounds" in out.output
+    good = runner.invoke(main, ["verify", str(fixtures_dir / PACK)])
+    assert good.exit_code == 0 and "within the bounds" in good.output, good.output
+    (bad / "reference_logits.pt").unlink()
+    none = runner.invoke(main, ["verify", str(bad)])
+    assert none.exit_code == 2 and "give --against" in none.output
