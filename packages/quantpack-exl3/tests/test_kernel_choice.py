@@ -216,6 +216,8 @@ def test_trellis_mma_fuses_shards_of_one_k_and_codebook_into_one_run():
 def _plan_of(vllm_layers, kernels=()):
     """The compile-key digest vLLM's current config holds after one qkv layer of ``shards()`` is processed with
     ``kernels`` put first in the CPU list, and that config's hash."""
+    import pickle
+
     from vllm.config import get_current_vllm_config
 
     from quantpack_core.vllm.compile_key import PLAN_KEY
@@ -227,6 +229,8 @@ def _plan_of(vllm_layers, kernels=()):
         feed(layer, t, sid)
     layer.quant_method.process_weights_after_loading(layer)
     vllm_config = get_current_vllm_config()
+    # vLLM pickles the quant config into its engine process (the serve test failed on a hash object in it)
+    assert pickle.loads(pickle.dumps(config.compile_key)).digest == config.compile_key.digest
     return vllm_config.additional_config[PLAN_KEY], vllm_config.compute_hash()
 
 

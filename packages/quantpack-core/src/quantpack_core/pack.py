@@ -499,6 +499,11 @@ class Pack:
         "moe_intermediate_size",
         "num_experts_per_tok",
     )
+    #: sizes 0 is a legal value of (a dense model: Granite 4.0's dense variants say num_experts_per_tok 0)
+    ZERO_SIZES = frozenset({"num_experts", "num_experts_per_tok"})
+    #: sizes a config may give per layer or per modality as a list (Gemma 3n's intermediate_size, ERNIE-4.5-VL's
+    #: moe_intermediate_size)
+    LIST_SIZES = frozenset({"intermediate_size", "moe_intermediate_size"})
     #: layer keys that belong to another stack than the model's decoder layers (MTP heads, vision towers, drafts)
     OTHER_STACKS = re.compile(r"(^|\.)(mtp|vision_tower|vision_model|visual|vision|audio_tower|draft)\.")
 
@@ -506,7 +511,8 @@ class Pack:
         """config.json against itself and the tensors, before vLLM builds the model from it: ``architectures`` a
         non-empty list of names; the sizes vLLM reads positive integers; every decoder layer the config counts
         present in the pack (a layer missing from both the files and the manifest would otherwise fail in vLLM's
-        worker); the token embedding as wide as ``hidden_size`` and as long as ``vocab_size``."""
+        worker; DeciLM's blocks whose attention and FFN are both no-ops store none); the token embedding as wide as
+        ``hidden_size`` (OPT's ``word_embed_proj_dim``) and at least ``vocab_size`` rows long."""
         if not self.config:
             return []
         out: list[Problem] = []
@@ -524,11 +530,14 @@ class Pack:
                 v = c.get(key)
                 if v is None:
                     continue
-                low = 0 if key == "num_experts" else 1
-                if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                    what = f"{key} is {v!r} ({type(v).__name__}), not an integer >= {low}"
+                low = 0 if key in self.ZERO_SIZES else 1
+                per_layer = key in self.LIST_SIZES and isinstance(v, list) and v
+                values = v if per_layer else [v]
+                if any(isinstance(x, bool) or not isinstance(x, int) or x < low for x in values):
+                    kind = "an integer" + (" or a list of them" if key in self.LIST_SIZES else "")
+                    what = f"{key} is {repr(v)[:60]} ({type(v).__name__}), not {kind} >= {low}"
                     out.append(Problem("", where, what, fix))
-                elif c is cfg:
+                elif c is cfg and not per_layer:
                     sizes[key] = v
         layers = sizes.get("num_hidden_layers")
         present = set()
@@ -536,6 +545,16 @@ class Pack:
             m = re.search(r"(?:^|\.)layers\.(\d+)\.", key)
             if m and not self.OTHER_STACKS.search(key[: m.start() + 1]):
                 present.add(int(m.group(1)))
+        # DeciLM (Nemotron Ultra / Super): a block whose attention and FFN are both no-ops stores no tensor
+        blocks = cfg.get("block_configs")
+        empty = set()
+        if isinstance(blocks, list):
+            for i, b in enumerate(blocks):
+                if isinstance(b, dict) and all(
+                    isinstance(b.get(part), dict) and b[part].get("no_op") is True for part in ("attention", "ffn")
+                ):
+                    empty.add(i)
+        present |= empty
         if layers is not None and present:
             count = layers - len({i for i in present if i < layers})  # never materializes range(layers)
             missing, i = [], 0
@@ -552,11 +571,13 @@ class Pack:
                 continue
             width, rows = m.padded_shape
             name = f"{key}.{'weight' if m.format == 'dense' else next(iter(m.tensors))}"
-            if "hidden_size" in sizes and width != sizes["hidden_size"]:
-                what = f"is {rows} x {width}, but config.json gives hidden_size {sizes['hidden_size']}"
+            # OPT embeds at word_embed_proj_dim and projects up; Mllama adds 8 image-token rows past vocab_size
+            want_width = cfg.get("word_embed_proj_dim") or sizes.get("hidden_size")
+            if isinstance(want_width, int) and width != want_width:
+                what = f"is {rows} x {width}, but config.json gives hidden_size {want_width}"
                 out.append(Problem(key, name, what, fix))
-            if "vocab_size" in sizes and rows != sizes["vocab_size"]:
-                what = f"has {rows} rows, but config.json gives vocab_size {sizes['vocab_size']}"
+            if "vocab_size" in sizes and rows < sizes["vocab_size"]:
+                what = f"has {rows} rows, fewer than config.json's vocab_size {sizes['vocab_size']}"
                 out.append(Problem(key, name, what, fix))
         return out
 

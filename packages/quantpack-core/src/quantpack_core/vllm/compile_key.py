@@ -64,14 +64,18 @@ class CompileKey:
     """
 
     def __init__(self) -> None:
-        self._hash = hashlib.sha256()
+        self._digest = hashlib.sha256().hexdigest()
         self._config: Any | None = None
         self._warned = False
 
+    def __getstate__(self) -> dict:
+        # vLLM pickles the quant config into its engine process: keep the digest, not the VllmConfig it came from
+        return {"_digest": self._digest, "_config": None, "_warned": self._warned}
+
     @property
     def digest(self) -> str:
-        """The hex digest of every :meth:`add` so far (of an empty plan when none)."""
-        return self._hash.hexdigest()
+        """The hex digest of every :meth:`add` so far, chained (of an empty plan when none)."""
+        return self._digest
 
     def bind(self) -> None:
         """Remember the ``VllmConfig`` the model is being built under (the first one seen; later calls keep it)."""
@@ -85,7 +89,7 @@ class CompileKey:
         A config whose ``additional_config`` is not a dict (an object with its own ``compute_hash``) cannot take the
         key: warned once, naming the risk (a compile cache shared between different kernel plans).
         """
-        self._hash.update(repr((prefix, parts)).encode())
+        self._digest = hashlib.sha256((self._digest + repr((prefix, parts))).encode()).hexdigest()
         config = self._config
         if config is None:
             return
