@@ -40,3 +40,24 @@ def test_a_wrong_pack_is_beyond_the_bounds_and_no_reference_is_named(fixtures_di
     (bad / "reference_logits.pt").unlink()
     none = runner.invoke(main, ["verify", str(bad)])
     assert none.exit_code == 2 and "give --against" in none.output
+
+
+def test_bad_references_and_bounds_are_named_errors(fixtures_dir, tmp_path):
+    """What a user may hand over instead of a reference (a folder without a model, a file that is not a logits
+    dict, another model, a model missing weights) or as bounds (NaN, a percentage) is an error naming it, exit 2,
+    before anything is decoded."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "garbage.pt").write_text("hi")
+    runner = CliRunner()
+    pack = str(fixtures_dir / PACK)
+    cases = [
+        (["--against", str(tmp_path / "empty")], "not a model folder"),
+        (["--against", str(tmp_path / "garbage.pt")], "not a reference logits file"),
+        (["--against", str(fixtures_dir / "qwen3next-tiny-bf16")], "is another model than the pack"),
+        (["--against", str(fixtures_dir / "llama-tiny-eagle-draft")], "is another model than the pack"),
+        (["--max-kl", "nan"], "give a KL bound"),
+        (["--min-top1", "95"], "a fraction between 0 and 1"),
+    ]
+    for args, needle in cases:
+        out = runner.invoke(main, ["verify", pack, *args])
+        assert out.exit_code == 2 and needle in out.output, (args, out.output)

@@ -52,26 +52,91 @@ class Verdict:
         return self.agreement.kl <= self.max_kl and self.agreement.top1 >= self.min_top1
 
 
-def _model(folder: Path):
-    """transformers' model of ``folder`` with the pack's (or a source's) weights, float32: a pack through the codec,
-    a model folder through transformers; a multimodal config falls back to its text class with the language model's
-    names (``...ForConditionalGeneration`` -> ``...ForCausalLM``)."""
+def _config_top(folder: Path) -> dict:
+    """A folder's config.json as a dict ({} when missing or unreadable)."""
+    import json
+
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _config(folder: Path) -> dict:
+    """A model folder's config.json (its text part for a multimodal one), or :class:`VerifyError`."""
+    cfg = _config_top(folder)
+    if not cfg:
+        raise VerifyError(f"{folder}: not a model folder with a readable config.json")
+    text = cfg.get("text_config")
+    return text if isinstance(text, dict) and text else cfg
+
+
+#: config fields a reference model must share with the pack (else it is another model)
+SAME_MODEL = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _model(folder: Path, quantized: bool):
+    """transformers' model of ``folder``, float32: a pack through the codec, a model folder through transformers
+    (every weight present); a multimodal config falls back to its text class with the language model's names
+    (``...ForConditionalGeneration`` -> ``...ForCausalLM``). Any failure is a :class:`VerifyError`."""
     import transformers
 
     from .reference import dense_transformers_model
 
-    if (folder / "quantization_config.json").exists() or "quantization_config" in (folder / "config.json").read_text():
+    if quantized:
         try:
             return dense_transformers_model(folder)
-        except (ValueError, AttributeError) as first:
-            cfg = transformers.AutoConfig.from_pretrained(folder)
-            name = (cfg.architectures or [""])[0]
+        except Exception as first:
+            archs = _config_top(folder).get("architectures")
+            name = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else ""
             text = name.replace("ForConditionalGeneration", "ForCausalLM")
             try:  # a text model stored under the multimodal names (Qwen3.5's model.language_model.)
                 return dense_transformers_model(folder, text, rename=("model.language_model.", "model."))
-            except (ValueError, AttributeError):
-                raise VerifyError(f"{folder}: the pack does not fit {name} ({first})") from None
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            except Exception:
+                raise VerifyError(
+                    f"{folder}: the pack does not fit its config's model class {name!r} ({first})"
+                ) from None
+    try:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, output_loading_info=True
+        )
+    except Exception as e:
+        raise VerifyError(
+            f"{folder}: transformers cannot load this reference model ({type(e).__name__}: {e})"
+        ) from None
+    missing = [k for k in info.get("missing_keys", []) if "rotary" not in k]
+    if missing:
+        raise VerifyError(
+            f"{folder}: the reference model lacks weights ({', '.join(missing[:4])} ...): not a whole model"
+        )
+    return model.eval()
+
+
+def _reference_logits(source: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids [1, T] int64, logits [1, T, V] float)`` of a reference file, checked; else :class:`VerifyError`."""
+    import pickle
+
+    try:
+        ref = torch.load(source, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, KeyError) as e:
+        raise VerifyError(f"{source}: not a reference logits file torch can read safely ({type(e).__name__})") from None
+    ok = (
+        isinstance(ref, dict)
+        and isinstance(ref.get("input_ids"), torch.Tensor)
+        and isinstance(ref.get("logits"), torch.Tensor)
+    )
+    ids, logits = (ref["input_ids"], ref["logits"]) if ok else (None, None)
+    if not ok or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] < 1 or ids.dtype not in (torch.int64, torch.int32):
+        raise VerifyError(
+            f"{source}: a reference logits file is a dict with input_ids (int64 [1, T], T >= 1) and logits "
+            "([1, T, vocab])"
+        )
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape) or not bool(torch.isfinite(logits).all()):
+        raise VerifyError(
+            f"{source}: logits must be finite, [1, T, vocab] for input_ids [1, T]; got {tuple(logits.shape)}"
+        )
+    return ids.long(), logits
 
 
 def verify_pack(
@@ -88,18 +153,29 @@ def verify_pack(
         pack: the pack folder.
         against: a ``reference_logits.pt`` file or a model folder; default the pack's own ``reference_logits.pt``.
         tokens: positions to compare when the reference is a model and the pack has no ``reference_logits.pt``
-            whose ids (text) are used instead (ids drawn with a fixed seed below the vocabulary size); a logits file
-            brings its own ids.
-        max_kl, min_top1: bounds (default :data:`BOUNDS` for the reference's kind).
+            whose ids (text) are used instead (ids drawn with a fixed seed below the vocabulary size, at most the
+            model's ``max_position_embeddings``); a logits file brings its own ids.
+        max_kl, min_top1: bounds (default :data:`BOUNDS` for the reference's kind): KL >= 0 in nats per token,
+            top-1 a fraction in [0, 1].
 
     Returns:
         the :class:`Verdict`.
 
     Raises:
-        VerifyError: no reference given or found, transformers missing, or the pack does not fit its config's class.
+        VerifyError: bad bounds, no usable reference (missing, unreadable, malformed, another model, weights
+            missing), transformers missing, or a pack that does not fit its config's class.
         PackError: the pack itself is unsound.
     """
+    import math
+
+    from .pack import Pack
+
+    if max_kl is not None and not (math.isfinite(max_kl) and max_kl >= 0):
+        raise VerifyError(f"--max-kl {max_kl}: give a KL bound >= 0 in nats per token")
+    if min_top1 is not None and not (math.isfinite(min_top1) and 0 <= min_top1 <= 1):
+        raise VerifyError(f"--min-top1 {min_top1}: give a fraction between 0 and 1 (0.95 for 95%)")
     pack = Path(pack)
+    Pack.open(pack)  # a missing or unsound pack is named first
     source = Path(against) if against is not None else pack / REFERENCE_FILE
     if not source.exists():
         raise VerifyError(
@@ -110,23 +186,30 @@ def verify_pack(
         import transformers  # noqa: F401
     except ImportError:
         raise VerifyError("quantpack verify runs the pack through transformers: pip install transformers") from None
-    candidate = _model(pack)
+    cfg = _config(pack)
+    vocab = cfg.get("vocab_size")
     if source.is_file():
         kind = "logits"
-        ref = torch.load(source, map_location="cpu", weights_only=True)
-        if not isinstance(ref, dict) or "input_ids" not in ref or "logits" not in ref:
-            raise VerifyError(f"{source}: not a reference logits file (a dict with input_ids and logits)")
-        ids, want = ref["input_ids"], ref["logits"]
+        ids, want = _reference_logits(source)
+        if isinstance(vocab, int) and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+            raise VerifyError(f"{source}: input_ids outside the pack's vocabulary of {vocab}")
     else:
         kind = "model"
+        other = _config(source)
+        differ = [k for k in SAME_MODEL if k in cfg and other.get(k) != cfg[k]]
+        if differ:
+            shown = ", ".join(f"{k} {cfg[k]!r} vs {other.get(k)!r}" for k in differ)
+            raise VerifyError(f"{source} is another model than the pack ({shown}): give the pack's bf16 source")
         own = pack / REFERENCE_FILE
         if own.is_file():
-            ids = torch.load(own, map_location="cpu", weights_only=True)["input_ids"]
+            ids = _reference_logits(own)[0]
         else:
-            vocab = candidate.config.get_text_config().vocab_size
-            ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+            longest = cfg.get("max_position_embeddings")
+            n = min(tokens, longest) if isinstance(longest, int) and longest > 0 else tokens
+            ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
-            want = _model(source)(ids).logits
+            want = _model(source, quantized=False)(ids).logits
+    candidate = _model(pack, quantized=True)
     with torch.no_grad():
         got = candidate(ids).logits
     if got.shape != want.shape:
