@@ -452,3 +452,22 @@ def test_real_config_shapes_that_are_sound(tmp_path, edit):
     """What real checkpoints' configs do and the config check must accept: 0 experts per token, sizes given per
     layer, embedding rows past vocab_size, DeciLM blocks that store no tensor (layer 1 here)."""
     Pack.open(write_pack(tmp_path / "p", base_tensors(), {**CONFIG, "num_hidden_layers": 1, **edit}))
+
+
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        ({"num_key_value_heads": 4}, "k_proj.trellis: has 128 outputs, but config.json gives num_key_value_heads 4"),
+        ({"head_dim": 32}, "o_proj.trellis: has 256 inputs, but config.json gives num_attention_heads 4 x head_dim 32"),
+        ({"num_attention_heads": 8}, "o_proj.trellis: has 256 inputs, but config.json gives num_attention_heads 8"),
+    ],
+)
+def test_attention_heads_against_the_projections(fixtures_dir, tmp_path, edit, needle):
+    """A hand-edited head count or head width that no longer matches the stored k / v / o projections is named at
+    open (vLLM would build layers of other shapes and fail, or mis-shape the KV cache). EXL3 pads to 128, so a
+    change hidden by that padding (2 -> 1 key-value heads of 64 here) is not visible in the shapes."""
+    path = tmp_path / "p"
+    shutil.copytree(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1", path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **edit}))
+    expect_problem(path, needle)

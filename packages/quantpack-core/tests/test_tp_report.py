@@ -71,8 +71,25 @@ def test_cli_lists_fallbacks_and_exits_1_on_refusals(fixtures_dir):
     ok = runner.invoke(main, ["inspect", str(fixtures_dir / LLAMA), "--tp", "2", "--max-model-len", "1024"])
     assert ok.exit_code == 0, ok.output
     assert "model.layers.0.mlp.gate_proj" in ok.output and "fallback" in ok.output
-    assert "0 refused" in ok.output and "KV cache per rank: 1.0 KiB per token (4 attention layers)" in ok.output
+    assert "0 refused" in ok.output and "KV cache per rank: 1.00 KiB per token (4 attention layers" in ok.output
     assert "bytes per storage kind: dense 0.5 MiB, exl3 1.5 MiB" in ok.output
     bad = runner.invoke(main, ["inspect", str(fixtures_dir / LLAMA), "--tp", "3"])
     assert bad.exit_code == 1
     assert "640 features do not split evenly over 3 ranks" in bad.output
+
+
+def test_a_tensor_of_several_partitions_is_split_per_partition(fixtures_dir):
+    """Qwen3.5's GDN in_proj_qkv holds q, k, v (128, 128, 256 here): at TP 2 rank 0 owns 64 + 64 + 128 features in
+    three spans, off the blocks, so the loader keeps the three blocks they touch (384 features) - not one exact
+    256-feature half."""
+    pack = Pack.open(fixtures_dir / "qwen3_5-tiny-exl3-4.0bpw-mul1")
+    cuts = [c for c in tp_report(pack, 2).cuts if c.key.endswith("in_proj_qkv")]
+    assert cuts and all((c.outcome, c.share, c.kept) == (FALLBACK, 256, 384) for c in cuts)
+
+
+def test_head_counts_vllm_refuses(fixtures_dir):
+    """4 attention heads over 8 ranks: vLLM refuses the model whatever the modules' cuts."""
+    r = tp_report(Pack.open(fixtures_dir / LLAMA), 8)
+    assert any("4 attention heads do not divide over 8 ranks" in why for why in r.model_refusals)
+    out = CliRunner().invoke(main, ["inspect", str(fixtures_dir / LLAMA), "--tp", "8"])
+    assert out.exit_code == 1 and "the model cannot be served at tensor parallelism 8" in out.output

@@ -116,16 +116,20 @@ def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool) -> None:
     exact = sum(c.outcome == EXACT for c in r.cuts)
     click.echo(
         f"{exact} modules cut exactly, {len(r.fallbacks)} through the block fallback (more memory and work per rank), "
-        f"{len(r.refused)} refused; weights per rank about {r.weights_bytes / 2**30:.3f} GiB"
+        f"{len(r.refused)} refused; weights per rank about {r.weights_bytes / 2**20:,.2f} MiB"
     )
     if r.kv_bytes_per_token is not None:
         per_token = r.kv_bytes_per_token
-        line = f"KV cache per rank: {per_token / 2**10:.1f} KiB per token ({r.attention_layers} attention layers)"
+        layers = f"{r.attention_layers} attention layers, 2-byte elements"
+        line = f"KV cache per rank: {per_token / 2**10:.2f} KiB per token ({layers})"
         if max_model_len:
             line += f", {per_token * max_model_len / 2**30:.3f} GiB for one sequence of {max_model_len} tokens"
         click.echo(line)
-    if r.refused:
-        click.echo(f"error: {len(r.refused)} module(s) cannot be served at tensor parallelism {tp}", err=True)
+    for why in r.model_refusals:
+        click.echo(f"refused: {why}")
+    if r.refused or r.model_refusals:
+        what = f"{len(r.refused)} module(s)" if r.refused else "the model"
+        click.echo(f"error: {what} cannot be served at tensor parallelism {tp}", err=True)
         sys.exit(1)
 
 

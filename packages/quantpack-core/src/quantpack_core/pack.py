@@ -566,6 +566,7 @@ class Pack:
                 shown = ", ".join(map(str, missing)) + (f" ... ({count} in all)" if count > len(missing) else "")
                 what = f"num_hidden_layers is {layers}, but the pack holds no tensor of layer(s) {shown}"
                 out.append(Problem("", "config.json", what, "the pack is incomplete (re-download it), or " + fix))
+        out.extend(self._attention_shape_problems(cfg, sizes, fix))
         for key, m in self.modules.items():
             if not key.endswith("embed_tokens") or m.format not in ("dense", "int8-rows") or m.padded_shape is None:
                 continue
@@ -593,6 +594,36 @@ class Pack:
                 )
                 return [Problem("", NGRAM_FILE, what, f"{RECOPY} into {self.path}")]
         return []
+
+    def _attention_shape_problems(self, cfg: dict, sizes: dict[str, int], fix: str) -> list[Problem]:
+        """Attention projections against the config's heads: k / v give ``num_key_value_heads x head_dim`` outputs,
+        o takes ``num_attention_heads x head_dim`` inputs (stored sizes, padded to 128 for EXL3). q is left alone:
+        gated attention (Qwen3-Next, Qwen3.5) stores twice its heads' width there."""
+        heads = sizes.get("num_attention_heads")
+        if heads is None:
+            return []
+        kv = sizes.get("num_key_value_heads", heads)
+        head_dim = sizes.get("head_dim") or (sizes["hidden_size"] // heads if "hidden_size" in sizes else None)
+        if not head_dim:
+            return []
+        out: list[Problem] = []
+        for key, m in self.modules.items():
+            name = key.rsplit(".", 1)[-1]
+            if m.padded_shape is None or ".self_attn." not in key or self.OTHER_STACKS.search(key):
+                continue
+            if name in ("k_proj", "v_proj"):
+                side, want, what = 1, kv * head_dim, f"num_key_value_heads {kv} x head_dim {head_dim}"
+            elif name == "o_proj":
+                side, want, what = 0, heads * head_dim, f"num_attention_heads {heads} x head_dim {head_dim}"
+            else:
+                continue
+            have = m.padded_shape[side]
+            expect = -(-want // HAD_BLOCK) * HAD_BLOCK if m.format == "exl3" else want
+            if have != expect:
+                where = "outputs" if side else "inputs"
+                tensor = f"{key}.{'trellis' if m.format == 'exl3' else 'weight'}"
+                out.append(Problem(key, tensor, f"has {have} {where}, but config.json gives {what} = {want}", fix))
+        return out
 
     def _configured_experts(self) -> int | None:
         for cfg in (self.config, self.config.get("text_config") or {}):

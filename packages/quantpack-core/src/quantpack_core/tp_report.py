@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from .errors import GeometryError
 from .pack import ModuleInfo, Pack
-from .tp import COLUMN, ROW, plan_cut
+from .tp import COLUMN, ROW, make_cut, partition_ranges, plan_cut
 
 #: last name component -> how tensor parallelism splits the module
 COLUMN_NAMES = frozenset(
@@ -63,7 +63,14 @@ def _text_config(pack: Pack) -> dict:
     return text if isinstance(text, dict) and text else pack.config
 
 
-def module_cut(m: ModuleInfo, tp: int, kv_heads: int | None, head_dim: int | None, fallback: bool = True) -> ModuleCut:
+def module_cut(
+    m: ModuleInfo,
+    tp: int,
+    kv_heads: int | None,
+    head_dim: int | None,
+    fallback: bool = True,
+    parts: dict[str, list[int]] | None = None,
+) -> ModuleCut:
     """How rank 0 of ``tp`` holds module ``m`` (see the module docstring).
 
     Args:
@@ -71,6 +78,7 @@ def module_cut(m: ModuleInfo, tp: int, kv_heads: int | None, head_dim: int | Non
         tp: the tensor-parallel size.
         kv_heads, head_dim: the model's key-value heads and head width (for k / v replication), when known.
         fallback: whether the format keeps whole blocks around an inexact share (EXL3) or refuses it (escha).
+        parts: module name -> the sizes of the partitions it holds, each split over the ranks on its own.
     """
     name = m.key.rsplit(".", 1)[-1]
     if m.padded_shape is None:
@@ -86,6 +94,20 @@ def module_cut(m: ModuleInfo, tp: int, kv_heads: int | None, head_dim: int | Non
         kind, features = ROW, n_in
     else:
         return ModuleCut(m.key, "-", 0, 0, 0, REPLICATED, "", m.nbytes)
+    if parts and name in parts and kind == COLUMN:
+        # a tensor holding several partitions (Qwen3.5's GDN in_proj_qkv: q, k, v): each is split on its own
+        sizes = parts[name]
+        if sum(sizes) == features and all(n % tp == 0 for n in sizes):
+            ranges, width = partition_ranges([n // tp for n in sizes], tuple(range(len(sizes))), tp, 0)
+            cut = make_cut(COLUMN, ranges, width)
+            share = sum(b - a for a, b in ranges)
+            if cut.sliced:
+                return ModuleCut(m.key, kind, features, share, share, EXACT, "", m.nbytes // tp)
+            why = f"its parts {sizes} give rank shares off the 128-feature blocks"
+            if not fallback:
+                return ModuleCut(m.key, kind, features, share, 0, REFUSED, why, 0)
+            kept = cut.kept_features
+            return ModuleCut(m.key, kind, features, share, kept, FALLBACK, why, m.nbytes * kept // features)
     if name in ("k_proj", "v_proj") and kv_heads and head_dim and kv_heads < tp:
         # vLLM replicates the kv heads: each rank holds one whole head
         share = head_dim
@@ -121,6 +143,7 @@ class TpReport:
             whole-expert fallback as an even share, everything else whole).
         kv_bytes_per_token: bytes of KV cache per token per rank, or None when the config lacks the sizes.
         attention_layers: layers counted in the KV cache.
+        model_refusals: what vLLM itself refuses at this size (attention heads that do not divide over the ranks).
     """
 
     tp: int
@@ -128,6 +151,7 @@ class TpReport:
     weights_bytes: int
     kv_bytes_per_token: int | None
     attention_layers: int
+    model_refusals: tuple[str, ...] = ()
 
     @property
     def refused(self) -> list[ModuleCut]:
@@ -160,10 +184,15 @@ def tp_report(pack: Pack, tp: int, fallback: bool = True) -> TpReport:
     head_dim = cfg.get("head_dim")
     if not isinstance(head_dim, int) and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
         head_dim = hidden // heads
+    parts: dict[str, list[int]] = {}
+    lk, lkd, lv, lvd = (cfg.get(k) for k in ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
+                                             "linear_value_head_dim"))  # fmt: skip
+    if all(isinstance(v, int) and v > 0 for v in (lk, lkd, lv, lvd)):
+        parts["in_proj_qkv"] = [lk * lkd, lk * lkd, lv * lvd]
     cuts, weights = [], 0
     for m in pack.modules.values():
         if m.format == "exl3":
-            c = module_cut(m, tp, kv_heads if isinstance(kv_heads, int) else None, head_dim, fallback)
+            c = module_cut(m, tp, kv_heads if isinstance(kv_heads, int) else None, head_dim, fallback, parts)
             cuts.append(c)
             weights += c.rank_bytes if not (c.kind == "expert" and c.outcome == FALLBACK) else m.nbytes // tp
         elif m.key.endswith(("embed_tokens", "lm_head")) and m.format in ("dense", "int8-rows"):
@@ -172,6 +201,11 @@ def tp_report(pack: Pack, tp: int, fallback: bool = True) -> TpReport:
             weights += -(-m.nbytes // tp)  # dense shards of split layers
         else:
             weights += m.nbytes
+    refusals = []
+    if isinstance(heads, int) and heads > 0 and heads % tp:
+        refusals.append(f"{heads} attention heads do not divide over {tp} ranks (vLLM requires it)")
+    if isinstance(kv_heads, int) and kv_heads > 0 and kv_heads % tp and tp % kv_heads:
+        refusals.append(f"{kv_heads} key-value heads neither divide {tp} ranks nor are divided by them")
     layers = {
         k.rsplit(".self_attn", 1)[0]
         for k in pack.modules
@@ -181,4 +215,4 @@ def tp_report(pack: Pack, tp: int, fallback: bool = True) -> TpReport:
     if isinstance(kv_heads, int) and isinstance(head_dim, int) and head_dim > 0:
         per_rank_heads = max(1, kv_heads // tp)
         kv = 2 * len(layers) * per_rank_heads * head_dim * 2
-    return TpReport(tp, tuple(cuts), weights, kv, len(layers))
+    return TpReport(tp, tuple(cuts), weights, kv, len(layers), tuple(refusals))
