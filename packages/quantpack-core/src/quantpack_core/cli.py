@@ -77,7 +77,9 @@ def _table(header: tuple, rows: list) -> None:
 @click.option("--all", "show_all", is_flag=True, help="List every module, not only EXL3 and dense 2-D ones.")
 @click.option("--tp", type=click.IntRange(min=1), help="Also plan the pack at this tensor-parallel size.")
 @click.option(
-    "--max-model-len", type=click.IntRange(min=1), help="With --tp: the KV cache of one sequence of this many tokens."
+    "--max-model-len",
+    type=click.IntRange(min=1),
+    help="The KV cache of one sequence of this many tokens (per rank with --tp; one rank without).",
 )
 def inspect(pack: Path, show_all: bool, tp: int | None, max_model_len: int | None) -> None:
     """Validate PACK and print its modules (format, K, codebook, padded and logical shapes, dtype, bytes), a K
@@ -98,8 +100,8 @@ def inspect(pack: Path, show_all: bool, tp: int | None, max_model_len: int | Non
     for m in p.modules.values():
         kinds[m.format] = kinds.get(m.format, 0) + m.nbytes
     click.echo("bytes per storage kind: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(kinds.items())))
-    if tp is not None:
-        _print_tp(p, tp, max_model_len, show_all)
+    if tp is not None or max_model_len is not None:  # --max-model-len alone: one rank
+        _print_tp(p, tp or 1, max_model_len, show_all)
 
 
 def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool) -> None:
@@ -140,7 +142,9 @@ def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool) -> None:
     type=click.Path(path_type=Path),
     help="A reference_logits.pt file or the bf16 source model's folder (default: the pack's reference_logits.pt).",
 )
-@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True, help="Positions, against a model.")
+@click.option(
+    "--tokens", type=click.IntRange(1, 1 << 20), default=64, show_default=True, help="Positions, against a model."
+)
 @click.option("--max-kl", type=float, help="Largest mean KL in nats/token (default 1e-2 against logits, 1.0 a model).")
 @click.option("--min-top1", type=float, help="Smallest top-1 agreement (default 0.95 against logits, 0.5 a model).")
 def verify(pack: Path, against: Path | None, tokens: int, max_kl: float | None, min_top1: float | None) -> None:
