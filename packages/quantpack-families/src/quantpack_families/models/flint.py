@@ -25,10 +25,9 @@ import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeMLP
 from vllm.model_executor.utils import set_weight_attrs
@@ -38,7 +37,7 @@ from .prenorm import (
     PrenormDecoderLayer,
     PrenormForCausalLM,
     PrenormModel,
-    check_attention_config,
+    QkvAttention,
     layer_index,
 )
 
@@ -55,43 +54,18 @@ def sinks_dtype() -> torch.dtype:
     return torch.float32
 
 
-class FlintAttention(nn.Module):
+class FlintAttention(QkvAttention):
     """Flint's attention of one layer (see the module); heads split over TP ranks, the sinks with them.
 
     Raises:
-        ValueError: as :func:`check_attention_config`.
+        ValueError: as :func:`~.prenorm.check_attention_config`.
     """
 
     def __init__(self, config: FlintConfig, cache_config=None, quant_config=None, prefix: str = ""):
-        super().__init__()
-        check_attention_config(config, (SLIDING, FULL))
-        tp = get_tensor_model_parallel_world_size()
-        self.layer = layer_index(prefix)
-        kind = config.layer_types[self.layer]
-        self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads // tp
-        self.num_kv_heads = max(1, config.num_key_value_heads // tp)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.qkv_proj",
-        )
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.o_proj",
-        )
+        super().__init__(config, (SLIDING, FULL), "o_proj", quant_config, prefix)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        sliding = kind == SLIDING
+        sliding = self.kind == SLIDING
         self.rotary_emb = (
             get_rope(
                 self.head_dim,
@@ -104,18 +78,8 @@ class FlintAttention(nn.Module):
         )
         self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=sinks_dtype()), requires_grad=False)
         set_weight_attrs(self.sinks, {"weight_loader": self.load_sinks})
-        self.attn = Attention(
-            self.num_heads,
-            self.head_dim,
-            self.head_dim**-0.5,
-            num_kv_heads=self.num_kv_heads,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            # both count the current token (transformers' mask: key visible while query - key < window)
-            per_layer_sliding_window=config.sliding_window if sliding else None,
-            prefix=f"{prefix}.attn",
-            sinks=self.sinks,
-        )
+        # both count the current token (transformers' mask: key visible while query - key < window)
+        self.attn = self.attention(config, cache_config, quant_config, prefix, sliding, sinks=self.sinks)
 
     def load_sinks(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
         """This rank's heads of the checkpoint's ``(heads,)`` sinks, in the parameter's dtype (:func:`sinks_dtype`).
@@ -130,8 +94,7 @@ class FlintAttention(nn.Module):
             param.copy_(loaded.narrow(0, rank * param.shape[0], param.shape[0]).to(param.dtype))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.split_qkv(hidden_states)
         q = self.q_norm(q.view(*q.shape[:-1], self.num_heads, self.head_dim)).view(q.shape)
         k = self.k_norm(k.view(*k.shape[:-1], self.num_kv_heads, self.head_dim)).view(k.shape)
         if self.rotary_emb is not None:

@@ -1,5 +1,6 @@
-"""What the project's decoder-only model files share (Flint, Spark-X2.5): the config checks they index by, a
-pre-norm layer's forward, the model body (embedding, layers, final norm, pipeline parallel) around a layer class,
+"""What the project's decoder-only model files share (Flint, Spark-X2.5): the config checks they index by, the
+common part of their attention (heads per rank, fused q / k / v, output projection, vLLM's attention), a pre-norm
+layer's forward, the model body (embedding, layers, final norm, pipeline parallel) around a layer class,
 and the causal-LM wrapper (head, tying, logits). Each model file brings its attention and MLP.
 
 No ``from __future__ import annotations`` here: vLLM's ``@support_torch_compile`` reads the forward's annotations
@@ -13,7 +14,9 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import SupportsPP
@@ -51,6 +54,72 @@ def layer_index(prefix: str) -> int:
     """The layer number in a module name such as ``model.layers.3.self_attn``."""
     parts = prefix.split(".")
     return int(parts[parts.index("layers") + 1])
+
+
+class QkvAttention(nn.Module):
+    """What Flint's and Spark's attention share: the config check (:func:`check_attention_config`), this layer's
+    index and kind, the heads on this TP rank (kv heads replicated when fewer than the ranks), the fused
+    ``qkv_proj``, the output projection under the checkpoint's name, and :meth:`attention` / :meth:`split_qkv`. A
+    subclass adds its norms, rotary embedding and gates.
+
+    Args:
+        config: the model config (``layer_types``, heads, ``head_dim``, ``hidden_size``).
+        kinds: the layer kinds the model knows.
+        out_name: the output projection's module name (``o_proj``, ``out_proj``).
+        quant_config, prefix: as vLLM passes them.
+
+    Raises:
+        ValueError: as :func:`check_attention_config`.
+    """
+
+    def __init__(self, config, kinds: tuple[str, ...], out_name: str, quant_config=None, prefix: str = ""):
+        super().__init__()
+        check_attention_config(config, kinds)
+        tp = get_tensor_model_parallel_world_size()
+        self.layer = layer_index(prefix)
+        self.kind = config.layer_types[self.layer]
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        out = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.{out_name}",
+        )
+        self.add_module(out_name, out)
+
+    def attention(self, config, cache_config, quant_config, prefix: str, sliding: bool, **extra) -> Attention:
+        """vLLM's attention over this rank's heads, scaled by ``head_dim ** -0.5``, with the config's sliding window
+        when ``sliding`` (``extra``: e.g. ``sinks``)."""
+        return Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            num_kv_heads=self.num_kv_heads,
+            cache_config=cache_config,
+            quant_config=quant_config,
+            per_layer_sliding_window=config.sliding_window if sliding else None,
+            prefix=f"{prefix}.attn",
+            **extra,
+        )
+
+    def split_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q, k, v`` of ``hidden_states``, ``(tokens, heads x head_dim)`` each on this rank."""
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return q, k, v
 
 
 class PrenormDecoderLayer(nn.Module):

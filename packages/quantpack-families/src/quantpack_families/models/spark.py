@@ -22,25 +22,22 @@ import torch.nn.functional as F
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import GeluAndMul
-from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
-    QKVParallelLinear,
     RowParallelLinear,
 )
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
-from .prenorm import PrenormDecoderLayer, PrenormForCausalLM, PrenormModel, check_attention_config, layer_index
+from .prenorm import PrenormDecoderLayer, PrenormForCausalLM, PrenormModel, QkvAttention
 from .spark_config import FULL, SLIDING, Spark2_5Config
 
 GATE_ACTS = {"sigmoid": torch.sigmoid, "silu": F.silu}
 
 
-class Spark2_5Attention(nn.Module):
+class Spark2_5Attention(QkvAttention):
     """Spark's attention of one layer (see the module).
 
     Raises:
@@ -49,25 +46,9 @@ class Spark2_5Attention(nn.Module):
     """
 
     def __init__(self, config: Spark2_5Config, cache_config=None, quant_config=None, prefix: str = ""):
-        super().__init__()
-        check_attention_config(config, (SLIDING, FULL))
-        tp = get_tensor_model_parallel_world_size()
-        kind = config.layer_types[layer_index(prefix)]
-        if kind not in config.rope_parameters:
-            raise ValueError(f"{prefix}: rope_parameters has no entry for layer type {kind!r}")
-        self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads // tp
-        self.num_kv_heads = max(1, config.num_key_value_heads // tp)
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.qkv_proj",
-        )
+        super().__init__(config, (SLIDING, FULL), "out_proj", quant_config, prefix)
+        if self.kind not in config.rope_parameters:
+            raise ValueError(f"{prefix}: rope_parameters has no entry for layer type {self.kind!r}")
         self.gate_act = None
         if config.headwise_attn_output_gate:
             mode = getattr(config, "gate_attn_act_mode", "sigmoid")
@@ -78,33 +59,16 @@ class Spark2_5Attention(nn.Module):
             self.g_proj = ColumnParallelLinear(
                 config.hidden_size, config.num_attention_heads, bias=False, quant_config=None, prefix=f"{prefix}.g_proj"
             )
-        self.out_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.out_proj",
-        )
         self.rotary_emb = get_rope(
             self.head_dim,
             max_position=config.max_position_embeddings,
             is_neox_style=True,
-            rope_parameters=dict(config.rope_parameters[kind]),
+            rope_parameters=dict(config.rope_parameters[self.kind]),
         )
-        self.attn = Attention(
-            self.num_heads,
-            self.head_dim,
-            self.head_dim**-0.5,
-            num_kv_heads=self.num_kv_heads,
-            cache_config=cache_config,
-            quant_config=quant_config,
-            per_layer_sliding_window=config.sliding_window if kind == SLIDING else None,
-            prefix=f"{prefix}.attn",
-        )
+        self.attn = self.attention(config, cache_config, quant_config, prefix, self.kind == SLIDING)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv, _ = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.split_qkv(hidden_states)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v)
         if self.gate_act is not None:
