@@ -113,6 +113,21 @@ def forward(w: dict[str, torch.Tensor], cfg: dict, input_ids: torch.Tensor) -> t
     return rms_norm(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
 
 
+def serve_and_compare(packs: dict[str, Path], tmp_path: Path, kl_bound: float) -> dict:
+    """Serve each tiny pack in vLLM (float32, eager, one runner process) and require its logits to agree with the
+    pack's stored reference: KL <= ``kl_bound`` and top-1 >= 99%. Returns the runner's results."""
+    from e2e_runner import get, run_runner
+
+    jobs = {
+        name: {"kind": "logits", "pack": str(path), "dtype": "float32", "eager": True} for name, path in packs.items()
+    }
+    results = run_runner(jobs, tmp_path, timeout=900)
+    for name in jobs:
+        res = get(results, name)
+        assert res["kl"] <= kl_bound and res["top1"] >= 0.99, (name, res["kl"], res["top1"])
+    return results
+
+
 class TinyPack:
     """A tiny pack's tensors as they are stored (``pack``) beside its dense float32 weights (``dense``, the EXL3
     layers decoded by the core codec), built layer by layer from one RNG."""

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from flint_reference import TINY, forward, tiny_flint, write_flint_packs
+from flint_reference import TINY, forward, serve_and_compare, tiny_flint, write_flint_packs
 
 pytest.importorskip("vllm")
 
@@ -117,15 +117,9 @@ def test_reference_matches_transformers_flint():
 
 @pytest.mark.slow
 def test_vllm_serves_tiny_flint_packs(packs, tmp_path):
-    from e2e_runner import get, run_runner
+    from e2e_runner import get
 
-    jobs = {
-        name: {"kind": "logits", "pack": str(path), "dtype": "float32", "eager": True} for name, path in packs.items()
-    }
-    results = run_runner(jobs, tmp_path, timeout=900)
-    for name in jobs:
-        res = get(results, name)
-        assert res["kl"] <= KL_BOUND and res["top1"] >= 0.99, (name, res["kl"], res["top1"])
+    results = serve_and_compare(packs, tmp_path, KL_BOUND)
     exl3 = get(results, "flint-exl3")["vocab_modules"]
     assert exl3["lm_head"]["method"] == "Exl3LinearMethod"  # the stored EXL3 head, not a dense fallback
     manifest = json.loads((packs["flint-exl3"] / "quantization_config.json").read_text())["tensor_storage"]

@@ -72,16 +72,10 @@ def test_vendor_plugin_is_refused_by_name(monkeypatch):
 
 @pytest.mark.slow
 def test_vllm_serves_tiny_spark_packs(tmp_path_factory, tmp_path):
-    from e2e_runner import get, run_runner
+    from e2e_runner import get
+    from flint_reference import serve_and_compare
 
-    packs = write_spark_packs(tmp_path_factory.mktemp("spark"))
-    jobs = {
-        name: {"kind": "logits", "pack": str(path), "dtype": "float32", "eager": True} for name, path in packs.items()
-    }
-    results = run_runner(jobs, tmp_path, timeout=900)
-    for name in jobs:
-        res = get(results, name)
-        assert res["kl"] <= KL_BOUND and res["top1"] >= 0.99, (name, res["kl"], res["top1"])
+    results = serve_and_compare(write_spark_packs(tmp_path_factory.mktemp("spark")), tmp_path, KL_BOUND)
     # the EXL3 pack's stored head is served although its config ties the head; the bf16 checkpoint is tied
     assert get(results, "spark-exl3")["vocab_modules"]["lm_head"]["method"] == "Exl3LinearMethod"
     assert get(results, "spark-bf16")["vocab_modules"]["lm_head"]["method"] == "UnquantizedEmbeddingMethod"
