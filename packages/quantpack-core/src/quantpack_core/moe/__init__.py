@@ -10,7 +10,15 @@
 See docs/moe-bank.md. Plain torch on any device; no vLLM and no exllamav3 import.
 """
 
-from .bank import Exl3MoeBank, ExpertViews, ProjView, bank_from_tensors, grouped_inputs, pointer_tables
+from .bank import (
+    GROUPED_OP_SCHEMA,
+    Exl3MoeBank,
+    ExpertViews,
+    ProjView,
+    bank_from_tensors,
+    grouped_inputs,
+    pointer_tables,
+)
 from .plan import (
     BANK_TENSORS,
     PIECE_KINDS,
@@ -35,6 +43,7 @@ from .tables import BankTables, GroupTables, ProjTables
 __all__ = [
     "ACTIVATIONS",
     "BANK_TENSORS",
+    "GROUPED_OP_SCHEMA",
     "PIECE_KINDS",
     "PROJECTIONS",
     "PROJ_DOWN",

@@ -470,6 +470,15 @@ def pointer_tables(bank: Exl3MoeBank) -> BankTables:
     return BankTables(groups, g, u, d)
 
 
+#: the custom-op schema of a grouped expert kernel taking :func:`grouped_inputs` (after the activations, expert ids and
+#: routing weights; before the output it writes)
+GROUPED_OP_SCHEMA = (
+    "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor perm, Tensor tables, Tensor w13_trellis, "
+    "Tensor w2_trellis, Tensor w13_suh, Tensor w13_svh, Tensor w2_suh, Tensor w2_svh, int codebook, int[] group_lo, "
+    "int[] group_hi, float[] k_gu, float[] k_d, Tensor(a!) out) -> ()"
+)
+
+
 def grouped_inputs(bank: Exl3MoeBank, codebook_id: int, device: torch.device) -> tuple[dict[str, torch.Tensor], tuple]:
     """What a grouped expert kernel's op reads for ``bank``: its tensors and scalars, as the exllamav3 and
     trellis_mma expert kernels both take them.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from quantpack_core.moe import GROUPED_OP_SCHEMA
 from quantpack_core.ops import define_op
 
 from .gemm import run_exl3_gemm
@@ -64,9 +65,7 @@ def _exl3_moe_cuda(
 
 define_op(
     "exl3_moe_",
-    "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor perm, Tensor tables, Tensor w13_trellis, "
-    "Tensor w2_trellis, Tensor w13_suh, Tensor w13_svh, Tensor w2_suh, Tensor w2_svh, int codebook, int[] group_lo, "
-    "int[] group_hi, float[] k_gu, float[] k_d, Tensor(a!) out) -> ()",
+    GROUPED_OP_SCHEMA,
     {"CUDA": _exl3_moe_cuda},
 )
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantpack_core.moe import GROUPED_OP_SCHEMA
 from quantpack_core.ops import define_op
 
 from .library import LibraryError, check, load
@@ -178,9 +179,7 @@ def run_trellis_moe(
 
 define_op(
     "trellis_moe_",
-    "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor perm, Tensor tables, Tensor w13_trellis, "
-    "Tensor w2_trellis, Tensor w13_suh, Tensor w13_svh, Tensor w2_suh, Tensor w2_svh, int codebook, int[] group_lo, "
-    "int[] group_hi, float[] k_gu, float[] k_d, Tensor(a!) out) -> ()",
+    GROUPED_OP_SCHEMA,
     {"CUDA": run_trellis_moe},
 )
 
