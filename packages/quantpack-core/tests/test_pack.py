@@ -390,6 +390,21 @@ def test_nan_in_a_norm_weight_is_named(tmp_path):
     expect_problem(path, "model.norm.weight", "2 of 256 values are NaN or infinite")
 
 
+def test_nan_rows_in_the_embedding_table_are_named(tmp_path, monkeypatch):
+    """A dense vocabulary table is scanned whole, in chunks of rows (made small here so that the bad rows fall in
+    different chunks): the count of non-finite rows and the first one are named; a clean table passes."""
+    monkeypatch.setattr(Pack, "TABLE_CHUNK_ELEMENTS", 256 * 100)
+    tensors = base_tensors()
+    rows = tensors["model.embed_tokens.weight"].shape[0]
+    tensors["model.embed_tokens.weight"][rows - 1, 7] = float("-inf")
+    tensors["model.embed_tokens.weight"][517, 0] = float("nan")
+    tensors["model.embed_tokens.weight"][518, 3] = float("nan")
+    path = write_pack(tmp_path / "p", tensors, CONFIG)
+    expect_problem(path, "model.embed_tokens.weight", f"3 of {rows} rows hold NaN", "first: row 517")
+    tensors = base_tensors()
+    Pack.open(write_pack(tmp_path / "q", tensors, CONFIG)).close()
+
+
 @pytest.mark.parametrize(
     "edit,needles",
     [

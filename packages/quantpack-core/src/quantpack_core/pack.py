@@ -807,10 +807,19 @@ class Pack:
     #: int8 row scales; whole tables and matrices are not read)
     VECTOR_CHECK_ELEMENTS = 1 << 20
 
+    #: module names whose dense 2-D floating weight is scanned whole for NaN / Inf (vocabulary tables: a non-finite
+    #: row poisons every token that meets it), in chunks of this many elements
+    TABLE_MODULES = ("embed_tokens", "lm_head")
+    TABLE_CHUNK_ELEMENTS = 1 << 24
+
     def _vector_problems(self, m: ModuleInfo) -> list[Problem]:
         """Non-finite values in a dense or int8-row module's 1-D floating tensors (a norm's weight, a bias, the row
-        scales of an int8 table): a NaN there reaches every token."""
+        scales of an int8 table: a NaN there reaches every token) and in a dense vocabulary table
+        (:data:`TABLE_MODULES`), read in chunks of rows so the check's memory stays at one chunk (64 MiB in
+        float32)."""
         out: list[Problem] = []
+        if m.format == "dense" and m.key.rsplit(".", 1)[-1] in self.TABLE_MODULES:
+            self._table_problems(m, out)
         for suffix, info in m.tensors.items():
             if len(info.shape) != 1 or not info.dtype.is_floating_point or info.shape[0] > self.VECTOR_CHECK_ELEMENTS:
                 continue
@@ -821,6 +830,40 @@ class Pack:
             if v is not None:
                 self._check_finite(m.key, name, v, out)
         return out
+
+    def _table_problems(self, m: ModuleInfo, out: list[Problem]) -> None:
+        """Record the non-finite values of module ``m``'s 2-D floating ``weight`` (rows counted, first row named)."""
+        info = m.tensors.get("weight")
+        if info is None or len(info.shape) != 2 or not info.dtype.is_floating_point or info.file in self._bad_files:
+            return
+        name = f"{m.key}.weight"
+        try:
+            sl = self._handle(info.file).get_slice(name)
+        except Exception as e:  # bytes safetensors cannot read
+            out.append(Problem(m.key, name, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD))
+            return
+        rows, cols = info.shape
+        step = max(1, self.TABLE_CHUNK_ELEMENTS // max(cols, 1))
+        bad_rows, first = 0, None
+        for r0 in range(0, rows, step):
+            try:
+                chunk = sl[r0 : r0 + step]
+            except Exception as e:
+                out.append(Problem(m.key, name, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD))
+                return
+            bad = ~torch.isfinite(chunk).all(dim=1)
+            if bool(bad.any()):
+                bad_rows += int(bad.sum())
+                first = r0 + int(bad.nonzero()[0, 0]) if first is None else first
+        if bad_rows:
+            out.append(
+                Problem(
+                    m.key,
+                    name,
+                    f"{bad_rows} of {rows} rows hold NaN or infinite values (first: row {first})",
+                    FIX_REDOWNLOAD,
+                )
+            )
 
     def _read_value(self, key: str, name: str, out: list[Problem]) -> torch.Tensor | None:
         """Tensor ``name`` of module ``key``, or None after recording why safetensors cannot read its bytes."""
