@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from quantpack_core import Pack
 from quantpack_core.cli import main
-from quantpack_core.tp_report import EXACT, FALLBACK, REFUSED, tp_report
+from quantpack_core.tp_report import EXACT, FALLBACK, REFUSED, kv_element_bytes, tp_report
 
 LLAMA = "llama-tiny-exl3-4.0bpw-mul1"
 MOE = "qwen3moe-tiny-exl3-mixed-k"
@@ -76,6 +76,22 @@ def test_cli_lists_fallbacks_and_exits_1_on_refusals(fixtures_dir):
     bad = runner.invoke(main, ["inspect", str(fixtures_dir / LLAMA), "--tp", "3"])
     assert bad.exit_code == 1
     assert "640 features do not split evenly over 3 ranks" in bad.output
+
+
+def test_kv_cache_element_follows_the_kv_cache_dtype(fixtures_dir):
+    """auto takes the model's dtype (4 bytes for a float32 model), fp8 one byte; an unknown name is a usage error."""
+    assert kv_element_bytes({"torch_dtype": "float32"}) == 4
+    assert kv_element_bytes({"dtype": "bfloat16"}) == 2 and kv_element_bytes({}) == 2
+    assert kv_element_bytes({"dtype": "float32"}, "fp8_e4m3") == 1
+    with pytest.raises(ValueError, match="unknown KV-cache dtype 'int3'"):
+        kv_element_bytes({}, "int3")
+    pack = Pack.open(fixtures_dir / LLAMA)
+    assert tp_report(pack, 2, kv_cache_dtype="fp8").kv_bytes_per_token * 2 == tp_report(pack, 2).kv_bytes_per_token
+    runner = CliRunner()
+    fp8 = runner.invoke(main, ["inspect", str(fixtures_dir / LLAMA), "--tp", "2", "--kv-cache-dtype", "fp8"])
+    assert fp8.exit_code == 0 and "0.50 KiB per token (4 attention layers, 1-byte elements)" in fp8.output
+    bad = runner.invoke(main, ["inspect", str(fixtures_dir / LLAMA), "--tp", "2", "--kv-cache-dtype", "int3"])
+    assert bad.exit_code == 2 and "unknown KV-cache dtype 'int3'" in bad.output
 
 
 def test_a_tensor_of_several_partitions_is_split_per_partition(fixtures_dir):

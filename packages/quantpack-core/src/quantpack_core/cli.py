@@ -81,7 +81,13 @@ def _table(header: tuple, rows: list) -> None:
     type=click.IntRange(min=1),
     help="The KV cache of one sequence of this many tokens (per rank with --tp; one rank without).",
 )
-def inspect(pack: Path, show_all: bool, tp: int | None, max_model_len: int | None) -> None:
+@click.option(
+    "--kv-cache-dtype",
+    default="auto",
+    show_default=True,
+    help="vLLM's --kv-cache-dtype for the KV figure: auto (the model's dtype), bfloat16, float16, float32, fp8*.",
+)
+def inspect(pack: Path, show_all: bool, tp: int | None, max_model_len: int | None, kv_cache_dtype: str) -> None:
     """Validate PACK and print its modules (format, K, codebook, padded and logical shapes, dtype, bytes), a K
     histogram and the bytes per storage kind; with --tp N, every module whose cut at N ranks falls back to whole
     blocks or is refused, and the memory per rank (exit status 1 when a module would be refused)."""
@@ -101,15 +107,18 @@ def inspect(pack: Path, show_all: bool, tp: int | None, max_model_len: int | Non
         kinds[m.format] = kinds.get(m.format, 0) + m.nbytes
     click.echo("bytes per storage kind: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(kinds.items())))
     if tp is not None or max_model_len is not None:  # --max-model-len alone: one rank
-        _print_tp(p, tp or 1, max_model_len, show_all)
+        _print_tp(p, tp or 1, max_model_len, show_all, kv_cache_dtype)
 
 
-def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool) -> None:
+def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool, kv_cache_dtype: str) -> None:
     """The ``--tp`` part of ``inspect``."""
     from .tp_report import EXACT, REPLICATED, tp_report
 
     fallback = str(p.quant_config.get("quant_method", "exl3")).lower() != "escha"
-    r = tp_report(p, tp, fallback=fallback)
+    try:
+        r = tp_report(p, tp, fallback=fallback, kv_cache_dtype=kv_cache_dtype)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--kv-cache-dtype") from None
     shown = [c for c in r.cuts if c.outcome not in (EXACT, REPLICATED) or show_all]
     click.echo(f"\ntensor parallelism {tp}:")
     if shown:
@@ -122,7 +131,7 @@ def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool) -> None:
     )
     if r.kv_bytes_per_token is not None:
         per_token = r.kv_bytes_per_token
-        layers = f"{r.attention_layers} attention layers, 2-byte elements"
+        layers = f"{r.attention_layers} attention layers, {r.kv_element_bytes}-byte elements"
         line = f"KV cache per rank: {per_token / 2**10:.2f} KiB per token ({layers})"
         if max_model_len:
             line += f", {per_token * max_model_len / 2**30:.3f} GiB for one sequence of {max_model_len} tokens"

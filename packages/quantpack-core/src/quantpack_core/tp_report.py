@@ -10,7 +10,7 @@ ranks are replicated, one head per rank, as vLLM's ``QKVParallelLinear`` does.
 
 Sizes are the stored ones (EXL3 pads to 128), so a module whose logical size is not a multiple of 128 is judged on
 its padded size; the KV cache counts every layer that stores a k projection, at full length (a sliding window would
-hold less), in 2-byte elements.
+hold less), in elements of the KV-cache dtype (:func:`kv_element_bytes`: vLLM's ``auto`` is the model's dtype).
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ class TpReport:
         kv_bytes_per_token: bytes of KV cache per token per rank, or None when the config lacks the sizes.
         attention_layers: layers counted in the KV cache.
         model_refusals: what vLLM itself refuses at this size (attention heads that do not divide over the ranks).
+        kv_element_bytes: bytes per KV-cache element the KV figure assumes.
     """
 
     tp: int
@@ -152,6 +153,7 @@ class TpReport:
     kv_bytes_per_token: int | None
     attention_layers: int
     model_refusals: tuple[str, ...] = ()
+    kv_element_bytes: int = 2
 
     @property
     def refused(self) -> list[ModuleCut]:
@@ -164,20 +166,48 @@ class TpReport:
         return [c for c in self.cuts if c.outcome == FALLBACK]
 
 
-def tp_report(pack: Pack, tp: int, fallback: bool = True) -> TpReport:
+#: bytes per element of the KV-cache dtypes vLLM's ``--kv-cache-dtype`` names (``fp8*``: one byte)
+KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
+
+
+def kv_element_bytes(config: dict, kv_cache_dtype: str = "auto") -> int:
+    """Bytes per KV-cache element for vLLM's ``--kv-cache-dtype`` value.
+
+    Args:
+        config: the model's (text) config.json; ``auto`` takes its ``torch_dtype`` / ``dtype`` (bfloat16 when it
+            names none, as vLLM's default for such checkpoints).
+        kv_cache_dtype: ``auto``, ``bfloat16``, ``float16``, ``float32`` or any ``fp8*`` name.
+
+    Raises:
+        ValueError: a name vLLM would not take (the message lists the accepted ones).
+    """
+    name = str(kv_cache_dtype).lower()
+    if name.startswith("fp8"):
+        return 1
+    if name == "auto":
+        model = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+        return KV_DTYPE_BYTES.get(str(model).lower().removeprefix("torch."), 2)
+    if name not in KV_DTYPE_BYTES:
+        raise ValueError(f"unknown KV-cache dtype {kv_cache_dtype!r}: use auto, {', '.join(KV_DTYPE_BYTES)} or fp8*")
+    return KV_DTYPE_BYTES[name]
+
+
+def tp_report(pack: Pack, tp: int, fallback: bool = True, kv_cache_dtype: str = "auto") -> TpReport:
     """Plan ``pack`` at tensor-parallel size ``tp`` (see the module).
 
     Args:
         pack: an opened pack.
         tp: the tensor-parallel size (>= 1).
         fallback: whether the pack's format keeps whole blocks around an inexact share (EXL3) or refuses (escha).
+        kv_cache_dtype: vLLM's ``--kv-cache-dtype`` (:func:`kv_element_bytes`).
 
     Raises:
-        ValueError: ``tp`` < 1.
+        ValueError: ``tp`` < 1, or an unknown ``kv_cache_dtype``.
     """
     if tp < 1:
         raise ValueError(f"a tensor-parallel size is at least 1, not {tp}")
     cfg = _text_config(pack)
+    element = kv_element_bytes({**pack.config, **cfg}, kv_cache_dtype)
     heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     kv_heads = kv_heads if isinstance(kv_heads, int) and kv_heads > 0 else heads
     hidden = cfg.get("hidden_size")
@@ -214,5 +244,5 @@ def tp_report(pack: Pack, tp: int, fallback: bool = True) -> TpReport:
     kv = None
     if isinstance(kv_heads, int) and isinstance(head_dim, int) and head_dim > 0:
         per_rank_heads = max(1, kv_heads // tp)
-        kv = 2 * len(layers) * per_rank_heads * head_dim * 2
-    return TpReport(tp, tuple(cuts), weights, kv, len(layers), tuple(refusals))
+        kv = 2 * len(layers) * per_rank_heads * head_dim * element
+    return TpReport(tp, tuple(cuts), weights, kv, len(layers), tuple(refusals), element)
