@@ -6,7 +6,9 @@ column-parallel modules (q / k / v, gate / up, GDN input projections, the head) 
 ones (o, down, GDN output) their inputs, expert banks their intermediate channels; a rank's share is exact when it
 covers whole 128-feature Hadamard blocks, else EXL3 keeps the blocks the share touches (the fallback: more memory
 and work on that rank) and escha refuses. An uneven split is refused by vLLM itself. k / v with fewer heads than
-ranks are replicated, one head per rank, as vLLM's ``QKVParallelLinear`` does.
+ranks are replicated, one head per rank, as vLLM's ``QKVParallelLinear`` does. Qwen3-Next's ``in_proj_qkvz`` is
+one interleaved partition (its head groups stay whole under an even split: vLLM's ``create_qkvz_proj`` gives it one
+output size), Qwen3.5's ``in_proj_qkv`` three (q, k, v: each split on its own).
 
 Sizes are the stored ones (EXL3 pads to 128), so a module whose logical size is not a multiple of 128 is judged on
 its padded size; the KV cache counts every layer that stores a k projection, at full length (a sliding window would
