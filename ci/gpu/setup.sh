@@ -1,11 +1,50 @@
 #!/usr/bin/env bash
-# Steps 2 and 3 (GPU machine, repo root): install what travelled in .stage/, unpack the vLLM bundle once both
-# parts have arrived, build exllamav3's extension once per machine. Idempotent. See ci/gpu/README.md.
+# Steps 2 and 3 (GPU machine, repo root): install what travelled in .stage/, unpack the vLLM bundle once all its
+# parts have arrived (replacing another bundle unpacked earlier), build exllamav3's extension once per machine.
+# Idempotent. Usage: [WAIT_BUILD=1] ci/gpu/setup.sh. See ci/gpu/README.md.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 source ci/gpu/env.sh
 mkdir -p /tmp/site /tmp/vllm-parts
+# the vLLM bundle's parts (one a run); parts of another staging (another sha256) replace those kept so far
+for d in .stage/vllm-*; do
+  [ -f "$d/sha256" ] || continue
+  if [ "$(cat "$d/sha256")" != "$(cat /tmp/vllm-parts/sha256 2>/dev/null)" ]; then
+    rm -f /tmp/vllm-parts/*
+  fi
+  cp "$d"/part-* "$d"/sha256 "$d"/parts /tmp/vllm-parts/
+done
+parts=$(cat /tmp/vllm-parts/parts 2>/dev/null || echo 0)
+have=$(find /tmp/vllm-parts -name 'part-*' | wc -l)
+want=$(cat /tmp/vllm-parts/sha256 2>/dev/null || true)
+if [ -n "$want" ] && [ "$(cat /tmp/site/.vllm-bundle 2>/dev/null)" = "$want" ]; then
+  : # this bundle is unpacked already
+elif [ "$parts" -gt 0 ] && [ "$have" -eq "$parts" ]; then
+  cat /tmp/vllm-parts/part-* > /tmp/vllm-slim.tar.xz
+  echo "$want  /tmp/vllm-slim.tar.xz" | sha256sum -c -
+  # another bundle (another vLLM) may be unpacked: remove what it unpacked (listed when it was), and everything the
+  # new one brings (bundles unpacked before that list existed), with any other version's dist-info of the same
+  # projects; the console scripts one by one, since bin/ also holds the wheels' scripts
+  tar -tJf /tmp/vllm-slim.tar.xz | sed 's|^\./||; s|/$||' | awk -F/ '($1 != "bin" && NF == 1) || ($1 == "bin" && NF == 2)' \
+    > /tmp/vllm-slim.entries
+  if [ -f /tmp/site/.vllm-bundle-entries ]; then
+    (cd /tmp/site && xargs -d '\n' rm -rf -- < .vllm-bundle-entries)
+  fi
+  (cd /tmp/site && xargs -d '\n' rm -rf -- < /tmp/vllm-slim.entries)
+  grep '\.dist-info$' /tmp/vllm-slim.entries | sed 's/-.*//' | while read -r project; do
+    rm -rf /tmp/site/"$project"-*.dist-info
+  done
+  rm -f /tmp/site/.vllm-bundle /tmp/site/.vllm-bundle-entries
+  tar -xJf /tmp/vllm-slim.tar.xz -C /tmp/site
+  mv /tmp/vllm-slim.entries /tmp/site/.vllm-bundle-entries
+  echo "$want" > /tmp/site/.vllm-bundle
+  rm -f /tmp/site/.quantpack-wheels  # the wheels go in again over it (the old bundle may have held some of them)
+  rm -f /tmp/vllm-slim.tar.xz
+  echo "vLLM bundle unpacked: $(python3 -c 'import vllm; print(vllm.__version__)')"
+else
+  echo "vLLM bundle: $have of $parts parts here so far"
+fi
 # the wheels, once per set of wheels (runs in parallel must not reinstall under each other)
 if compgen -G ".stage/whl/*.whl" >/dev/null; then
   stamp=$(cat .stage/whl/*.whl | sha256sum | cut -d' ' -f1)
@@ -18,20 +57,6 @@ fi
 if compgen -G ".stage/nox/*.whl" >/dev/null && ! [ -d /tmp/nox-site/nox ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/nox-site .stage/nox/*.whl
   echo "nox installed into /tmp/nox-site"
-fi
-for d in .stage/vllm-?; do
-  [ -d "$d" ] && cp "$d"/part-* "$d"/sha256 "$d"/parts /tmp/vllm-parts/ 2>/dev/null || true
-done
-parts=$(cat /tmp/vllm-parts/parts 2>/dev/null || echo 0)
-have=$(find /tmp/vllm-parts -name 'part-*' | wc -l)
-if [ ! -f /tmp/site/vllm/__init__.py ] && [ "$parts" -gt 0 ] && [ "$have" -eq "$parts" ]; then
-  cat /tmp/vllm-parts/part-* > /tmp/vllm-slim.tar.xz
-  echo "$(cat /tmp/vllm-parts/sha256)  /tmp/vllm-slim.tar.xz" | sha256sum -c -
-  tar -xJf /tmp/vllm-slim.tar.xz -C /tmp/site
-  rm -f /tmp/vllm-slim.tar.xz
-  echo "vLLM bundle unpacked: $(python3 -c 'import vllm; print(vllm.__version__)')"
-elif [ ! -f /tmp/site/vllm/__init__.py ]; then
-  echo "vLLM bundle: $have of $parts parts here so far"
 fi
 # a prebuilt extension (staged from an earlier build on an identical machine, see stage.sh) saves the build
 if [ -f .stage/ext/exllamav3_ext.so.xz ] && ! [ -f /tmp/ext-built ]; then

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Step 1 (here): stage what the GPU machine needs under .stage/ (git-ignored). See ci/gpu/README.md.
+# Usage: [VLLM_BUNDLE=path/to/vllm-slim-VERSION.tar.xz] [VLLM_PARTS=N] [EXL3_EXT_SO_XZ=path] ci/gpu/stage.sh
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 stage=.stage
 bundle=${VLLM_BUNDLE:-$root/../shared/gpu/vllm-slim-0.25.1.tar.xz}
 if [ ! -f "$bundle" ]; then
-  echo "stage.sh: no vLLM bundle at $bundle; set VLLM_BUNDLE=/path/to/vllm-slim-0.25.1.tar.xz (see ci/gpu/README.md)" >&2
+  echo "stage.sh: no vLLM bundle at $bundle; set VLLM_BUNDLE=/path/to/vllm-slim-VERSION.tar.xz, e.g. one built by" \
+    "ci/gpu/bundle.sh (see ci/gpu/README.md)" >&2
   exit 2
 fi
 rm -rf "$stage/whl" "$stage/nox"
@@ -18,9 +20,11 @@ done
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$stage/whl" exllamav3==1.6.5 marisa-trie
-# the slim vLLM bundle lacks compressed-tensors (and its loguru), which vLLM imports as soon as any quantization
-# method is resolved
-python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$stage/whl" compressed-tensors==0.17.0 loguru
+# vLLM imports compressed-tensors (and its loguru) as soon as any quantization method is resolved: bundles built by
+# ci/gpu/bundle.sh carry the version their release pins; the shared 0.25.1 bundle lacks them
+if ! tar -tJf "$bundle" | grep -q '^\./compressed_tensors/$'; then
+  python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$stage/whl" compressed-tensors==0.17.0 loguru
+fi
 # nox and its dependencies (travels with the second part; installed apart from /tmp/site so that its packaging /
 # filelock never shadow the machine's own)
 python3 -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -33,15 +37,28 @@ if [ -n "${EXL3_EXT_SO_XZ:-}" ]; then
   mkdir -p "$stage/ext"
   cp "$EXL3_EXT_SO_XZ" "$stage/ext/exllamav3_ext.so.xz"
 fi
-# the bundle in four parts (.stage/vllm-a .. -d, about 14 MB each), so that each run stays under the 64 MiB that
-# travels with the checkout (about 48 MB of it tracked files)
+# the bundle in parts (.stage/vllm-a, -b, ...), each small enough to travel beside the checkout within the 64 MiB
+# of one run (the checkout's tracked and untracked-not-ignored files, about 48 MB, and 1 MiB to spare): four parts
+# of about 14 MB for a 56 MB bundle; VLLM_PARTS=N forces N
+checkout=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+room=$((64 * 1024 * 1024 - checkout - 1024 * 1024))
+size=$(stat -c %s "$bundle")
+parts=${VLLM_PARTS:-$(((size + room - 1) / room))}
+if [ "$parts" -lt 1 ] || [ "$parts" -gt 26 ] || [ $(((size + parts - 1) / parts)) -gt "$room" ]; then
+  echo "stage.sh: a $size-byte bundle in $parts parts does not fit beside a $checkout-byte checkout" >&2
+  exit 2
+fi
 rm -rf "$stage"/vllm-? "$stage"/part-*
-split -n 4 -d "$bundle" "$stage/part-"
-for i in 0 1 2 3; do
-  d="$stage/vllm-$(echo abcd | cut -c$((i + 1)))"
+split -n "$parts" -d -a 2 "$bundle" "$stage/part-"
+sum=$(sha256sum "$bundle" | cut -d' ' -f1)
+letters=abcdefghijklmnopqrstuvwxyz
+for ((i = 0; i < parts; i++)); do
+  d="$stage/vllm-${letters:i:1}"
   mkdir -p "$d"
-  mv "$stage/part-0$i" "$d/"
-  sha256sum "$bundle" | cut -d' ' -f1 > "$d/sha256"
-  echo 4 > "$d/parts"
+  mv "$stage/part-$(printf %02d "$i")" "$d/"
+  echo "$sum" > "$d/sha256"
+  echo "$parts" > "$d/parts"
 done
+echo "vLLM bundle $(basename "$bundle"): $size bytes in $parts parts of at most $room bytes" \
+  "(checkout: $checkout bytes): carry .stage/vllm-a .. .stage/vllm-${letters:parts-1:1}, one a run"
 du -sh "$stage"/*
