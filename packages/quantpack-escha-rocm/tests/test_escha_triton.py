@@ -3,7 +3,9 @@ the escha codec's fp64 reference: every integer K, padded layers (input zero-ext
 at and above a program's 16 and above a launch's piece (pieces of 24 rows here), every model dtype, only the shard's
 columns written; and both kernels compiled ahead of time for CUDA sm_90 and ROCm gfx1201 (the interpreter accepts code
 that compiled Triton refuses). Their first H200 run (2026-12-02) failed to compile on a non-constexpr global, which
-the compile test now catches here; the fixed kernels have not run on a GPU yet."""
+the compile test now catches here. Shards whose row blocks times column blocks fill fewer programs than the
+interpreter's target (8 "SMs" x 2) split k (most cases here: 2-4 slices, an uneven last one included); one case
+fills it and runs one slice."""
 
 import json
 import os
@@ -24,6 +26,8 @@ CASES = [
     {"in": 256, "out": 256, "k": 3, "rows": 53, "dtype": "float32"},
     {"in": 384, "out": 256, "k": 2, "rows": 7, "dtype": "float16"},
     {"in": 384, "out": 256, "k": 2, "rows": 7, "dtype": "bfloat16"},
+    # 16 column blocks fill the interpreter's target of 16 programs: the one-slice path (the others split k)
+    {"in": 256, "out": 2048, "k": 3, "rows": 3, "dtype": "float32"},
 ]
 TOL = {"float32": 2e-3, "float16": 3e-3, "bfloat16": 1.5e-2}
 
@@ -79,10 +83,38 @@ def test_kernels_compile_for_hopper_and_gfx1201(target, k, act):
     inputs |= {"k": i32, "x_stride": i32, "BM": "constexpr"}
     gemm = {"xt_ptr": "*fp16", "code_ptr": "*i32", "place_ptr": "*i32", "h_ptr": "*fp32", "b_ptr": "*fp32"}
     gemm |= {"out_ptr": f"*{act}", "rows": i32, "k": i32, "n": i32, "out_stride": i32, "col": i32}
-    gemm |= {"out_features": i32, "KBITS": "constexpr", "BM": "constexpr", "BK": "constexpr"}
+    gemm |= {"out_features": i32, "slice_k": i32, "rows_pad": i32}
+    gemm |= {"KBITS": "constexpr", "BM": "constexpr", "BK": "constexpr", "SPLIT": "constexpr"}
+    gemm = {**dict(list(gemm.items())[:6]), "part_ptr": "*fp32", **dict(list(gemm.items())[6:])}
+    reduce = {"part_ptr": "*fp32", "h_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": f"*{act}", "rows": i32, "n": i32}
+    reduce |= {"out_stride": i32, "col": i32, "out_features": i32, "splits": i32, "rows_pad": i32, "BM": "constexpr"}
     for fn, sig, consts in (
         (et.input_kernel, inputs, {"BM": BM}),
-        (et.gemm_kernel, gemm, {"KBITS": k, "BM": BM, "BK": BK}),
+        (et.gemm_kernel, gemm, {"KBITS": k, "BM": BM, "BK": BK, "SPLIT": True}),
+        (et.gemm_kernel, gemm, {"KBITS": k, "BM": BM, "BK": BK, "SPLIT": False}),
+        (et.reduce_kernel, reduce, {"BM": BM}),
     ):
         binary = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=gpu)
         assert binary.asm.get("cubin" if target == "cuda" else "hsaco"), f"{fn.__name__}: no device code"
+
+
+def test_split_plan_covers_k_and_fits_the_workspace():
+    """Every plan's slices are whole BK steps covering k exactly once, the grid reaches the target where k allows,
+    and the partials of a split call fit the workspace (fewer than 2 x target blocks); the test cases above split."""
+    from quantpack_escha.backends.triton.ops import BK, BM, split_plan
+
+    assert split_plan(1, 256, 384, 16) == (4, 64)
+    assert split_plan(17, 256, 384, 16) == (3, 96)
+    assert split_plan(3, 256, 2048, 16) == (1, 256)
+    for target in (16, 264, 512):
+        for rows in (1, 5, 16, 17, 64, 300):
+            for k in (128, 256, 4096, 14336):
+                for n in (128, 1024, 4096, 14336, 128256):
+                    splits, slice_k = split_plan(rows, k, n, target)
+                    blocks = -(-rows // BM) * (n // 128)
+                    assert slice_k % BK == 0 and (splits - 1) * slice_k < k <= splits * slice_k
+                    if splits > 1:
+                        assert splits * blocks < 2 * target
+                        assert splits * -(-rows // BM) * BM * n <= 2 * target * BM * 128
+                    elif blocks < target:
+                        assert k // BK < 2

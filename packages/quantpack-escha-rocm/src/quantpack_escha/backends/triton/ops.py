@@ -1,7 +1,12 @@
 """The Triton backend's custom op ``quantpack::escha_triton_`` (one escha shard into its columns of the layer's
 output) and the per-device workspace its launches share (reserved when a shard is prepared, before any graph
-capture): the float16 transformed input of up to :data:`MAX_ROWS` rows of the widest shard, the 128 x 128 Hadamard
-matrix and the tile placement. A call of more rows runs in pieces; the op allocates nothing.
+capture): the float16 transformed input of up to :data:`MAX_ROWS` rows of the widest shard, the split-K partial sums,
+the 128 x 128 Hadamard matrix and the tile placement. A call of more rows runs in pieces; the op allocates nothing.
+
+Split-K plan (:func:`split_plan`): a call whose row blocks times column blocks fill fewer than
+:data:`PROGRAMS_PER_SM` programs per SM cuts k into slices until they do (at most one slice per ``BK`` of k), so
+that the decode GEMVs of a few rows stream the code on every SM; their partials (at most twice the target programs'
+``BM x 128`` float32 blocks) are summed by a third launch.
 """
 
 from __future__ import annotations
@@ -20,19 +25,33 @@ MAX_ROWS = 1024
 BM = 16
 #: k per step of the GEMM loop (a multiple of 16)
 BK = 32
+#: programs per SM the split-K plan aims at
+PROGRAMS_PER_SM = 2
+#: SMs assumed where the device reports none (Triton's interpreter on CPU: small, so the tests' shards split)
+CPU_SMS = 8
 
 
 @dataclass
 class Workspace:
-    """One device's buffers: ``xt`` float16 ``(MAX_ROWS, k)``, ``h`` float32 ``(128, 128)`` (+-1), ``place`` int32
-    ``(256,)``."""
+    """One device's buffers: ``xt`` float16 ``(MAX_ROWS, k)``, ``part`` float32 ``(2 * target * BM * 128,)`` (split-K
+    partials), ``h`` float32 ``(128, 128)`` (+-1), ``place`` int32 ``(256,)``; ``target``: programs a launch aims at
+    (SMs x :data:`PROGRAMS_PER_SM`)."""
 
     xt: torch.Tensor
+    part: torch.Tensor
     h: torch.Tensor
     place: torch.Tensor
+    target: int
 
 
 _workspaces: dict[tuple[str, int | None], Workspace] = {}
+
+
+def _sms(device: torch.device) -> int:
+    """Streaming multiprocessors (CUDA) or compute units (ROCm) of ``device``; :data:`CPU_SMS` on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return CPU_SMS
 
 
 def reserve(device: torch.device, k: int) -> Workspace:
@@ -44,15 +63,31 @@ def reserve(device: torch.device, k: int) -> Workspace:
     ws = _workspaces.get(key)
     if ws is None:
         h = (hadamard_matrix(128, torch.float64) * 128**0.5).round().to(torch.float32)
+        target = _sms(device) * PROGRAMS_PER_SM
         ws = Workspace(
             xt=torch.empty((MAX_ROWS, k), dtype=torch.float16, device=device),
+            part=torch.empty((2 * target * BM * 128,), dtype=torch.float32, device=device),
             h=h.to(device),
             place=tile_placement().to(device=device, dtype=torch.int32),
+            target=target,
         )
         _workspaces[key] = ws
     elif ws.xt.shape[1] < k:
         ws.xt = torch.empty((MAX_ROWS, k), dtype=torch.float16, device=device)
     return ws
+
+
+def split_plan(rows: int, k: int, n: int, target: int) -> tuple[int, int]:
+    """``(splits, slice_k)`` for a call of ``rows`` rows on a ``k x n`` shard: one slice when the row blocks times the
+    column blocks reach ``target`` programs, else as many slices (of whole ``BK`` steps) as bring the grid to it.
+    ``splits * row blocks * column blocks < 2 * target`` whenever ``splits > 1`` (the partials fit the workspace)."""
+    blocks = triton_cdiv(rows, BM) * (n // 128)
+    steps = k // BK
+    if blocks >= target or steps < 2:
+        return 1, k
+    want = min(steps, triton_cdiv(target, blocks))
+    slice_k = triton_cdiv(steps, want) * BK
+    return triton_cdiv(k, slice_k), slice_k
 
 
 def run_escha_triton(
@@ -66,7 +101,7 @@ def run_escha_triton(
     col: int,
 ) -> None:
     """The implementation of ``quantpack::escha_triton_`` (see :func:`escha_triton_`)."""
-    from .escha_triton import gemm_kernel, input_kernel
+    from .escha_triton import gemm_kernel, input_kernel, reduce_kernel
 
     rows = x.shape[0]
     if rows == 0:
@@ -82,10 +117,18 @@ def run_escha_triton(
         r = min(MAX_ROWS, rows - r0)
         xr, outr = x[r0 : r0 + r], out[r0 : r0 + r]
         xt = ws.xt[:r, :k]
-        input_kernel[(triton_cdiv(r, BM), k // 128)](xr, a, ws.h, xt, r, xr.shape[1], k, xr.stride(0), BM=BM)
-        gemm_kernel[(triton_cdiv(r, BM), n // 128)](
-            xt, code, ws.place, ws.h, b, outr, r, k, n, outr.stride(0), col, out_features, KBITS=kbits, BM=BM, BK=BK
-        )
+        row_blocks = triton_cdiv(r, BM)
+        input_kernel[(row_blocks, k // 128)](xr, a, ws.h, xt, r, xr.shape[1], k, xr.stride(0), BM=BM)
+        splits, slice_k = split_plan(r, k, n, ws.target)
+        rows_pad = row_blocks * BM
+        gemm_kernel[(row_blocks, n // 128, splits)](
+            xt, code, ws.place, ws.h, b, outr, ws.part, r, k, n, outr.stride(0), col, out_features, slice_k, rows_pad,
+            KBITS=kbits, BM=BM, BK=BK, SPLIT=splits > 1,
+        )  # fmt: skip
+        if splits > 1:
+            reduce_kernel[(row_blocks, n // 128)](
+                ws.part, ws.h, b, outr, r, n, outr.stride(0), col, out_features, splits, rows_pad, BM=BM
+            )
 
 
 def triton_cdiv(a: int, b: int) -> int:
