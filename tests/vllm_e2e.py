@@ -127,6 +127,14 @@ def vocab_modules(model) -> dict:
     return out
 
 
+def quant_methods(model) -> dict:
+    """``{module name: quant method class}`` for every module of a built vLLM model that holds a ``quant_method``
+    (linear layers, embeddings and heads, expert layers)."""
+    return {
+        name: type(m.quant_method).__name__ for name, m in model.named_modules() if getattr(m, "quant_method", None)
+    }
+
+
 def install_routing_probe(model) -> int:
     """Wrap the router of every vLLM MoE layer (``MoERunner.router.select_experts``, vLLM 0.25+) so that the expert
     ids it picks are recorded, call by call; returns how many layers were wrapped."""
@@ -210,6 +218,7 @@ def run_logits(job: dict) -> dict:
     rss_after = rss_mib()
     in_process = job.get("tp", 1) == 1  # the model is inspected in this process only without worker processes
     modules = llm.apply_model(vocab_modules)[0] if in_process else None
+    methods = llm.apply_model(quant_methods)[0] if in_process else None
     if job.get("routing") and in_process:
         llm.apply_model(install_routing_probe)
     lp = prompt_logprob_matrix(llm, ids, vocab)
@@ -227,6 +236,7 @@ def run_logits(job: dict) -> dict:
         "greedy_top2": [{str(k): v for k, v in step.items()} for step in top2],
         "load_s": load_s,
         "vocab_modules": modules,
+        "quant_methods": methods,
         "rss_mib": [rss_before, rss_after],
         "routing": routing,
         "save": job.get("save"),

