@@ -73,3 +73,46 @@ def test_non_finite_vectors_are_rejected():
     layer["svh"][5] = float("nan")
     with pytest.raises(CodecError, match="svh holds 1 NaN"):
         Exl3Tensors.from_tensors(layer)
+
+
+def _whole_matrix(t: Exl3Tensors, dtype: torch.dtype) -> torch.Tensor:
+    """The formula on the whole matrix at once (the codec before it worked in blocks)."""
+    from quantpack_core.codec import decode_matrix, had128
+
+    w = had128(had128(decode_matrix(t.trellis, t.codebook).to(dtype), 0), 1)
+    return w.mul_(t.suh.to(dtype)[:, None]).mul_(t.svh.to(dtype)[None, :])
+
+
+@pytest.mark.parametrize(
+    "shape,k,codebook",
+    [((128, 128), 2, "3inst"), ((256, 4224), 4, "mul1"), ((2048, 2048), 2.5, "mul1"), ((300, 500), 6, "mcg")],
+)
+def test_blocked_dequantize_is_bit_identical_to_the_whole_matrix(shape, k, codebook):
+    """In float32 (the load path), blocks of 128 rows x DEQUANT_BLOCK_COLUMNS (4224 columns: two blocks, the last one
+    partial) give the same bits as transforming the whole matrix, also written through ``out`` into a trimmed bf16
+    (out, in) buffer. float64 may round the Hadamard sums in another order (the BLAS picks its kernel by shape)."""
+    g = torch.Generator().manual_seed(7)
+    t = Exl3Tensors.from_tensors(random_exl3_layer(*shape, k, codebook, generator=g))
+    whole = _whole_matrix(t, torch.float32)
+    assert torch.equal(dequantize(t, torch.float32), whole)
+    buf = torch.empty((shape[1], shape[0]), dtype=torch.bfloat16)
+    assert dequantize(t, torch.float32, out=buf.t()).data_ptr() == buf.data_ptr()
+    assert torch.equal(buf, whole[: shape[0], : shape[1]].to(torch.bfloat16).t())
+    torch.testing.assert_close(dequantize(t, torch.float64), _whole_matrix(t, torch.float64), rtol=1e-14, atol=1e-17)
+
+
+def test_decode_rows_equals_decode_matrix_for_every_k():
+    from quantpack_core.codec import LEGAL_K, codebook_table, decode_matrix, width_from_k
+    from quantpack_core.codec.trellis import decode_rows
+
+    g = torch.Generator().manual_seed(8)
+    for k in LEGAL_K:
+        tr = torch.randint(-32768, 32768, (8, 5, width_from_k(k)), dtype=torch.int32, generator=g).to(torch.int16)
+        got = decode_rows(tr, codebook_table("mul1").float(), k)
+        assert torch.equal(got, decode_matrix(tr, "mul1").float()), k
+
+
+def test_dequantize_out_larger_than_the_matrix_is_rejected():
+    t = Exl3Tensors.from_tensors(random_exl3_layer(128, 128, 4, generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(CodecError, match="larger than the stored 128x128"):
+        dequantize(t, out=torch.empty(129, 128))

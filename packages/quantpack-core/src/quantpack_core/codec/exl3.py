@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import CodecError
-from .codebook import Codebook
-from .hadamard import had128
-from .trellis import TILE, check_k_codebook, check_trellis, decode_matrix
+from .codebook import Codebook, codebook_table
+from .hadamard import HAD_BLOCK, had128
+from .trellis import TILE, check_k_codebook, check_trellis, decode_matrix, decode_rows
 
 if TYPE_CHECKING:  # tp imports the Hadamard block from this package
     from ..tp import TpCut
@@ -130,20 +130,59 @@ def check_marker(marker: torch.Tensor, codebook: Codebook) -> None:
         )
 
 
-def dequantize(t: Exl3Tensors, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Dense weight of one EXL3 layer.
+#: columns of the blocks :func:`dequantize` works in: a 128 x 2048 float32 block is 1 MiB, so it and its scratch
+#: stay in the CPU's caches and are reused from block to block, where whole-layer intermediates (for 2048 x 8192 two
+#: float16 and three float32 arrays of 32-64 MiB) were fresh pages every time (17.9 M page faults and 75 s of system
+#: time in the load of benchmarks/cpu_load.py's pack). 2048 x 8192 at K=4 on 2 idle cores: 0.45 s -> 0.15 s;
+#: 4096 or 8192 columns measured the same within noise
+DEQUANT_BLOCK_COLUMNS = 2048
+
+
+def dequantize(t: Exl3Tensors, dtype: torch.dtype = torch.float32, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense weight of one EXL3 layer, computed in blocks of 128 rows (one Hadamard block) by
+    :data:`DEQUANT_BLOCK_COLUMNS` columns.
+
+    Each block follows the whole-matrix formula step by step (decoded values in ``dtype``, the Hadamard transform
+    over rows, then over columns, then ``suh``, then ``svh``); in float32 the result is the same bits as transforming
+    the whole matrix at once (checked on every shape of the tests and of the benchmarks), in float64 the BLAS may
+    order a Hadamard sum differently for a block than for the whole matrix (a last-bit difference).
 
     Args:
         t: the layer's tensors.
-        dtype: compute and result dtype (float32 or float64; float16 for a kernel-like rounding).
+        dtype: compute dtype (float32 or float64; float16 for a kernel-like rounding).
+        out: optional destination of shape ``(rows, cols)`` with ``rows <= k`` and ``cols <= n``, any dtype and
+            strides (e.g. the transpose of an ``(out_features, in_features)`` buffer); it receives ``W[:rows, :cols]``
+            converted to its dtype (a trimmed padded layer, a model-dtype weight), and no full-size ``dtype`` copy of
+            the weight is ever made.
 
     Returns:
-        ``W`` of shape ``(k, n)`` (input features x output features, padded), so that ``y = x @ W``;
-        the ``nn.Linear`` weight is ``W.T``.
+        ``out``, or ``W`` of shape ``(k, n)`` in ``dtype`` (input features x output features, padded), so that
+        ``y = x @ W``; the ``nn.Linear`` weight is ``W.T``.
+
+    Raises:
+        CodecError: an ``out`` larger than the stored matrix.
     """
-    what = decode_matrix(t.trellis, t.codebook).to(dtype)
-    w = had128(had128(what, 0), 1)
-    return w.mul_(t.suh.to(dtype)[:, None]).mul_(t.svh.to(dtype)[None, :])  # in place: one (k, n) array at a time
+    kp, np_ = t.padded_shape
+    device = t.trellis.device
+    if out is None:
+        out = torch.empty((kp, np_), dtype=dtype, device=device)
+    rows, cols = out.shape
+    if rows > kp or cols > np_:
+        raise CodecError(f"out has shape {tuple(out.shape)}, larger than the stored {kp}x{np_} matrix")
+    k = t.k_bits
+    table = codebook_table(t.codebook, device).to(dtype)
+    suh, svh = t.suh.to(dtype), t.svh.to(dtype)
+    band = HAD_BLOCK // TILE
+    for r0 in range(0, rows, HAD_BLOCK):
+        rb = min(HAD_BLOCK, rows - r0)
+        for c0 in range(0, cols, DEQUANT_BLOCK_COLUMNS):
+            cb = min(DEQUANT_BLOCK_COLUMNS, cols - c0)
+            c1 = c0 + -(-cb // HAD_BLOCK) * HAD_BLOCK  # whole Hadamard blocks
+            trellis = t.trellis[r0 // TILE : r0 // TILE + band, c0 // TILE : c1 // TILE]
+            w = had128(had128(decode_rows(trellis, table, k), 0), 1)
+            w.mul_(suh[r0 : r0 + HAD_BLOCK, None]).mul_(svh[None, c0:c1])
+            out[r0 : r0 + rb, c0 : c0 + cb].copy_(w[:rb, :cb])
+    return out
 
 
 def reference_linear(
