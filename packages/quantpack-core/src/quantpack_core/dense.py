@@ -62,7 +62,12 @@ def fuse_dense(shards: list[PreparedShard]) -> PreparedShard | None:
         w is None or w.shape[0] != weights[0].shape[0] for w in weights
     ):
         return None
-    w = torch.cat(weights, dim=1)
+    if all(w.t().is_contiguous() for w in weights):
+        # transposes of (out, in) matrices (the reference kernels' layout): stacked along their rows, the result
+        # stays in the layout vLLM's CPU GEMM packs from, with no transposing copy
+        w = torch.cat([w.t() for w in weights], dim=0).t()
+    else:
+        w = torch.cat(weights, dim=1)
     return PreparedShard(dense_gemm_, {"weight": w}, w.shape[1])
 
 

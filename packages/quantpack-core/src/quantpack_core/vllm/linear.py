@@ -422,7 +422,10 @@ class QuantLinearMethod(LinearMethodBase):
             columns.extend(range(col, col + p.out_features) if select is None else [col + c for c in select])
             col += p.out_features
         runs, first = [], 0
-        for i, (kernel, p) in enumerate(self._fused(prepared)):
+        fused = self._fused(prepared)
+        prepared.clear()
+        for i in range(len(fused)):
+            (kernel, p), fused[i] = fused[i], None  # each run's unpacked form is freed once it is packed
             p = kernel.finalize(p)
             names = []
             for name, tensor in p.tensors.items():

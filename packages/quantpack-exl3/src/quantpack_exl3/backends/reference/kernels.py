@@ -62,11 +62,16 @@ class ReferenceLinearKernel(LinearKernel):
     @classmethod
     def prepare(cls, shard: Exl3Tensors, spec: LinearSpec, device: torch.device) -> PreparedShard:
         """The ``(in_features, out_features)`` dense weight of the rank's shard, in ``spec.act_dtype`` on
-        ``device``."""
+        ``device``: the transpose of a contiguous ``(out_features, in_features)`` matrix, the layout of an
+        ``nn.Linear`` weight, which vLLM's CPU GEMM then packs without a transposing copy.
+
+        The codec decodes in float32 blocks straight into that matrix (:func:`quantpack_core.codec.dequantize` with
+        ``out``), so the shard's only full-size allocation is its result."""
         t = shard
         on_device = Exl3Tensors(t.trellis.to(device), t.suh.to(device), t.svh.to(device), t.codebook)
-        w = dequantize(on_device, torch.float32)[: spec.in_features, : spec.out_features]
-        return PreparedShard(dense_gemm_, {"weight": w.to(spec.act_dtype).contiguous()}, spec.out_features)
+        w = torch.empty((spec.out_features, spec.in_features), dtype=spec.act_dtype, device=device)
+        dequantize(on_device, torch.float32, out=w.t())
+        return PreparedShard(dense_gemm_, {"weight": w.t()}, spec.out_features)
 
     @classmethod
     def fuse(cls, shards: list[PreparedShard]) -> PreparedShard | None:
