@@ -2,6 +2,7 @@
 paths with the shard ids its model files use, against the core codec's fp64 reference."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -371,6 +372,36 @@ def test_host_copies_released_after_load(vllm_layers, llama):
 
     gc.collect()
     assert all(r() is None for r in refs), "a captured checkpoint tensor is still referenced"
+
+
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc/self/maps are Linux's")
+def test_processed_checkpoint_pages_leave_the_process(tmp_path):
+    """The pages a captured safetensors view occupies leave the process's RSS once dropped, the tensor still reads
+    the same values (the file keeps them), and memory that is not a private file mapping is never advised."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from quantpack_core.vllm.mapped import drop_file_pages
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(-32768, 32768, (2048, 2048), dtype=torch.int32, generator=g).to(torch.int16)  # 8 MiB
+    save_file({"a.trellis": data}, str(tmp_path / "m.safetensors"))
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
+        view = f.get_tensor("a.trellis")
+    before = _rss_file_kib()
+    assert torch.equal(view, data)  # reads every page
+    touched = _rss_file_kib()
+    assert drop_file_pages([view]) >= data.numel() * 2
+    assert touched - _rss_file_kib() > 6 * 1024, (before, touched, _rss_file_kib())
+    assert torch.equal(view, data)
+    anonymous = data.clone()
+    assert drop_file_pages([anonymous]) == 0
+    assert torch.equal(anonymous, data)
 
 
 def test_dense_layers_stored_in_pack_converted_once(vllm_layers):

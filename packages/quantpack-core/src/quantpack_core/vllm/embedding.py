@@ -27,6 +27,15 @@ from .params import ShardParam
 ROWS, SCALES, DENSE = "qweight", "scales", "weight"
 
 
+def _owned(table: torch.Tensor, captured: torch.Tensor) -> torch.Tensor:
+    """``table``, copied when it still shares memory with the captured checkpoint tensor (a table that needed no
+    padding, cast or move): otherwise the layer would keep a view of the checkpoint's memory map, and with it the
+    whole shard file mapped and its read pages in the process for as long as the model lives."""
+    if table.untyped_storage().data_ptr() == captured.untyped_storage().data_ptr():
+        return table.clone()
+    return table
+
+
 @dataclass
 class EmbeddingState:
     """What the method knows about one embedding (``layer.quant_state``).
@@ -135,12 +144,15 @@ class Int8RowsEmbeddingMethod(QuantizeMethodBase):
             q = self._fit(q, rows_name, state.rows, state.width)
             scales = torch.ones(state.rows, dtype=torch.float32)
             scales[: s.shape[0]] = s.float()
-            layer.register_parameter(ROWS, torch.nn.Parameter(q.to(device), requires_grad=False))
+            layer.register_parameter(
+                ROWS, torch.nn.Parameter(_owned(q.to(device), got[rows_name]), requires_grad=False)
+            )
             layer.register_parameter(SCALES, torch.nn.Parameter(scales.to(device), requires_grad=False))
             layer.register_parameter(DENSE, None)  # vLLM's draft-sharing code looks the name up
             state.int8 = True
         elif w is not None:
             w = self._fit(w, DENSE, state.rows, state.width).to(device=device, dtype=state.params_dtype)
+            w = _owned(w, got[DENSE])
             layer.register_parameter(DENSE, torch.nn.Parameter(w, requires_grad=False))
         else:
             layer.register_parameter(DENSE, None)  # empty: shared from a target model after loading

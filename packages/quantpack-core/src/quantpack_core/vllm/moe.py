@@ -369,7 +369,7 @@ class QuantMoEMethod(FusedMoEMethodBase):
             bank = self.format.build_bank(self.prefix, tensors, device, 1, 0)
         for family in FAMILIES:
             for suffix in state.suffixes:
-                getattr(layer, f"{family}_{suffix}").captured.clear()
+                getattr(layer, f"{family}_{suffix}").release()
                 delattr(layer, f"{family}_{suffix}")
         if bank is None:  # expert split with more ranks than experts: this one holds none
             state.idle = True

@@ -19,6 +19,8 @@ from quantpack_core.errors import LayerLoadError
 from quantpack_core.moe import PROJ_DOWN, PROJ_GATE, PROJ_MODULES, PROJ_UP, PROJECTIONS
 from quantpack_core.names import shard_slot
 
+from .mapped import drop_file_pages
+
 #: vLLM's expert shard id -> the stacked parameter family it belongs to
 STACK = {PROJ_GATE: "w13", PROJ_UP: "w13", PROJ_DOWN: "w2"}
 
@@ -59,7 +61,9 @@ class ShardParam(BasevLLMParameter):
         self.shard_ids[slot] = shard_id
 
     def release(self) -> None:
-        """Drop every captured tensor."""
+        """Drop every captured tensor, and its pages of a memory-mapped checkpoint file from the process
+        (:func:`.mapped.drop_file_pages`)."""
+        drop_file_pages(list(self.shards.values()))
         self.shards.clear()
         self.shard_ids.clear()
 
@@ -132,6 +136,12 @@ class ExpertParam(torch.nn.Parameter):
             )
         self.captured[key] = loaded_weight
         return True if return_success else None
+
+    def release(self) -> None:
+        """Drop every captured tensor, and its pages of a memory-mapped checkpoint file from the process
+        (:func:`.mapped.drop_file_pages`)."""
+        drop_file_pages(list(self.captured.values()))
+        self.captured.clear()
 
 
 # vLLM checks this mark on expert weight loaders (llama4.py) before passing expert ids.
