@@ -62,9 +62,11 @@ def test_dense_shards_go_to_the_dense_kernel_everywhere(platform):
 
 
 EXPERT_MATRIX = [
-    (H200, ((4.0, 4.0),), "mul1", torch.bfloat16, "whole", "exllamav3"),
-    (H200, ((2.0, 3.0), (3.0, 4.0), (4.0, 4.0)), "mul1", torch.float16, "expert-split", "exllamav3"),
-    (A100, ((3.0, 3.0),), "mcg", torch.float16, "sliced", "exllamav3"),
+    (H200, ((4.0, 4.0),), "mul1", torch.bfloat16, "whole", "trellis_mma"),
+    (H200, ((2.0, 3.0), (3.0, 4.0), (4.0, 4.0)), "mul1", torch.float16, "expert-split", "trellis_mma"),
+    (A100, ((3.0, 3.0),), "mcg", torch.float16, "sliced", "trellis_mma"),
+    (H200, ((4.0, 4.0),), "3inst", torch.float32, "whole", "exllamav3"),
+    (H200, tuple((float(k), 4.0) for k in range(1, 9)) * 3, "mul1", torch.float16, "whole", "exllamav3"),
     (T4, ((4.0, 4.0),), "mul1", torch.float16, "whole", None),
     (HOST, ((2.5, 3.0), (4.0, 4.0)), "mul1", torch.float32, "whole", "reference"),
     (RDNA4, ((2.0, 2.0),), "mul1", torch.bfloat16, "whole", None),
