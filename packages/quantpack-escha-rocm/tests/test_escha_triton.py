@@ -4,7 +4,7 @@ at and above a program's 16 and above a launch's piece (pieces of 24 rows here),
 columns written; and both kernels compiled ahead of time for CUDA sm_90 and ROCm gfx1201 (the interpreter accepts code
 that compiled Triton refuses). Their first H200 run (2026-12-02) failed to compile on a non-constexpr global, which
 the compile test now catches here. Shards whose row blocks times column blocks fill fewer programs than the
-interpreter's target (8 "SMs" x 2) split k (most cases here: 2-4 slices, an uneven last one included); one case
+interpreter's target (8 "SMs" x 2) split k (most cases here: 2-6 slices, an uneven last one included); one case
 fills it and runs one slice."""
 
 import json
@@ -75,46 +75,44 @@ def test_kernels_compile_for_hopper_and_gfx1201(target, k, act):
     from triton.compiler import ASTSource
 
     from quantpack_escha.backends.triton import escha_triton as et
-    from quantpack_escha.backends.triton.ops import BK, BM
+    from quantpack_escha.backends.triton.ops import BK, BM, GEMM_STAGES, GEMM_WARPS
 
     gpu = GPUTarget("cuda", 90, 32) if target == "cuda" else GPUTarget("hip", "gfx1201", 32)
     i32 = "i32"
     inputs = {"x_ptr": f"*{act}", "a_ptr": "*fp32", "h_ptr": "*fp32", "xt_ptr": "*fp16", "rows": i32, "width": i32}
     inputs |= {"k": i32, "x_stride": i32, "BM": "constexpr"}
-    gemm = {"xt_ptr": "*fp16", "code_ptr": "*i32", "place_ptr": "*i32", "h_ptr": "*fp32", "b_ptr": "*fp32"}
-    gemm |= {"out_ptr": f"*{act}", "rows": i32, "k": i32, "n": i32, "out_stride": i32, "col": i32}
-    gemm |= {"out_features": i32, "slice_k": i32, "rows_pad": i32}
-    gemm |= {"KBITS": "constexpr", "BM": "constexpr", "BK": "constexpr", "SPLIT": "constexpr"}
-    gemm = {**dict(list(gemm.items())[:6]), "part_ptr": "*fp32", **dict(list(gemm.items())[6:])}
+    gemm = {"xt_ptr": "*fp16", "code_ptr": "*i32", "place_ptr": "*i32", "part_ptr": "*fp32", "rows": i32, "k": i32}
+    gemm |= {"n": i32, "slice_k": i32, "rows_pad": i32, "KBITS": "constexpr", "BM": "constexpr", "BK": "constexpr"}
     reduce = {"part_ptr": "*fp32", "h_ptr": "*fp32", "b_ptr": "*fp32", "out_ptr": f"*{act}", "rows": i32, "n": i32}
     reduce |= {"out_stride": i32, "col": i32, "out_features": i32, "splits": i32, "rows_pad": i32, "BM": "constexpr"}
-    for fn, sig, consts in (
-        (et.input_kernel, inputs, {"BM": BM}),
-        (et.gemm_kernel, gemm, {"KBITS": k, "BM": BM, "BK": BK, "SPLIT": True}),
-        (et.gemm_kernel, gemm, {"KBITS": k, "BM": BM, "BK": BK, "SPLIT": False}),
-        (et.reduce_kernel, reduce, {"BM": BM}),
+    gemm_options = {"num_warps": GEMM_WARPS, "num_stages": GEMM_STAGES}
+    for fn, sig, consts, options in (
+        (et.input_kernel, inputs, {"BM": BM}, {}),
+        (et.gemm_kernel, gemm, {"KBITS": k, "BM": BM, "BK": BK}, gemm_options),
+        (et.reduce_kernel, reduce, {"BM": BM}, {}),
     ):
-        binary = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=gpu)
+        binary = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=gpu, options=options)
         assert binary.asm.get("cubin" if target == "cuda" else "hsaco"), f"{fn.__name__}: no device code"
 
 
 def test_split_plan_covers_k_and_fits_the_workspace():
-    """Every plan's slices are whole BK steps covering k exactly once, the grid reaches the target where k allows,
-    and the partials of a split call fit the workspace (fewer than 2 x target blocks); the test cases above split."""
-    from quantpack_escha.backends.triton.ops import BK, BM, split_plan
+    """Every plan's slices are whole BK steps covering k exactly once, the grid reaches the target where k and the
+    partials allow, and a piece's partials fit the workspace; the test cases above split."""
+    from quantpack_escha.backends.triton.ops import BK, BM, PART_ELEMS, piece_rows, split_plan
 
-    assert split_plan(1, 256, 384, 16) == (4, 64)
+    assert split_plan(1, 256, 384, 16) == (6, 48)
     assert split_plan(17, 256, 384, 16) == (3, 96)
     assert split_plan(3, 256, 2048, 16) == (1, 256)
     for target in (16, 264, 512):
-        for rows in (1, 5, 16, 17, 64, 300):
-            for k in (128, 256, 4096, 14336):
-                for n in (128, 1024, 4096, 14336, 128256):
+        for k in (128, 256, 4096, 14336):
+            for n in (128, 1024, 4096, 14336, 128256, 524288):
+                piece = piece_rows(n)
+                assert piece % BM == 0 and piece * n <= PART_ELEMS
+                for rows in {1, 5, 16, 17, 64, 300, piece}:
+                    rows = min(rows, piece)
                     splits, slice_k = split_plan(rows, k, n, target)
-                    blocks = -(-rows // BM) * (n // 128)
+                    row_blocks = -(-rows // BM)
                     assert slice_k % BK == 0 and (splits - 1) * slice_k < k <= splits * slice_k
+                    assert splits * row_blocks * BM * n <= PART_ELEMS
                     if splits > 1:
-                        assert splits * blocks < 2 * target
-                        assert splits * -(-rows // BM) * BM * n <= 2 * target * BM * 128
-                    elif blocks < target:
-                        assert k // BK < 2
+                        assert splits * row_blocks * (n // 128) < 2 * target

@@ -1,12 +1,13 @@
 """The Triton backend's custom op ``quantpack::escha_triton_`` (one escha shard into its columns of the layer's
 output) and the per-device workspace its launches share (reserved when a shard is prepared, before any graph
-capture): the float16 transformed input of up to :data:`MAX_ROWS` rows of the widest shard, the split-K partial sums,
-the 128 x 128 Hadamard matrix and the tile placement. A call of more rows runs in pieces; the op allocates nothing.
+capture): the float16 transformed input of up to :data:`MAX_ROWS` rows of the widest shard, the float32 partial
+sums of the decode GEMM (:data:`PART_ELEMS`), the 128 x 128 Hadamard matrix and the tile placement. A call of more
+rows than a piece holds runs in pieces; the op allocates nothing.
 
-Split-K plan (:func:`split_plan`): a call whose row blocks times column blocks fill fewer than
+Split-K plan (:func:`split_plan`): a piece whose row blocks times column blocks fill fewer than
 :data:`PROGRAMS_PER_SM` programs per SM cuts k into slices until they do (at most one slice per ``BK`` of k), so
-that the decode GEMVs of a few rows stream the code on every SM; their partials (at most twice the target programs'
-``BM x 128`` float32 blocks) are summed by a third launch.
+that the decode GEMVs of a few rows stream the code on every SM. Rows per piece (:func:`piece_rows`): as many as
+the partials hold for the shard's width, at most :data:`MAX_ROWS`.
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ from quantpack_core.ops import define_op
 
 #: rows of transformed input per launch (a larger call runs in pieces)
 MAX_ROWS = 1024
+#: float32 partial sums of one piece (32 MiB): its rows x the shard's width x its k slices
+PART_ELEMS = 1 << 23
 #: rows per program
 BM = 16
-#: k per step of the GEMM loop (a multiple of 16)
-BK = 32
+#: k per step of the GEMM loop (a multiple of 16; 16 keeps the loop's gathers within the registers of 8 warps)
+BK = 16
+#: warps and software-pipeline stages of the decode GEMM (8 warps, 2 stages: 123 registers for sm_90, no spills)
+GEMM_WARPS, GEMM_STAGES = 8, 2
 #: programs per SM the split-K plan aims at
 PROGRAMS_PER_SM = 2
 #: SMs assumed where the device reports none (Triton's interpreter on CPU: small, so the tests' shards split)
@@ -33,9 +38,9 @@ CPU_SMS = 8
 
 @dataclass
 class Workspace:
-    """One device's buffers: ``xt`` float16 ``(MAX_ROWS, k)``, ``part`` float32 ``(2 * target * BM * 128,)`` (split-K
-    partials), ``h`` float32 ``(128, 128)`` (+-1), ``place`` int32 ``(256,)``; ``target``: programs a launch aims at
-    (SMs x :data:`PROGRAMS_PER_SM`)."""
+    """One device's buffers: ``xt`` float16 ``(MAX_ROWS, k)``, ``part`` float32 ``(PART_ELEMS,)`` (the decode GEMM's
+    partial sums), ``h`` float32 ``(128, 128)`` (+-1), ``place`` int32 ``(256,)``; ``target``: programs a launch aims
+    at (SMs x :data:`PROGRAMS_PER_SM`)."""
 
     xt: torch.Tensor
     part: torch.Tensor
@@ -66,7 +71,7 @@ def reserve(device: torch.device, k: int) -> Workspace:
         target = _sms(device) * PROGRAMS_PER_SM
         ws = Workspace(
             xt=torch.empty((MAX_ROWS, k), dtype=torch.float16, device=device),
-            part=torch.empty((2 * target * BM * 128,), dtype=torch.float32, device=device),
+            part=torch.empty((PART_ELEMS,), dtype=torch.float32, device=device),
             h=h.to(device),
             place=tile_placement().to(device=device, dtype=torch.int32),
             target=target,
@@ -77,15 +82,22 @@ def reserve(device: torch.device, k: int) -> Workspace:
     return ws
 
 
+def piece_rows(n: int) -> int:
+    """Rows per piece for a shard of ``n`` stored output features: whole ``BM`` blocks whose one-slice partials fit
+    :data:`PART_ELEMS`, at most :data:`MAX_ROWS`, at least ``BM`` (a width up to ``PART_ELEMS / BM`` = 524,288)."""
+    return max(BM, min(MAX_ROWS, PART_ELEMS // n) // BM * BM)
+
+
 def split_plan(rows: int, k: int, n: int, target: int) -> tuple[int, int]:
-    """``(splits, slice_k)`` for a call of ``rows`` rows on a ``k x n`` shard: one slice when the row blocks times the
-    column blocks reach ``target`` programs, else as many slices (of whole ``BK`` steps) as bring the grid to it.
-    ``splits * row blocks * column blocks < 2 * target`` whenever ``splits > 1`` (the partials fit the workspace)."""
-    blocks = triton_cdiv(rows, BM) * (n // 128)
+    """``(splits, slice_k)`` for a piece of ``rows`` rows on a ``k x n`` shard: one slice when the row blocks times
+    the column blocks reach ``target`` programs, else as many slices (of whole ``BK`` steps) as bring the grid to it
+    and the partials hold (``splits * rows rounded up to BM * n <= PART_ELEMS``)."""
+    row_blocks = triton_cdiv(rows, BM)
+    blocks = row_blocks * (n // 128)
     steps = k // BK
     if blocks >= target or steps < 2:
         return 1, k
-    want = min(steps, triton_cdiv(target, blocks))
+    want = min(steps, triton_cdiv(target, blocks), max(1, PART_ELEMS // (row_blocks * BM * n)))
     slice_k = triton_cdiv(steps, want) * BK
     return triton_cdiv(k, slice_k), slice_k
 
@@ -113,8 +125,9 @@ def run_escha_triton(
             f"escha_triton: a shard of {k} input features needs the workspace reserved at load (have "
             f"{'none' if ws is None else ws.xt.shape[1]}), and input and output of unit column stride"
         )
-    for r0 in range(0, rows, MAX_ROWS):
-        r = min(MAX_ROWS, rows - r0)
+    piece = piece_rows(n)
+    for r0 in range(0, rows, piece):
+        r = min(piece, rows - r0)
         xr, outr = x[r0 : r0 + r], out[r0 : r0 + r]
         xt = ws.xt[:r, :k]
         row_blocks = triton_cdiv(r, BM)
@@ -122,13 +135,12 @@ def run_escha_triton(
         splits, slice_k = split_plan(r, k, n, ws.target)
         rows_pad = row_blocks * BM
         gemm_kernel[(row_blocks, n // 128, splits)](
-            xt, code, ws.place, ws.h, b, outr, ws.part, r, k, n, outr.stride(0), col, out_features, slice_k, rows_pad,
-            KBITS=kbits, BM=BM, BK=BK, SPLIT=splits > 1,
+            xt, code, ws.place, ws.part, r, k, n, slice_k, rows_pad, KBITS=kbits, BM=BM, BK=BK,
+            num_warps=GEMM_WARPS, num_stages=GEMM_STAGES,
         )  # fmt: skip
-        if splits > 1:
-            reduce_kernel[(row_blocks, n // 128)](
-                ws.part, ws.h, b, outr, r, n, outr.stride(0), col, out_features, splits, rows_pad, BM=BM
-            )
+        reduce_kernel[(row_blocks, n // 128)](
+            ws.part, ws.h, b, outr, r, n, outr.stride(0), col, out_features, splits, rows_pad, BM=BM
+        )
 
 
 def triton_cdiv(a: int, b: int) -> int:
