@@ -13,8 +13,9 @@ below are described for the 8B one, and differ for the MoE models where said.
 * w4a16: the same config with an AWQ quantization config (4 bits, group 128, zero point), ``load_format="dummy"``:
   vLLM's own 4-bit path (AWQ-Marlin / Machete on Hopper). For the MoE models a GPTQ config (4 bits, group 128,
   symmetric, no act-order, the router left in bf16): vLLM's Marlin MoE kernels for the experts.
-* plugin-trellis_mma (MoE models): the plugin with ``QUANTPACK_EXL3_BACKEND=trellis_mma``, so the expert banks run the
-  trellis_mma grouped kernels instead of exllamav3's ``exl3_mgemm``.
+* plugin-trellis_mma: the plugin with ``QUANTPACK_EXL3_BACKEND=trellis_mma`` (trellis_mma for every shard and bank,
+  no row bucket routed to exllamav3). For the MoE models "plugin" runs the expert banks through trellis_mma's grouped
+  kernels (the CUDA default since 2026-12-02) and "plugin-exllamav3" through exllamav3's ``exl3_mgemm``.
 * exllamav3: its own Generator on the same pack (jobs of token ids, argmax sampling, all of a batch enqueued at
   once).
 
@@ -65,11 +66,11 @@ MODELS = {
     ),
     "30b-a3b": (
         lambda p: decode_moe_30b_a3b.make_pack(p, False), decode_moe_30b_a3b.SHAPE, GPTQ, "/tmp/bench-moe-exl3",
-        ("plugin", "plugin-trellis_mma", "bf16", "w4a16"),
+        ("plugin", "plugin-exllamav3", "bf16", "w4a16"),
     ),
     "30b-a3b-mixed": (
         lambda p: decode_moe_30b_a3b.make_pack(p, True), decode_moe_30b_a3b.SHAPE, GPTQ, "/tmp/bench-moe-exl3-mixed",
-        ("plugin", "plugin-trellis_mma"),
+        ("plugin",),
     ),
 }  # fmt: skip
 _calls = [0]

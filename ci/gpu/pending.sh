@@ -25,12 +25,22 @@ step() {
   echo "=== $name rc=$? $(date +%T)"
   tail -15 "$res/$name.log"
 }
-all=(moe-kernels serve-moe serve-8b e2e-dense profile)
+all=(e2e-moe escha serve-moe-mixed serve-moe e2e-dense serve-8b profile moe-kernels)
 for s in "${@:-${all[@]}}"; do
   case $s in
     # the expert banks through both kernels against the float64 oracle, trellis_mma within 1.1x exllamav3's error
     moe-kernels) step moe-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_moe.py ;;
-    # 30B-A3B: plugin (exllamav3 experts), plugin with trellis_mma experts, vLLM bf16, vLLM GPTQ (Marlin MoE)
+    # the vLLM MoE jobs (eager and graphs) with trellis_mma's experts, the CUDA default since its first run
+    e2e-moe) QUANTPACK_GPU_JOBS=moe/ step e2e-moe "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py ;;
+    # the escha Triton kernel without register spills: its GPU tests, then its line of the mcg K=2 stack
+    escha)
+      step escha-gpu "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu.py
+      step escha-kernel python3 benchmarks/kernel_8b.py --codebook mcg --layer-k 2 \
+        --kernels exllamav3,trellis_mma,escha_triton --rows 1,64 --no-dense --json "$res/kernel_8b_escha.json" ;;
+    # 30B-A3B with three K groups per bank (the issue's mixed-K target: >= 0.9x the uniform pack)
+    serve-moe-mixed) step serve-moe-mixed python3 benchmarks/serve_8b.py --model 30b-a3b-mixed --repeats 1 \
+      --json "$res/serve_30b_a3b_mixed.json" ;;
+    # 30B-A3B: plugin (trellis_mma experts), plugin-exllamav3 (exl3_mgemm: its capture failure), bf16, GPTQ (Marlin)
     serve-moe) step serve-moe python3 benchmarks/serve_8b.py --model 30b-a3b --repeats 1 --json "$res/serve_30b_a3b.json" ;;
     # the dense harness's five engines (the forced-exllamav3 one failed on a stale compile cache before its fix)
     serve-8b) step serve-8b python3 benchmarks/serve_8b.py --repeats 1 --json "$res/serve_8b.json" ;;
