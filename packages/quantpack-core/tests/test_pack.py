@@ -411,6 +411,8 @@ def test_nan_rows_in_the_embedding_table_are_named(tmp_path, monkeypatch):
         ({"hidden_size": 512}, ["model.embed_tokens.weight", "is 1024 x 256", "hidden_size 512"]),
         ({"vocab_size": "1024"}, ["config.json", "vocab_size is '1024' (str)"]),
         ({"vocab_size": 2048}, ["model.embed_tokens.weight", "1024 rows, fewer than", "vocab_size 2048"]),
+        ({"vocab_size": 1}, ["model.embed_tokens.weight", "1024 rows, more than", "vocab_size 1"]),
+        ({"vocab_size": 1016}, ["model.embed_tokens.weight", "1024 rows, more than", "vocab_size 1016"]),
         ({"num_hidden_layers": 10**9}, ["num_hidden_layers is 1000000000", "layer(s) 1, 2, 3", "999999999 in all"]),
         ({"num_hidden_layers": 2}, ["num_hidden_layers is 2", "no tensor of layer(s) 1 ->"]),
         ({"num_attention_heads": True}, ["num_attention_heads is True (bool)"]),
@@ -421,6 +423,8 @@ def test_nan_rows_in_the_embedding_table_are_named(tmp_path, monkeypatch):
         "hidden",
         "vocab-string",
         "vocab-rows",
+        "vocab-below-rows",
+        "vocab-below-rows-unexplained",
         "huge-layer-count",
         "missing-layer",
         "bool-heads",
@@ -458,7 +462,7 @@ def test_a_header_naming_a_tensor_twice_is_corrupt(tmp_path):
     [
         {"num_experts": 0, "num_experts_per_tok": 0},  # Granite 4.0's dense variants
         {"intermediate_size": [640], "moe_intermediate_size": [640, 256]},  # Gemma 3n, ERNIE-4.5-VL: per layer / kind
-        {"vocab_size": 1016},  # Mllama: 8 image-token rows past vocab_size
+        {"vocab_size": 1016, "architectures": ["MllamaForConditionalGeneration"]},  # 8 image-token rows past vocab
         {"num_hidden_layers": 2, "block_configs": [{}, {"attention": {"no_op": True}, "ffn": {"no_op": True}}]},
     ],
     ids=["dense-moe-fields", "per-layer-sizes", "extra-embedding-rows", "decilm-no-op-blocks"],

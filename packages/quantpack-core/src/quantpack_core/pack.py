@@ -21,6 +21,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from safetensors import safe_open
@@ -573,14 +574,33 @@ class Pack:
             width, rows = m.padded_shape
             name = f"{key}.{'weight' if m.format == 'dense' else next(iter(m.tensors))}"
             # OPT embeds at word_embed_proj_dim and projects up; Mllama adds 8 image-token rows past vocab_size
+            # (:data:`ADDED_EMBEDDING_ROWS`)
             want_width = cfg.get("word_embed_proj_dim") or sizes.get("hidden_size")
             if isinstance(want_width, int) and width != want_width:
                 what = f"is {rows} x {width}, but config.json gives hidden_size {want_width}"
                 out.append(Problem(key, name, what, fix))
-            if "vocab_size" in sizes and rows < sizes["vocab_size"]:
-                what = f"has {rows} rows, fewer than config.json's vocab_size {sizes['vocab_size']}"
+            vocab = sizes.get("vocab_size")
+            if vocab is not None and rows < vocab:
+                what = f"has {rows} rows, fewer than config.json's vocab_size {vocab}"
+                out.append(Problem(key, name, what, fix))
+            elif vocab is not None and rows > vocab and rows - vocab != self._added_rows():
+                # vLLM's embedding loader takes exactly vocab_size rows (VocabParallelEmbedding.weight_loader)
+                what = f"has {rows} rows, more than config.json's vocab_size {vocab} (vLLM loads exactly vocab_size)"
                 out.append(Problem(key, name, what, fix))
         return out
+
+    #: architecture name prefix -> rows its model adds to the embedding past vocab_size (Mllama's 8 image tokens:
+    #: transformers' and vLLM's mllama.py build ``vocab_size + 8`` rows)
+    ADDED_EMBEDDING_ROWS: ClassVar[dict[str, int]] = {"Mllama": 8}
+
+    def _added_rows(self) -> int:
+        """Rows the pack's architecture adds to its embedding table past ``vocab_size`` (0 for most models)."""
+        names = self.config.get("architectures")
+        for arch in names if isinstance(names, list) else []:
+            for prefix, rows in self.ADDED_EMBEDDING_ROWS.items():
+                if isinstance(arch, str) and arch.startswith(prefix):
+                    return rows
+        return 0
 
     def _unindexed_problems(self) -> list[Problem]:
         """Files a model needs that the pack's index does not list, so copies of a pack often lack them: the hashed
