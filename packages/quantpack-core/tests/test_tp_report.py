@@ -90,8 +90,10 @@ def test_kv_cache_element_follows_the_kv_cache_dtype(fixtures_dir):
     runner = CliRunner()
     fp8 = runner.invoke(main, ["inspect", str(fixtures_dir / LLAMA), "--tp", "2", "--kv-cache-dtype", "fp8"])
     assert fp8.exit_code == 0 and "0.50 KiB per token (4 attention layers, 1-byte elements)" in fp8.output
-    bad = runner.invoke(main, ["inspect", str(fixtures_dir / LLAMA), "--tp", "2", "--kv-cache-dtype", "int3"])
-    assert bad.exit_code == 2 and "unknown KV-cache dtype 'int3'" in bad.output
+    for args in (["--tp", "2"], []):  # refused before the pack is read, with or without --tp
+        bad = runner.invoke(main, ["inspect", str(fixtures_dir / LLAMA), *args, "--kv-cache-dtype", "int3"])
+        assert bad.exit_code == 2 and "unknown KV-cache dtype 'int3'" in bad.output
+        assert "model.layers.0" not in bad.output
 
 
 def test_a_tensor_of_several_partitions_is_split_per_partition(fixtures_dir):

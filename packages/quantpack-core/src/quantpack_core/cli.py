@@ -72,6 +72,17 @@ def _table(header: tuple, rows: list) -> None:
         click.echo("  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=True)).rstrip())
 
 
+def _kv_cache_dtype(value: str) -> str:
+    """``--kv-cache-dtype``, checked before anything is read (:func:`quantpack_core.tp_report.kv_element_bytes`)."""
+    from .tp_report import kv_element_bytes
+
+    try:
+        kv_element_bytes({}, value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    return value
+
+
 @main.command()
 @click.argument("pack", type=click.Path(path_type=Path))
 @click.option("--all", "show_all", is_flag=True, help="List every module, not only EXL3 and dense 2-D ones.")
@@ -85,7 +96,9 @@ def _table(header: tuple, rows: list) -> None:
     "--kv-cache-dtype",
     default="auto",
     show_default=True,
-    help="vLLM's --kv-cache-dtype for the KV figure: auto (the model's dtype), bfloat16, float16, float32, fp8*.",
+    callback=lambda _ctx, _param, value: _kv_cache_dtype(value),
+    help="vLLM's --kv-cache-dtype for the KV figure (with --tp or --max-model-len): auto (the model's dtype), "
+    "bfloat16, float16, float32, fp8*.",
 )
 def inspect(pack: Path, show_all: bool, tp: int | None, max_model_len: int | None, kv_cache_dtype: str) -> None:
     """Validate PACK and print its modules (format, K, codebook, padded and logical shapes, dtype, bytes), a K
@@ -115,10 +128,7 @@ def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool, kv_cache_dt
     from .tp_report import EXACT, REPLICATED, tp_report
 
     fallback = str(p.quant_config.get("quant_method", "exl3")).lower() != "escha"
-    try:
-        r = tp_report(p, tp, fallback=fallback, kv_cache_dtype=kv_cache_dtype)
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--kv-cache-dtype") from None
+    r = tp_report(p, tp, fallback=fallback, kv_cache_dtype=kv_cache_dtype)
     shown = [c for c in r.cuts if c.outcome not in (EXACT, REPLICATED) or show_all]
     click.echo(f"\ntensor parallelism {tp}:")
     if shown:
@@ -152,7 +162,11 @@ def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool, kv_cache_dt
     help="A reference_logits.pt file or the bf16 source model's folder (default: the pack's reference_logits.pt).",
 )
 @click.option(
-    "--tokens", type=click.IntRange(1, 1 << 20), default=64, show_default=True, help="Positions, against a model."
+    "--tokens",
+    type=click.IntRange(1, 1 << 20),
+    default=64,
+    show_default=True,
+    help="Positions compared against a model (--against a folder); a reference_logits.pt sets its own positions.",
 )
 @click.option("--max-kl", type=float, help="Largest mean KL in nats/token (default 1e-2 against logits, 1.0 a model).")
 @click.option("--min-top1", type=float, help="Smallest top-1 agreement (default 0.95 against logits, 0.5 a model).")
