@@ -568,6 +568,7 @@ class Pack:
                 what = f"num_hidden_layers is {layers}, but the pack holds no tensor of layer(s) {shown}"
                 out.append(Problem("", "config.json", what, "the pack is incomplete (re-download it), or " + fix))
         out.extend(self._attention_shape_problems(cfg, sizes, fix))
+        out.extend(self._mlp_shape_problems(cfg, sizes, fix))
         for key, m in self.modules.items():
             if not key.endswith("embed_tokens") or m.format not in ("dense", "int8-rows") or m.padded_shape is None:
                 continue
@@ -643,6 +644,31 @@ class Pack:
                 where = "outputs" if side else "inputs"
                 tensor = f"{key}.{'trellis' if m.format == 'exl3' else 'weight'}"
                 out.append(Problem(key, tensor, f"has {have} {where}, but config.json gives {what} = {want}", fix))
+        return out
+
+    #: a decoder layer's dense MLP projections (not an expert's, not a shared expert's)
+    DENSE_MLP = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)$")
+
+    def _mlp_shape_problems(self, cfg: dict, sizes: dict[str, int], fix: str) -> list[Problem]:
+        """A decoder layer's dense MLP against ``intermediate_size``: gate / up give that many outputs, down takes
+        that many inputs (stored sizes, padded to 128 for EXL3). Skipped where the config sizes blocks one by one
+        (DeciLM's ``block_configs``) or gives ``intermediate_size`` per layer (a list: not in ``sizes``)."""
+        want = sizes.get("intermediate_size")
+        if want is None or cfg.get("block_configs"):
+            return []
+        out: list[Problem] = []
+        for key, m in self.modules.items():
+            found = self.DENSE_MLP.search(key)
+            if not found or m.padded_shape is None or self.OTHER_STACKS.search(key):
+                continue
+            side = 0 if found.group(1) == "down_proj" else 1
+            have = m.padded_shape[side]
+            expect = -(-want // HAD_BLOCK) * HAD_BLOCK if m.format == "exl3" else want
+            if have != expect:
+                where = "outputs" if side else "inputs"
+                tensor = f"{key}.{'trellis' if m.format == 'exl3' else 'weight'}"
+                what = f"has {have} {where}, but config.json gives intermediate_size {want}"
+                out.append(Problem(key, tensor, what, fix))
         return out
 
     def _configured_experts(self) -> int | None:
