@@ -23,6 +23,17 @@ def test_a_sound_pack_agrees_with_its_references(fixtures_dir):
     assert source.kind == "model" and source.ok and source.agreement.positions == 128  # the pack's own ids
 
 
+def test_a_pack_with_int8_embedding_rows_is_verified(fixtures_dir, tmp_path):
+    """``quantpack embed-int8``'s output: the int8 table decodes to ``rows * scales`` for the reference model, and the
+    pack stays within the bounds of its (copied) reference logits, a little further from them than the bf16 table."""
+    from quantpack_core.embedding import convert_embedding_int8
+
+    out = tmp_path / "int8"
+    convert_embedding_int8(fixtures_dir / PACK, out)
+    int8, own = verify_pack(out), verify_pack(fixtures_dir / PACK)
+    assert int8.ok and own.agreement.kl < int8.agreement.kl < 1e-3, (int8, own)
+
+
 def test_a_wrong_pack_is_beyond_the_bounds_and_no_reference_is_named(fixtures_dir, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(fixtures_dir / PACK, bad)

@@ -1018,7 +1018,8 @@ class Pack:
         self, dtype: torch.dtype = torch.float32, shapes: dict[str, tuple[int, ...]] | None = None
     ) -> dict[str, torch.Tensor]:
         """The whole pack as a dense HF state dict: every EXL3 module dequantized to ``<key>.weight`` (``(out, in)``,
-        nn.Linear layout), everything else cast to ``dtype``.
+        nn.Linear layout), every int8-row table to ``<key>.weight = rows * scales``
+        (:func:`quantpack_core.embedding.dequantize_rows`), everything else cast to ``dtype``.
 
         Args:
             dtype: result dtype (the codec computes in it).
@@ -1032,10 +1033,21 @@ class Pack:
             GeometryError: a target shape larger than the stored one.
         """
         from .codec import dequantize
+        from .embedding import dequantize_rows
         from .errors import GeometryError
 
         out: dict[str, torch.Tensor] = {}
         for key, m in self.modules.items():
+            if m.format == "int8-rows":  # quantpack embed-int8's qweight / scales, escha's weight_int8 / weight_scale
+                rows_name = "qweight" if "qweight" in m.tensors else "weight_int8"
+                scales_name = "scales" if rows_name == "qweight" else "weight_scale"
+                rows = self.get_tensor(f"{key}.{rows_name}")
+                scales = self.get_tensor(f"{key}.{scales_name}").reshape(-1)
+                out[f"{key}.weight"] = dequantize_rows(rows, scales, dtype)
+                for suffix, info in m.tensors.items():
+                    if suffix not in (rows_name, scales_name):
+                        out[info.name] = self.get_tensor(info.name).to(dtype)
+                continue
             if m.format != "exl3":
                 for info in m.tensors.values():
                     out[info.name] = self.get_tensor(info.name).to(dtype)
