@@ -1019,7 +1019,7 @@ class Pack:
     ) -> dict[str, torch.Tensor]:
         """The whole pack as a dense HF state dict: every EXL3 module dequantized to ``<key>.weight`` (``(out, in)``,
         nn.Linear layout), every int8-row table to ``<key>.weight = rows * scales``
-        (:func:`quantpack_core.embedding.dequantize_rows`), everything else cast to ``dtype``.
+        (:func:`quantpack_core.codec.int8_rows.dequantize_rows`), everything else cast to ``dtype``.
 
         Args:
             dtype: result dtype (the codec computes in it).
@@ -1033,7 +1033,7 @@ class Pack:
             GeometryError: a target shape larger than the stored one.
         """
         from .codec import dequantize
-        from .embedding import dequantize_rows
+        from .codec.int8_rows import dequantize_rows
         from .errors import GeometryError
 
         out: dict[str, torch.Tensor] = {}
