@@ -44,62 +44,11 @@ MiB = 2**20
 
 
 def make_pack(path: Path) -> Path:
-    """Write the synthetic pack unless it is already there (about a minute on 2 cores)."""
-    if (path / "config.json").exists():
-        return path
-    import torch
+    """Write the synthetic pack unless it is already there (about a minute on 2 cores): :data:`SHAPE` through
+    ``decode_8b.make_pack``, the head and the embedding in the first shard, as in the packs exllamav3 writes."""
+    import decode_8b
 
-    from quantpack_core.synthetic import random_exl3_layer, write_pack, write_word_tokenizer
-
-    s = SHAPE
-    g = torch.Generator().manual_seed(0)
-    tensors: dict[str, torch.Tensor] = {}
-
-    def linear(name: str, i: int, o: int, k_bits: int) -> None:
-        for suffix, t in random_exl3_layer(i, o, k_bits, "mul1", generator=g, scale=0.02).items():
-            tensors[f"{name}.{suffix}"] = t
-
-    # the names in a checkpoint's sorted order: the head and the embedding share the first shard, as in the packs
-    # exllamav3 writes
-    linear("lm_head", s["hidden"], s["vocab"], 6)
-    tensors["model.embed_tokens.weight"] = (0.02 * torch.randn(s["vocab"], s["hidden"], generator=g)).bfloat16()
-    attn = s["heads"] * s["head_dim"]
-    kv = s["kv_heads"] * s["head_dim"]
-    for n in range(s["layers"]):
-        p = f"model.layers.{n}"
-        for proj, o in (("q_proj", attn), ("k_proj", kv), ("v_proj", kv)):
-            linear(f"{p}.self_attn.{proj}", s["hidden"], o, 4)
-        linear(f"{p}.self_attn.o_proj", attn, s["hidden"], 4)
-        linear(f"{p}.mlp.gate_proj", s["hidden"], s["intermediate"], 4)
-        linear(f"{p}.mlp.up_proj", s["hidden"], s["intermediate"], 4)
-        linear(f"{p}.mlp.down_proj", s["intermediate"], s["hidden"], 4)
-        tensors[f"{p}.input_layernorm.weight"] = torch.ones(s["hidden"], dtype=torch.bfloat16)
-        tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(s["hidden"], dtype=torch.bfloat16)
-    tensors["model.norm.weight"] = torch.ones(s["hidden"], dtype=torch.bfloat16)
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": s["hidden"],
-        "intermediate_size": s["intermediate"],
-        "num_hidden_layers": s["layers"],
-        "num_attention_heads": s["heads"],
-        "num_key_value_heads": s["kv_heads"],
-        "head_dim": s["head_dim"],
-        "vocab_size": s["vocab"],
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
-        "hidden_act": "silu",
-        "rope_theta": 500000.0,
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "dtype": "bfloat16",
-    }
-    tmp = path.with_name(path.name + ".partial")
-    write_pack(tmp, tensors, config, shards=SHARDS)  # the default quant config: exl3, 4 bits, head 6, mul1
-    write_word_tokenizer(tmp, s["vocab"])
-    tmp.rename(path)
-    return path
+    return decode_8b.make_pack(path, SHAPE, shards=SHARDS, head_first=True, max_positions=4096)
 
 
 def dense_bytes() -> int:

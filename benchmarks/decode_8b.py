@@ -29,15 +29,20 @@ PROMPT_TOKENS = 64
 DECODE_TOKENS = 256
 
 
-def make_pack(path: Path) -> Path:
-    """Write the synthetic 8B-shaped pack (4.6 GiB) unless it is already there."""
+def make_pack(
+    path: Path, shape: dict | None = None, *, shards: int = 8, head_first: bool = False, max_positions: int = 8192
+) -> Path:
+    """Write a synthetic Llama-shaped EXL3 pack unless it is already there: ``shape`` (default :data:`SHAPE`, the 8B
+    one: 4.6 GiB), K=4 mul1 layers, a K=6 head and a bf16 embedding, in ``shards`` files. ``head_first`` writes the
+    head and the embedding before the layers, so that they share the first shard as in the packs exllamav3 writes
+    (``cpu_load.py``). Written under ``<path>.partial`` and renamed when complete."""
     if (path / "config.json").exists():
         return path
     import torch
 
     from quantpack_core.synthetic import random_exl3_layer, write_pack, write_word_tokenizer
 
-    s = SHAPE
+    s = shape or SHAPE
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(0)
     tensors: dict[str, torch.Tensor] = {}
@@ -46,25 +51,27 @@ def make_pack(path: Path) -> Path:
         for suffix, t in random_exl3_layer(i, o, k_bits, "mul1", generator=g, scale=0.02, device=dev).items():
             tensors[f"{name}.{suffix}"] = t.cpu()
 
-    qkv_out = {
-        "q_proj": s["heads"] * s["head_dim"],
-        "k_proj": s["kv_heads"] * s["head_dim"],
-        "v_proj": s["kv_heads"] * s["head_dim"],
-    }
+    def head_and_embedding():
+        linear("lm_head", s["hidden"], s["vocab"], 6)
+        tensors["model.embed_tokens.weight"] = (
+            (0.02 * torch.randn(s["vocab"], s["hidden"], generator=g, device=dev)).bfloat16().cpu()
+        )
+
+    if head_first:
+        head_and_embedding()
+    attn, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
     for n in range(s["layers"]):
         p = f"model.layers.{n}"
-        for proj, o in qkv_out.items():
+        for proj, o in (("q_proj", attn), ("k_proj", kv), ("v_proj", kv)):
             linear(f"{p}.self_attn.{proj}", s["hidden"], o, 4)
-        linear(f"{p}.self_attn.o_proj", s["heads"] * s["head_dim"], s["hidden"], 4)
+        linear(f"{p}.self_attn.o_proj", attn, s["hidden"], 4)
         linear(f"{p}.mlp.gate_proj", s["hidden"], s["intermediate"], 4)
         linear(f"{p}.mlp.up_proj", s["hidden"], s["intermediate"], 4)
         linear(f"{p}.mlp.down_proj", s["intermediate"], s["hidden"], 4)
         tensors[f"{p}.input_layernorm.weight"] = torch.ones(s["hidden"], dtype=torch.bfloat16)
         tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(s["hidden"], dtype=torch.bfloat16)
-    linear("lm_head", s["hidden"], s["vocab"], 6)
-    tensors["model.embed_tokens.weight"] = (
-        (0.02 * torch.randn(s["vocab"], s["hidden"], generator=g, device=dev)).bfloat16().cpu()
-    )
+    if not head_first:
+        head_and_embedding()
     tensors["model.norm.weight"] = torch.ones(s["hidden"], dtype=torch.bfloat16)
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -76,7 +83,7 @@ def make_pack(path: Path) -> Path:
         "num_key_value_heads": s["kv_heads"],
         "head_dim": s["head_dim"],
         "vocab_size": s["vocab"],
-        "max_position_embeddings": 8192,
+        "max_position_embeddings": max_positions,
         "rms_norm_eps": 1e-5,
         "hidden_act": "silu",
         "rope_theta": 500000.0,
@@ -85,8 +92,10 @@ def make_pack(path: Path) -> Path:
         "eos_token_id": 2,
         "dtype": "bfloat16",
     }
-    write_pack(path, tensors, config, shards=8)  # the default quant config: exl3, 4 bits, head 6, mul1
-    write_word_tokenizer(path, s["vocab"])
+    tmp = path.with_name(path.name + ".partial")
+    write_pack(tmp, tensors, config, shards=shards)  # the default quant config: exl3, 4 bits, head 6, mul1
+    write_word_tokenizer(tmp, s["vocab"])
+    tmp.rename(path)
     return path
 
 
