@@ -426,7 +426,8 @@ class Pack:
             elif (t.keys() & {"suh", "svh", "su", "sv", "mcg", "mul1"}) and "trellis" not in t and "weight" not in t:
                 # the vectors of an EXL3 layer whose trellis is gone
                 self.modules[key] = ModuleInfo(key, "exl3", None, None, None, None, None, nbytes, t)
-            elif (rows := self._int8_rows(t)) is not None:
+            elif (names := self._int8_row_names(t)) is not None:
+                rows = t[names[0]]
                 shape = (rows.shape[1], rows.shape[0]) if len(rows.shape) == 2 else None
                 self.modules[key] = ModuleInfo(key, "int8-rows", None, None, shape, shape, rows.dtype, nbytes, t)
             elif "weight" in t and "trellis" not in t:
@@ -437,12 +438,16 @@ class Pack:
                 main = next(iter(t.values()))
                 self.modules[key] = ModuleInfo(key, "other", None, None, None, None, main.dtype, nbytes, t)
 
-    @staticmethod
-    def _int8_rows(t: dict[str, TensorInfo]) -> TensorInfo | None:
-        """The int8 rows of a module stored as an int8 table with per-row scales (either naming), else None."""
-        for rows, scales in (("qweight", "scales"), ("weight_int8", "weight_scale")):
+    #: the (rows, scales) suffixes of an int8 table with per-row scales: quantpack embed-int8's, escha's
+    INT8_ROW_NAMES = (("qweight", "scales"), ("weight_int8", "weight_scale"))
+
+    @classmethod
+    def _int8_row_names(cls, t: dict[str, TensorInfo]) -> tuple[str, str] | None:
+        """``(rows, scales)`` suffixes of a module ``t`` stored as an int8 table with per-row scales (either naming
+        of :data:`INT8_ROW_NAMES`, the rows int8), else None."""
+        for rows, scales in cls.INT8_ROW_NAMES:
             if rows in t and scales in t and t[rows].dtype == torch.int8:
-                return t[rows]
+                return rows, scales
         return None
 
     def _exl3_module(self, key: str, t: dict[str, TensorInfo], nbytes: int) -> ModuleInfo:
@@ -638,13 +643,20 @@ class Pack:
                 side, want, what = 0, heads * head_dim, f"num_attention_heads {heads} x head_dim {head_dim}"
             else:
                 continue
-            have = m.padded_shape[side]
-            expect = -(-want // HAD_BLOCK) * HAD_BLOCK if m.format == "exl3" else want
-            if have != expect:
-                where = "outputs" if side else "inputs"
-                tensor = f"{key}.{'trellis' if m.format == 'exl3' else 'weight'}"
-                out.append(Problem(key, tensor, f"has {have} {where}, but config.json gives {what} = {want}", fix))
+            out.extend(self._stored_size_problem(m, side, want, f"{what} = {want}", fix))
         return out
+
+    @staticmethod
+    def _stored_size_problem(m: ModuleInfo, side: int, want: int, what: str, fix: str) -> list[Problem]:
+        """A problem when module ``m`` stores other than ``want`` features on ``side`` (0: inputs, 1: outputs;
+        EXL3 pads to whole 128-feature blocks), the config's size described by ``what``."""
+        have = m.padded_shape[side]
+        expect = -(-want // HAD_BLOCK) * HAD_BLOCK if m.format == "exl3" else want
+        if have == expect:
+            return []
+        tensor = f"{m.key}.{'trellis' if m.format == 'exl3' else 'weight'}"
+        where = "outputs" if side else "inputs"
+        return [Problem(m.key, tensor, f"has {have} {where}, but config.json gives {what}", fix)]
 
     #: a decoder layer's dense MLP projections (not an expert's, not a shared expert's)
     DENSE_MLP = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)$")
@@ -662,13 +674,7 @@ class Pack:
             if not found or m.padded_shape is None or self.OTHER_STACKS.search(key):
                 continue
             side = 0 if found.group(1) == "down_proj" else 1
-            have = m.padded_shape[side]
-            expect = -(-want // HAD_BLOCK) * HAD_BLOCK if m.format == "exl3" else want
-            if have != expect:
-                where = "outputs" if side else "inputs"
-                tensor = f"{key}.{'trellis' if m.format == 'exl3' else 'weight'}"
-                what = f"has {have} {where}, but config.json gives intermediate_size {want}"
-                out.append(Problem(key, tensor, what, fix))
+            out.extend(self._stored_size_problem(m, side, want, f"intermediate_size {want}", fix))
         return out
 
     def _configured_experts(self) -> int | None:
@@ -1038,9 +1044,8 @@ class Pack:
 
         out: dict[str, torch.Tensor] = {}
         for key, m in self.modules.items():
-            if m.format == "int8-rows":  # quantpack embed-int8's qweight / scales, escha's weight_int8 / weight_scale
-                rows_name = "qweight" if "qweight" in m.tensors else "weight_int8"
-                scales_name = "scales" if rows_name == "qweight" else "weight_scale"
+            if m.format == "int8-rows":
+                rows_name, scales_name = self._int8_row_names(m.tensors)
                 rows = self.get_tensor(f"{key}.{rows_name}")
                 scales = self.get_tensor(f"{key}.{scales_name}").reshape(-1)
                 out[f"{key}.weight"] = dequantize_rows(rows, scales, dtype)
