@@ -176,6 +176,24 @@ __host__ __device__ __forceinline__ uint32_t half2_fma_scalar(uint32_t a, unsign
 #endif
 }
 
+// The high (low) half of a half2 in both halves.
+__host__ __device__ __forceinline__ uint32_t dup_high(uint32_t a) {
+#ifdef __CUDA_ARCH__
+    const __half2 v = __high2half2(*reinterpret_cast<const __half2*>(&a));
+    return *reinterpret_cast<const uint32_t*>(&v);
+#else
+    return (a >> 16) * 0x10001u;
+#endif
+}
+__host__ __device__ __forceinline__ uint32_t dup_low(uint32_t a) {
+#ifdef __CUDA_ARCH__
+    const __half2 v = __low2half2(*reinterpret_cast<const __half2*>(&a));
+    return *reinterpret_cast<const uint32_t*>(&v);
+#else
+    return (a & 0xFFFFu) * 0x10001u;
+#endif
+}
+
 // 16-bit state of slot j from the lane's normalized window (bits read most significant first).
 template <int KA, bool HALFK, int J>
 __host__ __device__ __forceinline__ uint32_t state_of(const uint32_t (&w)[Tile<KA, HALFK>::NORM]) {
@@ -209,7 +227,10 @@ __host__ __device__ __forceinline__ uint32_t decode_pair(uint32_t sa, uint32_t s
         }
         xa = (xa & 0x8FFF8FFFu) ^ 0x3B603B60u;
         xb = (xb & 0x8FFF8FFFu) ^ 0x3B603B60u;
-        return half2_add(byte_perm(xa, xb, 0x5410), byte_perm(xa, xb, 0x7632));
+        // each weight is the fp16 sum of its word's two halves: one half2 add per word with the other half broadcast
+        // (an operand modifier, on the FMA pipe) and one permute, instead of two permutes on the ALU pipe, which
+        // bounds these codebooks
+        return byte_perm(half2_add(xa, dup_high(xa)), half2_add(xb, dup_low(xb)), 0x7610);
     }
 }
 
@@ -224,14 +245,16 @@ __host__ __device__ __forceinline__ void lane_window(int lane, int (&widx)[Tile<
 }
 
 // A lane's 8 weights of one tile as its B fragments of two mma.m16n8k16 (b[0], b[1]: tile columns 0-7; b[2], b[3]:
-// columns 8-15), from the tile's words `tw` (shared or host memory).
+// columns 8-15). `pw[j]` points at the lane's window word j of the tile at offset 0 (the tile's words plus
+// lane_window()'s widx[j]); `off` is the tile's offset in words from there, so that in the kernels' unrolled loops
+// every load is one register plus an immediate.
 template <int CB, int KA, bool HALFK>
-__host__ __device__ __forceinline__ void decode_lane(const uint32_t* tw, const int (&widx)[Tile<KA, HALFK>::NORM + 1],
-                                                     int shift, uint32_t (&b)[4]) {
+__host__ __device__ __forceinline__ void decode_lane_at(const uint32_t* const (&pw)[Tile<KA, HALFK>::NORM + 1],
+                                                        int off, int shift, uint32_t (&b)[4]) {
     using T = Tile<KA, HALFK>;
     uint32_t raw[T::NORM + 1];
 #pragma unroll
-    for (int j = 0; j <= T::NORM; ++j) raw[j] = tw[widx[j]];
+    for (int j = 0; j <= T::NORM; ++j) raw[j] = pw[j][off];
     uint32_t w[T::NORM];
 #pragma unroll
     for (int j = 0; j < T::NORM; ++j) w[j] = funnel_l(raw[j + 1], raw[j], shift);
@@ -239,6 +262,16 @@ __host__ __device__ __forceinline__ void decode_lane(const uint32_t* tw, const i
     b[1] = decode_pair<CB>(state_of<KA, HALFK, 2>(w), state_of<KA, HALFK, 3>(w));
     b[2] = decode_pair<CB>(state_of<KA, HALFK, 4>(w), state_of<KA, HALFK, 5>(w));
     b[3] = decode_pair<CB>(state_of<KA, HALFK, 6>(w), state_of<KA, HALFK, 7>(w));
+}
+
+// The same from the tile's words `tw` (shared or host memory) and the lane's window word indices.
+template <int CB, int KA, bool HALFK>
+__host__ __device__ __forceinline__ void decode_lane(const uint32_t* tw, const int (&widx)[Tile<KA, HALFK>::NORM + 1],
+                                                     int shift, uint32_t (&b)[4]) {
+    const uint32_t* pw[Tile<KA, HALFK>::NORM + 1];
+#pragma unroll
+    for (int j = 0; j <= Tile<KA, HALFK>::NORM; ++j) pw[j] = tw + widx[j];
+    decode_lane_at<CB, KA, HALFK>(pw, 0, shift, b);
 }
 
 // The 128-point Sylvester Hadamard transform (unnormalized) of 128 values held 4 per lane (index lane * 4 + i).
@@ -330,36 +363,50 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     const int kt0 = split * p.slice_tiles;
     const int ktiles = min(p.slice_tiles, p.k / 16 - kt0);
 
-    // this warp's tile column, streamed through its cp.async ring: group g holds tiles GROUP * g .. + GROUP - 1
+    // this warp's tile column, streamed through its cp.async ring: group g holds tiles GROUP * g .. + GROUP - 1 and
+    // sits in ring slot g % GROUPS_IN_FLIGHT. Groups are issued in order, so each lane keeps a running pointer to its
+    // pieces of the next group; the loop below is unrolled over the ring's slots, so every shared-memory address in it
+    // is a register fixed for the whole call plus an immediate.
     constexpr int GROUP_WORDS = GROUP * T::WORDS;
     constexpr int PIECES = GROUP * T::CHUNKS;  // 16-byte pieces per group
     constexpr int PER_LANE = (PIECES + 31) / 32;
     const int tn = lnb * (BLOCK_N / 16) + warp;
     uint32_t* wring = ring + warp * GROUPS_IN_FLIGHT * GROUP_WORDS;
     const size_t tile_stride = (size_t)ntiles_n * T::BYTES;
+    const size_t group_stride = GROUP * tile_stride;
     const uint8_t* tiles = trellis + ((size_t)kt0 * ntiles_n + tn) * T::BYTES;
-    size_t src_off[PER_LANE];  // this lane's pieces: (tile in group, 16-byte piece) -> offset from the group's start
+    const uint8_t* src[PER_LANE];  // this lane's pieces (tile in group, 16-byte piece) of the next group to issue
 #pragma unroll
     for (int r = 0; r < PER_LANE; ++r) {
         const int c = lane + 32 * r;
-        src_off[r] = (size_t)(c / T::CHUNKS) * tile_stride + (c % T::CHUNKS) * 16;
+        src[r] = tiles + (size_t)(c / T::CHUNKS) * tile_stride + (c % T::CHUNKS) * 16;
     }
     const int ngroups = ktiles / GROUP;
-    auto issue = [&](int g) {
-        if (g < ngroups) {
-            const uint8_t* src = tiles + (size_t)g * GROUP * tile_stride;
-            uint32_t* dst = wring + (g % GROUPS_IN_FLIGHT) * GROUP_WORDS;
+    int to_issue = ngroups;  // groups not issued yet
+    // the next group into ring slot S (commits an empty group past the slice, keeping the wait count exact)
+    auto issue = [&](auto slot) {
+        constexpr int S = decltype(slot)::value;
+        if (to_issue > 0) {
+            uint32_t* dst = wring + S * GROUP_WORDS;
 #pragma unroll
-            for (int r = 0; r < PER_LANE; ++r)
-                if (PIECES % 32 == 0 || lane + 32 * r < PIECES) cp_async16(dst + (lane + 32 * r) * 4, src + src_off[r]);
+            for (int r = 0; r < PER_LANE; ++r) {
+                if (PIECES % 32 == 0 || lane + 32 * r < PIECES) cp_async16(dst + (lane + 32 * r) * 4, src[r]);
+                src[r] += group_stride;
+            }
+            --to_issue;
         }
         cp_async_commit();
     };
-#pragma unroll
-    for (int g = 0; g < GROUPS_IN_FLIGHT - 1; ++g) issue(g);
+    issue(std::integral_constant<int, 0>{});
+    issue(std::integral_constant<int, 1>{});
+    issue(std::integral_constant<int, 2>{});
+    static_assert(GROUPS_IN_FLIGHT == 4, "the prologue above and the unrolled loop below assume a ring of 4 groups");
 
     int widx[T::NORM + 1], shift0;
     lane_window<KA, HALFK>(lane, widx, shift0);
+    const uint32_t* pw[T::NORM + 1];  // the lane's window words in ring slot 0
+#pragma unroll
+    for (int j = 0; j <= T::NORM; ++j) pw[j] = wring + widx[j];
     const __half* a_lane = A + (lane % 16) * A_STRIDE + (lane / 16) * 8;
 
     float acc[MB][2][4];
@@ -370,29 +417,53 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[m][h][e] = 0.0f;
 
+    // one group in ring slot S: refill the slot freed last, wait for this one, decode and multiply its tiles against
+    // the panel's columns from a_k (this group's first k column of the panel)
+    auto group = [&](auto slot, const __half* a_k) {
+        constexpr int S = decltype(slot)::value;
+        issue(std::integral_constant<int, (S + GROUPS_IN_FLIGHT - 1) % GROUPS_IN_FLIGHT>{});
+        cp_async_wait<GROUPS_IN_FLIGHT - 1>();
+        __syncwarp();
+#pragma unroll
+        for (int u = 0; u < GROUP; ++u) {
+            uint32_t b[4];
+            decode_lane_at<CB, KA, HALFK>(pw, S * GROUP_WORDS + u * T::WORDS, shift0, b);
+#pragma unroll
+            for (int m = 0; m < MB; ++m) {
+                uint32_t a[4];
+                ldmatrix_x4(a, a_k + m * 16 * A_STRIDE + u * 16);
+                mma16816(acc[m][0], a, b[0], b[1]);
+                mma16816(acc[m][1], a, b[2], b[3]);
+            }
+        }
+        __syncwarp();  // every lane has read the group before a later issue() refills its slot
+    };
+
+    const __half* suh = field(p, si, &Shard::suh);
     for (int p0 = 0; p0 < ktiles; p0 += PANEL) {
         const int ptiles = min(PANEL, ktiles - p0);
-        // 1. the A panel: rows x (ptiles * 16) fp16, zero rows beyond this chunk's rows
+        // 1. the A panel: rows x (ptiles * 16) fp16
         __syncthreads();
         const int kc0 = (kt0 + p0) * 16;
         if constexpr (FUSED) {
-            // rows x blocks items of 128 columns, PANEL_BATCH per warp loaded before any is transformed
-            const int blocks = ptiles / 8, items = MROWS * blocks;
+            // the call's rows x blocks items of 128 columns, PANEL_BATCH per warp loaded before any is transformed;
+            // the fragment's rows beyond them are left as they are: an mma output row depends on its own A row only,
+            // and those rows' sums are never stored
+            const int blocks = ptiles / 8, items = rows * blocks;
             for (int item0 = warp * PANEL_BATCH; item0 < items; item0 += WARPS * PANEL_BATCH) {
                 float v[PANEL_BATCH][4];
 #pragma unroll
                 for (int j = 0; j < PANEL_BATCH; ++j) {
-                    const int item = item0 + j, m = item / blocks;
+                    const int item = item0 + j;
 #pragma unroll
                     for (int i = 0; i < 4; ++i) v[j][i] = 0.0f;
-                    if (item < items && m < rows)
-                        input_load(p, field(p, si, &Shard::suh), row0 + m, kc0 + item % blocks * 128, lane, v[j]);
+                    if (item < items) input_load(p, suh, row0 + item / blocks, kc0 + item % blocks * 128, lane, v[j]);
                 }
 #pragma unroll
                 for (int j = 0; j < PANEL_BATCH; ++j) {
                     const int item = item0 + j;
                     if (item < items) {  // warp-uniform
-                        if (item / blocks < rows) input_transform(v[j], lane);  // padding rows stay zero
+                        input_transform(v[j], lane);
                         __half2* dst = reinterpret_cast<__half2*>(A + item / blocks * A_STRIDE + item % blocks * 128 +
                                                                   lane * 4);
                         dst[0] = __floats2half2_rn(v[j][0], v[j][1]);
@@ -418,27 +489,22 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
         }
         __syncthreads();
 
-        // 2. decode and multiply the panel's tiles, a group at a time
-        for (int g = p0 / GROUP; g < (p0 + ptiles) / GROUP; ++g) {
-            issue(g + GROUPS_IN_FLIGHT - 1);
-            cp_async_wait<GROUPS_IN_FLIGHT - 1>();
-            __syncwarp();
-            const uint32_t* gw = wring + (g % GROUPS_IN_FLIGHT) * GROUP_WORDS;
-#pragma unroll
-            for (int u = 0; u < GROUP; ++u) {
-                uint32_t b[4];
-                decode_lane<CB, KA, HALFK>(gw + u * T::WORDS, widx, shift0, b);
-
-                const int kl = (g * GROUP + u - p0) * 16;
-#pragma unroll
-                for (int m = 0; m < MB; ++m) {
-                    uint32_t a[4];
-                    ldmatrix_x4(a, a_lane + m * 16 * A_STRIDE + kl);
-                    mma16816(acc[m][0], a, b[0], b[1]);
-                    mma16816(acc[m][1], a, b[2], b[3]);
-                }
-            }
-            __syncwarp();  // every lane has read the group before a later issue() refills its slot
+        // 2. decode and multiply the panel's tiles, four groups (the ring's four slots) at a time. A panel starts at a
+        // multiple of 64 tiles (PANEL) and holds a multiple of 8 (slices and k are multiples of 8 tiles), so its first
+        // group sits in slot 0 and after the whole rounds of four either none or two groups (slots 0 and 1) remain.
+        const __half* a_k = a_lane;
+        const int pgroups = ptiles / GROUP;
+        int g = 0;
+        for (; g + GROUPS_IN_FLIGHT <= pgroups; g += GROUPS_IN_FLIGHT) {
+            group(std::integral_constant<int, 0>{}, a_k);
+            group(std::integral_constant<int, 1>{}, a_k + GROUP * 16);
+            group(std::integral_constant<int, 2>{}, a_k + 2 * GROUP * 16);
+            group(std::integral_constant<int, 3>{}, a_k + 3 * GROUP * 16);
+            a_k += GROUPS_IN_FLIGHT * GROUP * 16;
+        }
+        if (g < pgroups) {
+            group(std::integral_constant<int, 0>{}, a_k);
+            group(std::integral_constant<int, 1>{}, a_k + GROUP * 16);
         }
     }
     cp_async_wait<0>();
