@@ -25,9 +25,16 @@ step() {
   echo "=== $name rc=$? $(date +%T)"
   tail -15 "$res/$name.log"
 }
-all=(e2e-moe escha serve-moe-mixed serve-moe e2e-dense serve-8b profile moe-kernels)
+all=(linear-kernels kernel-8b moe-kernels escha serve-8b e2e-moe e2e-dense serve-moe-mixed serve-moe profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
+    # trellis_mma's linear kernel against the float64 oracle and exllamav3's error (every K, codebook, bundled pack)
+    linear-kernels) step linear-kernels "${T[@]}" -k trellis_mma packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py ;;
+    # the 8B stack at rows 1-256, each kernel and as served, beside dense bf16 (benchmarks/results/kernel_8b.json)
+    kernel-8b) step kernel-8b python3 benchmarks/kernel_8b.py --json "$res/kernel_8b.json" ;;
+    # the same stack in mcg (the 3INST / mcg decode)
+    kernel-8b-mcg) step kernel-8b-mcg python3 benchmarks/kernel_8b.py --codebook mcg --rows 1,16,64 --no-dense \
+      --json "$res/kernel_8b_mcg.json" ;;
     # the expert banks through both kernels against the float64 oracle, trellis_mma within 1.1x exllamav3's error
     moe-kernels) step moe-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_moe.py ;;
     # the vLLM MoE jobs (eager and graphs) with trellis_mma's experts, the CUDA default since its first run
