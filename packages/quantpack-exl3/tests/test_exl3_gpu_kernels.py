@@ -356,13 +356,14 @@ def test_compiles_in_one_graph_and_captures_in_a_cuda_graph(backend):
 def test_this_gpu_chooses_trellis_mma_for_16_bit_models_and_exllamav3_for_fp32():
     """On the GPU machine itself, with real availability: the platform's priority list takes every K and codebook of
     a float16 / bfloat16 model to trellis_mma with no kernel declining before it, and a float32 model's to
-    exllamav3 with trellis_mma's reason (the support matrix's CUDA rows, on a device)."""
+    exllamav3 with trellis_mma's reason; the expert list is trellis_mma then exllamav3 (the support matrix's CUDA
+    rows, on a device)."""
     from quantpack_core.kernels import TP_WHOLE, LinearSpec, choose_kernel
     from quantpack_exl3.config import Exl3Config
 
     linear, experts = Exl3Config.resolve_kernels(current_platform())
     assert [k.name for k in linear] == ["trellis_mma", "exllamav3"]
-    assert [k.name for k in experts] == ["exllamav3"]
+    assert [k.name for k in experts] == ["trellis_mma", "exllamav3"]  # the bank's own test: test_exl3_gpu_moe.py
     for k_bits, codebook in RANDOM_CASES:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             spec = LinearSpec(current_platform(), "exl3", k_bits, codebook, 4096, 14336, 4096, 14336, dtype, TP_WHOLE)
