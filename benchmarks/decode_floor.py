@@ -3,11 +3,12 @@ they cost for the Llama-3-8B linear stack, beside the bandwidth floor.
 
 Builds ``csrc/trellis_mma.cu`` for one architecture (nvcc), disassembles it (``cuobjdump -sass``: the CUDA toolkit's,
 or PyPI's ``nvidia-cuda-cuobjdump``), finds each kernel's innermost loop that holds the ``HMMA`` instructions (one
-group of tiles along k) and counts its instructions per tile and warp, split by pipe: the ALU pipe (shifts, logic,
-permutes, compares, address adds) and the FMA-heavy pipe (``IMAD``, ``IDP4A``) each take a warp instruction every
-two cycles per scheduler on sm_80 / sm_90, everything else issues once. The floor of a stack is its tiles times the
-largest of (instructions, 2 x ALU, 2 x FMA-heavy) over the GPU's schedulers and clock. Needs nvcc and cuobjdump, not
-a GPU.
+round of the cp.async ring: four groups of four tiles along k) and counts its instructions per tile and warp, split
+by pipe: the ALU pipe (shifts, logic, permutes, compares, address adds) and the FMA-heavy pipe (``IMAD``, ``IDP4A``)
+each take a warp instruction every two cycles per scheduler on sm_80 / sm_90, everything else issues once. The
+floor of a stack is its tiles times the largest of (instructions, 2 x ALU, 2 x FMA-heavy) over the GPU's schedulers
+and clock. Needs nvcc and cuobjdump, not a GPU. The expert kernels' loop (the same decode through one 16-row
+fragment) is counted too, for K=4.
 
 Usage: ``python3 benchmarks/decode_floor.py [--arch 90] [--sms 132] [--clock-ghz 1.98] [--json OUT]``.
 """
@@ -56,6 +57,11 @@ def cuobjdump() -> str:
 def mangled(cb: int, ka: int, half: bool, mb: int, fused: bool) -> str:
     """The kernel's mangled-name fragment of ``trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>``."""
     return f"trellis_mma_kernelILi{cb}ELi{ka}ELb{int(half)}ELi{mb}ELb{int(fused)}E"
+
+
+def mangled_moe(cb: int, ka: int, half: bool, down: bool) -> str:
+    """The kernel's mangled-name fragment of ``trellis_moe_kernel<CB, KA, HALFK, DOWN>`` (the expert banks)."""
+    return f"trellis_moe_kernelILi{cb}ELi{ka}ELb{int(half)}ELb{int(down)}E"
 
 
 def loop_counts(sass: str, name: str) -> dict:
@@ -118,6 +124,13 @@ def main() -> None:
                 f"ALU {counts['alu']:4.1f}, FMA-heavy {counts['fma_heavy']:4.1f} -> {counts['cycles']:5.1f} "
                 "scheduler cycles"
             )
+    experts = {}  # the expert kernel's loop (same decode, one 16-row fragment), K=4, gate/up and down launches
+    for cb, cb_name in CODEBOOKS:
+        for down in (False, True):
+            counts = loop_counts(sass, mangled_moe(cb, 4, False, down))
+            experts[f"{cb_name} K=4 {'down' if down else 'gate/up'}"] = counts
+            print(f"experts {cb_name:5s} K=4 {'down   ' if down else 'gate/up'}: {counts['instructions']:5.1f} "
+                  f"instructions per tile and warp, ALU {counts['alu']:4.1f}, FMA-heavy {counts['fma_heavy']:4.1f}")
     schedulers = 4 * args.sms * args.clock_ghz * 1e9
     stack = {}
     for _, cb_name in CODEBOOKS:
@@ -137,6 +150,7 @@ def main() -> None:
         "sms": args.sms,
         "clock_ghz": args.clock_ghz,
         "per_tile": per_kernel,
+        "experts_per_tile": experts,
         "stack_issue_floor_ms": stack,
         "stack_trellis_bytes": nbytes,
         "stack_bandwidth_floor_ms": bandwidth_ms,

@@ -331,6 +331,105 @@ __device__ __forceinline__ V field(const Params& p, int i, V Shard::*member) {
     return v;
 }
 
+// One warp's column of tiles along k (a slice of `ktiles` tiles from `tiles`, consecutive tiles `tile_stride` bytes
+// apart), streamed through the warp's private cp.async ring of GROUPS_IN_FLIGHT groups of GROUP tiles, decoded in
+// registers and multiplied with an A panel in shared memory. Group g sits in ring slot g % GROUPS_IN_FLIGHT; groups
+// are issued in order, so each lane keeps a running pointer to its pieces of the next group, and panel() is unrolled
+// over the ring's slots, so every shared-memory address in it is a register fixed for the whole call plus an
+// immediate. The linear and the expert kernels run their k loops through it.
+template <int CB, int KA, bool HALFK>
+struct TileStream {
+    using T = Tile<KA, HALFK>;
+    static constexpr int GROUP_WORDS = GROUP * T::WORDS;
+    static constexpr int PIECES = GROUP * T::CHUNKS;  // 16-byte pieces per group
+    static constexpr int PER_LANE = (PIECES + 31) / 32;
+    static_assert(GROUPS_IN_FLIGHT == 4, "the prologue and panel() assume a ring of 4 groups");
+
+    uint32_t* wring;               // the warp's ring (GROUPS_IN_FLIGHT * GROUP_WORDS words)
+    const uint8_t* src[PER_LANE];  // this lane's pieces (tile in group, 16-byte piece) of the next group to issue
+    size_t group_stride;
+    int to_issue;                    // groups not issued yet
+    const uint32_t* pw[T::NORM + 1];  // the lane's window words in ring slot 0
+    int shift;
+    int lane;
+
+    // Sets up the lane's pointers and issues the first GROUPS_IN_FLIGHT - 1 groups.
+    __device__ __forceinline__ TileStream(uint32_t* warp_ring, const uint8_t* tiles, size_t tile_stride, int ktiles,
+                                          int lane_)
+        : wring(warp_ring), group_stride(GROUP * tile_stride), to_issue(ktiles / GROUP), lane(lane_) {
+#pragma unroll
+        for (int r = 0; r < PER_LANE; ++r) {
+            const int c = lane + 32 * r;
+            src[r] = tiles + (size_t)(c / T::CHUNKS) * tile_stride + (c % T::CHUNKS) * 16;
+        }
+        issue<0>();
+        issue<1>();
+        issue<2>();
+        int widx[T::NORM + 1];
+        lane_window<KA, HALFK>(lane, widx, shift);
+#pragma unroll
+        for (int j = 0; j <= T::NORM; ++j) pw[j] = wring + widx[j];
+    }
+
+    // The next group into ring slot S (an empty commit past the slice keeps the wait count exact).
+    template <int S>
+    __device__ __forceinline__ void issue() {
+        if (to_issue > 0) {
+            uint32_t* dst = wring + S * GROUP_WORDS;
+#pragma unroll
+            for (int r = 0; r < PER_LANE; ++r) {
+                if (PIECES % 32 == 0 || lane + 32 * r < PIECES) cp_async16(dst + (lane + 32 * r) * 4, src[r]);
+                src[r] += group_stride;
+            }
+            --to_issue;
+        }
+        cp_async_commit();
+    }
+
+    // The group in ring slot S: refill the slot freed last, wait for this one, decode its tiles and multiply them
+    // with MB 16-row fragments of the panel from a_k (this lane's address of the group's first k column).
+    template <int S, int MB, int A_STRIDE>
+    __device__ __forceinline__ void group(const __half* a_k, float (&acc)[MB][2][4]) {
+        issue<(S + GROUPS_IN_FLIGHT - 1) % GROUPS_IN_FLIGHT>();
+        cp_async_wait<GROUPS_IN_FLIGHT - 1>();
+        __syncwarp();
+#pragma unroll
+        for (int u = 0; u < GROUP; ++u) {
+            uint32_t b[4];
+            decode_lane_at<CB, KA, HALFK>(pw, S * GROUP_WORDS + u * T::WORDS, shift, b);
+#pragma unroll
+            for (int m = 0; m < MB; ++m) {
+                uint32_t a[4];
+                ldmatrix_x4(a, a_k + m * 16 * A_STRIDE + u * 16);
+                mma16816(acc[m][0], a, b[0], b[1]);
+                mma16816(acc[m][1], a, b[2], b[3]);
+            }
+        }
+        __syncwarp();  // every lane has read the group before a later issue refills its slot
+    }
+
+    // The next `ptiles` tiles against a panel whose k column 0 is at a_lane, four groups (the ring's four slots) at a
+    // time. A panel starts at a multiple of 16 groups and holds a multiple of 8 tiles (slices and k are multiples of 8
+    // tiles), so its first group sits in slot 0 and after the whole rounds either none or two groups remain.
+    template <int MB, int A_STRIDE>
+    __device__ __forceinline__ void panel(const __half* a_lane, int ptiles, float (&acc)[MB][2][4]) {
+        const __half* a_k = a_lane;
+        const int groups = ptiles / GROUP;
+        int g = 0;
+        for (; g + GROUPS_IN_FLIGHT <= groups; g += GROUPS_IN_FLIGHT) {
+            group<0, MB, A_STRIDE>(a_k, acc);
+            group<1, MB, A_STRIDE>(a_k + GROUP * 16, acc);
+            group<2, MB, A_STRIDE>(a_k + 2 * GROUP * 16, acc);
+            group<3, MB, A_STRIDE>(a_k + 3 * GROUP * 16, acc);
+            a_k += GROUPS_IN_FLIGHT * GROUP * 16;
+        }
+        if (g < groups) {
+            group<0, MB, A_STRIDE>(a_k, acc);
+            group<1, MB, A_STRIDE>(a_k + GROUP * 16, acc);
+        }
+    }
+};
+
 template <int CB, int KA, bool HALFK, int MB, bool FUSED>
 __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     using T = Tile<KA, HALFK>;
@@ -363,50 +462,11 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     const int kt0 = split * p.slice_tiles;
     const int ktiles = min(p.slice_tiles, p.k / 16 - kt0);
 
-    // this warp's tile column, streamed through its cp.async ring: group g holds tiles GROUP * g .. + GROUP - 1 and
-    // sits in ring slot g % GROUPS_IN_FLIGHT. Groups are issued in order, so each lane keeps a running pointer to its
-    // pieces of the next group; the loop below is unrolled over the ring's slots, so every shared-memory address in it
-    // is a register fixed for the whole call plus an immediate.
-    constexpr int GROUP_WORDS = GROUP * T::WORDS;
-    constexpr int PIECES = GROUP * T::CHUNKS;  // 16-byte pieces per group
-    constexpr int PER_LANE = (PIECES + 31) / 32;
+    // this warp's tile column
     const int tn = lnb * (BLOCK_N / 16) + warp;
-    uint32_t* wring = ring + warp * GROUPS_IN_FLIGHT * GROUP_WORDS;
     const size_t tile_stride = (size_t)ntiles_n * T::BYTES;
-    const size_t group_stride = GROUP * tile_stride;
-    const uint8_t* tiles = trellis + ((size_t)kt0 * ntiles_n + tn) * T::BYTES;
-    const uint8_t* src[PER_LANE];  // this lane's pieces (tile in group, 16-byte piece) of the next group to issue
-#pragma unroll
-    for (int r = 0; r < PER_LANE; ++r) {
-        const int c = lane + 32 * r;
-        src[r] = tiles + (size_t)(c / T::CHUNKS) * tile_stride + (c % T::CHUNKS) * 16;
-    }
-    const int ngroups = ktiles / GROUP;
-    int to_issue = ngroups;  // groups not issued yet
-    // the next group into ring slot S (commits an empty group past the slice, keeping the wait count exact)
-    auto issue = [&](auto slot) {
-        constexpr int S = decltype(slot)::value;
-        if (to_issue > 0) {
-            uint32_t* dst = wring + S * GROUP_WORDS;
-#pragma unroll
-            for (int r = 0; r < PER_LANE; ++r) {
-                if (PIECES % 32 == 0 || lane + 32 * r < PIECES) cp_async16(dst + (lane + 32 * r) * 4, src[r]);
-                src[r] += group_stride;
-            }
-            --to_issue;
-        }
-        cp_async_commit();
-    };
-    issue(std::integral_constant<int, 0>{});
-    issue(std::integral_constant<int, 1>{});
-    issue(std::integral_constant<int, 2>{});
-    static_assert(GROUPS_IN_FLIGHT == 4, "the prologue above and the unrolled loop below assume a ring of 4 groups");
-
-    int widx[T::NORM + 1], shift0;
-    lane_window<KA, HALFK>(lane, widx, shift0);
-    const uint32_t* pw[T::NORM + 1];  // the lane's window words in ring slot 0
-#pragma unroll
-    for (int j = 0; j <= T::NORM; ++j) pw[j] = wring + widx[j];
+    TileStream<CB, KA, HALFK> stream(ring + warp * GROUPS_IN_FLIGHT * TileStream<CB, KA, HALFK>::GROUP_WORDS,
+                                     trellis + ((size_t)kt0 * ntiles_n + tn) * T::BYTES, tile_stride, ktiles, lane);
     const __half* a_lane = A + (lane % 16) * A_STRIDE + (lane / 16) * 8;
 
     float acc[MB][2][4];
@@ -416,28 +476,6 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
         for (int h = 0; h < 2; ++h)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[m][h][e] = 0.0f;
-
-    // one group in ring slot S: refill the slot freed last, wait for this one, decode and multiply its tiles against
-    // the panel's columns from a_k (this group's first k column of the panel)
-    auto group = [&](auto slot, const __half* a_k) {
-        constexpr int S = decltype(slot)::value;
-        issue(std::integral_constant<int, (S + GROUPS_IN_FLIGHT - 1) % GROUPS_IN_FLIGHT>{});
-        cp_async_wait<GROUPS_IN_FLIGHT - 1>();
-        __syncwarp();
-#pragma unroll
-        for (int u = 0; u < GROUP; ++u) {
-            uint32_t b[4];
-            decode_lane_at<CB, KA, HALFK>(pw, S * GROUP_WORDS + u * T::WORDS, shift0, b);
-#pragma unroll
-            for (int m = 0; m < MB; ++m) {
-                uint32_t a[4];
-                ldmatrix_x4(a, a_k + m * 16 * A_STRIDE + u * 16);
-                mma16816(acc[m][0], a, b[0], b[1]);
-                mma16816(acc[m][1], a, b[2], b[3]);
-            }
-        }
-        __syncwarp();  // every lane has read the group before a later issue() refills its slot
-    };
 
     const __half* suh = field(p, si, &Shard::suh);
     for (int p0 = 0; p0 < ktiles; p0 += PANEL) {
@@ -489,23 +527,8 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
         }
         __syncthreads();
 
-        // 2. decode and multiply the panel's tiles, four groups (the ring's four slots) at a time. A panel starts at a
-        // multiple of 64 tiles (PANEL) and holds a multiple of 8 (slices and k are multiples of 8 tiles), so its first
-        // group sits in slot 0 and after the whole rounds of four either none or two groups (slots 0 and 1) remain.
-        const __half* a_k = a_lane;
-        const int pgroups = ptiles / GROUP;
-        int g = 0;
-        for (; g + GROUPS_IN_FLIGHT <= pgroups; g += GROUPS_IN_FLIGHT) {
-            group(std::integral_constant<int, 0>{}, a_k);
-            group(std::integral_constant<int, 1>{}, a_k + GROUP * 16);
-            group(std::integral_constant<int, 2>{}, a_k + 2 * GROUP * 16);
-            group(std::integral_constant<int, 3>{}, a_k + 3 * GROUP * 16);
-            a_k += GROUPS_IN_FLIGHT * GROUP * 16;
-        }
-        if (g < pgroups) {
-            group(std::integral_constant<int, 0>{}, a_k);
-            group(std::integral_constant<int, 1>{}, a_k + GROUP * 16);
-        }
+        // 2. decode and multiply the panel's tiles
+        stream.template panel<MB, A_STRIDE>(a_lane, ptiles, acc);
     }
     cp_async_wait<0>();
 
@@ -989,77 +1012,37 @@ __global__ void __launch_bounds__(THREADS) trellis_moe_kernel(const MoeParams p)
     const int kt0 = split * p.slice_tiles;
     const int ktiles = min(p.slice_tiles, p.k / 16 - kt0);
 
-    constexpr int GROUP_WORDS = GROUP * T::WORDS;
-    constexpr int PIECES = GROUP * T::CHUNKS;
-    constexpr int PER_LANE = (PIECES + 31) / 32;
     const int tn = lnb * (BLOCK_N / 16) + warp;
-    uint32_t* wring = ring + warp * GROUPS_IN_FLIGHT * GROUP_WORDS;
     const size_t tile_stride = (size_t)ntiles_n * T::BYTES;
-    const uint8_t* tiles = trellis + ((size_t)kt0 * ntiles_n + tn) * T::BYTES;
-    size_t src_off[PER_LANE];
-#pragma unroll
-    for (int r = 0; r < PER_LANE; ++r) {
-        const int c = lane + 32 * r;
-        src_off[r] = (size_t)(c / T::CHUNKS) * tile_stride + (c % T::CHUNKS) * 16;
-    }
-    const int ngroups = ktiles / GROUP;
-    auto issue = [&](int g) {
-        if (g < ngroups) {
-            const uint8_t* src = tiles + (size_t)g * GROUP * tile_stride;
-            uint32_t* dst = wring + (g % GROUPS_IN_FLIGHT) * GROUP_WORDS;
-#pragma unroll
-            for (int r = 0; r < PER_LANE; ++r)
-                if (PIECES % 32 == 0 || lane + 32 * r < PIECES) cp_async16(dst + (lane + 32 * r) * 4, src + src_off[r]);
-        }
-        cp_async_commit();
-    };
-#pragma unroll
-    for (int g = 0; g < GROUPS_IN_FLIGHT - 1; ++g) issue(g);
-
-    int widx[T::NORM + 1], shift0;
-    lane_window<KA, HALFK>(lane, widx, shift0);
+    TileStream<CB, KA, HALFK> stream(ring + warp * GROUPS_IN_FLIGHT * TileStream<CB, KA, HALFK>::GROUP_WORDS,
+                                     trellis + ((size_t)kt0 * ntiles_n + tn) * T::BYTES, tile_stride, ktiles, lane);
     const __half* a_lane = A + (lane % 16) * A_STRIDE + (lane / 16) * 8;
-    float acc[2][4] = {};
+    float acc[1][2][4] = {};
 
     for (int p0 = 0; p0 < ktiles; p0 += PANEL) {
         const int ptiles = min(PANEL, ktiles - p0);
         __syncthreads();  // also publishes row_pick before the first panel
         const int kc0 = (kt0 + p0) * 16;
-        // the panel: rows x blocks items of 128 columns, one warp per item, padding rows zero
-        const int blocks = ptiles / 8, items = MOE_ROWS * blocks;
+        // the panel: the item's rows x blocks items of 128 columns, one warp per item; the fragment's rows beyond
+        // them are left as they are (an mma output row depends on its own A row only, and those rows' sums are never
+        // stored)
+        const int blocks = ptiles / 8, items = rows * blocks;
         for (int item = warp; item < items; item += WARPS) {
             const int m = item / blocks, kc = kc0 + item % blocks * 128;
-            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (m < rows) {
+            float v[4];
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int c = kc + lane * 4 + i;
-                    v[i] = moe_input<DOWN>(p, row_pick[m], c, __half2float(suh[c]));
-                }
-                input_transform(v, lane);
+            for (int i = 0; i < 4; ++i) {
+                const int c = kc + lane * 4 + i;
+                v[i] = moe_input<DOWN>(p, row_pick[m], c, __half2float(suh[c]));
             }
+            input_transform(v, lane);
             __half2* dst = reinterpret_cast<__half2*>(A + m * A_STRIDE + item % blocks * 128 + lane * 4);
             dst[0] = __floats2half2_rn(v[0], v[1]);
             dst[1] = __floats2half2_rn(v[2], v[3]);
         }
         __syncthreads();
 
-        for (int g = p0 / GROUP; g < (p0 + ptiles) / GROUP; ++g) {
-            issue(g + GROUPS_IN_FLIGHT - 1);
-            cp_async_wait<GROUPS_IN_FLIGHT - 1>();
-            __syncwarp();
-            const uint32_t* gw = wring + (g % GROUPS_IN_FLIGHT) * GROUP_WORDS;
-#pragma unroll
-            for (int u = 0; u < GROUP; ++u) {
-                uint32_t b[4];
-                decode_lane<CB, KA, HALFK>(gw + u * T::WORDS, widx, shift0, b);
-                uint32_t a[4];
-                ldmatrix_x4(a, a_lane + (g * GROUP + u - p0) * 16);
-                mma16816(acc[0], a, b[0], b[1]);
-                mma16816(acc[1], a, b[2], b[3]);
-            }
-            __syncwarp();
-        }
+        stream.template panel<1, A_STRIDE>(a_lane, ptiles, acc);
     }
     cp_async_wait<0>();
 
@@ -1068,10 +1051,10 @@ __global__ void __launch_bounds__(THREADS) trellis_moe_kernel(const MoeParams p)
         const int g = lane / 4, c = warp * 16 + 2 * (lane % 4);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            F[g * F_STRIDE + c + h * 8] = acc[h][0];
-            F[g * F_STRIDE + c + h * 8 + 1] = acc[h][1];
-            F[(g + 8) * F_STRIDE + c + h * 8] = acc[h][2];
-            F[(g + 8) * F_STRIDE + c + h * 8 + 1] = acc[h][3];
+            F[g * F_STRIDE + c + h * 8] = acc[0][h][0];
+            F[g * F_STRIDE + c + h * 8 + 1] = acc[0][h][1];
+            F[(g + 8) * F_STRIDE + c + h * 8] = acc[0][h][2];
+            F[(g + 8) * F_STRIDE + c + h * 8 + 1] = acc[0][h][3];
         }
     }
     __syncthreads();
