@@ -129,8 +129,10 @@ def main() -> None:
         for down in (False, True):
             counts = loop_counts(sass, mangled_moe(cb, 4, False, down))
             experts[f"{cb_name} K=4 {'down' if down else 'gate/up'}"] = counts
-            print(f"experts {cb_name:5s} K=4 {'down   ' if down else 'gate/up'}: {counts['instructions']:5.1f} "
-                  f"instructions per tile and warp, ALU {counts['alu']:4.1f}, FMA-heavy {counts['fma_heavy']:4.1f}")
+            print(
+                f"experts {cb_name:5s} K=4 {'down   ' if down else 'gate/up'}: {counts['instructions']:5.1f} "
+                f"instructions per tile and warp, ALU {counts['alu']:4.1f}, FMA-heavy {counts['fma_heavy']:4.1f}"
+            )
     schedulers = 4 * args.sms * args.clock_ghz * 1e9
     stack = {}
     for _, cb_name in CODEBOOKS:
