@@ -179,8 +179,8 @@ def _plan_model(counts: list[int], group_lo: list[int]):
 @pytest.mark.parametrize("seed", range(6))
 def test_moe_route_plan(lib, seed):
     """The route kernel's plan (the one serial step, built for the host from the same source) equals the written-out
-    plan; each K group's work items stay within the grid extent the op launches for it (``group_items`` =
-    ``qp_moe_items``), however the picks fall."""
+    plan; the bank's work items stay within the grid extent the op launches for every K group at once
+    (``group_items`` of all slots = ``qp_moe_items``), and so does each group's share, however the picks fall."""
     from quantpack_exl3.backends.trellis_mma.moe import group_items
 
     g = torch.Generator().manual_seed(seed)
@@ -208,6 +208,7 @@ def test_moe_route_plan(lib, seed):
     assert group_work.tolist() == want_group_work
     assert item_base.tolist() == want_base
     assert offsets[-1] == slots
+    assert group_work[-1] <= group_items(slots, experts) == lib.qp_moe_items(slots, experts)
     bounds = [*group_lo, experts]
     for i in range(groups):
         cap = group_items(slots, bounds[i + 1] - bounds[i])
@@ -238,21 +239,29 @@ def test_moe_split_plan(lib, items, k, n):
 
 @needs_nvcc
 def test_moe_bad_arguments_are_refused_before_any_launch(lib):
-    """k or an output width off the 128 grid, a K group or grid extent out of range, more K groups than a launch plan
-    holds, or groups that do not start at slot 0: -1 before any CUDA call, named by check()."""
-    code = lib.qp_moe_gemm(
-        0, None, None, None, None, 8, None, None, None, None, 0, None, 0, None, 0, None, 0,
-        4, 8, 100, 100, 100, 768, 2, 8, 0, 528, None,
-    )  # fmt: skip
+    """k or an output width off the 128 grid, a K group count or grid extent out of range, a K the codebook has no
+    kernel for, more K groups than a launch plan holds, or groups that do not start at slot 0: refused before any CUDA
+    call, named by check()."""
+    k8 = (ctypes.c_int * 16)(*([8] * 16))
+
+    def gemm(groups, k2, items, k, codebook=2):
+        return lib.qp_moe_gemm(
+            0, None, None, None, None, 8, None, None, None, None, groups, k2, None, 0, None, 0, None, 0,
+            items, 8, k, k, k, 768, codebook, 0, 528, None,
+        )  # fmt: skip
+
+    code = gemm(1, k8, 4, 100)
     assert code == -1
     with pytest.raises(library.LibraryError, match="multiples of 128"):
         library.check(code, "test")
-    for group, items in ((16, 4), (-1, 4), (0, 70000)):  # a K group past the plan's 16, a grid z past 65535
-        code = lib.qp_moe_gemm(
-            0, None, None, None, None, 8, None, None, None, None, group, None, 0, None, 0, None, 0,
-            items, 8, 256, 256, 256, 768, 2, 8, 0, 528, None,
-        )  # fmt: skip
-        assert code == -1, (group, items)
+    for groups, items in ((17, 4), (0, 4), (1, 70000)):  # more K groups than the plan's 16, none, a grid z past 65535
+        assert gemm(groups, k8, items, 256) == -1, (groups, items)
+    assert gemm(1, None, 4, 256) == -1  # no K table
+    mixed = (ctypes.c_int * 3)(4, 9, 6)  # K 4.5 has no kernel in any codebook
+    assert gemm(3, mixed, 4, 256) == -2
+    half = (ctypes.c_int * 2)(4, 5)  # K 2.5: mul1 only
+    assert gemm(2, half, 4, 256, codebook=1) == -2
+    assert gemm(1, k8, 4, 256, codebook=7) == -3
     for group_lo in ([0] * 17, [1, 2], [0, 3, 2]):
         lo = (ctypes.c_int * len(group_lo))(*group_lo)
         code = lib.qp_moe_route(None, 0, None, 8, 8, lo, len(group_lo), None, None, None, None, None, None)

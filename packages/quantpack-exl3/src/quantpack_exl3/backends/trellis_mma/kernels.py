@@ -176,9 +176,9 @@ class TrellisMmaLinearKernel(LinearKernel):
 class TrellisMmaExpertKernel(ExpertKernel):
     """An EXL3 expert bank through the trellis_mma grouped kernels (``quantpack::trellis_moe_``, :mod:`.moe`): the
     routed picks bucketed per expert on the GPU, each expert's trellis decoded once per 16 of its tokens, gate and up
-    in one launch per K group, silu(gate) * up inside the down launch, the routing weight applied and the token's
-    picks summed in a fixed order. Second in the CUDA list: exllamav3's serves banks until this kernel is measured
-    on the GPU (``QUANTPACK_EXL3_BACKEND=trellis_mma`` selects it)."""
+    in one launch for every K group (each work item at its group's K), silu(gate) * up inside the down launch, the
+    routing weight applied and the token's picks summed in a fixed order. First in the CUDA list for float16 /
+    bfloat16 banks of up to 16 K groups (docs/kernels.md)."""
 
     name = NAME
 

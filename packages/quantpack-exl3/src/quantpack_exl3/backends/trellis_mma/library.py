@@ -2,7 +2,8 @@
 ctypes.
 
 The source is compiled once per (source, nvcc version, flags, GPU architecture) into a shared library cached under
-``$QUANTPACK_CACHE_DIR`` (default ``$XDG_CACHE_HOME/quantpack`` or ``~/.cache/quantpack``); 15-25 s on one core.
+``$QUANTPACK_CACHE_DIR`` (default ``$XDG_CACHE_HOME/quantpack`` or ``~/.cache/quantpack``): nvcc runs on one core,
+for about 2 minutes on a 2-core CI machine and less on a fast core.
 Its entry points take device pointers and a ``cudaStream_t``, so the library does not depend on the torch build.
 ``QUANTPACK_NVCC`` names the compiler; otherwise ``$CUDA_HOME/bin/nvcc``, then ``nvcc`` on ``PATH``.
 """
@@ -107,7 +108,7 @@ def build(arch: int, nvcc: str | None = None) -> Path:
         raise LibraryError(
             f"trellis_mma: cannot create its build cache {target.parent} ({e}); set QUANTPACK_CACHE_DIR"
         ) from None
-    logger.info("quantpack-exl3: building the trellis_mma kernels for sm_%d with %s (once, 15-25 s)", arch, nvcc)
+    logger.info("quantpack-exl3: building the trellis_mma kernels for sm_%d with %s (once, 1-2 minutes)", arch, nvcc)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         cmd = [nvcc, *FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(out), str(SOURCE)]
@@ -157,10 +158,11 @@ def load(arch: int) -> ctypes.CDLL:
     lib.qp_moe_gemm.restype = i32
     lib.qp_moe_gemm.argtypes = [
         i32, ptr, ptr, ptr, ptr, i32,  # down, x, gu, y, tables, slots
-        ptr, ptr, ptr, ptr, i32, ptr, i32,  # sorted, offsets, work, group_work, group, weights, weights dtype
+        ptr, ptr, ptr, ptr,  # sorted, offsets, work, group_work
+        i32, ptr, ptr, i32,  # K groups, their 2K (host array), weights, weights dtype
         ptr, i64, ptr, i64,  # partials, capacity, counters, capacity
         i32, i32, i32, i32, i32, i32,  # items, top_k, x_width, x_stride, k, n_proj
-        i32, i32, i32, i32, ptr,  # codebook, 2K, bf16, target CTAs, stream
+        i32, i32, i32, ptr,  # codebook, bf16, target CTAs, stream
     ]  # fmt: skip
     lib.qp_moe_reduce.restype = i32
     lib.qp_moe_reduce.argtypes = [ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, ptr]

@@ -1,6 +1,7 @@
 """The trellis_mma backend's expert-bank op, ``quantpack::trellis_moe_``: one MoE layer's EXL3 experts over the routed
-tokens through the grouped kernels of ``csrc/trellis_mma.cu`` (the route launch, a gate/up and a down launch per K
-group, the reduction), and the per-GPU buffers those launches share.
+tokens through the grouped kernels of ``csrc/trellis_mma.cu`` (the route launch, one gate/up and one down launch for
+every K group of the bank, each CTA at its work item's K, the reduction), and the per-GPU buffers those launches
+share.
 
 The buffers (allocated when a bank is prepared, before any CUDA-graph capture; widened by a later, larger bank) hold
 one chunk of :data:`SLOTS` picks: the route's arrays, the gate / up outputs (fp16) and the weighted down rows (fp32).
@@ -36,8 +37,9 @@ WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def group_items(slots: int, group_slots: int) -> int:
-    """Work items one K group of ``group_slots`` slots can have for ``slots`` picks at most (``qp_moe_items``): one
-    per non-empty slot beyond its share of whole 16-row items."""
+    """Work items ``group_slots`` consecutive slots (a K group, or a whole bank: the extent of its one launch per
+    projection) can have for ``slots`` picks at most (``qp_moe_items``): one per non-empty slot beyond its share of
+    whole 16-row items."""
     return min(group_slots, slots) + -(-slots // ITEM_ROWS)
 
 
@@ -146,6 +148,8 @@ def run_trellis_moe(
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
     lo = (ctypes.c_int * len(group_lo))(*group_lo)
+    k2_gu = (ctypes.c_int * len(group_lo))(*(round(2 * k) for k in k_gu))  # 2K of each group, host arrays
+    k2_d = (ctypes.c_int * len(group_lo))(*(round(2 * k) for k in k_d))
     gu, y = buf.gu[:, : 2 * inter], buf.y[:, :hidden_stored]
     chunk = SLOTS // top_k
     for t0 in range(0, tokens, chunk):
@@ -157,19 +161,17 @@ def run_trellis_moe(
             buf.group_work.data_ptr(), stream,
         )  # fmt: skip
         check(code, f"route {slots} picks over {experts} experts")
-        for down in (0, 1):
-            for g, (a, b) in enumerate(zip(group_lo, group_hi, strict=True)):
-                k2 = round(2 * (k_d[g] if down else k_gu[g]))
-                code = lib.qp_moe_gemm(
-                    down, x[t0:t1].data_ptr(), gu.data_ptr(), y.data_ptr(), tables.data_ptr(), experts,
-                    buf.sorted.data_ptr(), buf.offsets.data_ptr(), buf.work.data_ptr(), buf.group_work.data_ptr(), g,
-                    weights[t0:t1].data_ptr(), WEIGHT_DTYPES[weights.dtype],
-                    ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
-                    group_items(slots, b - a), top_k, x.shape[1], x.stride(0),
-                    inter if down else hidden_stored, hidden_stored if down else inter,
-                    codebook, k2, int(x.dtype == torch.bfloat16), ws.target_ctas, stream,
-                )  # fmt: skip
-                check(code, f"{'down' if down else 'gate/up'} of K group {g} ({slots} picks, K {k2 / 2:g})")
+        for down, k2 in ((0, k2_gu), (1, k2_d)):
+            code = lib.qp_moe_gemm(
+                down, x[t0:t1].data_ptr(), gu.data_ptr(), y.data_ptr(), tables.data_ptr(), experts,
+                buf.sorted.data_ptr(), buf.offsets.data_ptr(), buf.work.data_ptr(), buf.group_work.data_ptr(),
+                len(group_lo), k2, weights[t0:t1].data_ptr(), WEIGHT_DTYPES[weights.dtype],
+                ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
+                group_items(slots, experts), top_k, x.shape[1], x.stride(0),
+                inter if down else hidden_stored, hidden_stored if down else inter,
+                codebook, int(x.dtype == torch.bfloat16), ws.target_ctas, stream,
+            )  # fmt: skip
+            check(code, f"{'down' if down else 'gate/up'} of {len(group_lo)} K group(s) ({slots} picks, K {list(k2)})")
         code = lib.qp_moe_reduce(
             y.data_ptr(), buf.slot_of.data_ptr(), out[t0:t1].data_ptr(), t1 - t0, top_k, hidden_stored, hidden,
             out.stride(0), int(out.dtype == torch.bfloat16), stream,

@@ -850,17 +850,20 @@ QP_API int qp_decode_tile_host(const uint32_t* words, int codebook, int k2, uint
 //             slot order (`sorted`, slot s's picks at offsets[s] .. offsets[s + 1]), and every slot's picks are cut
 //             into work items of up to 16 rows (slot, first row), numbered in slot order, so the items of one K group
 //             (a contiguous slot range) are contiguous: group g owns items group_work[g] .. group_work[g + 1].
-//   gate/up   per K group: a CTA per (128-column block of gate or up, k split, work item); the item's rows are its
+//   gate/up   one launch for every K group: a CTA per (128-column block of gate or up, k split, work item), running
+//             the K of the item's group (a switch over the K the kernel is built for); the item's rows are its
 //             picks' token rows of x, transformed with that projection's suh inside the CTA; the output Hadamard
 //             transform and svh as in the dense kernel, written in fp16 to the pick's row of `gu` (sorted position,
 //             gate in columns 0 .. I, up in I .. 2I).
-//   down      per K group: a CTA per (128-column block of the hidden side, k split, work item); the input rows are
+//   down      one launch for every K group: a CTA per (128-column block of the hidden side, k split, work item),
+//             each at its group's K; the input rows are
 //             silu(gate) * up of its picks, read from `gu` and multiplied with down's suh before the transform; the
 //             output, times the pick's routing weight, goes to the pick's row of `y` (fp32).
 //   reduce    out[t] = sum over the token's picks held here of y[pick], in choice order (deterministic).
 //
-// A grid's z extent is an upper bound of the group's work items for the call's token count; CTAs past the group's
-// actual count return at once. Rows of one work item are independent in the mma, and split-K partials are summed in
+// A grid's z extent is an upper bound of the bank's work items for the call's token count, the same whatever the
+// number of K groups (so a mixed-K bank launches the grid of a uniform one); CTAs past the actual count return at
+// once. Rows of one work item are independent in the mma, and split-K partials are summed in
 // split order, so results do not depend on the order in which the route kernel bucketed the picks.
 // ------------------------------------------------------------------------------------------------------------------
 
@@ -882,7 +885,9 @@ struct MoeParams {
     const void* weights;           // (slots,) routing weights: fp32, fp16 or bf16 (weights_dtype 0 / 1 / 2)
     float* partials;               // split-K partials: (grid z, splits, 16, n)
     int* counters;                 // (grid z, n / 128), zero between launches
-    int E, group, top_k;
+    int E, top_k;
+    int groups;                    // K groups of the bank
+    int group_k2[MOE_MAX_GROUPS];  // 2K of each group
     int x_width, x_stride, bf16, weights_dtype;
     int k;      // reduction width: stored hidden (gate/up) or stored intermediate (down)
     int n_proj; // stored output columns of one projection: intermediate (gate/up) or hidden (down)
@@ -977,8 +982,11 @@ __device__ __forceinline__ float moe_input(const MoeParams& p, int pick_or_pos, 
     }
 }
 
+// One CTA of an expert launch: 128 output columns (blockIdx.x) x one k slice (blockIdx.y) of work item w, whose
+// split-K partials and arrival counter sit at grid index blockIdx.z. `smem` is the launch's dynamic shared memory
+// (smem_bytes<KA, HALFK, 1>() at least); `row_pick` and `last_arrival` live in the CTA's static shared memory.
 template <int CB, int KA, bool HALFK, bool DOWN>
-__global__ void __launch_bounds__(THREADS) trellis_moe_kernel(const MoeParams p) {
+__device__ __forceinline__ void moe_cta(const MoeParams& p, int w, uint8_t* smem, int* row_pick, int& last_arrival) {
     using T = Tile<KA, HALFK>;
     constexpr int PANEL = 64;
     constexpr int A_STRIDE = PANEL * 16 + 8;
@@ -986,17 +994,12 @@ __global__ void __launch_bounds__(THREADS) trellis_moe_kernel(const MoeParams p)
     constexpr int F_BYTES = MOE_ROWS * F_STRIDE * 4;
     constexpr int AF_BYTES = A_BYTES > F_BYTES ? A_BYTES : F_BYTES;
 
-    extern __shared__ __align__(16) uint8_t smem[];
     __half* A = reinterpret_cast<__half*>(smem);
     float* F = reinterpret_cast<float*>(smem);
     uint32_t* ring = reinterpret_cast<uint32_t*>(smem + AF_BYTES);
-    __shared__ int last_arrival;
-    __shared__ int row_pick[MOE_ROWS];  // gate/up: the rows' pick indices; down: their sorted positions
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int nb = blockIdx.x, split = blockIdx.y, z = blockIdx.z;
-    const int w = p.group_work[p.group] + z;
-    if (w >= p.group_work[p.group + 1]) return;  // past this call's work items (uniform over the CTA)
     const int slot = p.work[2 * w], r0 = p.work[2 * w + 1];
     const int base = p.offsets[slot] + r0;
     const int rows = min(p.offsets[slot + 1] - base, MOE_ROWS);
@@ -1113,6 +1116,42 @@ __global__ void __launch_bounds__(THREADS) trellis_moe_kernel(const MoeParams p)
     }
 }
 
+// Every K group of a bank in one launch: grid z runs over all the call's work items, which are numbered in slot
+// order, so a group's items are contiguous; each CTA finds its item's group from group_work and runs that group's K
+// (p.group_k2). The grid is the one a bank of one group would have, however the picks fall over the groups.
+template <int CB, bool DOWN>
+__global__ void __launch_bounds__(THREADS) trellis_moe_kernel(const MoeParams p) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    __shared__ int last_arrival;
+    __shared__ int row_pick[MOE_ROWS];
+    const int w = blockIdx.z;
+    if (w >= p.group_work[p.groups]) return;
+    int g = 0;
+#pragma unroll
+    for (int i = 1; i < MOE_MAX_GROUPS; ++i)
+        if (i < p.groups && w >= p.group_work[i]) g = i;
+    switch (p.group_k2[g]) {
+        case 2: moe_cta<CB, 1, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
+        case 4: moe_cta<CB, 2, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
+        case 6: moe_cta<CB, 3, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
+        case 8: moe_cta<CB, 4, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
+        case 10: moe_cta<CB, 5, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
+        case 12: moe_cta<CB, 6, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
+        case 14: moe_cta<CB, 7, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
+        case 16: moe_cta<CB, 8, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
+        default:
+            if constexpr (CB == CB_MUL1) {  // half-integer K: mul1 only (the host refuses others)
+                switch (p.group_k2[g]) {
+                    case 3: moe_cta<CB, 1, true, DOWN>(p, w, smem, row_pick, last_arrival); break;
+                    case 5: moe_cta<CB, 2, true, DOWN>(p, w, smem, row_pick, last_arrival); break;
+                    case 7: moe_cta<CB, 3, true, DOWN>(p, w, smem, row_pick, last_arrival); break;
+                    default: break;
+                }
+            }
+            break;
+    }
+}
+
 // out[t, c] = sum over the token's picks j held here (slot_of >= 0) of y[t * top_k + j, c], for c < hidden.
 __global__ void moe_reduce_kernel(const float* y, const int* slot_of, void* out, int tokens, int top_k, int hidden_stored,
                                   int hidden, int out_stride, int bf16) {
@@ -1127,25 +1166,6 @@ __global__ void moe_reduce_kernel(const float* y, const int* slot_of, void* out,
     store_act(out, (size_t)t * out_stride + c, s, bf16);
 }
 
-template <int CB, int KA, bool HALFK, bool DOWN>
-int moe_configure(int* fit) {
-    static int fits[64] = {};
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e != cudaSuccess) return (int)e;
-    int& cached = fits[device & 63];
-    if (cached == 0) {
-        auto kernel = trellis_moe_kernel<CB, KA, HALFK, DOWN>;
-        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<KA, HALFK, 1>());
-        if (e != cudaSuccess) return (int)e;
-        int n = 0;
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, THREADS, smem_bytes<KA, HALFK, 1>());
-        if (e != cudaSuccess) return (int)e;
-        cached = n > 0 ? n : 1;
-    }
-    *fit = cached;
-    return 0;
-}
 
 }  // namespace qp
 
@@ -1208,19 +1228,16 @@ QP_API int qp_moe_route(const void* ids, int ids64, const long long* perm, int s
     return (int)cudaGetLastError();
 }
 
-// One expert launch of K group `group`: down = 0 runs gate and up (x -> gu), down = 1 the down projection (gu -> y).
-// `items` is the grid's z extent (qp_moe_items for the call's picks and the group's slots); k and n_proj are the
-// stored reduction width and one projection's stored output width. Returns 0, a CUDA error code, -1 (bad geometry),
-// -2 (no kernel for this K), -3 (bad codebook) or -4 (workspace too small).
-QP_API int qp_moe_gemm(int down, const void* x, void* gu, float* y, const long long* tables, int E, const int* sorted,
-                       const int* offsets, const int* work, const int* group_work, int group, const void* weights,
-                       int weights_dtype, float* partials, long long partial_floats, int* counters,
-                       long long counters_len, int items, int top_k, int x_width, int x_stride, int k, int n_proj,
-                       int codebook, int k2, int bf16, int target_ctas, void* stream) {
-    if (items <= 0) return 0;
+namespace qp {
+
+// The parameters every expert launch shares, checked. Returns 0 or -1 (bad geometry).
+inline int moe_params(MoeParams& p, int down, const void* x, void* gu, float* y, const long long* tables, int E,
+                      const int* sorted, const int* offsets, const int* work, const int* group_work,
+                      const void* weights, int weights_dtype, float* partials, int* counters, int items, int top_k,
+                      int x_width, int x_stride, int k, int n_proj, int bf16) {
     if (k % 128 || k <= 0 || n_proj % 128 || n_proj <= 0 || (!down && x_width > k) || top_k < 1) return -1;
-    if (group < 0 || group >= qp::MOE_MAX_GROUPS || items > 65535) return -1;  // 65535: the grid's z limit
-    qp::MoeParams p{};
+    if (items > 65535) return -1;  // the grid's z limit
+    p = MoeParams{};
     p.x = x;
     p.gu = static_cast<__half*>(gu);
     p.y = y;
@@ -1233,7 +1250,6 @@ QP_API int qp_moe_gemm(int down, const void* x, void* gu, float* y, const long l
     p.partials = partials;
     p.counters = counters;
     p.E = E;
-    p.group = group;
     p.top_k = top_k;
     p.x_width = x_width;
     p.x_stride = x_stride;
@@ -1242,33 +1258,114 @@ QP_API int qp_moe_gemm(int down, const void* x, void* gu, float* y, const long l
     p.k = k;
     p.n_proj = n_proj;
     p.n = down ? n_proj : 2 * n_proj;
-    int fit = 0, sms = 0, device = 0;
-    int e = qp::with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
-        return down ? qp::moe_configure<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, true>(&fit)
-                    : qp::moe_configure<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, false>(&fit);
-    });
-    if (e != 0) return e;
+    return 0;
+}
+
+// The split plan of a launch of `items` work items whose kernel fits `fit` CTAs per SM. Returns 0, a CUDA error
+// code or -4 (workspace too small).
+inline int moe_plan(MoeParams& p, int fit, int items, int target_ctas, long long partial_floats,
+                    long long counters_len) {
+    int sms = 0, device = 0;
     if (cudaGetDevice(&device) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
         return (int)cudaGetLastError();
     if ((long long)fit * sms < target_ctas) target_ctas = fit * sms;
-    p.splits = qp_moe_splits(items, k, p.n, target_ctas, partial_floats, counters_len);
-    const int ktiles = k / 16;
+    p.splits = qp_moe_splits(items, p.k, p.n, target_ctas, partial_floats, counters_len);
+    const int ktiles = p.k / 16;
     p.slice_tiles = (ktiles / 8 + p.splits - 1) / p.splits * 8;
-    if (p.splits > 1 && ((long long)items * p.splits * qp::MOE_ROWS * p.n > partial_floats ||
-                         (long long)items * (p.n / qp::BLOCK_N) > counters_len))
+    if (p.splits > 1 && ((long long)items * p.splits * MOE_ROWS * p.n > partial_floats ||
+                         (long long)items * (p.n / BLOCK_N) > counters_len))
         return -4;
+    return 0;
+}
+
+// The dynamic shared memory of an expert CTA of (codebook, 2K) in bytes, or -2 (no such K) / -3 (bad codebook).
+inline int moe_smem(int codebook, int k2) {
+    return with_codebook_k(codebook, k2, [&](auto, auto ka, auto half) {
+        return smem_bytes<decltype(ka)::value, decltype(half)::value, 1>();
+    });
+}
+
+// CTAs of the expert kernel that fit in one SM at once with `smem` bytes of dynamic shared memory, the largest K
+// among the bank's groups being k2max / 2 (*fit; cached per device and k2max). Raises the kernel's shared-memory
+// limit to the largest any K needs once per device. Returns 0 or a CUDA error code.
+template <int CB, bool DOWN>
+int moe_configure(int k2max, int smem, int* fit) {
+    static int fits[64][17] = {};  // per device and 2K; 0 = not measured yet
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e != cudaSuccess) return (int)e;
+    int& cached = fits[device & 63][k2max];  // k2max: 2..16, checked by moe_smem
+    if (cached == 0) {
+        auto kernel = trellis_moe_kernel<CB, DOWN>;
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<8, false, 1>());
+        if (e != cudaSuccess) return (int)e;
+        int n = 0;
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, THREADS, smem);
+        if (e != cudaSuccess) return (int)e;
+        cached = n > 0 ? n : 1;
+    }
+    *fit = cached;
+    return 0;
+}
+
+}  // namespace qp
+
+// One expert launch for every K group of a bank: down = 0 runs gate and up (x -> gu), down = 1 the down projection
+// (gu -> y). group_k2 (host array) holds each of the `groups` K groups' 2K; `items` is the grid's z extent, the bound
+// of the whole bank (qp_moe_items for the call's picks and all slots); k and n_proj are the stored reduction width
+// and one projection's stored output width. Returns 0, a CUDA error code, -1 (bad geometry or a group count outside
+// 1..16), -2 (no kernel for a group's K), -3 (bad codebook) or -4 (workspace too small).
+QP_API int qp_moe_gemm(int down, const void* x, void* gu, float* y, const long long* tables, int E,
+                              const int* sorted, const int* offsets, const int* work, const int* group_work,
+                              int groups, const int* group_k2, const void* weights, int weights_dtype,
+                              float* partials, long long partial_floats, int* counters, long long counters_len,
+                              int items, int top_k, int x_width, int x_stride, int k, int n_proj, int codebook,
+                              int bf16, int target_ctas, void* stream) {
+    if (items <= 0) return 0;
+    if (groups < 1 || groups > qp::MOE_MAX_GROUPS || group_k2 == nullptr) return -1;
+    qp::MoeParams p;
+    int e = qp::moe_params(p, down, x, gu, y, tables, E, sorted, offsets, work, group_work, weights, weights_dtype,
+                           partials, counters, items, top_k, x_width, x_stride, k, n_proj, bf16);
+    if (e != 0) return e;
+    p.groups = groups;
+    int smem = 0, k2max = 0;
+    for (int g = 0; g < groups; ++g) {
+        const int b = qp::moe_smem(codebook, group_k2[g]);
+        if (b < 0) return b;
+        p.group_k2[g] = group_k2[g];
+        if (b > smem) smem = b;
+        if (group_k2[g] > k2max) k2max = group_k2[g];
+    }
+    int fit = 0;
+    switch (codebook) {
+        case qp::CB_3INST: e = down ? qp::moe_configure<qp::CB_3INST, true>(k2max, smem, &fit)
+                                    : qp::moe_configure<qp::CB_3INST, false>(k2max, smem, &fit); break;
+        case qp::CB_MCG: e = down ? qp::moe_configure<qp::CB_MCG, true>(k2max, smem, &fit)
+                                  : qp::moe_configure<qp::CB_MCG, false>(k2max, smem, &fit); break;
+        default: e = down ? qp::moe_configure<qp::CB_MUL1, true>(k2max, smem, &fit)
+                          : qp::moe_configure<qp::CB_MUL1, false>(k2max, smem, &fit); break;
+    }
+    if (e != 0) return e;
+    e = qp::moe_plan(p, fit, items, target_ctas, partial_floats, counters_len);
+    if (e != 0) return e;
     const dim3 grid(p.n / qp::BLOCK_N, p.splits, items);
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    return qp::with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
-        constexpr int CB = decltype(cb)::value, KA = decltype(ka)::value;
-        constexpr bool H = decltype(half)::value;
-        if (down)
-            qp::trellis_moe_kernel<CB, KA, H, true><<<grid, qp::THREADS, qp::smem_bytes<KA, H, 1>(), s>>>(p);
-        else
-            qp::trellis_moe_kernel<CB, KA, H, false><<<grid, qp::THREADS, qp::smem_bytes<KA, H, 1>(), s>>>(p);
-        return (int)cudaGetLastError();
-    });
+    switch (codebook) {
+        case qp::CB_3INST:
+            if (down) qp::trellis_moe_kernel<qp::CB_3INST, true><<<grid, qp::THREADS, smem, s>>>(p);
+            else qp::trellis_moe_kernel<qp::CB_3INST, false><<<grid, qp::THREADS, smem, s>>>(p);
+            break;
+        case qp::CB_MCG:
+            if (down) qp::trellis_moe_kernel<qp::CB_MCG, true><<<grid, qp::THREADS, smem, s>>>(p);
+            else qp::trellis_moe_kernel<qp::CB_MCG, false><<<grid, qp::THREADS, smem, s>>>(p);
+            break;
+        default:
+            if (down) qp::trellis_moe_kernel<qp::CB_MUL1, true><<<grid, qp::THREADS, smem, s>>>(p);
+            else qp::trellis_moe_kernel<qp::CB_MUL1, false><<<grid, qp::THREADS, smem, s>>>(p);
+            break;
+    }
+    return (int)cudaGetLastError();
 }
 
 // out[t, :hidden] = the sum of token t's weighted down rows in y (row stride hidden_stored), in the model dtype.
