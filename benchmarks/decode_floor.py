@@ -8,7 +8,7 @@ by pipe: the ALU pipe (shifts, logic, permutes, compares, address adds) and the 
 each take a warp instruction every two cycles per scheduler on sm_80 / sm_90, everything else issues once. The
 floor of a stack is its tiles times the largest of (instructions, 2 x ALU, 2 x FMA-heavy) over the GPU's schedulers
 and clock. Needs nvcc and cuobjdump, not a GPU. The expert kernels' loop (the same decode through one 16-row
-fragment) is counted too, for K=4.
+fragment, one loop per K in one kernel) is counted too: the range over its K.
 
 Usage: ``python3 benchmarks/decode_floor.py [--arch 90] [--sms 132] [--clock-ghz 1.98] [--json OUT]``.
 """
@@ -59,13 +59,15 @@ def mangled(cb: int, ka: int, half: bool, mb: int, fused: bool) -> str:
     return f"trellis_mma_kernelILi{cb}ELi{ka}ELb{int(half)}ELi{mb}ELb{int(fused)}E"
 
 
-def mangled_moe(cb: int, ka: int, half: bool, down: bool) -> str:
-    """The kernel's mangled-name fragment of ``trellis_moe_kernel<CB, KA, HALFK, DOWN>`` (the expert banks)."""
-    return f"trellis_moe_kernelILi{cb}ELi{ka}ELb{int(half)}ELb{int(down)}E"
+def mangled_moe(cb: int, down: bool) -> str:
+    """The kernel's mangled-name fragment of ``trellis_moe_kernel<CB, DOWN>`` (the expert banks: one decode loop per K
+    of the codebook behind a switch)."""
+    return f"trellis_moe_kernelILi{cb}ELb{int(down)}E"
 
 
-def loop_counts(sass: str, name: str) -> dict:
-    """Instruction counts per tile of the innermost HMMA loop of one kernel in a ``cuobjdump -sass`` listing."""
+def hmma_loops(sass: str, name: str) -> list[tuple[int, list[str]]]:
+    """The innermost loops holding ``HMMA`` instructions of one kernel in a ``cuobjdump -sass`` listing, as (HMMA
+    count, instructions), in address order."""
     lines, inside = [], False
     for line in sass.splitlines():
         if "Function : " in line:
@@ -77,17 +79,20 @@ def loop_counts(sass: str, name: str) -> dict:
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
             ins.append((int(m.group(1), 16), m.group(2).strip()))
-    best = None
+    spans = []
     for addr, text in ins:
         m = re.search(r"BRA (0x[0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
-            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            hmma = sum("HMMA" in t for t in body)
-            if hmma and (best is None or len(body) < len(best[1])):
-                best = (hmma, body)
-    if best is None:
-        raise SystemExit(f"no HMMA loop found in {name}")
-    hmma, body = best
+            lo = int(m.group(1), 16)
+            body = [t for a, t in ins if lo <= a <= addr]
+            if any("HMMA" in t for t in body):
+                spans.append((lo, addr, body))
+    inner = [sp for sp in spans if not any(o is not sp and sp[0] <= o[0] and o[1] <= sp[1] for o in spans)]
+    return [(sum("HMMA" in t for t in body), body) for _, _, body in sorted(inner)]
+
+
+def counts_of(hmma: int, body: list[str]) -> dict:
+    """Instructions per tile and warp of one HMMA loop, in all and on the ALU and FMA-heavy pipes."""
     ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
     tiles = hmma / 2  # two mma.m16n8k16 per tile and 16-row block
     return {
@@ -95,6 +100,14 @@ def loop_counts(sass: str, name: str) -> dict:
         "alu": sum(v for k, v in ops.items() if k in ALU) / tiles,
         "fma_heavy": sum(v for k, v in ops.items() if k in FMA_HEAVY) / tiles,
     }
+
+
+def loop_counts(sass: str, name: str) -> dict:
+    """Instruction counts per tile of the smallest innermost HMMA loop of one kernel (a kernel of one K)."""
+    loops = hmma_loops(sass, name)
+    if not loops:
+        raise SystemExit(f"no HMMA loop found in {name}")
+    return counts_of(*min(loops, key=lambda hb: len(hb[1])))
 
 
 def main() -> None:
@@ -124,14 +137,17 @@ def main() -> None:
                 f"ALU {counts['alu']:4.1f}, FMA-heavy {counts['fma_heavy']:4.1f} -> {counts['cycles']:5.1f} "
                 "scheduler cycles"
             )
-    experts = {}  # the expert kernel's loop (same decode, one 16-row fragment), K=4, gate/up and down launches
+    experts = {}  # the expert kernel: one loop per K of the codebook (one 16-row fragment), gate/up and down
     for cb, cb_name in CODEBOOKS:
         for down in (False, True):
-            counts = loop_counts(sass, mangled_moe(cb, 4, False, down))
-            experts[f"{cb_name} K=4 {'down' if down else 'gate/up'}"] = counts
+            per_k = [counts_of(*hb)["instructions"] for hb in hmma_loops(sass, mangled_moe(cb, down))]
+            if not per_k:
+                raise SystemExit(f"no HMMA loop found in {mangled_moe(cb, down)}")
+            key = f"{cb_name} {'down' if down else 'gate/up'}"
+            experts[key] = {"loops": len(per_k), "instructions_min": min(per_k), "instructions_max": max(per_k)}
             print(
-                f"experts {cb_name:5s} K=4 {'down   ' if down else 'gate/up'}: {counts['instructions']:5.1f} "
-                f"instructions per tile and warp, ALU {counts['alu']:4.1f}, FMA-heavy {counts['fma_heavy']:4.1f}"
+                f"experts {key:13s}: {len(per_k)} K loops, {min(per_k):5.1f} - {max(per_k):5.1f} instructions per "
+                "tile and warp"
             )
     schedulers = 4 * args.sms * args.clock_ghz * 1e9
     stack = {}
