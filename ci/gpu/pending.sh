@@ -25,7 +25,7 @@ step() {
   echo "=== $name rc=$? $(date +%T)"
   tail -15 "$res/$name.log"
 }
-all=(linear-kernels kernel-8b moe-kernels escha serve-8b e2e-moe e2e-dense serve-moe-mixed serve-moe profile)
+all=(moe-kernels linear-kernels kernel-8b serve-moe serve-moe-mixed e2e-moe escha-vllm serve-8b e2e-dense profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
     # trellis_mma's linear kernel against the float64 oracle and exllamav3's error (every K, codebook, bundled pack)
@@ -36,15 +36,18 @@ for s in "${@:-${all[@]}}"; do
     kernel-8b-mcg) step kernel-8b-mcg python3 benchmarks/kernel_8b.py --codebook mcg --rows 1,16,64 --no-dense \
       --json "$res/kernel_8b_mcg.json" ;;
     # the expert banks through both kernels against the float64 oracle, trellis_mma within 1.1x exllamav3's error
+    # (first: the one-launch-for-every-K-group kernel and the shared TileStream loop have not run on a GPU yet)
     moe-kernels) step moe-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_moe.py ;;
     # the vLLM MoE jobs (eager and graphs) with trellis_mma's experts, the CUDA default since its first run
     e2e-moe) QUANTPACK_GPU_JOBS=moe/ step e2e-moe "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py ;;
+    # the converted escha packs in vLLM (eager and graphs) with the spill-free Triton kernel
+    escha-vllm) step escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py ;;
     # the escha Triton kernel without register spills: its GPU tests, then its line of the mcg K=2 stack
     escha)
       step escha-gpu "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu.py
       step escha-kernel python3 benchmarks/kernel_8b.py --codebook mcg --layer-k 2 \
         --kernels exllamav3,trellis_mma,escha_triton --rows 1,64 --no-dense --json "$res/kernel_8b_escha.json" ;;
-    # 30B-A3B with three K groups per bank (the issue's mixed-K target: >= 0.9x the uniform pack)
+    # 30B-A3B with three K groups per bank (the issue's mixed-K target: >= 0.9x the uniform pack, run after it)
     serve-moe-mixed) step serve-moe-mixed python3 benchmarks/serve_8b.py --model 30b-a3b-mixed --repeats 1 \
       --json "$res/serve_30b_a3b_mixed.json" ;;
     # 30B-A3B: plugin (trellis_mma experts), plugin-exllamav3 (exl3_mgemm: its capture failure), bf16, GPTQ (Marlin)
