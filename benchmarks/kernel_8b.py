@@ -15,7 +15,8 @@ stack is its bytes (trellis + suh + svh; bf16 weights for dense) over that bandw
 
 Writes a JSON record (``--json``, default ``benchmarks/results/kernel_8b.json``); ``benchmarks/plot_kernels.py``
 draws it. Usage (GPU machine, after ci/gpu/setup.sh): ``source ci/gpu/env.sh && python3 benchmarks/kernel_8b.py
-[--rows 1,4,16,64,256] [--kernels exllamav3,trellis_mma] [--codebook mul1] [--layer-k 4] [--no-dense]``.
+[--rows 1,4,16,64,256] [--kernels exllamav3,trellis_mma] [--codebook mul1] [--layer-k 4] [--no-dense]
+[--inline-transform-rows N]``.
 
 The escha line (quantpack-escha-rocm's Triton kernel against the EXL3 kernels on the same trellis, read as an escha
 code: docs/escha-format.md): ``--codebook mcg --kernels exllamav3,trellis_mma,escha_triton --layer-k 2``.
@@ -263,6 +264,12 @@ def main() -> None:
     ap.add_argument("--codebook", default="mul1")
     ap.add_argument("--layer-k", type=float, default=LAYER_K, help="K of the layers' shards (the head stays K=6)")
     ap.add_argument("--no-dense", action="store_true")
+    ap.add_argument(
+        "--inline-transform-rows",
+        type=int,
+        default=None,
+        help="trellis_mma: rows up to which each CTA transforms its own input (0-16; default: the library's, 16)",
+    )
     ap.add_argument("--json", type=Path, default=Path(__file__).with_name("results") / "kernel_8b.json")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -290,6 +297,9 @@ def main() -> None:
     from quantpack_exl3.backends.trellis_mma import ops
 
     ops.delegate_rows = 0  # trellis_mma's own kernels at every row count (the served op hands large calls over)
+    if args.inline_transform_rows is not None:
+        ops.INLINE_TRANSFORM_ROWS = max(0, min(args.inline_transform_rows, ops.FUSED_ROWS))
+    record["inline_transform_rows"] = ops.INLINE_TRANSFORM_ROWS
     for name in args.kernels.split(","):
         kernel = classes.get(name)
         if kernel is None:

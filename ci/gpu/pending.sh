@@ -25,13 +25,17 @@ step() {
   echo "=== $name rc=$? $(date +%T)"
   tail -15 "$res/$name.log"
 }
-all=(moe-kernels linear-kernels kernel-8b serve-moe serve-moe-mixed e2e-moe escha-vllm serve-8b e2e-dense profile)
+all=(moe-kernels linear-kernels kernel-8b kernel-8b-panel serve-moe serve-moe-mixed e2e-moe escha-vllm serve-8b e2e-dense profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
     # trellis_mma's linear kernel against the float64 oracle and exllamav3's error (every K, codebook, bundled pack)
     linear-kernels) step linear-kernels "${T[@]}" -k trellis_mma packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py ;;
     # the 8B stack at rows 1-256, each kernel and as served, beside dense bf16 (benchmarks/results/kernel_8b.json)
     kernel-8b) step kernel-8b python3 benchmarks/kernel_8b.py --json "$res/kernel_8b.json" ;;
+    # 2-16 rows with the input transformed once per call (QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS=1) against
+    # kernel-8b's in-CTA transform: which default to keep
+    kernel-8b-panel) step kernel-8b-panel python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 2,4,8,16 \
+      --no-dense --inline-transform-rows 1 --json "$res/kernel_8b_panel.json" ;;
     # the same stack in mcg (the 3INST / mcg decode)
     kernel-8b-mcg) step kernel-8b-mcg python3 benchmarks/kernel_8b.py --codebook mcg --rows 1,16,64 --no-dense \
       --json "$res/kernel_8b_mcg.json" ;;

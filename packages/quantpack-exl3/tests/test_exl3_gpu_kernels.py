@@ -263,6 +263,52 @@ def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, monkeypatch):
     opcheck("trellis_mma_", (x, *lists, *fused.static[:2], list(fused.static[2]), fused.static[3], out, 0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_trellis_mma_input_transformed_once_per_call(dtype, monkeypatch):
+    """With QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS below 16 (here 0 and 4) a fused q / k / v call of up to 16 rows
+    transforms every shard's input in one launch and the GEMM copies its panels from the workspace: each shard's
+    columns equal the in-CTA transform's within fp32 summation order and the fp64 reference's bound, every column is
+    written, and a graph replay is bit-identical to eager."""
+    from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel, ops
+
+    monkeypatch.setattr(ops, "delegate_rows", 0)
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(22)
+    shapes = [(1024, 512), (1024, 256), (1024, 128)]
+    ts = [Exl3Tensors.from_tensors(random_exl3_layer(i, o, 4, "mul1", generator=g)) for i, o in shapes]
+    prepared = [TrellisMmaShards.prepare_shard(t, i, o, dtype, dev) for t, (i, o) in zip(ts, shapes, strict=True)]
+    fused = TrellisMmaLinearKernel.fuse(prepared)
+    for inline in (0, 4):
+        for rows in (1, 2, 5, 16):
+            x = torch.randn((rows, 1024), device=dev).to(dtype)
+            monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", 16)
+            in_cta = torch.empty((rows, 896), dtype=dtype, device=dev)
+            fused.run(x, *fused.tensors.values(), *fused.static, in_cta, 0)
+            monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", inline)
+            once = torch.full((rows, 896), float("nan"), dtype=dtype, device=dev)
+            fused.run(x, *fused.tensors.values(), *fused.static, once, 0)
+            assert torch.isfinite(once).all(), (inline, rows)
+            assert rel_err(once.float(), in_cta.double()) < 2e-3, (inline, rows)
+            col = 0
+            for p, t in zip(prepared, ts, strict=True):
+                ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=p.out_features)
+                assert rel_err(once[:, col : col + p.out_features].cpu(), ref) < 2e-2, (inline, rows)
+                col += p.out_features
+        x = torch.randn((7, 1024), device=dev).to(dtype)
+        out = torch.zeros((7, 896), dtype=dtype, device=dev)
+        fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
+        eager = torch.empty_like(out)
+        x.copy_(torch.randn((7, 1024), device=dev).to(dtype))
+        graph.replay()
+        fused.run(x, *fused.tensors.values(), *fused.static, eager, 0)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), inline
+
+
 @pytest.mark.parametrize(
     "setting,dtype",
     [(None, torch.float16), (None, torch.bfloat16), (16, torch.float16)],

@@ -101,7 +101,7 @@ def test_bad_geometry_is_refused_before_any_launch(lib):
     ptrs, ints = ctypes.c_void_p * 1, ctypes.c_int * 1
     code = lib.qp_trellis_mma(
         None, None, ptrs(None), ptrs(None), ptrs(None), ints(256), ints(0), ints(256), 1,
-        None, None, 0, None, 0, 1, 100, 100, 100, 256, 2, 8, 0, 264, None,
+        None, None, 0, None, 0, 1, 100, 100, 100, 256, 2, 8, 0, 264, 16, None,
     )  # fmt: skip
     assert code == -1
     with pytest.raises(library.LibraryError, match="multiples of 128"):
@@ -116,7 +116,7 @@ def test_shard_table_limits_are_refused_before_any_launch(lib, shards, rows):
     ptrs, ints = ctypes.c_void_p * 9, ctypes.c_int * 9
     code = lib.qp_trellis_mma(
         None, None, ptrs(), ptrs(), ptrs(), ints(*[256] * 9), ints(), ints(*[256] * 9), shards,
-        None, None, 0, None, 0, rows, 256, 256, 256, 512, 2, 8, 0, 264, None,
+        None, None, 0, None, 0, rows, 256, 256, 256, 512, 2, 8, 0, 264, 16, None,
     )  # fmt: skip
     assert code == -5
     with pytest.raises(library.LibraryError, match="1-8 shards"):

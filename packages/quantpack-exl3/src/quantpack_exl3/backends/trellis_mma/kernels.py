@@ -48,6 +48,7 @@ from .ops import (
     ROW_BUCKETS,
     delegate_rows_now,
     fixed_route,
+    inline_transform_rows_now,
     reserve,
     trellis_mma_,
     trellis_mma_shards_,
@@ -362,16 +363,19 @@ def _graph_us(run: PreparedShard, x: torch.Tensor, out: torch.Tensor, route: int
 
 def warm_up(run: PreparedShard, in_features: int, exllamav3: bool, dtype: torch.dtype = torch.float16) -> None:
     """Run a new run shape once eagerly at every row count a CUDA-graph capture would otherwise meet first: the fused
-    kernel (1 row) and the unfused one (17 rows), so that their shared-memory limits are set; and, with
+    kernel (1 row), the unfused ones (17 rows, and the row above INLINE_TRANSFORM_ROWS where that is below 16), so
+    that their shared-memory limits are set; and, with
     ``exllamav3`` (its kernels can take buckets), each of exllamav3's autotune buckets (its kernels time their launch
     shapes on a shape's first call, which must not happen during capture; its key includes the output's dtype, so
     activations of the model's ``dtype``). A shape already warmed in this process the same way is skipped."""
     trellis = _trellis_of(run)
     device = trellis[0].device
-    key = (tuple(tuple(t.shape) for t in trellis), run.static[0], dtype, device, exllamav3)
+    key = (tuple(tuple(t.shape) for t in trellis), run.static[0], dtype, device, exllamav3, inline_transform_rows_now())
     if key in _warmed:
         return
     calls = [(1, 0), (FUSED_ROWS + 1, 0)]
+    if inline_transform_rows_now() < FUSED_ROWS:  # the few-row kernel that copies its panel from the transformed input
+        calls.append((inline_transform_rows_now() + 1, 0))
     if exllamav3:
         from ..exllamav3.kernels import WARMUP_ROWS
 

@@ -30,7 +30,7 @@ PARTIAL_FLOATS = 4 << 20
 COUNTERS = 1 << 16
 #: rows of transformed input per launch above 16 rows (larger inputs are run in pieces of this many rows)
 XH_ROWS = 512
-#: rows up to which the input transform is fused into the GEMM launch
+#: rows up to which one launch runs a layer's shards (one 16-row mma fragment)
 FUSED_ROWS = 16
 
 
@@ -52,6 +52,19 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
 
 #: CTAs a launch aims at per SM (split-K fills the GPU with them); QUANTPACK_TRELLIS_MMA_CTAS_PER_SM overrides
 CTAS_PER_SM = 4
+
+#: rows up to which each CTA of a launch transforms its own input panel (had128(x * suh)); from there to FUSED_ROWS
+#: one transform launch writes every shard's transformed input to the workspace first and the GEMM's CTAs copy their
+#: panels from it (the transform is then done once, not once per column block and split).
+#: QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS (0-16) overrides; read when the module is imported.
+INLINE_TRANSFORM_ROWS = min(env_int("QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS", FUSED_ROWS), FUSED_ROWS)
+
+
+def inline_transform_rows_now() -> int:
+    """:data:`INLINE_TRANSFORM_ROWS` as it is now (benchmarks set it at run time)."""
+    return INLINE_TRANSFORM_ROWS
+
+
 #: upper row counts of the row buckets a run's route names: bucket i holds calls of ROW_BUCKETS[i - 1] + 1 ..
 #: ROW_BUCKETS[i] rows, the last bucket every call above 1024 rows (timed at 2048)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -114,7 +127,7 @@ class Workspace:
     Attributes:
         partials: float32 ``(PARTIAL_FLOATS,)``.
         counters: int32 ``(COUNTERS,)``, zero.
-        xh: float16 ``(XH_ROWS, widest k)``.
+        xh: float16 ``(XH_ROWS, widest k)`` (up to 16 rows: ``(shards, rows, k)``, at most 8 x 16 rows).
         arch: compute capability (``major * 10 + minor``), which library to load.
         target_ctas: CTAs a launch aims at.
         delegate: exllamav3's implementation of the same call (``run_exl3_gemm``) when its extension imports, for
@@ -214,12 +227,12 @@ def run_trellis_mma(
             ws.delegate(x, t, s, v, codebook, k_bits, o, out, c)
         return
     x = x if x.stride(1) == 1 else x.contiguous()
+    k = trellis[0].shape[0] * 16
+    if rows > INLINE_TRANSFORM_ROWS and k > ws.xh.shape[1]:  # (this module's global: set at run time)
+        raise LibraryError(f"trellis_mma: k {k} is wider than the workspace reserved for this GPU ({ws.xh.shape[1]})")
     if rows <= FUSED_ROWS:  # one launch for every shard
         _launch(ws, x, trellis, suh, svh, codebook, k_bits, out_features, out, cols)
         return
-    k = trellis[0].shape[0] * 16
-    if k > ws.xh.shape[1]:
-        raise LibraryError(f"trellis_mma: k {k} is wider than the workspace reserved for this GPU ({ws.xh.shape[1]})")
     for r0 in range(0, rows, XH_ROWS):  # a launch per shard (the transformed input depends on its suh)
         xr, outr = x[r0 : r0 + XH_ROWS], out[r0 : r0 + XH_ROWS]
         for t, s, v, o, c in zip(trellis, suh, svh, out_features, cols, strict=True):
@@ -238,8 +251,9 @@ def _launch(
     out: torch.Tensor,
     cols: list[int],
 ) -> None:
-    """One ``qp_trellis_mma`` launch: several shards at up to :data:`FUSED_ROWS` rows, or one shard at up to
-    :data:`XH_ROWS` rows (through the workspace's transformed input)."""
+    """One ``qp_trellis_mma`` launch: several shards at up to :data:`FUSED_ROWS` rows (above
+    :data:`INLINE_TRANSFORM_ROWS` through the workspace's transformed input), or one shard at up to :data:`XH_ROWS`
+    rows (through the workspace's transformed input)."""
     lib = load(ws.arch)
     rows, width = x.shape
     count = len(trellis)
@@ -248,12 +262,12 @@ def _launch(
     ptrs = ctypes.c_void_p * count
     ints = ctypes.c_int * count
     code = lib.qp_trellis_mma(
-        x.data_ptr(), None if rows <= FUSED_ROWS else ws.xh.data_ptr(),
+        x.data_ptr(), None if rows <= INLINE_TRANSFORM_ROWS else ws.xh.data_ptr(),
         ptrs(*(t.data_ptr() for t in trellis)), ptrs(*(t.data_ptr() for t in suh)), ptrs(*(t.data_ptr() for t in svh)),
         ints(*ns), ints(*cols), ints(*out_features), count,
         out.data_ptr(), ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
         rows, width, x.stride(0), k, out.stride(0),
-        codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16), ws.target_ctas,
+        codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16), ws.target_ctas, INLINE_TRANSFORM_ROWS,
         torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     check(code, f"rows {rows}, k {k}, n {ns}, K {k_bits:g}, codebook {codebook}")

@@ -61,7 +61,7 @@ struct Shard {
 
 struct Params {
     const void* x;   // (rows, x_width) activations, fp16 or bf16, row stride x_stride elements
-    const void* xh;  // (rows, k) fp16 had128(x * suh), row stride k (non-fused kernels only, one shard)
+    const void* xh;  // (shards, rows, k) fp16 had128(x * suh) of each shard, row stride k (non-fused kernels only)
     void* out;       // (rows, *) model dtype, row stride out_stride
     float* partials;  // split-K partial sums: (chunks, splits, mrows, n), n = the shards' stored columns in order
     int* counters;    // (chunks, n / 128) arrival counters, zero between launches
@@ -518,7 +518,7 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
                 const int m = item / pieces, q = item % pieces;
                 __half* dst = A + m * A_STRIDE + q * 8;
                 if (m < rows)
-                    cp_async16(dst, xh + (size_t)(row0 + m) * p.k + kc0 + q * 8);
+                    cp_async16(dst, xh + ((size_t)si * p.rows + row0 + m) * p.k + kc0 + q * 8);
                 else
                     *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
             }
@@ -599,19 +599,19 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     }
 }
 
-// had128(x * suh) / sqrt(128) of every row into xh (fp16, row stride k) for the launch's one shard: one warp per
-// 128-column block.
+// had128(x * suh) / sqrt(128) of every row into xh (fp16, row stride k) for each of the launch's shards (shard i's
+// rows at i * rows): one warp per 128-column block.
 __global__ void __launch_bounds__(THREADS) input_transform_kernel(const Params p) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int blocks = p.k / 128;
     const long item = (long)blockIdx.x * WARPS + warp;
-    if (item >= (long)p.rows * blocks) return;
-    const int row = item / blocks, b = item % blocks;
+    if (item >= (long)p.shards * p.rows * blocks) return;
+    const int si = item / ((long)p.rows * blocks), row = item / blocks % p.rows, b = item % blocks;
     float v[4];
-    input_load(p, p.shard[0].suh, row, b * 128, lane, v);
+    input_load(p, field(p, si, &Shard::suh), row, b * 128, lane, v);
     input_transform(v, lane);
-    __half2* dst = reinterpret_cast<__half2*>(static_cast<__half*>(const_cast<void*>(p.xh)) + (size_t)row * p.k +
-                                              b * 128 + lane * 4);
+    __half2* dst = reinterpret_cast<__half2*>(static_cast<__half*>(const_cast<void*>(p.xh)) +
+                                              ((size_t)si * p.rows + row) * p.k + b * 128 + lane * 4);
     dst[0] = __floats2half2_rn(v[0], v[1]);
     dst[1] = __floats2half2_rn(v[2], v[3]);
 }
@@ -745,17 +745,20 @@ QP_API int qp_trellis_mma_splits(int rows, int k, int n, int target_ctas, long l
 
 // `shards` EXL3 shards sharing the input x, in one launch: out[:, col[i]:col[i] + out_features[i]] = (x @ W_i)[:,
 // :out_features[i]]. trellis / suh / svh / n / col / out_features are host arrays of `shards` entries (device
-// pointers in the first three). More than one shard needs rows <= 16. Returns 0, a CUDA error code, or -1 (bad
-// geometry), -2 (no kernel for this K), -3 (bad codebook), -4 (workspace too small), -5 (several shards above 16 rows
-// or more than MAX_SHARDS).
+// pointers in the first three). More than one shard needs rows <= 16. Up to `inline_rows` rows (at most 16) each CTA
+// transforms its own input panel; from there to 16 rows one transform launch writes every shard's had128(x * suh)
+// to xh (shards x rows x k fp16) and the GEMM copies its panel from there; above 16 rows likewise, one shard, in
+// 64-row chunks. Returns 0, a CUDA error code, or -1 (bad geometry), -2 (no kernel for this K), -3 (bad codebook),
+// -4 (workspace too small, or no xh where one is needed), -5 (several shards above 16 rows or more than MAX_SHARDS).
 QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, const void* const* suh,
                           const void* const* svh, const int* n, const int* col, const int* out_features, int shards,
                           void* out, float* partials, long long partial_floats, int* counters, long long counters_len,
                           int rows, int x_width, int x_stride, int k, int out_stride, int codebook, int k2, int bf16,
-                          int target_ctas, void* stream) {
+                          int target_ctas, int inline_rows, void* stream) {
     if (rows <= 0) return 0;
-    const int fused = rows <= 16;
-    if (shards < 1 || shards > qp::MAX_SHARDS || (shards > 1 && !fused)) return -5;
+    const int small = rows <= 16;                    // one 16-row fragment (MB = 1), several shards allowed
+    const int fused = small && rows <= inline_rows;  // the input transform inside the GEMM's CTAs
+    if (shards < 1 || shards > qp::MAX_SHARDS || (shards > 1 && !small)) return -5;
     if (k % 128 || k <= 0 || x_width > k) return -1;
     qp::Params p{};
     int n_total = 0;
@@ -767,11 +770,13 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
         n_total += n[i];
     }
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const int mb_rows = fused ? 16 : 64;
+    const int mb_rows = small ? 16 : 64;
     // one wave is what fits at once: above 16 rows the kernel's 70-99 KB of shared memory holds 2-3 CTAs per SM, so
     // a target of 4 per SM would split k twice as finely for a grid of two waves (measured slower: docs/kernels.md)
     int fit = 0, sms = 0;
-    int e = fused ? qp::resident_ctas<1, true>(codebook, k2, &fit) : qp::resident_ctas<4, false>(codebook, k2, &fit);
+    int e = fused   ? qp::resident_ctas<1, true>(codebook, k2, &fit)
+            : small ? qp::resident_ctas<1, false>(codebook, k2, &fit)
+                    : qp::resident_ctas<4, false>(codebook, k2, &fit);
     if (e != 0) return e;
     int device = 0;
     if (cudaGetDevice(&device) != cudaSuccess ||
@@ -804,11 +809,11 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
     const dim3 grid(n_total / qp::BLOCK_N, splits, chunks);
     if (fused) return qp::dispatch<1, true>(p, codebook, k2, grid, s);
     if (xh == nullptr) return -4;
-    const long items = (long)rows * (k / 128);
+    const long items = (long)shards * rows * (k / 128);
     qp::input_transform_kernel<<<(unsigned)((items + qp::WARPS - 1) / qp::WARPS), qp::THREADS, 0, s>>>(p);
     e = (int)cudaGetLastError();
     if (e != 0) return e;
-    return qp::dispatch<4, false>(p, codebook, k2, grid, s);
+    return small ? qp::dispatch<1, false>(p, codebook, k2, grid, s) : qp::dispatch<4, false>(p, codebook, k2, grid, s);
 }
 
 namespace qp {
