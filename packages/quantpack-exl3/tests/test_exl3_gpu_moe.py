@@ -180,7 +180,8 @@ def test_picks_of_other_ranks_are_skipped(backend, exllamav3_banks, figures, pac
 
 
 def test_many_experts_top8(backend, exllamav3_banks, figures):
-    """64 experts in three K groups, top-8: 16 tokens = 128 slots, one filtered launch per group and projection."""
+    """64 experts in three K groups, top-8: 16 tokens = 128 slots (exllamav3: one filtered launch per group and
+    projection; trellis_mma: one launch per projection for every group)."""
     ks = [(4, 4)] * 30 + [(3, 4)] * 20 + [(2, 3)] * 14
     bank = random_bank(ks, 256, 256, "mul1", seed=3)
     for tokens in (1, 16, 17, 70):
