@@ -424,7 +424,7 @@ def gpu_tests(session: nox.Session) -> None:
         for a in session.posargs
         if not a.startswith("-")
     )
-    packages = ("quantpack-core", "quantpack-exl3", "quantpack-escha-rocm")
+    packages = ("quantpack-core", "quantpack-exl3", "quantpack-escha-rocm", "quantpack-families")
     tests = [] if given else [f"packages/{p}/tests" for p in packages]
     session.run(
         "python3",

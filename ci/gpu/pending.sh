@@ -25,7 +25,7 @@ step() {
   echo "=== $name rc=$? $(date +%T)"
   tail -15 "$res/$name.log"
 }
-all=(moe-kernels linear-kernels kernel-8b kernel-8b-panel serve-moe serve-moe-mixed e2e-moe escha-vllm serve-8b e2e-dense profile)
+all=(moe-kernels linear-kernels kernel-8b kernel-8b-panel serve-moe serve-moe-mixed e2e-moe escha-vllm families serve-8b e2e-dense profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
     # trellis_mma's linear kernel against the float64 oracle and exllamav3's error (every K, codebook, bundled pack)
@@ -44,6 +44,8 @@ for s in "${@:-${all[@]}}"; do
     moe-kernels) step moe-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_moe.py ;;
     # the vLLM MoE jobs (eager and graphs) with trellis_mma's experts, the CUDA default since its first run
     e2e-moe) QUANTPACK_GPU_JOBS=moe/ step e2e-moe "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py ;;
+    # Spark, Flint and the Nemotron-H text tower (EXL3 packs and bf16 twins) in vLLM's CUDA build, eager and graphs
+    families) step families "${T[@]}" packages/quantpack-families/tests/test_families_gpu.py ;;
     # the converted escha packs in vLLM (eager and graphs) with the spill-free Triton kernel
     escha-vllm) step escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py ;;
     # the escha Triton kernel without register spills: its GPU tests, then its line of the mcg K=2 stack

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_jobs import LLAMA_PACKS, MOE_PACKS, get, run_runner
+from e2e_runner import greedy_agreement
 
 pytestmark = [
     pytest.mark.gpu,
@@ -117,10 +118,6 @@ def vocab_module(res: dict, suffix: str) -> dict:
 #: activation vLLM keeps between our ops (norms, attention, residual) to 8 mantissa bits, which moves a near-tie
 #: now and then (measured 98.4-100% over the llama packs) while KL stays ~1.6e-4
 TOP1 = {"float16": 0.99, "bfloat16": 0.97}
-#: greedy tokens of eager and compiled + CUDA-graph runs may part only where the eager run's two best tokens lie
-#: closer than this (nats): Inductor fuses the norms and activations around our ops and rounds them once instead
-#: of per op, which can flip an exact near-tie and nothing else
-NEAR_TIE = 0.05
 
 
 @pytest.mark.parametrize("name", [*LLAMA_PACKS, QWEN_PACK])
@@ -135,20 +132,6 @@ def test_prompt_logprobs_match_reference(gpu_e2e, figures, name, dtype):
     assert res["kl"] <= 5e-4
     assert res["top1"] >= TOP1[dtype]
     assert vocab_module(res, "lm_head")["method"] == "Exl3LinearMethod"
-
-
-def greedy_agreement(eager: dict, other: dict) -> str:
-    """Check two greedy runs of the same prompt; returns a description. They must be identical, or part first at a
-    step where the eager run's top-2 tokens are the two chosen ones and lie within :data:`NEAR_TIE` nats."""
-    a, b = eager["greedy"], other["greedy"]
-    if a == b:
-        return f"identical ({len(a)} tokens)"
-    i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-    top2 = {int(k): v for k, v in eager["greedy_top2"][i].items()}
-    assert a[i] in top2 and b[i] in top2, (i, a, b, top2)
-    gap = abs(top2[a[i]] - top2[b[i]])
-    assert gap <= NEAR_TIE, f"greedy tokens part at step {i} ({a[i]} vs {b[i]}) with a {gap:.3g}-nat gap: {a} vs {b}"
-    return f"identical up to step {i} of {len(a)}, where the eager top-2 tie within {gap:.2g} nats"
 
 
 @pytest.mark.parametrize("name", [*LLAMA_PACKS, QWEN_PACK])
