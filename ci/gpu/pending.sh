@@ -25,6 +25,12 @@ step() {
   echo "=== $name rc=$? $(date +%T)"
   tail -15 "$res/$name.log"
 }
+# what the machine offers the vision towers (Qwen3.5 VL, Nemotron VL: vLLM's model files import torchvision)
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)
+try:
+    import torchvision; print('torchvision', torchvision.__version__)
+except Exception as e:
+    print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
 all=(moe-kernels linear-kernels kernel-8b kernel-8b-panel serve-moe serve-moe-mixed e2e-moe escha-vllm families serve-8b e2e-dense profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
