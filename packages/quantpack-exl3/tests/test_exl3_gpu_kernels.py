@@ -263,24 +263,28 @@ def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, monkeypatch):
     opcheck("trellis_mma_", (x, *lists, *fused.static[:2], list(fused.static[2]), fused.static[3], out, 0))
 
 
+@pytest.mark.parametrize("k_in", [1024, 1152, 2304])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_trellis_mma_input_transformed_once_per_call(dtype, monkeypatch):
+def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch):
     """With QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS below 16 (here 0 and 4) a fused q / k / v call of up to 16 rows
     transforms every shard's input in one launch and the GEMM copies its panels from the workspace: each shard's
     columns equal the in-CTA transform's within fp32 summation order and the fp64 reference's bound, every column is
-    written, and a graph replay is bit-identical to eager."""
+    written, and a graph replay is bit-identical to eager. Inputs of 72 and 144 tiles run as one split (a low CTA
+    target): several 64-tile panels per CTA, the last one ending in a partial round of the cp.async ring."""
     from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel, ops
 
     monkeypatch.setattr(ops, "delegate_rows", 0)
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(22)
-    shapes = [(1024, 512), (1024, 256), (1024, 128)]
+    shapes = [(k_in, 512), (k_in, 256), (k_in, 128)]
     ts = [Exl3Tensors.from_tensors(random_exl3_layer(i, o, 4, "mul1", generator=g)) for i, o in shapes]
     prepared = [TrellisMmaShards.prepare_shard(t, i, o, dtype, dev) for t, (i, o) in zip(ts, shapes, strict=True)]
     fused = TrellisMmaLinearKernel.fuse(prepared)
+    if k_in != 1024:
+        monkeypatch.setattr(ops.workspace(dev), "target_ctas", 8)  # 7 column blocks: one split, the whole k per CTA
     for inline in (0, 4):
         for rows in (1, 2, 5, 16):
-            x = torch.randn((rows, 1024), device=dev).to(dtype)
+            x = torch.randn((rows, k_in), device=dev).to(dtype)
             monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", 16)
             in_cta = torch.empty((rows, 896), dtype=dtype, device=dev)
             fused.run(x, *fused.tensors.values(), *fused.static, in_cta, 0)
@@ -294,7 +298,7 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, monkeypatch):
                 ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=p.out_features)
                 assert rel_err(once[:, col : col + p.out_features].cpu(), ref) < 2e-2, (inline, rows)
                 col += p.out_features
-        x = torch.randn((7, 1024), device=dev).to(dtype)
+        x = torch.randn((7, k_in), device=dev).to(dtype)
         out = torch.zeros((7, 896), dtype=dtype, device=dev)
         fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
         torch.cuda.synchronize()
@@ -302,7 +306,7 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, monkeypatch):
         with torch.cuda.graph(graph):
             fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
         eager = torch.empty_like(out)
-        x.copy_(torch.randn((7, 1024), device=dev).to(dtype))
+        x.copy_(torch.randn((7, k_in), device=dev).to(dtype))
         graph.replay()
         fused.run(x, *fused.tensors.values(), *fused.static, eager, 0)
         torch.cuda.synchronize()

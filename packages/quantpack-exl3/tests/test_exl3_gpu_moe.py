@@ -164,6 +164,27 @@ def test_random_banks(backend, exllamav3_banks, figures, case, tokens):
     assert err < TOL
 
 
+@pytest.mark.parametrize("hidden", [1152, 2304])
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_mixed_banks_over_several_panels(backend, exllamav3_banks, figures, monkeypatch, hidden, tokens):
+    """A mixed-K bank whose gate / up reduce over 72 or 144 tiles, run by trellis_mma as one split (a low CTA target):
+    each CTA takes several 64-tile panels, the last ending in a partial round of its cp.async ring, at each work
+    item's own K in one launch per projection."""
+    from quantpack_exl3.backends.trellis_mma import ops
+
+    ks, cb = RANDOM["mul1-mixed"]
+    bank = random_bank(ks, hidden, 384, cb, seed=3)
+    if backend.name == "trellis_mma":
+        backend.prepare_moe(bank, hidden, 384, torch.float16, torch.device("cuda"))  # reserves the workspace
+        monkeypatch.setattr(ops.workspace(torch.device("cuda")), "target_ctas", 1)
+    err = check(backend, bank, hidden, tokens, 3)
+    monkeypatch.undo()
+    note = within_bound(err, backend, exllamav3_banks, bank, hidden, tokens, 3)
+    figures.append(f"GPU MoE {backend.name} mixed K over several panels, hidden {hidden}, {tokens} tokens: "
+                   f"rel err {err:.2e}{note}")  # fmt: skip
+    assert err < TOL
+
+
 @pytest.mark.parametrize("pack", PACKS)
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_picks_of_other_ranks_are_skipped(backend, exllamav3_banks, figures, pack, tokens):

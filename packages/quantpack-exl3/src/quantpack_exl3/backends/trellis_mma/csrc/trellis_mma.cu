@@ -409,8 +409,10 @@ struct TileStream {
     }
 
     // The next `ptiles` tiles against a panel whose k column 0 is at a_lane, four groups (the ring's four slots) at a
-    // time. A panel starts at a multiple of 16 groups and holds a multiple of 8 tiles (slices and k are multiples of 8
-    // tiles), so its first group sits in slot 0 and after the whole rounds either none or two groups remain.
+    // time. The kernels' panels (PANEL: 64 or 32 tiles, asserted a multiple of 16 there) start at a multiple of 4
+    // groups of the CTA's slice, and slices and k are multiples of 8 tiles (k of 128 columns; the host's slice
+    // formulas round to 8 tiles), so a panel's first group sits in slot 0 and after the whole rounds either none or
+    // two groups remain.
     template <int MB, int A_STRIDE>
     __device__ __forceinline__ void panel(const __half* a_lane, int ptiles, float (&acc)[MB][2][4]) {
         const __half* a_k = a_lane;
@@ -435,6 +437,7 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     using T = Tile<KA, HALFK>;
     constexpr int MROWS = 16 * MB;
     constexpr int PANEL = MB == 1 ? 64 : 32;  // k tiles of A held in shared memory at once
+    static_assert(PANEL % (GROUPS_IN_FLIGHT * GROUP) == 0, "TileStream::panel() needs panels of whole ring rounds");
     constexpr int A_STRIDE = PANEL * 16 + 8;  // halves; +16 bytes keeps ldmatrix rows on distinct banks
     constexpr int A_BYTES = MROWS * A_STRIDE * 2;
     constexpr int F_BYTES = MROWS * F_STRIDE * 4;
@@ -785,7 +788,7 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
     if ((long long)fit * sms < target_ctas) target_ctas = fit * sms;
     const int splits = qp_trellis_mma_splits(rows, k, n_total, target_ctas, partial_floats, counters_len);
     const int ktiles = k / 16;
-    const int slice = (ktiles / 8 + splits - 1) / splits * 8;
+    const int slice = (ktiles / 8 + splits - 1) / splits * 8;  // a multiple of 8 tiles (TileStream::panel())
     p.x = x;
     p.xh = xh;
     p.out = out;
@@ -994,6 +997,7 @@ template <int CB, int KA, bool HALFK, bool DOWN>
 __device__ __forceinline__ void moe_cta(const MoeParams& p, int w, uint8_t* smem, int* row_pick, int& last_arrival) {
     using T = Tile<KA, HALFK>;
     constexpr int PANEL = 64;
+    static_assert(PANEL % (GROUPS_IN_FLIGHT * GROUP) == 0, "TileStream::panel() needs panels of whole ring rounds");
     constexpr int A_STRIDE = PANEL * 16 + 8;
     constexpr int A_BYTES = MOE_ROWS * A_STRIDE * 2;
     constexpr int F_BYTES = MOE_ROWS * F_STRIDE * 4;
@@ -1277,7 +1281,7 @@ inline int moe_plan(MoeParams& p, int fit, int items, int target_ctas, long long
     if ((long long)fit * sms < target_ctas) target_ctas = fit * sms;
     p.splits = qp_moe_splits(items, p.k, p.n, target_ctas, partial_floats, counters_len);
     const int ktiles = p.k / 16;
-    p.slice_tiles = (ktiles / 8 + p.splits - 1) / p.splits * 8;
+    p.slice_tiles = (ktiles / 8 + p.splits - 1) / p.splits * 8;  // a multiple of 8 tiles (TileStream::panel())
     if (p.splits > 1 && ((long long)items * p.splits * MOE_ROWS * p.n > partial_floats ||
                          (long long)items * (p.n / BLOCK_N) > counters_len))
         return -4;
