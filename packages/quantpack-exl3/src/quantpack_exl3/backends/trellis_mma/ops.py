@@ -55,9 +55,11 @@ CTAS_PER_SM = 4
 
 #: rows up to which each CTA of a launch transforms its own input panel (had128(x * suh)); from there to FUSED_ROWS
 #: one transform launch writes every shard's transformed input to the workspace first and the GEMM's CTAs copy their
-#: panels from it (the transform is then done once, not once per column block and split).
+#: panels from it (the transform is then done once, not once per column block and split). 1: measured on the H200
+#: (docs/results.md, 2026-12-03), the 8B stack fused at 4 / 16 rows took 3.85 / 4.17 ms this way against 3.98 / 6.34
+#: with the in-CTA transform; one row keeps the in-CTA form (3.56 ms, no extra launch).
 #: QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS (0-16) overrides; read when the module is imported.
-INLINE_TRANSFORM_ROWS = min(env_int("QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS", FUSED_ROWS), FUSED_ROWS)
+INLINE_TRANSFORM_ROWS = min(env_int("QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS", 1), FUSED_ROWS)
 
 
 def inline_transform_rows_now() -> int:
