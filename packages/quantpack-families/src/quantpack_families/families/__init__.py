@@ -1,6 +1,14 @@
 """The family registry: one module per model family, each declaring one :class:`~quantpack_families.registry.Family`;
 adding a family = one module + one line here."""
 
-from . import flint, nemotron_h, qwen3_5, qwen3_next, qwen4_exp, spark
+from . import flint, nemotron_h, qwen3_5, qwen3_next, qwen4_exp, qwen_vision, spark
 
-FAMILIES = (qwen3_5.FAMILY, qwen3_next.FAMILY, qwen4_exp.FAMILY, flint.FAMILY, spark.FAMILY, nemotron_h.FAMILY)
+FAMILIES = (
+    qwen3_5.FAMILY,
+    qwen3_next.FAMILY,
+    qwen4_exp.FAMILY,
+    flint.FAMILY,
+    spark.FAMILY,
+    nemotron_h.FAMILY,
+    qwen_vision.FAMILY,
+)

