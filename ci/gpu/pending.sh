@@ -31,7 +31,10 @@ try:
     import torchvision; print('torchvision', torchvision.__version__)
 except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
-all=(moe-kernels linear-kernels kernel-8b kernel-8b-panel serve-moe serve-moe-mixed e2e-moe escha-vllm families serve-8b e2e-dense profile)
+# (owed first, 2026-12-03: the families after the Flint / top-1 fixes, and every vLLM engine with the once-per-call
+# transform, the default from that day)
+all=(families kernel-8b e2e-dense serve-moe serve-8b escha-vllm linear-kernels moe-kernels kernel-8b-panel
+  serve-moe-mixed e2e-moe profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
     # trellis_mma's linear kernel against the float64 oracle and exllamav3's error (every K, codebook, bundled pack)
