@@ -54,7 +54,9 @@ for s in "${@:-${all[@]}}"; do
     # the vLLM MoE jobs (eager and graphs) with trellis_mma's experts, the CUDA default since its first run
     e2e-moe) QUANTPACK_GPU_JOBS=moe/ step e2e-moe "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py ;;
     # Spark, Flint and the Nemotron-H text tower (EXL3 packs and bf16 twins) in vLLM's CUDA build, eager and graphs
-    families) step families "${T[@]}" packages/quantpack-families/tests/test_families_gpu.py ;;
+    # and the tiny EXL3 Qwen3.5 vision tower in vLLM's own Qwen3_VisionTransformer (first run owed)
+    families) step families "${T[@]}" packages/quantpack-families/tests/test_qwen_vision_gpu.py \
+      packages/quantpack-families/tests/test_families_gpu.py ;;
     # the converted escha packs in vLLM (eager and graphs) with the spill-free Triton kernel
     escha-vllm) step escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py ;;
     # the escha Triton kernel without register spills: its GPU tests, then its line of the mcg K=2 stack

@@ -15,16 +15,14 @@ import logging
 
 import pytest
 import torch
+from qwen_vision_reference import HIDDEN, INTER, MERGED, OUT, TINY_VISION, image_patches, reference_tower, tiny_tower
 from torch import nn
 
-from quantpack_core.codec import Exl3Tensors
-from quantpack_core.codec.exl3 import dequantize
 from quantpack_core.errors import LayerLoadError
-from quantpack_core.synthetic import random_exl3_layer
 
 pytest.importorskip("vllm")
 
-HIDDEN, HEADS, INTER, MERGER, OUT = 128, 2, 176, 512, 256
+HEADS = TINY_VISION["num_heads"]
 #: vLLM's Qwen3_VisionTransformer.hf_to_vllm_mapper.orig_to_new_stacked (vllm/model_executor/models/qwen3_vl.py)
 TOWER_STACKED = {"attn.q.": ("attn.qkv.", "q"), "attn.k.": ("attn.qkv.", "k"), "attn.v.": ("attn.qkv.", "v")}
 
@@ -69,8 +67,8 @@ class Tower(nn.Module):
             block.mlp.linear_fc2 = RowParallelLinear(INTER, HIDDEN, prefix=f"{p}.mlp.linear_fc2", **kw)
             self.blocks.append(block)
         self.merger = nn.Module()
-        self.merger.linear_fc1 = ColumnParallelLinear(MERGER, MERGER, prefix="visual.merger.linear_fc1", **kw)
-        self.merger.linear_fc2 = RowParallelLinear(MERGER, OUT, prefix="visual.merger.linear_fc2", **kw)
+        self.merger.linear_fc1 = ColumnParallelLinear(MERGED, MERGED, prefix="visual.merger.linear_fc1", **kw)
+        self.merger.linear_fc2 = RowParallelLinear(MERGED, OUT, prefix="visual.merger.linear_fc2", **kw)
 
     def load_weights(self, weights):
         from vllm.model_executor.models.utils import AutoWeightsLoader
@@ -95,43 +93,13 @@ def fixed_tower_class():
     return FixedTower
 
 
-def exl3(g, n_in, n_out, k, padded_bias=False):
-    """One EXL3 layer's pack tensors (a bias; padded to the stored width as exllamav3 stores it, the pad filled
-    with values that would show if it were served) and its float64 ``(in, out)`` weight and bias."""
-    t = random_exl3_layer(n_in, n_out, k, "mul1", generator=g, bias=True)
-    bias = t["bias"]
-    if padded_bias:
-        stored = t["svh"].shape[0]
-        t["bias"] = torch.cat([bias, torch.full((stored - n_out,), 3.0, dtype=bias.dtype)])
-    w = dequantize(Exl3Tensors.from_tensors(t)).double()[:n_in, :n_out]
-    return t, w, bias.double()
-
-
 def tower_pack(seed=0, dense_qkv=False):
-    """The checkpoint tensors of the tower (names relative to ``visual.``) and the float64 reference of each vLLM
-    layer, ``{vLLM layer: (weight (in, out), bias)}``. ``dense_qkv``: the older converter's layout, with a dense
-    fused ``attn.qkv.{weight,bias}`` beside the split EXL3 parts (random: different from them)."""
-    g = torch.Generator().manual_seed(seed)
-    tensors, ref = {}, {}
-
-    def add(name, n_in, n_out, k, padded_bias=False):
-        t, w, b = exl3(g, n_in, n_out, k, padded_bias)
-        tensors.update({f"{name}.{s}": v for s, v in t.items()})
-        return w, b
-
-    for i in range(2):
-        p = f"blocks.{i}"
-        parts = [add(f"{p}.attn.{n}_proj", HIDDEN, HIDDEN, k) for n, k in zip("qkv", (4, 3, 5), strict=True)]
-        ref[f"{p}.attn.qkv"] = (torch.cat([w for w, _ in parts], 1), torch.cat([b for _, b in parts]))
-        if dense_qkv:
-            tensors[f"{p}.attn.qkv.weight"] = torch.randn(3 * HIDDEN, HIDDEN, generator=g)
-            tensors[f"{p}.attn.qkv.bias"] = torch.randn(3 * HIDDEN, generator=g)
-        ref[f"{p}.attn.proj"] = add(f"{p}.attn.proj", HIDDEN, HIDDEN, 4)
-        ref[f"{p}.mlp.linear_fc1"] = add(f"{p}.mlp.linear_fc1", HIDDEN, INTER, 6, padded_bias=True)
-        ref[f"{p}.mlp.linear_fc2"] = add(f"{p}.mlp.linear_fc2", INTER, HIDDEN, 6)
-    ref["merger.linear_fc1"] = add("merger.linear_fc1", MERGER, MERGER, 4)
-    ref["merger.linear_fc2"] = add("merger.linear_fc2", MERGER, OUT, 4)
-    return tensors, ref
+    """The tiny tower's quantized layers: their pack tensors (names relative to ``visual.``; the dense patch
+    embedding, position embedding and norms left out, as the stand-in tower has only the linears) and the float64
+    reference of each vLLM layer."""
+    pack, layers, _ = tiny_tower(seed, dense_qkv)
+    dense_parts = ("patch_embed.", "pos_embed.", ".norm", "merger.norm")
+    return {n: t for n, t in pack.items() if not any(d in n for d in dense_parts)}, layers
 
 
 def load(cls, qc, tensors):
@@ -206,6 +174,22 @@ def test_incomplete_split_keeps_the_dense_qkv(world, fixed_tower_class):
     assert "blocks.0.attn.q.trellis" in names and "blocks.0.attn.q_proj.trellis" not in names
     with pytest.raises(Exception, match=r"blocks\.0\.attn\.qkv"):
         load(fixed_tower_class, config(world), tensors)
+
+
+def test_reference_tower_holds_every_weight():
+    """The GPU tier's reference (transformers' ``Qwen3_5VisionModel`` with the decoded weights) takes every tensor of
+    the tiny tower and none it lacks, and maps 16 patches of one 1 x 4 x 4 image to 4 merged tokens that depend on
+    the quantized layers (zeroing the merger's last weight changes them)."""
+    _, _, dense = tiny_tower()
+    grid = [(1, 4, 4)]
+    pixels = image_patches(grid)
+    model = reference_tower(dense)
+    with torch.no_grad():
+        out = model(pixels.double(), torch.tensor(grid)).pooler_output
+        assert out.shape == (4, OUT) and torch.isfinite(out).all()
+        model.merger.linear_fc2.weight.zero_()
+        changed = model(pixels.double(), torch.tensor(grid)).pooler_output
+    assert (changed - out).abs().max() > 1e-3
 
 
 def test_the_family_wraps_vllms_tower_where_it_imports():
