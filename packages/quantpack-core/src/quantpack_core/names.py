@@ -24,6 +24,9 @@ FUSED_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     # Qwen3-Next stores one interleaved in_proj_qkvz; Qwen3.5 stores in_proj_qkv and in_proj_z.
     "in_proj_qkvz": (("in_proj_qkvz",), ("in_proj_qkv", "in_proj_z")),
     "in_proj_ba": (("in_proj_ba",), ("in_proj_b", "in_proj_a")),
+    # the Qwen3-VL vision tower's attention: exllamav3 splits it into q_proj / k_proj / v_proj; dense checkpoints keep
+    # the fused qkv (and an older converter's packs hold both: the split parts are served, docs/families.md)
+    "qkv": (("q_proj", "k_proj", "v_proj"), ("qkv",)),
 }
 
 #: QKVParallelLinear's string shard ids, in output order.

@@ -35,7 +35,7 @@ from quantpack_core.embedding import INT8_FORMAT
 from quantpack_core.errors import BackendUnavailableError, LayerLoadError
 from quantpack_core.format import LinearFormat
 from quantpack_core.kernels import ExpertKernel, KernelLog, LinearKernel, LinearSpec, Platform
-from quantpack_core.names import FUSED_LAYERS, constituents, normalize_prefix
+from quantpack_core.names import FUSED_LAYERS, constituents, expand_fused, normalize_prefix
 from quantpack_core.pack import MANIFEST_FILE
 
 from .compile_key import CompileKey
@@ -308,14 +308,31 @@ class QuantpackConfig(QuantizationConfig):
         """How the pack stores the checkpoint modules behind vLLM layer ``prefix``: the format's name, ``"int8_rows"``,
         ``"dense"`` or None (not in the manifest, or no manifest).
 
+        Where the manifest holds a whole alternative layout of the layer (every module of it, e.g. the split
+        ``q_proj`` / ``k_proj`` / ``v_proj`` of a vision ``qkv``), the first such layout decides, so a pack that also
+        keeps the other layout (an older converter's dense fused ``qkv``) routes to the one its loader serves.
+
         Raises:
             LayerLoadError: when the manifest has quantized and dense modules behind one fused layer.
         """
+        for alt in expand_fused(prefix):
+            whole = {name: self.routes.get(normalize_prefix(name)) for name in alt}
+            if None not in whole.values():
+                return self._one_kind(prefix, whole)
         kinds = {}
         for name in constituents(prefix):
             kind = self.routes.get(normalize_prefix(name))
             if kind is not None:
                 kinds[name] = kind
+        return self._one_kind(prefix, kinds)
+
+    @staticmethod
+    def _one_kind(prefix: str, kinds: dict[str, str]) -> str | None:
+        """The one kind of ``kinds`` (module -> kind), None when empty.
+
+        Raises:
+            LayerLoadError: the modules have different kinds.
+        """
         if len(set(kinds.values())) > 1:
             raise LayerLoadError(
                 f"{prefix}: the pack stores {', '.join(f'{n} as {k}' for n, k in kinds.items())}; one vLLM layer "

@@ -10,7 +10,9 @@ What vLLM's tower cannot load from an EXL3 pack, and what the family does about 
   reaches the layer's quantpack method as its own shard.
 * Packs of an older converter hold both the dense fused ``attn.qkv.{weight,bias}`` and the split EXL3 parts of the
   same block. Loading both would give the layer two kinds of the same outputs (a load error), so where all three
-  EXL3 parts are present the dense fused tensors are dropped, and one log line says which layout was served.
+  EXL3 parts are present the dense fused weight is dropped (and the fused bias, where the three parts carry their
+  own), and one log line says which layout was served. The quant config routes such a layer by its split parts
+  (``quantpack_core.names.FUSED_LAYERS``: the first whole layout in the manifest decides).
 * A quantized linear's stored ``bias`` is padded like its output (the tower's MLP width 4304 is stored as 4352;
   a loader that compares shapes fails with "(4304,) != (4352,)"). quantpack's linear method trims the padded
   outputs and zero-extends the padded inputs (``linear_fc2``) itself, and vLLM's column-parallel loader takes the
@@ -78,13 +80,22 @@ def vision_weights(
 
     items = list(weights)
     quantized = {n.rsplit(".", 1)[0] for n, _ in items if n.endswith("." + QUANTIZED_SUFFIX)}
-    parts: dict[str, set[str]] = {}
+    parts: dict[tuple[str, str], set[str]] = {}  # (attention module, suffix) -> the split parts that have it
     for name, _ in items:
         m = _SPLIT.match(name)
-        if m and m["suffix"] == QUANTIZED_SUFFIX:
-            parts.setdefault(m["attn"], set()).add(m["part"])
-    split = {attn for attn, found in parts.items() if found == {"q", "k", "v"}}
-    dropped = sorted({m["attn"] for n, _ in items if (m := _FUSED.match(n)) and m["attn"] in split})
+        if m:
+            parts.setdefault((m["attn"], m["suffix"]), set()).add(m["part"])
+    split = {attn for (attn, suffix), found in parts.items() if suffix == QUANTIZED_SUFFIX and len(found) == 3}
+
+    def superseded(fused: re.Match) -> bool:
+        """A fused tensor the split parts replace: the weight where all three parts are EXL3, any other tensor
+        (the bias) where all three parts carry their own (else the fused one is the layer's only copy)."""
+        attn, suffix = fused["attn"], fused["suffix"]
+        if attn not in split:
+            return False
+        return suffix == "weight" or len(parts.get((attn, suffix), ())) == 3
+
+    dropped = sorted({m["attn"] for n, _ in items if (m := _FUSED.match(n)) and superseded(m)})
     if dropped:
         logger.info(
             "quantpack-families: %s: %d attention block(s) hold both a dense fused attn.qkv and split EXL3 "
@@ -97,7 +108,7 @@ def vision_weights(
         )
     for name, tensor in items:
         fused = _FUSED.match(name)
-        if fused and fused["attn"] in split:
+        if fused and superseded(fused):
             continue
         module, _, suffix = name.rpartition(".")
         if suffix == "bias" and module in quantized:
