@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -268,10 +269,18 @@ def main() -> None:
         "--inline-transform-rows",
         type=int,
         default=None,
-        help="trellis_mma: rows up to which each CTA transforms its own input (0-16; default: the library's, 16)",
+        help="trellis_mma: rows up to which each CTA transforms its own input (0-16; default: the library's, 1)",
+    )
+    ap.add_argument(
+        "--ctas-per-sm-wide",
+        type=int,
+        default=None,
+        help="trellis_mma: split-K target in CTAs per SM above 16 rows (default: the library's, CTAS_PER_SM_WIDE)",
     )
     ap.add_argument("--json", type=Path, default=Path(__file__).with_name("results") / "kernel_8b.json")
     args = ap.parse_args()
+    if args.ctas_per_sm_wide is not None:  # read when the kernel's workspace is made, below
+        os.environ["QUANTPACK_TRELLIS_MMA_CTAS_PER_SM_WIDE"] = str(args.ctas_per_sm_wide)
     device = torch.device("cuda")
     rows_list = [int(r) for r in args.rows.split(",")]
     bw = copy_bandwidth(device)
@@ -300,6 +309,7 @@ def main() -> None:
     if args.inline_transform_rows is not None:
         ops.INLINE_TRANSFORM_ROWS = max(0, min(args.inline_transform_rows, ops.FUSED_ROWS))
     record["inline_transform_rows"] = ops.INLINE_TRANSFORM_ROWS
+    record["ctas_per_sm_wide"] = args.ctas_per_sm_wide or ops.CTAS_PER_SM_WIDE
     for name in args.kernels.split(","):
         kernel = classes.get(name)
         if kernel is None:

@@ -1,7 +1,8 @@
 """Run one EXL3 shard shape through one linear kernel a few times, for a profiler (Nsight Compute / Systems).
 
-Usage (GPU machine): ``source ci/gpu/env.sh && ncu --section SpeedOfLight -k regex:trellis_mma python3
-benchmarks/profile_shard.py --kernel trellis_mma --shape 4096,14336 --rows 1``.
+Usage (GPU machine): ``source ci/gpu/env.sh && ncu --profile-from-start off --launch-count 1 --section SpeedOfLight
+-k regex:trellis_mma_kernel python3 benchmarks/profile_shard.py --kernel trellis_mma --shape 4096,14336 --rows 1``
+(the profiler starts after prepare's warm-up launches: ``ci/gpu/pending.sh ncu``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main() -> None:
     p = kernel.prepare(t, spec, dev)
     x = torch.randn((args.rows, i), device=dev).half()
     out = torch.empty((args.rows, o), dtype=torch.float16, device=dev)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()  # a profiler started with --profile-from-start off sees only these calls
     for _ in range(args.repeat):
         p.run(x, *p.tensors.values(), *p.static, out, 0)
     torch.cuda.synchronize()

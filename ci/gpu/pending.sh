@@ -33,14 +33,34 @@ except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
 # (owed first, 2026-12-03: the families after the Flint / top-1 fixes, and every vLLM engine with the once-per-call
 # transform, the default from that day)
-all=(families kernel-8b e2e-dense serve-moe serve-8b escha-vllm linear-kernels moe-kernels kernel-8b-panel
-  serve-moe-mixed e2e-moe profile)
+# (2026-12-03, later: the streamed A ring of the transformed-input kernels, rows 2-16 and above 16: correctness first)
+all=(linear-kernels kernel-8b kernel-8b-wide ncu e2e-dense families serve-8b serve-moe escha-vllm moe-kernels
+  kernel-8b-panel serve-moe-mixed e2e-moe profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
     # trellis_mma's linear kernel against the float64 oracle and exllamav3's error (every K, codebook, bundled pack)
     linear-kernels) step linear-kernels "${T[@]}" -k trellis_mma packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py ;;
     # the 8B stack at rows 1-256, each kernel and as served, beside dense bf16 (benchmarks/results/kernel_8b.json)
     kernel-8b) step kernel-8b python3 benchmarks/kernel_8b.py --json "$res/kernel_8b.json" ;;
+    # above 16 rows with fewer split-K CTAs per SM than the default (fewer partial rows to sum): which default to keep
+    kernel-8b-wide)
+      for c in 2 3; do
+        step "kernel-8b-wide$c" python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 16,32,64,128,256 \
+          --no-dense --ctas-per-sm-wide "$c" --json "$res/kernel_8b_wide$c.json"
+      done ;;
+    # Nsight Compute reports of the gate shard (4096 -> 14336, K 4 mul1) at 1, 16 and 64 rows and of q at 64 rows
+    # (benchmarks/results/ncu/), for the issue-slot, occupancy and bandwidth figures of docs/kernels.md
+    ncu)
+      for r in 1 16 64; do
+        step "ncu-gate-rows$r" env QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS=0 /usr/local/cuda/bin/ncu --section SpeedOfLight --section MemoryWorkloadAnalysis \
+          --section SchedulerStats --section WarpStateStats --section LaunchStats --section Occupancy \
+          -k regex:trellis_mma_kernel --profile-from-start off --launch-count 1 \
+          python3 benchmarks/profile_shard.py --shape 4096,14336 --rows "$r"
+      done
+      step ncu-q-rows64 env QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS=0 /usr/local/cuda/bin/ncu --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section SchedulerStats --section WarpStateStats --section LaunchStats --section Occupancy \
+        -k regex:trellis_mma_kernel --profile-from-start off --launch-count 1 \
+        python3 benchmarks/profile_shard.py --shape 4096,4096 --rows 64 ;;
     # 1-16 rows with the input transformed once per call (QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS=0) against
     # kernel-8b's in-CTA transform: which default to keep
     kernel-8b-panel) step kernel-8b-panel python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 1,2,4,8,16 \

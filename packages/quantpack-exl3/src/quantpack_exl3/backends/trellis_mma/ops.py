@@ -50,8 +50,13 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
     return value
 
 
-#: CTAs a launch aims at per SM (split-K fills the GPU with them); QUANTPACK_TRELLIS_MMA_CTAS_PER_SM overrides
+#: CTAs a launch aims at per SM (split-K fills the GPU with them) up to FUSED_ROWS rows;
+#: QUANTPACK_TRELLIS_MMA_CTAS_PER_SM overrides (both row classes)
 CTAS_PER_SM = 4
+
+#: the same above FUSED_ROWS rows (the 64-row kernel, whose split-K partials are 4x as many rows: fewer splits trade
+#: parallelism for a shorter partial sum); QUANTPACK_TRELLIS_MMA_CTAS_PER_SM_WIDE overrides
+CTAS_PER_SM_WIDE = 4
 
 #: rows up to which each CTA of a launch transforms its own input panel (had128(x * suh)); from there to FUSED_ROWS
 #: one transform launch writes every shard's transformed input to the workspace first and the GEMM's CTAs copy their
@@ -131,7 +136,8 @@ class Workspace:
         counters: int32 ``(COUNTERS,)``, zero.
         xh: float16 ``(XH_ROWS, widest k)`` (up to 16 rows: ``(shards, rows, k)``, at most 8 x 16 rows).
         arch: compute capability (``major * 10 + minor``), which library to load.
-        target_ctas: CTAs a launch aims at.
+        target_ctas: CTAs a launch aims at, up to :data:`FUSED_ROWS` rows.
+        target_ctas_wide: the same above :data:`FUSED_ROWS` rows.
         delegate: exllamav3's implementation of the same call (``run_exl3_gemm``) when its extension imports, for
             the row buckets a run's route sends there; None otherwise.
     """
@@ -141,6 +147,7 @@ class Workspace:
     xh: torch.Tensor
     arch: int
     target_ctas: int
+    target_ctas_wide: int
     delegate: object = None
 
 
@@ -161,12 +168,18 @@ def reserve(device: torch.device, k: int) -> Workspace:
         arch = props.major * 10 + props.minor
         load(arch)
         per_sm = env_int("QUANTPACK_TRELLIS_MMA_CTAS_PER_SM", CTAS_PER_SM, minimum=1)
+        per_sm_wide = env_int(
+            "QUANTPACK_TRELLIS_MMA_CTAS_PER_SM_WIDE",
+            per_sm if "QUANTPACK_TRELLIS_MMA_CTAS_PER_SM" in os.environ else CTAS_PER_SM_WIDE,
+            minimum=1,
+        )
         ws = Workspace(
             partials=torch.empty(PARTIAL_FLOATS, dtype=torch.float32, device=f"cuda:{index}"),
             counters=torch.zeros(COUNTERS, dtype=torch.int32, device=f"cuda:{index}"),
             xh=torch.empty((XH_ROWS, k), dtype=torch.float16, device=f"cuda:{index}"),
             arch=arch,
             target_ctas=per_sm * props.multi_processor_count,
+            target_ctas_wide=per_sm_wide * props.multi_processor_count,
             delegate=_exllamav3_gemm(),
         )
         _workspaces[index] = ws
@@ -269,7 +282,8 @@ def _launch(
         ints(*ns), ints(*cols), ints(*out_features), count,
         out.data_ptr(), ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
         rows, width, x.stride(0), k, out.stride(0),
-        codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16), ws.target_ctas, INLINE_TRANSFORM_ROWS,
+        codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16),
+        ws.target_ctas if rows <= FUSED_ROWS else ws.target_ctas_wide, INLINE_TRANSFORM_ROWS,
         torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     check(code, f"rows {rows}, k {k}, n {ns}, K {k_bits:g}, codebook {codebook}")

@@ -8,9 +8,10 @@
 // never touch memory and each tile is decoded once for up to 64 rows (MB fragments of 16 rows).
 //
 // Per CTA:
-//   1. A panel of the transformed input had128(x * suh) (fp16, up to 1024 columns) is built in shared memory: from x
-//      directly when the rows fit one fragment (FUSED: rows <= 16, the decode case), else copied from a buffer the
-//      transform kernel below wrote once for all column blocks.
+//   1. The transformed input had128(x * suh) (fp16): with FUSED (one 16-row fragment, up to the inline-transform
+//      rows) a panel of up to 1024 columns is built in shared memory from x by the CTA itself; otherwise the
+//      transform kernel below wrote it once for all column blocks and it streams into a ring of A slices in the
+//      CTA's shared memory, one slice per trellis group, in the same cp.async groups (ARing).
 //   2. Each warp streams its tile column's trellis through a private cp.async ring (GROUPS_IN_FLIGHT groups of GROUP
 //      tiles along k, one group per cp.async instruction per lane), decodes each tile (state extraction by funnel shifts from a lane's 16 + 8K bit window, the codebook hash, one fp16
 //      add / fma per pair of weights) and multiplies it with the panel's A fragments into fp32 accumulators.
@@ -337,7 +338,54 @@ __device__ __forceinline__ V field(const Params& p, int i, V Shard::*member) {
 // are issued in order, so each lane keeps a running pointer to its pieces of the next group, and panel() is unrolled
 // over the ring's slots, so every shared-memory address in it is a register fixed for the whole call plus an
 // immediate. The linear and the expert kernels run their k loops through it.
-template <int CB, int KA, bool HALFK>
+// No A side in the stream: the k loop's A panel is in shared memory before the loop (the in-CTA transform, the
+// expert kernel).
+struct NoARing {
+    template <int S>
+    __device__ __forceinline__ void issue() {}
+};
+
+// The A side of a streamed k loop (the rows whose transformed input had128(x * suh) one launch wrote to xh before
+// the GEMM): the chunk's MROWS rows, GROUP * 16 k columns per group, copied by cp.async into a ring of
+// GROUPS_IN_FLIGHT slots in the same commit groups as the warps' trellis rings. The slots are the CTA's, shared by
+// its warps, so the k loop waits on a CTA barrier per group (TileStream::streamed()) instead of waiting for a whole
+// panel before its first tile. Rows beyond the chunk's are not copied: their slot rows keep stale values, which
+// reach only mma output rows that are never stored (an output row depends on its own A row only).
+template <int MB>
+struct ARing {
+    static constexpr int MROWS = 16 * MB;
+    static constexpr int STRIDE = GROUP * 16 + 8;       // halves per row (+16 bytes: ldmatrix rows on distinct banks)
+    static constexpr int SLOT = MROWS * STRIDE;         // halves per slot
+    static constexpr int BYTES = GROUPS_IN_FLIGHT * SLOT * 2;
+    static constexpr int PIECES = MROWS * GROUP * 2;    // 16-byte pieces per group
+    static constexpr int PER_THREAD = (PIECES + THREADS - 1) / THREADS;
+
+    __half* dst[PER_THREAD];        // this thread's pieces in slot 0 (nullptr: none)
+    const __half* src[PER_THREAD];  // and where the next group's come from
+
+    // slots: the ring (BYTES of shared memory); xh_chunk: the chunk's row 0 of xh at the CTA's first k column; k:
+    // xh's row stride in halves; rows: the chunk's rows.
+    __device__ __forceinline__ ARing(__half* slots, const __half* xh_chunk, int k, int rows) {
+#pragma unroll
+        for (int r = 0; r < PER_THREAD; ++r) {
+            const int c = threadIdx.x + THREADS * r, m = c / (GROUP * 2), q = c % (GROUP * 2);
+            const bool mine = (PIECES % THREADS == 0 || c < PIECES) && m < rows;
+            dst[r] = mine ? slots + m * STRIDE + q * 8 : nullptr;
+            src[r] = xh_chunk + (size_t)m * k + q * 8;
+        }
+    }
+
+    template <int S>
+    __device__ __forceinline__ void issue() {
+#pragma unroll
+        for (int r = 0; r < PER_THREAD; ++r) {
+            if (dst[r] != nullptr) cp_async16(dst[r] + S * SLOT, src[r]);
+            src[r] += GROUP * 16;
+        }
+    }
+};
+
+template <int CB, int KA, bool HALFK, class ASide = NoARing>
 struct TileStream {
     using T = Tile<KA, HALFK>;
     static constexpr int GROUP_WORDS = GROUP * T::WORDS;
@@ -352,11 +400,12 @@ struct TileStream {
     const uint32_t* pw[T::NORM + 1];  // the lane's window words in ring slot 0
     int shift;
     int lane;
+    ASide aside;  // the A slices that stream with the groups (ARing), or none
 
     // Sets up the lane's pointers and issues the first GROUPS_IN_FLIGHT - 1 groups.
     __device__ __forceinline__ TileStream(uint32_t* warp_ring, const uint8_t* tiles, size_t tile_stride, int ktiles,
-                                          int lane_)
-        : wring(warp_ring), group_stride(GROUP * tile_stride), to_issue(ktiles / GROUP), lane(lane_) {
+                                          int lane_, const ASide& aside_ = ASide{})
+        : wring(warp_ring), group_stride(GROUP * tile_stride), to_issue(ktiles / GROUP), lane(lane_), aside(aside_) {
 #pragma unroll
         for (int r = 0; r < PER_LANE; ++r) {
             const int c = lane + 32 * r;
@@ -381,6 +430,7 @@ struct TileStream {
                 if (PIECES % 32 == 0 || lane + 32 * r < PIECES) cp_async16(dst + (lane + 32 * r) * 4, src[r]);
                 src[r] += group_stride;
             }
+            aside.template issue<S>();
             --to_issue;
         }
         cp_async_commit();
@@ -406,6 +456,46 @@ struct TileStream {
             }
         }
         __syncwarp();  // every lane has read the group before a later issue refills its slot
+    }
+
+    // The group in ring slot S when the A slices stream with the groups (ARing: slot S of the A ring at a_lane +
+    // S * A_SLOT): wait for this group, a CTA barrier (every thread's pieces of it have landed, and every warp is done
+    // with the group before it, whose slots the issue below refills), then the next issue, decode and multiply.
+    template <int S, int MB, int A_STRIDE, int A_SLOT>
+    __device__ __forceinline__ void group_streamed(const __half* a_lane, float (&acc)[MB][2][4]) {
+        cp_async_wait<GROUPS_IN_FLIGHT - 2>();
+        __syncthreads();
+        issue<(S + GROUPS_IN_FLIGHT - 1) % GROUPS_IN_FLIGHT>();
+#pragma unroll
+        for (int u = 0; u < GROUP; ++u) {
+            uint32_t b[4];
+            decode_lane_at<CB, KA, HALFK>(pw, S * GROUP_WORDS + u * T::WORDS, shift, b);
+#pragma unroll
+            for (int m = 0; m < MB; ++m) {
+                uint32_t a[4];
+                ldmatrix_x4(a, a_lane + S * A_SLOT + m * 16 * A_STRIDE + u * 16);
+                mma16816(acc[m][0], a, b[0], b[1]);
+                mma16816(acc[m][1], a, b[2], b[3]);
+            }
+        }
+    }
+
+    // All `ktiles` tiles of the slice with streamed A slices, four groups (both rings' four slots) at a time; ktiles
+    // is a multiple of 8 (two groups), as in panel().
+    template <int MB, int A_STRIDE, int A_SLOT>
+    __device__ __forceinline__ void streamed(const __half* a_lane, int ktiles, float (&acc)[MB][2][4]) {
+        const int groups = ktiles / GROUP;
+        int g = 0;
+        for (; g + GROUPS_IN_FLIGHT <= groups; g += GROUPS_IN_FLIGHT) {
+            group_streamed<0, MB, A_STRIDE, A_SLOT>(a_lane, acc);
+            group_streamed<1, MB, A_STRIDE, A_SLOT>(a_lane, acc);
+            group_streamed<2, MB, A_STRIDE, A_SLOT>(a_lane, acc);
+            group_streamed<3, MB, A_STRIDE, A_SLOT>(a_lane, acc);
+        }
+        if (g < groups) {
+            group_streamed<0, MB, A_STRIDE, A_SLOT>(a_lane, acc);
+            group_streamed<1, MB, A_STRIDE, A_SLOT>(a_lane, acc);
+        }
     }
 
     // The next `ptiles` tiles against a panel whose k column 0 is at a_lane, four groups (the ring's four slots) at a
@@ -436,10 +526,11 @@ template <int CB, int KA, bool HALFK, int MB, bool FUSED>
 __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     using T = Tile<KA, HALFK>;
     constexpr int MROWS = 16 * MB;
-    constexpr int PANEL = MB == 1 ? 64 : 32;  // k tiles of A held in shared memory at once
+    static_assert(!FUSED || MB == 1, "the in-CTA transform builds one 16-row fragment");
+    constexpr int PANEL = 64;                 // FUSED: k tiles of A held in shared memory at once
     static_assert(PANEL % (GROUPS_IN_FLIGHT * GROUP) == 0, "TileStream::panel() needs panels of whole ring rounds");
     constexpr int A_STRIDE = PANEL * 16 + 8;  // halves; +16 bytes keeps ldmatrix rows on distinct banks
-    constexpr int A_BYTES = MROWS * A_STRIDE * 2;
+    constexpr int A_BYTES = FUSED ? MROWS * A_STRIDE * 2 : ARing<MB>::BYTES;
     constexpr int F_BYTES = MROWS * F_STRIDE * 4;
     constexpr int AF_BYTES = A_BYTES > F_BYTES ? A_BYTES : F_BYTES;
 
@@ -468,9 +559,8 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     // this warp's tile column
     const int tn = lnb * (BLOCK_N / 16) + warp;
     const size_t tile_stride = (size_t)ntiles_n * T::BYTES;
-    TileStream<CB, KA, HALFK> stream(ring + warp * GROUPS_IN_FLIGHT * TileStream<CB, KA, HALFK>::GROUP_WORDS,
-                                     trellis + ((size_t)kt0 * ntiles_n + tn) * T::BYTES, tile_stride, ktiles, lane);
-    const __half* a_lane = A + (lane % 16) * A_STRIDE + (lane / 16) * 8;
+    uint32_t* warp_ring = ring + warp * GROUPS_IN_FLIGHT * TileStream<CB, KA, HALFK>::GROUP_WORDS;
+    const uint8_t* warp_tiles = trellis + ((size_t)kt0 * ntiles_n + tn) * T::BYTES;
 
     float acc[MB][2][4];
 #pragma unroll
@@ -480,16 +570,18 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[m][h][e] = 0.0f;
 
-    const __half* suh = field(p, si, &Shard::suh);
-    for (int p0 = 0; p0 < ktiles; p0 += PANEL) {
-        const int ptiles = min(PANEL, ktiles - p0);
-        // 1. the A panel: rows x (ptiles * 16) fp16
-        __syncthreads();
-        const int kc0 = (kt0 + p0) * 16;
-        if constexpr (FUSED) {
-            // the call's rows x blocks items of 128 columns, PANEL_BATCH per warp loaded before any is transformed;
-            // the fragment's rows beyond them are left as they are: an mma output row depends on its own A row only,
-            // and those rows' sums are never stored
+    if constexpr (FUSED) {
+        TileStream<CB, KA, HALFK> stream(warp_ring, warp_tiles, tile_stride, ktiles, lane);
+        const __half* a_lane = A + (lane % 16) * A_STRIDE + (lane / 16) * 8;
+        const __half* suh = field(p, si, &Shard::suh);
+        for (int p0 = 0; p0 < ktiles; p0 += PANEL) {
+            const int ptiles = min(PANEL, ktiles - p0);
+            // 1. the A panel had128(x * suh): rows x (ptiles * 16) fp16, the call's rows x blocks items of 128
+            // columns, PANEL_BATCH per warp loaded before any is transformed; the fragment's rows beyond them are
+            // left as they are: an mma output row depends on its own A row only, and those rows' sums are never
+            // stored
+            __syncthreads();
+            const int kc0 = (kt0 + p0) * 16;
             const int blocks = ptiles / 8, items = rows * blocks;
             for (int item0 = warp * PANEL_BATCH; item0 < items; item0 += WARPS * PANEL_BATCH) {
                 float v[PANEL_BATCH][4];
@@ -512,26 +604,19 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
                     }
                 }
             }
-        } else {
-            // copied by cp.async (every piece in flight at once), rows beyond the chunk zeroed; the wait below also
-            // drains the warps' trellis rings, whose accounting only needs at most GROUPS_IN_FLIGHT - 1 pending
-            const int pieces = ptiles * 2;  // 16-byte pieces per row
-            const __half* xh = static_cast<const __half*>(p.xh);
-            for (int item = threadIdx.x; item < MROWS * pieces; item += THREADS) {
-                const int m = item / pieces, q = item % pieces;
-                __half* dst = A + m * A_STRIDE + q * 8;
-                if (m < rows)
-                    cp_async16(dst, xh + ((size_t)si * p.rows + row0 + m) * p.k + kc0 + q * 8);
-                else
-                    *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-            }
-            cp_async_commit();
-            cp_async_wait<0>();
-        }
-        __syncthreads();
+            __syncthreads();
 
-        // 2. decode and multiply the panel's tiles
-        stream.template panel<MB, A_STRIDE>(a_lane, ptiles, acc);
+            // 2. decode and multiply the panel's tiles
+            stream.template panel<MB, A_STRIDE>(a_lane, ptiles, acc);
+        }
+    } else {
+        // 1-2. the transformed input (xh, written by the transform launch) streams into the CTA's A ring in step
+        // with the trellis groups; decode and multiply
+        using AR = ARing<MB>;
+        const __half* xh = static_cast<const __half*>(p.xh) + ((size_t)si * p.rows + row0) * p.k + (size_t)kt0 * 16;
+        TileStream<CB, KA, HALFK, AR> stream(warp_ring, warp_tiles, tile_stride, ktiles, lane, AR(A, xh, p.k, rows));
+        stream.template streamed<MB, AR::STRIDE, AR::SLOT>(A + (lane % 16) * AR::STRIDE + (lane / 16) * 8, ktiles,
+                                                           acc);
     }
     cp_async_wait<0>();
 
@@ -621,11 +706,10 @@ __global__ void __launch_bounds__(THREADS) input_transform_kernel(const Params p
 
 // Dynamic shared memory of one kernel instantiation: the A panel (or, after it, the 128-column partial sums) and the
 // warps' trellis rings.
-template <int KA, bool HALFK, int MB>
+template <int KA, bool HALFK, int MB, bool FUSED = true>
 constexpr int smem_bytes() {
     constexpr int MROWS = 16 * MB;
-    constexpr int PANEL = MB == 1 ? 64 : 32;
-    constexpr int A_BYTES = MROWS * (PANEL * 16 + 8) * 2;
+    constexpr int A_BYTES = FUSED ? MROWS * (64 * 16 + 8) * 2 : ARing<MB>::BYTES;
     constexpr int F_BYTES = MROWS * F_STRIDE * 4;
     return (A_BYTES > F_BYTES ? A_BYTES : F_BYTES) + WARPS * GROUPS_IN_FLIGHT * GROUP * Tile<KA, HALFK>::BYTES;
 }
@@ -641,10 +725,10 @@ int configure(int* fit) {
     int& cached = fits[device & 63];
     if (cached == 0) {
         auto kernel = trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>;
-        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<KA, HALFK, MB>());
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<KA, HALFK, MB, FUSED>());
         if (e != cudaSuccess) return (int)e;
         int n = 0;
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, THREADS, smem_bytes<KA, HALFK, MB>());
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, THREADS, smem_bytes<KA, HALFK, MB, FUSED>());
         if (e != cudaSuccess) return (int)e;
         cached = n > 0 ? n : 1;
     }
@@ -657,7 +741,7 @@ int launch(const Params& p, dim3 grid, cudaStream_t stream) {
     int fit = 0;
     const int e = configure<CB, KA, HALFK, MB, FUSED>(&fit);
     if (e != 0) return e;
-    trellis_mma_kernel<CB, KA, HALFK, MB, FUSED><<<grid, THREADS, smem_bytes<KA, HALFK, MB>(), stream>>>(p);
+    trellis_mma_kernel<CB, KA, HALFK, MB, FUSED><<<grid, THREADS, smem_bytes<KA, HALFK, MB, FUSED>(), stream>>>(p);
     return (int)cudaGetLastError();
 }
 
@@ -750,7 +834,7 @@ QP_API int qp_trellis_mma_splits(int rows, int k, int n, int target_ctas, long l
 // :out_features[i]]. trellis / suh / svh / n / col / out_features are host arrays of `shards` entries (device
 // pointers in the first three). More than one shard needs rows <= 16. Up to `inline_rows` rows (at most 16) each CTA
 // transforms its own input panel; from there to 16 rows one transform launch writes every shard's had128(x * suh)
-// to xh (shards x rows x k fp16) and the GEMM copies its panel from there; above 16 rows likewise, one shard, in
+// to xh (shards x rows x k fp16) and the GEMM streams its slices from there; above 16 rows likewise, one shard, in
 // 64-row chunks. Returns 0, a CUDA error code, or -1 (bad geometry), -2 (no kernel for this K), -3 (bad codebook),
 // -4 (workspace too small, or no xh where one is needed), -5 (several shards above 16 rows or more than MAX_SHARDS).
 QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, const void* const* suh,
@@ -774,8 +858,8 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
     }
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int mb_rows = small ? 16 : 64;
-    // one wave is what fits at once: above 16 rows the kernel's 70-99 KB of shared memory holds 2-3 CTAs per SM, so
-    // a target of 4 per SM would split k twice as finely for a grid of two waves (measured slower: docs/kernels.md)
+    // one wave is what fits at once (a target above what fits would split k more finely for a grid of two waves,
+    // measured slower: docs/kernels.md)
     int fit = 0, sms = 0;
     int e = fused   ? qp::resident_ctas<1, true>(codebook, k2, &fit)
             : small ? qp::resident_ctas<1, false>(codebook, k2, &fit)
