@@ -223,7 +223,7 @@ def run_logits(job: dict) -> dict:
         llm.apply_model(install_routing_probe)
     lp = prompt_logprob_matrix(llm, ids, vocab)
     routing = llm.apply_model(routing_record)[0] if job.get("routing") and in_process else None
-    a = agreement(ref["logits"][0, : lp.shape[0]], lp)
+    a = agreement(ref["logits"][0, : lp.shape[0]], lp, tie=job.get("tie", 0.0))
     if job.get("save"):
         torch.save(lp, job["save"])
     tokens, top2 = greedy(llm, ids[:32], 16)
@@ -232,6 +232,8 @@ def run_logits(job: dict) -> dict:
         "kl": a.kl,
         "top1": a.top1,
         "positions": a.positions,
+        "ties": a.ties,
+        "top1_decided": a.top1_decided,
         "greedy": tokens,
         "greedy_top2": [{str(k): v for k, v in step.items()} for step in top2],
         "load_s": load_s,

@@ -33,8 +33,10 @@ except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
 # (owed first, 2026-12-03: the families after the Flint / top-1 fixes, and every vLLM engine with the once-per-call
 # transform, the default from that day)
-# (2026-12-03, later: the streamed A ring of the transformed-input kernels, rows 2-16 and above 16: correctness first)
-all=(linear-kernels kernel-8b kernel-8b-wide ncu e2e-dense families serve-8b serve-moe escha-vllm moe-kernels
+# (owed first after 2026-12-03, later: the families with one process per family and the near-tie top-1, escha in
+# vLLM, the uniform 30B-A3B engines with the one-launch expert kernel, the five-engine dense harness with the
+# streamed A slices and 2 CTAs per SM above 16 rows)
+all=(families escha-vllm serve-moe serve-8b e2e-dense kernel-8b linear-kernels kernel-8b-wide ncu moe-kernels
   kernel-8b-panel serve-moe-mixed e2e-moe profile)
 for s in "${@:-${all[@]}}"; do
   case $s in

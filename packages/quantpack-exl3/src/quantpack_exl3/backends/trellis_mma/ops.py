@@ -55,8 +55,10 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
 CTAS_PER_SM = 4
 
 #: the same above FUSED_ROWS rows (the 64-row kernel, whose split-K partials are 4x as many rows: fewer splits trade
-#: parallelism for a shorter partial sum); QUANTPACK_TRELLIS_MMA_CTAS_PER_SM_WIDE overrides
-CTAS_PER_SM_WIDE = 4
+#: parallelism for a shorter partial sum). 2: measured on the H200 (docs/results.md, 2026-12-03, later), the 8B
+#: stack at 32 / 64 / 128 / 256 rows took 7.14 / 8.50 / 12.88 / 21.12 ms with 2, 7.44 / 9.11 / 13.26 / 21.62 with 3
+#: and 9.07 / 22.14 at 64 / 256 with 4. QUANTPACK_TRELLIS_MMA_CTAS_PER_SM_WIDE overrides
+CTAS_PER_SM_WIDE = 2
 
 #: rows up to which each CTA of a launch transforms its own input panel (had128(x * suh)); from there to FUSED_ROWS
 #: one transform launch writes every shard's transformed input to the workspace first and the GEMM's CTAs copy their

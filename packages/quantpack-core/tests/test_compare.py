@@ -1,0 +1,46 @@
+"""The end-to-end oracle (quantpack_core.compare.agreement): KL and top-1 against an independent float64
+computation, and near-ties left out of the decided top-1 only within the given margin."""
+
+import math
+
+import pytest
+import torch
+
+from quantpack_core.compare import agreement
+
+
+def test_kl_and_top1_match_a_direct_computation():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(3, 5, 11, generator=g)
+    cand = ref + 0.1 * torch.randn(3, 5, 11, generator=g)
+    a = agreement(ref, cand)
+    kl, agree = 0.0, 0
+    for p_row, q_row in zip(ref.reshape(-1, 11).tolist(), cand.reshape(-1, 11).tolist(), strict=True):
+        zp, zq = math.log(sum(math.exp(v) for v in p_row)), math.log(sum(math.exp(v) for v in q_row))
+        kl += sum(math.exp(p - zp) * ((p - zp) - (q - zq)) for p, q in zip(p_row, q_row, strict=True))
+        agree += p_row.index(max(p_row)) == q_row.index(max(q_row))
+    assert a.positions == 15
+    assert a.kl == pytest.approx(kl / 15, rel=1e-9)
+    assert a.top1 == pytest.approx(agree / 15)
+    assert a.ties == 0 and a.top1_decided == a.top1
+
+
+def test_a_flip_at_a_near_tie_is_left_out_of_the_decided_top1_only():
+    # position 0: the reference's top two 0.01 nats apart, the candidate picks the other; position 1: 1 nat apart,
+    # the candidate agrees; position 2: 0.2 nats apart, the candidate flips
+    ref = torch.tensor([[2.0, 1.99, 0.0], [3.0, 2.0, 0.0], [1.2, 1.0, 0.0]])
+    cand = torch.tensor([[1.99, 2.0, 0.0], [3.0, 2.0, 0.0], [1.0, 1.2, 0.0]])
+    a = agreement(ref, cand, tie=0.05)
+    assert a.top1 == pytest.approx(1 / 3)
+    assert a.ties == 1
+    assert a.top1_decided == pytest.approx(1 / 2)  # the 0.2-nat flip still counts
+    wide = agreement(ref, cand, tie=0.5)
+    assert wide.ties == 2 and wide.top1_decided == 1.0
+    assert agreement(ref, cand).ties == 0  # no margin: every position decided
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="shape mismatch"):
+        agreement(torch.zeros(2, 3), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="tie must be >= 0"):
+        agreement(torch.zeros(2, 3), torch.zeros(2, 3), tie=-1.0)
