@@ -310,6 +310,7 @@ def main() -> None:
         ops.INLINE_TRANSFORM_ROWS = max(0, min(args.inline_transform_rows, ops.FUSED_ROWS))
     record["inline_transform_rows"] = ops.INLINE_TRANSFORM_ROWS
     record["ctas_per_sm_wide"] = args.ctas_per_sm_wide or ops.CTAS_PER_SM_WIDE
+    record["stream_k"] = ops.STREAM_K  # QUANTPACK_TRELLIS_MMA_STREAM_K
     for name in args.kernels.split(","):
         kernel = classes.get(name)
         if kernel is None:

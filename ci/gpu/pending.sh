@@ -33,10 +33,10 @@ except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
 # (owed first, 2026-12-03: the families after the Flint / top-1 fixes, and every vLLM engine with the once-per-call
 # transform, the default from that day)
-# (owed first after 2026-12-03, later: the families with one process per family and the near-tie top-1, escha in
+# (owed first after 2026-12-03, later: stream-K's first run, the families with one process per family and the near-tie top-1, escha in
 # vLLM, the uniform 30B-A3B engines with the one-launch expert kernel, the five-engine dense harness with the
 # streamed A slices and 2 CTAs per SM above 16 rows)
-all=(families escha-vllm serve-moe serve-8b e2e-dense kernel-8b linear-kernels kernel-8b-wide ncu moe-kernels
+all=(streamk families escha-vllm serve-moe serve-8b e2e-dense kernel-8b linear-kernels kernel-8b-wide ncu moe-kernels
   kernel-8b-panel serve-moe-mixed e2e-moe profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
@@ -44,6 +44,14 @@ for s in "${@:-${all[@]}}"; do
     linear-kernels) step linear-kernels "${T[@]}" -k trellis_mma packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py ;;
     # the 8B stack at rows 1-256, each kernel and as served, beside dense bf16 (benchmarks/results/kernel_8b.json)
     kernel-8b) step kernel-8b python3 benchmarks/kernel_8b.py --json "$res/kernel_8b.json" ;;
+    # stream-K up to 16 rows (QUANTPACK_TRELLIS_MMA_STREAM_K, written 2026-12-03, never run on a GPU): its kernel
+    # tests, then the 8B stack with it beside the split plan of kernel-8b (which default to keep)
+    streamk)
+      step streamk-tests "${T[@]}" -k stream_k packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py
+      step kernel-8b-streamk env QUANTPACK_TRELLIS_MMA_STREAM_K=1 python3 benchmarks/kernel_8b.py --kernels trellis_mma \
+        --rows 1,2,4,8,16 --no-dense --json "$res/kernel_8b_streamk.json"
+      step kernel-8b-split python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 1,2,4,8,16 --no-dense \
+        --json "$res/kernel_8b_split.json" ;;
     # above 16 rows with fewer split-K CTAs per SM than the default (fewer partial rows to sum): which default to keep
     kernel-8b-wide)
       for c in 2 3; do

@@ -137,10 +137,15 @@ def load(arch: int) -> ctypes.CDLL:
         ptr, ptr, ptr, ptr, ptr, ptr, i32,  # per shard (host arrays): trellis, suh, svh, n, col, out_features; count
         ptr, ptr, i64, ptr, i64,  # out, partials, capacity, counters, capacity
         i32, i32, i32, i32, i32,  # rows, x_width, x_stride, k, out_stride
-        i32, i32, i32, i32, i32, ptr,  # codebook, 2K, bf16, target CTAs, rows transformed in the GEMM, stream
+        i32, i32, i32, i32, i32,  # codebook, 2K, bf16, target CTAs, rows transformed in the GEMM
+        i32, ptr,  # stream-K, stream
     ]  # fmt: skip
     lib.qp_trellis_mma_splits.restype = i32
     lib.qp_trellis_mma_splits.argtypes = [i32, i32, i32, i32, i64, i64]
+    lib.qp_trellis_mma_streamk_ctas.restype = i32
+    lib.qp_trellis_mma_streamk_ctas.argtypes = [i32, i32, i32, i32, i64]
+    lib.qp_trellis_mma_streamk_items_host.restype = i32
+    lib.qp_trellis_mma_streamk_items_host.argtypes = [i32, i32, i32, ptr, i32]
     lib.qp_decode_tile_host.restype = i32
     lib.qp_decode_tile_host.argtypes = [ptr, i32, i32, ptr]
     # expert banks

@@ -69,6 +69,13 @@ CTAS_PER_SM_WIDE = 2
 INLINE_TRANSFORM_ROWS = min(env_int("QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS", 1), FUSED_ROWS)
 
 
+#: up to FUSED_ROWS rows, split k by stream-K (the CTAs that fit share every column block's k units evenly, a
+#: block's parts summed by its last CTA) instead of whole splits per column block, whose grids leave SMs idle (Nsight
+#: Compute, docs/kernels.md: 20-36% of each launch's cycles). Not measured yet, so off by default;
+#: QUANTPACK_TRELLIS_MMA_STREAM_K=1 turns it on; read when the module is imported.
+STREAM_K = env_int("QUANTPACK_TRELLIS_MMA_STREAM_K", 0) > 0
+
+
 def inline_transform_rows_now() -> int:
     """:data:`INLINE_TRANSFORM_ROWS` as it is now (benchmarks set it at run time)."""
     return INLINE_TRANSFORM_ROWS
@@ -285,7 +292,7 @@ def _launch(
         out.data_ptr(), ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
         rows, width, x.stride(0), k, out.stride(0),
         codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16),
-        ws.target_ctas if rows <= FUSED_ROWS else ws.target_ctas_wide, INLINE_TRANSFORM_ROWS,
+        ws.target_ctas if rows <= FUSED_ROWS else ws.target_ctas_wide, INLINE_TRANSFORM_ROWS, int(STREAM_K),
         torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     check(code, f"rows {rows}, k {k}, n {ns}, K {k_bits:g}, codebook {codebook}")

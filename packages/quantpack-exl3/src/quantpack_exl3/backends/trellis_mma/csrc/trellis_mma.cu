@@ -71,6 +71,8 @@ struct Params {
     int rows, x_width, x_stride, k, n, out_stride;
     int slice_tiles;  // k tiles per split (a multiple of 8)
     int splits;
+    long long units;  // stream-K: k units (128 columns) of the launch's column blocks, per chunk
+    int ctas;         // stream-K: CTAs per chunk
     int mrows;  // rows per chunk in the partials (min(rows, 16 * MB))
     int bf16;   // x and out are bf16 (else fp16)
 };
@@ -522,8 +524,50 @@ struct TileStream {
     }
 };
 
-template <int CB, int KA, bool HALFK, int MB, bool FUSED>
-__global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
+// A CTA's k units (k / 128 per column block, blocks in order) under stream-K: CTA c of `ctas` takes units
+// [c * units / ctas, (c + 1) * units / ctas); owner() is the CTA whose range holds unit u.
+struct StreamKPlan {
+    long long units;
+    int ctas;
+    __host__ __device__ long long start(int c) const { return (long long)c * units / ctas; }
+    __host__ __device__ int owner(long long u) const { return (int)(((u + 1) * ctas - 1) / units); }
+};
+
+// One item of a stream-K CTA: column block nb, its k units [k0, k1), the slot its partial goes to (2 per CTA: its
+// first item, and its last when that is a part of a block too), and the CTAs whose parts the block sums.
+struct StreamKItem {
+    int nb, k0, k1, slot, seg_first, seg_last;
+};
+
+// The item of CTA c (of `plan`, kunits units per block) that starts at unit u, its `item`-th.
+__host__ __device__ __forceinline__ StreamKItem streamk_item(const StreamKPlan& plan, int kunits, int c, long long u,
+                                                             int item) {
+    StreamKItem it;
+    it.nb = (int)(u / kunits);
+    it.k0 = (int)(u % kunits);
+    const long long left = plan.start(c + 1) - u;
+    it.k1 = left < kunits - it.k0 ? it.k0 + (int)left : kunits;
+    it.slot = 2 * c + (item == 0 ? 0 : 1);
+    it.seg_first = plan.owner((long long)it.nb * kunits);
+    it.seg_last = plan.owner((long long)(it.nb + 1) * kunits - 1);
+    return it;
+}
+
+// The slot where CTA c left its part of block nb: its first item's, unless nb is a later (its last) item.
+__host__ __device__ __forceinline__ int streamk_slot(const StreamKPlan& plan, int kunits, int c, int nb) {
+    return 2 * c + (plan.start(c) / kunits == nb ? 0 : 1);
+}
+
+// The CTA's work on one item: the chunk's rows x column block nb x k tiles [kt0, kt0 + ktiles), then the item's
+// end. With the split plan (STREAMK false) the item is (column block, split): its partial goes to the split's rows
+// of the workspace and the block's last CTA sums the p.splits partials. With stream-K the item is a CTA's share of
+// a block (a CTA's range of k units may span blocks: StreamKPlan): a whole block writes its output directly, a
+// part goes to the CTA's slot (`slot`: 2 per CTA, its first and its last item) and the last of the block's CTAs
+// `seg_first`..`seg_last` sums their slots in that order. Returns early (nothing left to do) when another CTA sums.
+template <int CB, int KA, bool HALFK, int MB, bool FUSED, bool STREAMK>
+__device__ __forceinline__ void cta_item(const Params& p, uint8_t* smem, int& last_arrival, const int nb, const int kt0,
+                                         const int ktiles, const int chunk, const int split, const int slot,
+                                         const int seg_first, const int seg_last) {
     using T = Tile<KA, HALFK>;
     constexpr int MROWS = 16 * MB;
     static_assert(!FUSED || MB == 1, "the in-CTA transform builds one 16-row fragment");
@@ -534,14 +578,11 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     constexpr int F_BYTES = MROWS * F_STRIDE * 4;
     constexpr int AF_BYTES = A_BYTES > F_BYTES ? A_BYTES : F_BYTES;
 
-    extern __shared__ __align__(16) uint8_t smem[];
     __half* A = reinterpret_cast<__half*>(smem);
     float* F = reinterpret_cast<float*>(smem);
     uint32_t* ring = reinterpret_cast<uint32_t*>(smem + AF_BYTES);
-    __shared__ int last_arrival;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int nb = blockIdx.x, split = blockIdx.y, chunk = blockIdx.z;
     const int row0 = chunk * MROWS;
     const int rows = min(p.rows - row0, MROWS);
 
@@ -553,8 +594,6 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     const int lnb = nb - field(p, si, &Shard::block0);  // column block within the shard
     const int ntiles_n = field(p, si, &Shard::n) / 16;
     const uint8_t* trellis = field(p, si, &Shard::trellis);
-    const int kt0 = split * p.slice_tiles;
-    const int ktiles = min(p.slice_tiles, p.k / 16 - kt0);
 
     // this warp's tile column
     const int tn = lnb * (BLOCK_N / 16) + warp;
@@ -636,34 +675,68 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     }
     __syncthreads();
 
-    if (p.splits > 1) {
+    const int segments = STREAMK ? seg_last - seg_first + 1 : p.splits;
+    if (segments > 1) {
         // partials and their sum move as float4 (a row's 128 columns are 32 of them; rows start 16-byte aligned in
-        // the workspace, n being a multiple of 128, and in F, F_STRIDE a multiple of 4)
+        // the workspace, n being a multiple of 128, and in F, F_STRIDE a multiple of 4). Split plan: (chunk, split,
+        // mrows, n); stream-K: (chunk, slot, mrows, 128)
         const size_t n0 = (size_t)nb * BLOCK_N;
-        float* mine = p.partials + ((size_t)(chunk * p.splits + split) * p.mrows) * p.n + n0;
+        const size_t stride = STREAMK ? BLOCK_N : p.n;
+        float* mine = STREAMK ? p.partials + (size_t)(chunk * 2 * p.ctas + slot) * p.mrows * BLOCK_N
+                              : p.partials + ((size_t)(chunk * p.splits + split) * p.mrows) * p.n + n0;
         for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4)
-            *reinterpret_cast<float4*>(mine + (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N) =
+            *reinterpret_cast<float4*>(mine + (size_t)(e / BLOCK_N) * stride + e % BLOCK_N) =
                 *reinterpret_cast<const float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N);
         __threadfence();
         __syncthreads();
-        int* counter = p.counters + (size_t)chunk * gridDim.x + nb;
-        if (threadIdx.x == 0) last_arrival = atomicAdd(counter, 1) == p.splits - 1;
+        int* counter = p.counters + (size_t)chunk * (p.n / BLOCK_N) + nb;
+        if (threadIdx.x == 0) last_arrival = atomicAdd(counter, 1) == segments - 1;
         __syncthreads();
         if (!last_arrival) return;
         __threadfence();
-        const float* all = p.partials + ((size_t)chunk * p.splits * p.mrows) * p.n + n0;
-        for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4) {
-            const size_t at = (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N;
-            float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // summed in split order: deterministic
-#pragma unroll 8
-            for (int sp = 0; sp < p.splits; ++sp) {
-                const float4 v = __ldcg(reinterpret_cast<const float4*>(all + (size_t)sp * p.mrows * p.n + at));
-                s.x += v.x;
-                s.y += v.y;
-                s.z += v.z;
-                s.w += v.w;
+        if constexpr (STREAMK) {
+            // the block's parts in CTA order (deterministic): each thread's elements in registers over the parts
+            constexpr int PER_THREAD = MROWS * BLOCK_N / (THREADS * 4);
+            static_assert(PER_THREAD * THREADS * 4 == MROWS * BLOCK_N, "whole float4s per thread");
+            float4 sum[PER_THREAD];
+#pragma unroll
+            for (int j = 0; j < PER_THREAD; ++j) sum[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            const StreamKPlan plan{p.units, p.ctas};
+            for (int c = seg_first; c <= seg_last; ++c) {
+                const float* part =
+                    p.partials + (size_t)(chunk * 2 * p.ctas + streamk_slot(plan, p.k / 128, c, nb)) * p.mrows * BLOCK_N;
+#pragma unroll
+                for (int j = 0; j < PER_THREAD; ++j) {
+                    const int e = (threadIdx.x + j * THREADS) * 4;
+                    if (e < rows * BLOCK_N) {
+                        const float4 v = __ldcg(reinterpret_cast<const float4*>(part + e));
+                        sum[j].x += v.x;
+                        sum[j].y += v.y;
+                        sum[j].z += v.z;
+                        sum[j].w += v.w;
+                    }
+                }
             }
-            *reinterpret_cast<float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N) = s;
+#pragma unroll
+            for (int j = 0; j < PER_THREAD; ++j) {
+                const int e = (threadIdx.x + j * THREADS) * 4;
+                if (e < rows * BLOCK_N) *reinterpret_cast<float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N) = sum[j];
+            }
+        } else {
+            const float* all = p.partials + ((size_t)chunk * p.splits * p.mrows) * p.n + n0;
+            for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4) {
+                const size_t at = (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N;
+                float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // summed in split order: deterministic
+#pragma unroll 8
+                for (int sp = 0; sp < p.splits; ++sp) {
+                    const float4 v = __ldcg(reinterpret_cast<const float4*>(all + (size_t)sp * p.mrows * p.n + at));
+                    s.x += v.x;
+                    s.y += v.y;
+                    s.z += v.z;
+                    s.w += v.w;
+                }
+                *reinterpret_cast<float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N) = s;
+            }
         }
         if (threadIdx.x == 0) *counter = 0;
         __syncthreads();
@@ -684,6 +757,48 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
                 store_act(p.out, (size_t)(row0 + m) * p.out_stride + shard_col + c,
                           v[i] * HAD_SCALE * __half2float(svh[c]), p.bf16);
         }
+    }
+}
+
+
+// The split plan: a CTA per (column block, split, row chunk).
+template <int CB, int KA, bool HALFK, int MB, bool FUSED>
+__global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    __shared__ int last_arrival;
+    const int split = blockIdx.y, kt0 = split * p.slice_tiles;
+    cta_item<CB, KA, HALFK, MB, FUSED, false>(p, smem, last_arrival, blockIdx.x, kt0,
+                                              min(p.slice_tiles, p.k / 16 - kt0), blockIdx.z, split, 0, 0, 0);
+}
+
+// Stream-K (up to 16 rows, one chunk): CTA blockIdx.x walks its range of the launch's k units (StreamKPlan), an item
+// per column block it meets. At most 64 registers, so that 4 CTAs fit an SM as with the split plan (the item loop's
+// state would otherwise take 80; a few bytes spill).
+template <int CB, int KA, bool HALFK, bool FUSED>
+__global__ void __launch_bounds__(THREADS, 4) trellis_mma_streamk_kernel(const Params p) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    __shared__ int last_arrival;
+    const StreamKPlan plan{p.units, p.ctas};
+    const int c = blockIdx.x, kunits = p.k / 128;
+    const long long u1 = plan.start(c + 1);
+    long long u = plan.start(c);
+    for (int item = 0; u < u1; ++item) {
+        const StreamKItem it = streamk_item(plan, kunits, c, u, item);
+        __syncthreads();  // the last item's output transform has read its sums (which alias the A panel)
+        cta_item<CB, KA, HALFK, 1, FUSED, true>(p, smem, last_arrival, it.nb, it.k0 * 8, (it.k1 - it.k0) * 8, 0, 0,
+                                                it.slot, it.seg_first, it.seg_last);
+        u += it.k1 - it.k0;
+    }
+}
+
+// The kernel of an instantiation (stream-K: MB is 1).
+template <int CB, int KA, bool HALFK, int MB, bool FUSED, bool STREAMK>
+inline auto kernel_of() {
+    if constexpr (STREAMK) {
+        static_assert(MB == 1, "stream-K runs the few-row kernels (its slots hold 16 rows)");
+        return trellis_mma_streamk_kernel<CB, KA, HALFK, FUSED>;
+    } else {
+        return trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>;
     }
 }
 
@@ -716,7 +831,7 @@ constexpr int smem_bytes() {
 
 // Raises a kernel instantiation's shared-memory limit once per device (at warm-up, before any CUDA-graph capture)
 // and gives how many of its CTAs fit in one SM at once (*fit; cached with the limit). Returns 0 or a CUDA error code.
-template <int CB, int KA, bool HALFK, int MB, bool FUSED>
+template <int CB, int KA, bool HALFK, int MB, bool FUSED, bool STREAMK>
 int configure(int* fit) {
     static int fits[64] = {};  // per device; 0 = not configured yet
     int device = 0;
@@ -724,7 +839,7 @@ int configure(int* fit) {
     if (e != cudaSuccess) return (int)e;
     int& cached = fits[device & 63];
     if (cached == 0) {
-        auto kernel = trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>;
+        auto kernel = kernel_of<CB, KA, HALFK, MB, FUSED, STREAMK>();
         e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<KA, HALFK, MB, FUSED>());
         if (e != cudaSuccess) return (int)e;
         int n = 0;
@@ -736,12 +851,12 @@ int configure(int* fit) {
     return 0;
 }
 
-template <int CB, int KA, bool HALFK, int MB, bool FUSED>
+template <int CB, int KA, bool HALFK, int MB, bool FUSED, bool STREAMK>
 int launch(const Params& p, dim3 grid, cudaStream_t stream) {
     int fit = 0;
-    const int e = configure<CB, KA, HALFK, MB, FUSED>(&fit);
+    const int e = configure<CB, KA, HALFK, MB, FUSED, STREAMK>(&fit);
     if (e != 0) return e;
-    trellis_mma_kernel<CB, KA, HALFK, MB, FUSED><<<grid, THREADS, smem_bytes<KA, HALFK, MB, FUSED>(), stream>>>(p);
+    kernel_of<CB, KA, HALFK, MB, FUSED, STREAMK>()<<<grid, THREADS, smem_bytes<KA, HALFK, MB, FUSED>(), stream>>>(p);
     return (int)cudaGetLastError();
 }
 
@@ -784,19 +899,19 @@ int with_codebook_k(int codebook, int k2, F&& f) {
     }
 }
 
-template <int MB, bool FUSED>
+template <int MB, bool FUSED, bool STREAMK = false>
 int dispatch(const Params& p, int codebook, int k2, dim3 grid, cudaStream_t s) {
     return with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
-        return launch<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, MB, FUSED>(p, grid, s);
+        return launch<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, MB, FUSED, STREAMK>(p, grid, s);
     });
 }
 
 // CTAs of the kernel a launch of (codebook, 2K, MB, FUSED) uses that fit in one SM at once (*fit). Returns 0, a CUDA
 // error code, -2 (no such K) or -3 (bad codebook).
-template <int MB, bool FUSED>
+template <int MB, bool FUSED, bool STREAMK = false>
 int resident_ctas(int codebook, int k2, int* fit) {
     return with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
-        return configure<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, MB, FUSED>(fit);
+        return configure<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, MB, FUSED, STREAMK>(fit);
     });
 }
 
@@ -830,18 +945,78 @@ QP_API int qp_trellis_mma_splits(int rows, int k, int n, int target_ctas, long l
     return splits;
 }
 
+// Most parts (CTA ranges) any column block of a stream-K plan meets.
+static long long streamk_max_parts(const qp::StreamKPlan& plan, int kunits, int nbk) {
+    long long most = 0;
+    for (int b = 0; b < nbk; ++b) {
+        const long long parts =
+            plan.owner((long long)(b + 1) * kunits - 1) - plan.owner((long long)b * kunits) + 1;
+        if (parts > most) most = parts;
+    }
+    return most;
+}
+
+// The items of every CTA of a stream-K plan of `ctas` CTAs over nbk column blocks of kunits units, as the kernel
+// walks them, for the CPU tests: rows of 8 ints (cta, nb, k0, k1, slot, seg_first, seg_last, the slot the block's
+// summing CTA reads for this CTA's part) into out (room for max_items rows). Returns the item count, or -1 when
+// out is too small.
+QP_API int qp_trellis_mma_streamk_items_host(int kunits, int nbk, int ctas, int* out, int max_items) {
+    const qp::StreamKPlan plan{(long long)kunits * nbk, ctas};
+    int count = 0;
+    for (int c = 0; c < ctas; ++c) {
+        long long u = plan.start(c);
+        for (int item = 0; u < plan.start(c + 1); ++item) {
+            const qp::StreamKItem it = qp::streamk_item(plan, kunits, c, u, item);
+            if (count >= max_items) return -1;
+            int* row = out + 8 * count++;
+            row[0] = c;
+            row[1] = it.nb;
+            row[2] = it.k0;
+            row[3] = it.k1;
+            row[4] = it.slot;
+            row[5] = it.seg_first;
+            row[6] = it.seg_last;
+            row[7] = qp::streamk_slot(plan, kunits, c, it.nb);
+            u += it.k1 - it.k0;
+        }
+    }
+    return count;
+}
+
+// Stream-K plan of one call of up to 16 rows (one chunk): how many CTAs share the launch's k units (k / 128 of each
+// 128-column block of n, blocks in order; qp::StreamKPlan): as many as fit at once (target_ctas) and at most one per
+// unit, then fewer while a column block would meet more than TAIL_ROWS / rows CTAs (its last CTA sums that many
+// partials of `rows` rows) or the partial slots (2 per CTA x rows x 128 floats) would not fit the workspace. Returns
+// the CTA count (>= 1), or 0 above 16 rows or for a bad geometry.
+QP_API int qp_trellis_mma_streamk_ctas(int rows, int k, int n, int target_ctas, long long partial_floats) {
+    if (rows <= 0 || rows > 16 || k <= 0 || k % 128 || n <= 0 || n % qp::BLOCK_N) return 0;
+    const int kunits = k / 128, nbk = n / qp::BLOCK_N;
+    const long long units = (long long)kunits * nbk;
+    long long ctas = target_ctas < 1 ? 1 : target_ctas;
+    if (ctas > units) ctas = units;
+    const long long max_parts = qp::TAIL_ROWS / rows;
+    while (ctas > 1) {
+        const qp::StreamKPlan plan{units, (int)ctas};
+        if (2 * ctas * rows * qp::BLOCK_N <= partial_floats && streamk_max_parts(plan, kunits, nbk) <= max_parts) break;
+        ctas = ctas * 7 / 8 < ctas - 1 ? ctas * 7 / 8 : ctas - 1;
+    }
+    return (int)ctas;
+}
+
 // `shards` EXL3 shards sharing the input x, in one launch: out[:, col[i]:col[i] + out_features[i]] = (x @ W_i)[:,
 // :out_features[i]]. trellis / suh / svh / n / col / out_features are host arrays of `shards` entries (device
 // pointers in the first three). More than one shard needs rows <= 16. Up to `inline_rows` rows (at most 16) each CTA
 // transforms its own input panel; from there to 16 rows one transform launch writes every shard's had128(x * suh)
 // to xh (shards x rows x k fp16) and the GEMM streams its slices from there; above 16 rows likewise, one shard, in
-// 64-row chunks. Returns 0, a CUDA error code, or -1 (bad geometry), -2 (no kernel for this K), -3 (bad codebook),
-// -4 (workspace too small, or no xh where one is needed), -5 (several shards above 16 rows or more than MAX_SHARDS).
+// 64-row chunks. With `stream_k` (up to 16 rows) the CTAs that fit share the k units of every column block evenly
+// (qp_trellis_mma_streamk_ctas) instead of whole splits. Returns 0, a CUDA error code, or -1 (bad geometry), -2 (no
+// kernel for this K), -3 (bad codebook), -4 (workspace too small, or no xh where one is needed), -5 (several shards
+// above 16 rows or more than MAX_SHARDS).
 QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, const void* const* suh,
                           const void* const* svh, const int* n, const int* col, const int* out_features, int shards,
                           void* out, float* partials, long long partial_floats, int* counters, long long counters_len,
                           int rows, int x_width, int x_stride, int k, int out_stride, int codebook, int k2, int bf16,
-                          int target_ctas, int inline_rows, void* stream) {
+                          int target_ctas, int inline_rows, int stream_k, void* stream) {
     if (rows <= 0) return 0;
     const int small = rows <= 16;                    // one 16-row fragment (MB = 1), several shards allowed
     const int fused = small && rows <= inline_rows;  // the input transform inside the GEMM's CTAs
@@ -860,8 +1035,11 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
     const int mb_rows = small ? 16 : 64;
     // one wave is what fits at once (a target above what fits would split k more finely for a grid of two waves,
     // measured slower: docs/kernels.md)
+    const bool streamk = stream_k && small;
     int fit = 0, sms = 0;
-    int e = fused   ? qp::resident_ctas<1, true>(codebook, k2, &fit)
+    int e = streamk ? (fused ? qp::resident_ctas<1, true, true>(codebook, k2, &fit)
+                             : qp::resident_ctas<1, false, true>(codebook, k2, &fit))
+            : fused ? qp::resident_ctas<1, true>(codebook, k2, &fit)
             : small ? qp::resident_ctas<1, false>(codebook, k2, &fit)
                     : qp::resident_ctas<4, false>(codebook, k2, &fit);
     if (e != 0) return e;
@@ -893,13 +1071,24 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
     if (splits > 1 && ((long long)chunks * splits * p.mrows * n_total > partial_floats ||
                        (long long)chunks * (n_total / qp::BLOCK_N) > counters_len))
         return -4;
-    const dim3 grid(n_total / qp::BLOCK_N, splits, chunks);
-    if (fused) return qp::dispatch<1, true>(p, codebook, k2, grid, s);
+    dim3 grid(n_total / qp::BLOCK_N, splits, chunks);
+    if (streamk) {
+        p.ctas = qp_trellis_mma_streamk_ctas(rows, k, n_total, target_ctas, partial_floats);
+        p.units = (long long)(k / 128) * (n_total / qp::BLOCK_N);
+        if (p.ctas < 1 || 2LL * p.ctas * p.mrows * qp::BLOCK_N > partial_floats ||
+            (long long)(n_total / qp::BLOCK_N) > counters_len)
+            return -4;
+        grid = dim3(p.ctas, 1, 1);
+    }
+    if (fused)
+        return streamk ? qp::dispatch<1, true, true>(p, codebook, k2, grid, s)
+                       : qp::dispatch<1, true>(p, codebook, k2, grid, s);
     if (xh == nullptr) return -4;
     const long items = (long)shards * rows * (k / 128);
     qp::input_transform_kernel<<<(unsigned)((items + qp::WARPS - 1) / qp::WARPS), qp::THREADS, 0, s>>>(p);
     e = (int)cudaGetLastError();
     if (e != 0) return e;
+    if (streamk) return qp::dispatch<1, false, true>(p, codebook, k2, grid, s);
     return small ? qp::dispatch<1, false>(p, codebook, k2, grid, s) : qp::dispatch<4, false>(p, codebook, k2, grid, s);
 }
 
