@@ -44,13 +44,13 @@ for s in "${@:-${all[@]}}"; do
     linear-kernels) step linear-kernels "${T[@]}" -k trellis_mma packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py ;;
     # the 8B stack at rows 1-256, each kernel and as served, beside dense bf16 (benchmarks/results/kernel_8b.json)
     kernel-8b) step kernel-8b python3 benchmarks/kernel_8b.py --json "$res/kernel_8b.json" ;;
-    # stream-K up to 16 rows (QUANTPACK_TRELLIS_MMA_STREAM_K, written 2026-12-03, never run on a GPU): its kernel
+    # stream-K up to 64 rows (QUANTPACK_TRELLIS_MMA_STREAM_K, written 2026-12-03, never run on a GPU): its kernel
     # tests, then the 8B stack with it beside the split plan of kernel-8b (which default to keep)
     streamk)
       step streamk-tests "${T[@]}" -k stream_k packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py
       step kernel-8b-streamk env QUANTPACK_TRELLIS_MMA_STREAM_K=1 python3 benchmarks/kernel_8b.py --kernels trellis_mma \
-        --rows 1,2,4,8,16 --no-dense --json "$res/kernel_8b_streamk.json"
-      step kernel-8b-split python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 1,2,4,8,16 --no-dense \
+        --rows 1,2,4,8,16,32,64 --no-dense --json "$res/kernel_8b_streamk.json"
+      step kernel-8b-split python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 1,2,4,8,16,32,64 --no-dense \
         --json "$res/kernel_8b_split.json" ;;
     # above 16 rows with fewer split-K CTAs per SM than the default (fewer partial rows to sum): which default to keep
     kernel-8b-wide)

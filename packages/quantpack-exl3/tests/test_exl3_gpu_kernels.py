@@ -211,6 +211,27 @@ def test_opcheck(backend):
         opcheck(backend.op, backend.op_args(kernel, x, out, 16))
 
 
+def assert_replay_is_eager(run, rows: int, k: int, n: int, dtype: torch.dtype, replays: int = 1) -> torch.Tensor:
+    """Capture ``run`` (a prepared run) on a ``(rows, k)`` input in a CUDA graph and check that each replay on new
+    input equals an eager call bit for bit; returns the last input and the output (for opcheck)."""
+    dev = torch.device("cuda")
+    x = torch.randn((rows, k), device=dev).to(dtype)
+    out = torch.zeros((rows, n), dtype=dtype, device=dev)
+    run.run(x, *run.tensors.values(), *run.static, out, 0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run.run(x, *run.tensors.values(), *run.static, out, 0)
+    eager = torch.empty_like(out)
+    for _ in range(replays):
+        x.copy_(torch.randn((rows, k), device=dev).to(dtype))
+        graph.replay()
+        run.run(x, *run.tensors.values(), *run.static, eager, 0)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), "graph replay differs from eager"
+    return x, out
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, monkeypatch):
     """q / k / v of one K and codebook fused (one launch up to 16 rows, a launch per shard above) give each shard's
@@ -244,20 +265,7 @@ def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, monkeypatch):
             ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=p.out_features)
             assert rel_err(mine.cpu(), ref) < 2e-2, rows
             col += p.out_features
-    x = torch.randn((5, 768), device=dev).to(dtype)
-    out = torch.zeros((5, 768), dtype=dtype, device=dev)
-    fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
-    eager = torch.empty_like(out)
-    for _ in range(2):
-        x.copy_(torch.randn((5, 768), device=dev).to(dtype))
-        graph.replay()
-        fused.run(x, *fused.tensors.values(), *fused.static, eager, 0)
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+    x, out = assert_replay_is_eager(fused, 5, 768, 768, dtype, replays=2)
     t = fused.tensors
     lists = [[t[f"{name}{i}"] for i in range(3)] for name in ("trellis", "suh", "svh")]
     opcheck("trellis_mma_", (x, *lists, *fused.static[:2], list(fused.static[2]), fused.static[3], out, 0))
@@ -298,28 +306,16 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch):
                 ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=p.out_features)
                 assert rel_err(once[:, col : col + p.out_features].cpu(), ref) < 2e-2, (inline, rows)
                 col += p.out_features
-        x = torch.randn((7, k_in), device=dev).to(dtype)
-        out = torch.zeros((7, 896), dtype=dtype, device=dev)
-        fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
-        eager = torch.empty_like(out)
-        x.copy_(torch.randn((7, k_in), device=dev).to(dtype))
-        graph.replay()
-        fused.run(x, *fused.tensors.values(), *fused.static, eager, 0)
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager), inline
+        assert_replay_is_eager(fused, 7, k_in, 896, dtype)
 
 
 STREAMK_CASES = [(4, "mul1"), (2.5, "mul1"), (3, "mcg"), (6, "3inst"), (8, "mul1")]
 
 
 @pytest.mark.parametrize("k_bits,codebook", STREAMK_CASES, ids=[f"K{k:g}-{cb}" for k, cb in STREAMK_CASES])
-@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 64])
 def test_trellis_mma_stream_k_matches_the_fp64_reference(k_bits, codebook, rows, monkeypatch):
-    """QUANTPACK_TRELLIS_MMA_STREAM_K (off by default until measured): up to 16 rows the CTAs share every column
+    """QUANTPACK_TRELLIS_MMA_STREAM_K (off by default until measured): up to 64 rows the CTAs share every column
     block's k units evenly; single shards of several shapes (a CTA's range spanning blocks, whole blocks, parts of
     one) stay within 1.1x exllamav3's error against the fp64 reference, write every column and nothing else."""
     from quantpack_exl3.backends.trellis_mma import ops
@@ -333,12 +329,13 @@ def test_trellis_mma_stream_k_matches_the_fp64_reference(k_bits, codebook, rows,
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("target", [1, 7, 132, 528])
+@pytest.mark.parametrize("target", [1, 5, 7, 132, 528])
 def test_trellis_mma_stream_k_equals_the_split_plan(dtype, target, monkeypatch):
-    """A fused q / k / v call (three shards, 7 column blocks) through stream-K equals the split plan's within fp32
-    summation order at 1-16 rows, in-CTA and once-per-call transforms, for CTA targets from one CTA (every block
-    whole in one CTA) to more CTAs than column blocks (blocks in parts), writing its columns and no others; a graph
-    replay is bit-identical to eager."""
+    """A fused q / k / v call (three shards, 7 column blocks; a launch per shard above 16 rows) through stream-K
+    equals the split plan's within fp32 summation order at 1-64 rows, in-CTA and once-per-call transforms, for CTA
+    targets from one CTA (every block whole in one CTA) and a CTA with three items (part, whole block, part: 5) to
+    more CTAs than column blocks (blocks in parts), writing its columns and no others; a graph replay is
+    bit-identical to eager."""
     from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel, ops
 
     monkeypatch.setattr(ops, "delegate_rows", 0)
@@ -349,15 +346,16 @@ def test_trellis_mma_stream_k_equals_the_split_plan(dtype, target, monkeypatch):
     prepared = [TrellisMmaShards.prepare_shard(t, i, o, dtype, dev) for t, (i, o) in zip(ts, shapes, strict=True)]
     fused = TrellisMmaLinearKernel.fuse(prepared)
     ws = ops.workspace(dev)
-    default_target = ws.target_ctas
+    default_target, default_wide = ws.target_ctas, ws.target_ctas_wide
 
     def plan(stream_k: bool) -> None:
         monkeypatch.setattr(ops, "STREAM_K", stream_k)
         monkeypatch.setattr(ws, "target_ctas", target if stream_k else default_target)
+        monkeypatch.setattr(ws, "target_ctas_wide", target if stream_k else default_wide)
 
     for inline in (16, 0):
         monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", inline)
-        for rows in (1, 3, 16):
+        for rows in (1, 3, 16, 40, 64):
             x = torch.randn((rows, 2304), device=dev).to(dtype)
             plan(False)
             split = torch.empty((rows, 896), dtype=dtype, device=dev)
@@ -375,19 +373,7 @@ def test_trellis_mma_stream_k_equals_the_split_plan(dtype, target, monkeypatch):
                 assert rel_err(mine[:, col : col + p.out_features].cpu(), ref) < 2e-2, (inline, rows, target)
                 col += p.out_features
         plan(True)
-        x = torch.randn((5, 2304), device=dev).to(dtype)
-        out = torch.zeros((5, 896), dtype=dtype, device=dev)
-        fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fused.run(x, *fused.tensors.values(), *fused.static, out, 0)
-        eager = torch.empty_like(out)
-        x.copy_(torch.randn((5, 2304), device=dev).to(dtype))
-        graph.replay()
-        fused.run(x, *fused.tensors.values(), *fused.static, eager, 0)
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager), (inline, target)
+        assert_replay_is_eager(fused, 5, 2304, 896, dtype)
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,8 @@ from quantpack_exl3.backends.trellis_mma.ops import COUNTERS, PARTIAL_FLOATS
 
 #: partial rows a column block's last CTA sums at most (TAIL_ROWS in csrc/trellis_mma.cu)
 TAIL_ROWS = 128
+#: parts of one column block under stream-K above 16 rows (WIDE_PARTS in csrc/trellis_mma.cu)
+WIDE_PARTS = 8
 
 needs_nvcc = pytest.mark.skipif(library.nvcc_path() is None, reason="needs nvcc (the CUDA toolkit's compiler)")
 
@@ -104,17 +106,17 @@ def streamk_items(lib, kunits: int, nbk: int, ctas: int) -> torch.Tensor:
 
 @needs_nvcc
 @pytest.mark.parametrize("k,n", [*SHAPES, (4096, 4096 + 1024 + 1024), (4096, 2 * 14336)])
-@pytest.mark.parametrize("rows", [1, 4, 16])
-@pytest.mark.parametrize("target", [1, 264, 528, 4096])
+@pytest.mark.parametrize("rows", [1, 4, 16, 17, 64])
+@pytest.mark.parametrize("target", [1, 5, 264, 528, 4096])
 def test_streamk_plan_covers_every_k_unit_once_and_sums_each_block_in_order(lib, k, n, rows, target):
     """Stream-K: every 128-column k unit of every column block belongs to exactly one CTA's item; a CTA writes at
     most two parts (its first and its last item), each to its own slot; a block split over several CTAs is summed
     from exactly the slots its CTAs wrote, in CTA order, by CTAs first..last; at most TAIL_ROWS partial rows per
-    block; the slots fit the workspace; whole blocks and parts together write every column block."""
+    block up to 16 rows (WIDE_PARTS parts above); the slots fit the workspace; whole blocks and parts together write
+    every column block."""
     ctas = lib.qp_trellis_mma_streamk_ctas(rows, k, n, target, PARTIAL_FLOATS)
     kunits, nbk = k // 128, n // 128
     assert 1 <= ctas <= max(1, min(target, kunits * nbk))
-    assert 2 * ctas * rows * 128 <= PARTIAL_FLOATS
     items = streamk_items(lib, kunits, nbk, ctas)
     covered = torch.zeros((nbk, kunits), dtype=torch.int32)
     parts: dict[int, list[tuple[int, int]]] = {}
@@ -136,15 +138,31 @@ def test_streamk_plan_covers_every_k_unit_once_and_sums_each_block_in_order(lib,
         first, last = items[items[:, 1] == nb][0, 5:7].tolist()
         assert cs == list(range(first, last + 1))  # one part per CTA, in CTA order: the summing order
         assert [k0 for _, k0 in ps] == sorted(k0 for _, k0 in ps)
-        assert len(ps) * rows <= TAIL_ROWS
+        assert len(ps) * rows <= TAIL_ROWS if rows <= 16 else len(ps) <= WIDE_PARTS
+    if parts:
+        assert 2 * ctas * rows * 128 <= PARTIAL_FLOATS
+
+
+@needs_nvcc
+@pytest.mark.parametrize("k,n", [*SHAPES[:5], (4096, 4096 + 1024 + 1024), (4096, 2 * 14336)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16])
+def test_streamk_plan_takes_at_least_the_split_plans_ctas(lib, k, n, rows):
+    """On the 8B shapes at the default target (4 CTAs per SM of 132), stream-K runs at least as many CTAs as the
+    split plan, up to the target (the point of it: the grid the split plan leaves below a wave; the head's 1002
+    column blocks are more than a wave either way)."""
+    target = 528
+    splits = lib.qp_trellis_mma_splits(rows, k, n, target, PARTIAL_FLOATS, COUNTERS)
+    assert lib.qp_trellis_mma_streamk_ctas(rows, k, n, target, PARTIAL_FLOATS) >= min(splits * (n // 128), target)
 
 
 @needs_nvcc
 def test_streamk_plan_fills_the_gpu(lib):
     """The gate shard at one row (112 column blocks x 32 units) takes every one of 528 slots, where whole splits
-    take 448; above 16 rows there is no stream-K plan."""
+    take 448, and at 64 rows 256 of its wide target of 264 (as many as the workspace holds the slots of), where
+    whole splits take 224; above 64 rows there is no stream-K plan."""
     assert lib.qp_trellis_mma_streamk_ctas(1, 4096, 14336, 528, PARTIAL_FLOATS) == 528
-    assert lib.qp_trellis_mma_streamk_ctas(17, 4096, 14336, 528, PARTIAL_FLOATS) == 0
+    assert lib.qp_trellis_mma_streamk_ctas(64, 4096, 14336, 264, PARTIAL_FLOATS) == 256
+    assert lib.qp_trellis_mma_streamk_ctas(65, 4096, 14336, 528, PARTIAL_FLOATS) == 0
     # 16 rows: at most 8 CTAs meet one column block
     ctas = lib.qp_trellis_mma_streamk_ctas(16, 4096, 1024, 528, PARTIAL_FLOATS)
     items = streamk_items(lib, 32, 8, ctas)

@@ -69,7 +69,7 @@ CTAS_PER_SM_WIDE = 2
 INLINE_TRANSFORM_ROWS = min(env_int("QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS", 1), FUSED_ROWS)
 
 
-#: up to FUSED_ROWS rows, split k by stream-K (the CTAs that fit share every column block's k units evenly, a
+#: up to 64 rows (one row chunk), split k by stream-K (the CTAs that fit share every column block's k units evenly, a
 #: block's parts summed by its last CTA) instead of whole splits per column block, whose grids leave SMs idle (Nsight
 #: Compute, docs/kernels.md: 20-36% of each launch's cycles). Not measured yet, so off by default;
 #: QUANTPACK_TRELLIS_MMA_STREAM_K=1 turns it on; read when the module is imported.

@@ -30,6 +30,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #define QP_API extern "C" __attribute__((visibility("default")))
@@ -45,6 +48,8 @@ constexpr int F_STRIDE = BLOCK_N + 4;
 constexpr float HAD_SCALE = 0.08838834764831845f;  // 1 / sqrt(128)
 constexpr int MAX_SHARDS = 8;  // shards one launch runs
 constexpr int TAIL_ROWS = 128;  // up to 16 rows: at most splits x rows partial rows summed by a block's last CTA
+constexpr int WIDE_PARTS = 8;   // stream-K above 16 rows: at most this many parts of a column block (the split plan's
+                                // splits at 64 rows with 2 CTAs per SM on the 8B shapes)
 constexpr int PANEL_BATCH = 2;  // input blocks a warp loads before transforming them (memory-level parallelism)
 
 enum Codebook { CB_3INST = 0, CB_MCG = 1, CB_MUL1 = 2 };
@@ -438,13 +443,10 @@ struct TileStream {
         cp_async_commit();
     }
 
-    // The group in ring slot S: refill the slot freed last, wait for this one, decode its tiles and multiply them
-    // with MB 16-row fragments of the panel from a_k (this lane's address of the group's first k column).
+    // Decode the tiles of the group in ring slot S and multiply them with MB 16-row fragments of A from a_k (this
+    // lane's address of the group's first k column; rows A_STRIDE halves apart).
     template <int S, int MB, int A_STRIDE>
-    __device__ __forceinline__ void group(const __half* a_k, float (&acc)[MB][2][4]) {
-        issue<(S + GROUPS_IN_FLIGHT - 1) % GROUPS_IN_FLIGHT>();
-        cp_async_wait<GROUPS_IN_FLIGHT - 1>();
-        __syncwarp();
+    __device__ __forceinline__ void multiply(const __half* a_k, float (&acc)[MB][2][4]) {
 #pragma unroll
         for (int u = 0; u < GROUP; ++u) {
             uint32_t b[4];
@@ -457,6 +459,15 @@ struct TileStream {
                 mma16816(acc[m][1], a, b[2], b[3]);
             }
         }
+    }
+
+    // The group in ring slot S: refill the slot freed last, wait for this one, decode and multiply (multiply()).
+    template <int S, int MB, int A_STRIDE>
+    __device__ __forceinline__ void group(const __half* a_k, float (&acc)[MB][2][4]) {
+        issue<(S + GROUPS_IN_FLIGHT - 1) % GROUPS_IN_FLIGHT>();
+        cp_async_wait<GROUPS_IN_FLIGHT - 1>();
+        __syncwarp();
+        multiply<S, MB, A_STRIDE>(a_k, acc);
         __syncwarp();  // every lane has read the group before a later issue refills its slot
     }
 
@@ -468,18 +479,7 @@ struct TileStream {
         cp_async_wait<GROUPS_IN_FLIGHT - 2>();
         __syncthreads();
         issue<(S + GROUPS_IN_FLIGHT - 1) % GROUPS_IN_FLIGHT>();
-#pragma unroll
-        for (int u = 0; u < GROUP; ++u) {
-            uint32_t b[4];
-            decode_lane_at<CB, KA, HALFK>(pw, S * GROUP_WORDS + u * T::WORDS, shift, b);
-#pragma unroll
-            for (int m = 0; m < MB; ++m) {
-                uint32_t a[4];
-                ldmatrix_x4(a, a_lane + S * A_SLOT + m * 16 * A_STRIDE + u * 16);
-                mma16816(acc[m][0], a, b[0], b[1]);
-                mma16816(acc[m][1], a, b[2], b[3]);
-            }
-        }
+        multiply<S, MB, A_STRIDE>(a_lane + S * A_SLOT, acc);
     }
 
     // All `ktiles` tiles of the slice with streamed A slices, four groups (both rings' four slots) at a time; ktiles
@@ -524,7 +524,7 @@ struct TileStream {
     }
 };
 
-// A CTA's k units (k / 128 per column block, blocks in order) under stream-K: CTA c of `ctas` takes units
+// A CTA's k units (k / 128 per column block, blocks in order) under stream-K (up to 64 rows, one chunk): CTA c of `ctas` takes units
 // [c * units / ctas, (c + 1) * units / ctas); owner() is the CTA whose range holds unit u.
 struct StreamKPlan {
     long long units;
@@ -695,32 +695,25 @@ __device__ __forceinline__ void cta_item(const Params& p, uint8_t* smem, int& la
         if (!last_arrival) return;
         __threadfence();
         if constexpr (STREAMK) {
-            // the block's parts in CTA order (deterministic): each thread's elements in registers over the parts
-            constexpr int PER_THREAD = MROWS * BLOCK_N / (THREADS * 4);
-            static_assert(PER_THREAD * THREADS * 4 == MROWS * BLOCK_N, "whole float4s per thread");
-            float4 sum[PER_THREAD];
-#pragma unroll
-            for (int j = 0; j < PER_THREAD; ++j) sum[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            // the block's parts in CTA order (deterministic), each from the slot its CTA wrote it to
+            __shared__ int part_slot[TAIL_ROWS];
             const StreamKPlan plan{p.units, p.ctas};
-            for (int c = seg_first; c <= seg_last; ++c) {
-                const float* part =
-                    p.partials + (size_t)(chunk * 2 * p.ctas + streamk_slot(plan, p.k / 128, c, nb)) * p.mrows * BLOCK_N;
-#pragma unroll
-                for (int j = 0; j < PER_THREAD; ++j) {
-                    const int e = (threadIdx.x + j * THREADS) * 4;
-                    if (e < rows * BLOCK_N) {
-                        const float4 v = __ldcg(reinterpret_cast<const float4*>(part + e));
-                        sum[j].x += v.x;
-                        sum[j].y += v.y;
-                        sum[j].z += v.z;
-                        sum[j].w += v.w;
-                    }
+            for (int i = threadIdx.x; i < segments; i += THREADS)
+                part_slot[i] = streamk_slot(plan, p.k / 128, seg_first + i, nb);
+            __syncthreads();
+            const float* slots = p.partials + (size_t)chunk * 2 * p.ctas * p.mrows * BLOCK_N;
+            for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4) {
+                float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+                for (int i = 0; i < segments; ++i) {
+                    const float4 v =
+                        __ldcg(reinterpret_cast<const float4*>(slots + (size_t)part_slot[i] * p.mrows * BLOCK_N + e));
+                    s.x += v.x;
+                    s.y += v.y;
+                    s.z += v.z;
+                    s.w += v.w;
                 }
-            }
-#pragma unroll
-            for (int j = 0; j < PER_THREAD; ++j) {
-                const int e = (threadIdx.x + j * THREADS) * 4;
-                if (e < rows * BLOCK_N) *reinterpret_cast<float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N) = sum[j];
+                *reinterpret_cast<float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N) = s;
             }
         } else {
             const float* all = p.partials + ((size_t)chunk * p.splits * p.mrows) * p.n + n0;
@@ -771,11 +764,12 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
                                               min(p.slice_tiles, p.k / 16 - kt0), blockIdx.z, split, 0, 0, 0);
 }
 
-// Stream-K (up to 16 rows, one chunk): CTA blockIdx.x walks its range of the launch's k units (StreamKPlan), an item
-// per column block it meets. At most 64 registers, so that 4 CTAs fit an SM as with the split plan (the item loop's
-// state would otherwise take 80; a few bytes spill).
-template <int CB, int KA, bool HALFK, bool FUSED>
-__global__ void __launch_bounds__(THREADS, 4) trellis_mma_streamk_kernel(const Params p) {
+// Stream-K (up to 64 rows, one chunk): CTA blockIdx.x walks its range of the launch's k units (StreamKPlan), an item
+// per column block it meets. Up to 16 rows at most 64 registers, so that 4 CTAs fit an SM as with the split plan
+// (the item loop's state would otherwise take 80; a few bytes spill); the 64-row kernel 2 CTAs per SM, as the split
+// plan's default there (3 would spill 68 bytes in the k loop).
+template <int CB, int KA, bool HALFK, int MB, bool FUSED>
+__global__ void __launch_bounds__(THREADS, MB == 1 ? 4 : 2) trellis_mma_streamk_kernel(const Params p) {
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ int last_arrival;
     const StreamKPlan plan{p.units, p.ctas};
@@ -785,18 +779,17 @@ __global__ void __launch_bounds__(THREADS, 4) trellis_mma_streamk_kernel(const P
     for (int item = 0; u < u1; ++item) {
         const StreamKItem it = streamk_item(plan, kunits, c, u, item);
         __syncthreads();  // the last item's output transform has read its sums (which alias the A panel)
-        cta_item<CB, KA, HALFK, 1, FUSED, true>(p, smem, last_arrival, it.nb, it.k0 * 8, (it.k1 - it.k0) * 8, 0, 0,
-                                                it.slot, it.seg_first, it.seg_last);
+        cta_item<CB, KA, HALFK, MB, FUSED, true>(p, smem, last_arrival, it.nb, it.k0 * 8, (it.k1 - it.k0) * 8, 0, 0,
+                                                 it.slot, it.seg_first, it.seg_last);
         u += it.k1 - it.k0;
     }
 }
 
-// The kernel of an instantiation (stream-K: MB is 1).
+// The kernel of an instantiation.
 template <int CB, int KA, bool HALFK, int MB, bool FUSED, bool STREAMK>
 inline auto kernel_of() {
     if constexpr (STREAMK) {
-        static_assert(MB == 1, "stream-K runs the few-row kernels (its slots hold 16 rows)");
-        return trellis_mma_streamk_kernel<CB, KA, HALFK, FUSED>;
+        return trellis_mma_streamk_kernel<CB, KA, HALFK, MB, FUSED>;
     } else {
         return trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>;
     }
@@ -983,24 +976,47 @@ QP_API int qp_trellis_mma_streamk_items_host(int kunits, int nbk, int ctas, int*
     return count;
 }
 
-// Stream-K plan of one call of up to 16 rows (one chunk): how many CTAs share the launch's k units (k / 128 of each
-// 128-column block of n, blocks in order; qp::StreamKPlan): as many as fit at once (target_ctas) and at most one per
-// unit, then fewer while a column block would meet more than TAIL_ROWS / rows CTAs (its last CTA sums that many
-// partials of `rows` rows) or the partial slots (2 per CTA x rows x 128 floats) would not fit the workspace. Returns
-// the CTA count (>= 1), or 0 above 16 rows or for a bad geometry.
-QP_API int qp_trellis_mma_streamk_ctas(int rows, int k, int n, int target_ctas, long long partial_floats) {
-    if (rows <= 0 || rows > 16 || k <= 0 || k % 128 || n <= 0 || n % qp::BLOCK_N) return 0;
+// Stream-K plan of one call of up to 64 rows (one chunk): how many CTAs share the launch's k units (k / 128 of each
+// 128-column block of n, blocks in order; qp::StreamKPlan), the most, up to target_ctas and one unit each, with
+// which no column block meets more CTAs than its last CTA should sum (up to 16 rows TAIL_ROWS / rows partials, above
+// WIDE_PARTS) and the partial slots (2 per CTA x rows x 128 floats) fit the workspace when any block is in parts.
+// *parts: the most parts of one block (1: every block whole in one CTA). Each shape is planned once per process.
+// Returns the CTA count (>= 1), or 0 above 64 rows or for a bad geometry.
+static int streamk_plan(int rows, int k, int n, int target_ctas, long long partial_floats, int* parts) {
+    if (rows <= 0 || rows > 64 || k <= 0 || k % 128 || n <= 0 || n % qp::BLOCK_N) return 0;
+    using Key = std::tuple<int, int, int, int, long long>;
+    static std::mutex lock;
+    static std::map<Key, std::pair<int, int>> planned;
+    const Key key{rows, k, n, target_ctas, partial_floats};
+    {
+        std::lock_guard<std::mutex> guard(lock);
+        const auto hit = planned.find(key);
+        if (hit != planned.end()) {
+            *parts = hit->second.second;
+            return hit->second.first;
+        }
+    }
     const int kunits = k / 128, nbk = n / qp::BLOCK_N;
     const long long units = (long long)kunits * nbk;
+    const long long max_parts = rows <= 16 ? qp::TAIL_ROWS / rows : qp::WIDE_PARTS;
     long long ctas = target_ctas < 1 ? 1 : target_ctas;
     if (ctas > units) ctas = units;
-    const long long max_parts = qp::TAIL_ROWS / rows;
-    while (ctas > 1) {
-        const qp::StreamKPlan plan{units, (int)ctas};
-        if (2 * ctas * rows * qp::BLOCK_N <= partial_floats && streamk_max_parts(plan, kunits, nbk) <= max_parts) break;
-        ctas = ctas * 7 / 8 < ctas - 1 ? ctas * 7 / 8 : ctas - 1;
+    long long most = 1;
+    for (; ctas >= 1; --ctas) {
+        most = streamk_max_parts(qp::StreamKPlan{units, (int)ctas}, kunits, nbk);
+        if (most == 1 || (most <= max_parts && 2 * ctas * rows * qp::BLOCK_N <= partial_floats)) break;
     }
+    if (ctas < 1) ctas = 1, most = 1;  // one CTA: every block whole
+    std::lock_guard<std::mutex> guard(lock);
+    if (planned.size() > 4096) planned.clear();
+    planned[key] = {(int)ctas, (int)most};
+    *parts = (int)most;
     return (int)ctas;
+}
+
+QP_API int qp_trellis_mma_streamk_ctas(int rows, int k, int n, int target_ctas, long long partial_floats) {
+    int parts = 0;
+    return streamk_plan(rows, k, n, target_ctas, partial_floats, &parts);
 }
 
 // `shards` EXL3 shards sharing the input x, in one launch: out[:, col[i]:col[i] + out_features[i]] = (x @ W_i)[:,
@@ -1008,7 +1024,7 @@ QP_API int qp_trellis_mma_streamk_ctas(int rows, int k, int n, int target_ctas, 
 // pointers in the first three). More than one shard needs rows <= 16. Up to `inline_rows` rows (at most 16) each CTA
 // transforms its own input panel; from there to 16 rows one transform launch writes every shard's had128(x * suh)
 // to xh (shards x rows x k fp16) and the GEMM streams its slices from there; above 16 rows likewise, one shard, in
-// 64-row chunks. With `stream_k` (up to 16 rows) the CTAs that fit share the k units of every column block evenly
+// 64-row chunks. With `stream_k` (up to 64 rows) the CTAs that fit share the k units of every column block evenly
 // (qp_trellis_mma_streamk_ctas) instead of whole splits. Returns 0, a CUDA error code, or -1 (bad geometry), -2 (no
 // kernel for this K), -3 (bad codebook), -4 (workspace too small, or no xh where one is needed), -5 (several shards
 // above 16 rows or more than MAX_SHARDS).
@@ -1035,10 +1051,11 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
     const int mb_rows = small ? 16 : 64;
     // one wave is what fits at once (a target above what fits would split k more finely for a grid of two waves,
     // measured slower: docs/kernels.md)
-    const bool streamk = stream_k && small;
+    const bool streamk = stream_k && rows <= 64;
     int fit = 0, sms = 0;
-    int e = streamk ? (fused ? qp::resident_ctas<1, true, true>(codebook, k2, &fit)
-                             : qp::resident_ctas<1, false, true>(codebook, k2, &fit))
+    int e = streamk ? (fused   ? qp::resident_ctas<1, true, true>(codebook, k2, &fit)
+                       : small ? qp::resident_ctas<1, false, true>(codebook, k2, &fit)
+                               : qp::resident_ctas<4, false, true>(codebook, k2, &fit))
             : fused ? qp::resident_ctas<1, true>(codebook, k2, &fit)
             : small ? qp::resident_ctas<1, false>(codebook, k2, &fit)
                     : qp::resident_ctas<4, false>(codebook, k2, &fit);
@@ -1073,10 +1090,11 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
         return -4;
     dim3 grid(n_total / qp::BLOCK_N, splits, chunks);
     if (streamk) {
-        p.ctas = qp_trellis_mma_streamk_ctas(rows, k, n_total, target_ctas, partial_floats);
+        int parts = 0;
+        p.ctas = streamk_plan(rows, k, n_total, target_ctas, partial_floats, &parts);
         p.units = (long long)(k / 128) * (n_total / qp::BLOCK_N);
-        if (p.ctas < 1 || 2LL * p.ctas * p.mrows * qp::BLOCK_N > partial_floats ||
-            (long long)(n_total / qp::BLOCK_N) > counters_len)
+        if (p.ctas < 1 || (parts > 1 && (2LL * p.ctas * p.mrows * qp::BLOCK_N > partial_floats ||
+                                         (long long)(n_total / qp::BLOCK_N) > counters_len)))
             return -4;
         grid = dim3(p.ctas, 1, 1);
     }
@@ -1088,7 +1106,9 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
     qp::input_transform_kernel<<<(unsigned)((items + qp::WARPS - 1) / qp::WARPS), qp::THREADS, 0, s>>>(p);
     e = (int)cudaGetLastError();
     if (e != 0) return e;
-    if (streamk) return qp::dispatch<1, false, true>(p, codebook, k2, grid, s);
+    if (streamk)
+        return small ? qp::dispatch<1, false, true>(p, codebook, k2, grid, s)
+                     : qp::dispatch<4, false, true>(p, codebook, k2, grid, s);
     return small ? qp::dispatch<1, false>(p, codebook, k2, grid, s) : qp::dispatch<4, false>(p, codebook, k2, grid, s);
 }
 
