@@ -8,7 +8,9 @@ by pipe: the ALU pipe (shifts, logic, permutes, compares, address adds) and the 
 each take a warp instruction every two cycles per scheduler on sm_80 / sm_90, everything else issues once. The
 floor of a stack is its tiles times the largest of (instructions, 2 x ALU, 2 x FMA-heavy) over the GPU's schedulers
 and clock. Needs nvcc and cuobjdump, not a GPU. The expert kernels' loop (the same decode through one 16-row
-fragment, one loop per K in one kernel) is counted too: the range over its K.
+fragment, one loop per K in one kernel) is counted too: the range over its K; and the kernels of 2 rows and more
+(split plan and stream-K, 16- and 64-row fragments) at K = 4, per tile and warp (a 64-row kernel's tile serves its
+four 16-row fragments: 8 HMMA).
 
 Usage: ``python3 benchmarks/decode_floor.py [--arch 90] [--sms 132] [--clock-ghz 1.98] [--json OUT]``.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -51,12 +54,19 @@ def cuobjdump() -> str:
                 return str(hits[0])
     except ImportError:
         pass
-    raise SystemExit("cuobjdump not found: install the CUDA toolkit or `pip install nvidia-cuda-cuobjdump`")
+    raise SystemExit(
+        "cuobjdump not found: install the CUDA toolkit or `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`"
+    )
 
 
 def mangled(cb: int, ka: int, half: bool, mb: int, fused: bool) -> str:
     """The kernel's mangled-name fragment of ``trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>``."""
     return f"trellis_mma_kernelILi{cb}ELi{ka}ELb{int(half)}ELi{mb}ELb{int(fused)}E"
+
+
+def mangled_streamk(cb: int, ka: int, half: bool, mb: int, fused: bool) -> str:
+    """The kernel's mangled-name fragment of ``trellis_mma_streamk_kernel<CB, KA, HALFK, MB, FUSED>``."""
+    return f"trellis_mma_streamk_kernelILi{cb}ELi{ka}ELb{int(half)}ELi{mb}ELb{int(fused)}E"
 
 
 def mangled_moe(cb: int, down: bool) -> str:
@@ -91,10 +101,11 @@ def hmma_loops(sass: str, name: str) -> list[tuple[int, list[str]]]:
     return [(sum("HMMA" in t for t in body), body) for _, _, body in sorted(inner)]
 
 
-def counts_of(hmma: int, body: list[str]) -> dict:
-    """Instructions per tile and warp of one HMMA loop, in all and on the ALU and FMA-heavy pipes."""
+def counts_of(hmma: int, body: list[str], mb: int = 1) -> dict:
+    """Instructions per tile and warp of one HMMA loop of a kernel of ``mb`` 16-row fragments, in all and on the ALU
+    and FMA-heavy pipes."""
     ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
-    tiles = hmma / 2  # two mma.m16n8k16 per tile and 16-row block
+    tiles = hmma / (2 * mb)  # two mma.m16n8k16 per tile and 16-row fragment
     return {
         "instructions": len(body) / tiles,
         "alu": sum(v for k, v in ops.items() if k in ALU) / tiles,
@@ -102,12 +113,12 @@ def counts_of(hmma: int, body: list[str]) -> dict:
     }
 
 
-def loop_counts(sass: str, name: str) -> dict:
+def loop_counts(sass: str, name: str, mb: int = 1) -> dict:
     """Instruction counts per tile of the smallest innermost HMMA loop of one kernel (a kernel of one K)."""
     loops = hmma_loops(sass, name)
     if not loops:
         raise SystemExit(f"no HMMA loop found in {name}")
-    return counts_of(*min(loops, key=lambda hb: len(hb[1])))
+    return counts_of(*min(loops, key=lambda hb: len(hb[1])), mb=mb)
 
 
 def main() -> None:
@@ -122,7 +133,9 @@ def main() -> None:
     from quantpack_exl3.backends.trellis_mma import library
 
     so = library.build(args.arch)
-    sass = subprocess.run([cuobjdump(), "-sass", str(so)], capture_output=True, text=True, check=True).stdout
+    tool = cuobjdump()  # it runs nvdisasm, which PyPI's wheels put beside it
+    env = {**os.environ, "PATH": f"{Path(tool).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    sass = subprocess.run([tool, "-sass", str(so)], capture_output=True, text=True, check=True, env=env).stdout
     per_kernel = {}
     for cb, cb_name in CODEBOOKS:
         for ka, half in KS:
@@ -136,6 +149,24 @@ def main() -> None:
                 f"{cb_name:5s} K={k:<3g} per tile and warp: {counts['instructions']:5.1f} instructions, "
                 f"ALU {counts['alu']:4.1f}, FMA-heavy {counts['fma_heavy']:4.1f} -> {counts['cycles']:5.1f} "
                 "scheduler cycles"
+            )
+    # the kernels of 2 rows and more (the transformed input streamed into the CTA's A ring; 16- and 64-row
+    # fragments), split plan and stream-K, at the stack's K = 4
+    streamed = {}
+    for cb, cb_name in CODEBOOKS:
+        for label, name, mb in [
+            ("2-16 rows", mangled(cb, 4, False, 1, False), 1),
+            ("17-64 rows", mangled(cb, 4, False, 4, False), 4),
+            ("stream-K 1 row", mangled_streamk(cb, 4, False, 1, True), 1),
+            ("stream-K 2-16 rows", mangled_streamk(cb, 4, False, 1, False), 1),
+            ("stream-K 17-64 rows", mangled_streamk(cb, 4, False, 4, False), 4),
+        ]:
+            counts = loop_counts(sass, name, mb)
+            counts["cycles"] = max(counts["instructions"], 2 * counts["alu"], 2 * counts["fma_heavy"])
+            streamed[f"{cb_name} K=4 {label}"] = counts
+            print(
+                f"{cb_name:5s} K=4 {label:19s}: {counts['instructions']:5.1f} instructions per tile and warp, "
+                f"ALU {counts['alu']:4.1f}, FMA-heavy {counts['fma_heavy']:4.1f}"
             )
     experts = {}  # the expert kernel: one loop per K of the codebook (one 16-row fragment), gate/up and down
     for cb, cb_name in CODEBOOKS:
@@ -168,6 +199,7 @@ def main() -> None:
         "sms": args.sms,
         "clock_ghz": args.clock_ghz,
         "per_tile": per_kernel,
+        "streamed_per_tile": streamed,
         "experts_per_tile": experts,
         "stack_issue_floor_ms": stack,
         "stack_trellis_bytes": nbytes,
