@@ -232,6 +232,28 @@ def assert_replay_is_eager(run, rows: int, k: int, n: int, dtype: torch.dtype, r
     return x, out
 
 
+def fused_layer(shapes: list[tuple[int, int]], seed: int, dtype: torch.dtype):
+    """Random K=4 mul1 shards of one input width, prepared by trellis_mma and fused as the linear method does (a
+    layer's q / k / v): returns (their tensors, the prepared shards, the fused run)."""
+    from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(seed)
+    ts = [Exl3Tensors.from_tensors(random_exl3_layer(i, o, 4, "mul1", generator=g)) for i, o in shapes]
+    prepared = [TrellisMmaShards.prepare_shard(t, i, o, dtype, dev) for t, (i, o) in zip(ts, shapes, strict=True)]
+    return ts, prepared, TrellisMmaLinearKernel.fuse(prepared)
+
+
+def assert_shards_match_reference(out: torch.Tensor, x: torch.Tensor, ts, prepared, what) -> None:
+    """Each shard's columns of a fused run's output (in order from column 0 of ``out``) within 2e-2 of the fp64
+    reference of that shard."""
+    col = 0
+    for p, t in zip(prepared, ts, strict=True):
+        ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=p.out_features)
+        assert rel_err(out[:, col : col + p.out_features].cpu(), ref) < 2e-2, what
+        col += p.out_features
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, monkeypatch):
     """q / k / v of one K and codebook fused (one launch up to 16 rows, a launch per shard above) give each shard's
@@ -242,11 +264,8 @@ def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, monkeypatch):
 
     monkeypatch.setattr(ops, "delegate_rows", 0)  # every row count in trellis_mma's own launches
     dev = torch.device("cuda")
-    g = torch.Generator().manual_seed(21)
-    shapes = [(768, 512), (768, 128), (768, 128)]
-    ts = [Exl3Tensors.from_tensors(random_exl3_layer(i, o, 4, "mul1", generator=g)) for i, o in shapes]
-    prepared = [TrellisMmaShards.prepare_shard(t, i, o, dtype, dev) for t, (i, o) in zip(ts, shapes, strict=True)]
-    fused = TrellisMmaLinearKernel.fuse(prepared)
+    g = torch.Generator().manual_seed(121)
+    ts, prepared, fused = fused_layer([(768, 512), (768, 128), (768, 128)], 21, dtype)
     assert fused is not None and fused.out_features == 768 and fused.static[2] == (512, 128, 128)
     other = Exl3Tensors.from_tensors(random_exl3_layer(768, 128, 3, "mul1", generator=g))
     assert TrellisMmaLinearKernel.fuse([*prepared, TrellisMmaShards.prepare_shard(other, 768, 128, dtype, dev)]) is None
@@ -279,15 +298,11 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch):
     columns equal the in-CTA transform's within fp32 summation order and the fp64 reference's bound, every column is
     written, and a graph replay is bit-identical to eager. Inputs of 72 and 144 tiles run as one split (a low CTA
     target): several 64-tile panels per CTA, the last one ending in a partial round of the cp.async ring."""
-    from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel, ops
+    from quantpack_exl3.backends.trellis_mma import ops
 
     monkeypatch.setattr(ops, "delegate_rows", 0)
     dev = torch.device("cuda")
-    g = torch.Generator().manual_seed(22)
-    shapes = [(k_in, 512), (k_in, 256), (k_in, 128)]
-    ts = [Exl3Tensors.from_tensors(random_exl3_layer(i, o, 4, "mul1", generator=g)) for i, o in shapes]
-    prepared = [TrellisMmaShards.prepare_shard(t, i, o, dtype, dev) for t, (i, o) in zip(ts, shapes, strict=True)]
-    fused = TrellisMmaLinearKernel.fuse(prepared)
+    ts, prepared, fused = fused_layer([(k_in, 512), (k_in, 256), (k_in, 128)], 22, dtype)
     if k_in != 1024:
         monkeypatch.setattr(ops.workspace(dev), "target_ctas", 8)  # 7 column blocks: one split, the whole k per CTA
     for inline in (0, 4):
@@ -301,11 +316,7 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch):
             fused.run(x, *fused.tensors.values(), *fused.static, once, 0)
             assert torch.isfinite(once).all(), (inline, rows)
             assert rel_err(once.float(), in_cta.double()) < 2e-3, (inline, rows)
-            col = 0
-            for p, t in zip(prepared, ts, strict=True):
-                ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=p.out_features)
-                assert rel_err(once[:, col : col + p.out_features].cpu(), ref) < 2e-2, (inline, rows)
-                col += p.out_features
+            assert_shards_match_reference(once, x, ts, prepared, (inline, rows))
         assert_replay_is_eager(fused, 7, k_in, 896, dtype)
 
 
@@ -336,15 +347,11 @@ def test_trellis_mma_stream_k_equals_the_split_plan(dtype, target, monkeypatch):
     targets from one CTA (every block whole in one CTA) and a CTA with three items (part, whole block, part: 5) to
     more CTAs than column blocks (blocks in parts), writing its columns and no others; a graph replay is
     bit-identical to eager."""
-    from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel, ops
+    from quantpack_exl3.backends.trellis_mma import ops
 
     monkeypatch.setattr(ops, "delegate_rows", 0)
     dev = torch.device("cuda")
-    g = torch.Generator().manual_seed(23)
-    shapes = [(2304, 512), (2304, 256), (2304, 128)]
-    ts = [Exl3Tensors.from_tensors(random_exl3_layer(i, o, 4, "mul1", generator=g)) for i, o in shapes]
-    prepared = [TrellisMmaShards.prepare_shard(t, i, o, dtype, dev) for t, (i, o) in zip(ts, shapes, strict=True)]
-    fused = TrellisMmaLinearKernel.fuse(prepared)
+    ts, prepared, fused = fused_layer([(2304, 512), (2304, 256), (2304, 128)], 23, dtype)
     ws = ops.workspace(dev)
     default_target, default_wide = ws.target_ctas, ws.target_ctas_wide
 
@@ -367,11 +374,7 @@ def test_trellis_mma_stream_k_equals_the_split_plan(dtype, target, monkeypatch):
             mine = streamed[:, 32:928]
             assert torch.isfinite(mine).all(), (inline, rows, target)
             assert rel_err(mine.float(), split.double()) < 2e-3, (inline, rows, target)
-            col = 0
-            for p, t in zip(prepared, ts, strict=True):
-                ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=p.out_features)
-                assert rel_err(mine[:, col : col + p.out_features].cpu(), ref) < 2e-2, (inline, rows, target)
-                col += p.out_features
+            assert_shards_match_reference(mine, x, ts, prepared, (inline, rows, target))
         plan(True)
         assert_replay_is_eager(fused, 5, 2304, 896, dtype)
 
