@@ -25,6 +25,14 @@ step() {
   echo "=== $name rc=$? $(date +%T)"
   tail -15 "$res/$name.log"
 }
+# one Nsight Compute report of one shard's kernel (KERNEL regex, SHAPE in,out, ROWS), with the stall reasons per
+# issued instruction (where the issue slots between a warp's instructions go)
+ncu_shard() {
+  QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS=0 /usr/local/cuda/bin/ncu --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section SchedulerStats --section WarpStateStats --section LaunchStats --section Occupancy \
+    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+    -k "regex:$1" --profile-from-start off --launch-count 1 python3 benchmarks/profile_shard.py --shape "$2" --rows "$3"
+}
 # what the machine offers the vision towers (Qwen3.5 VL, Nemotron VL: vLLM's model files import torchvision)
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)
 try:
@@ -36,7 +44,7 @@ except Exception as e:
 # (owed first after 2026-12-03, later: stream-K's first run, the families with one process per family and the near-tie top-1, escha in
 # vLLM, the uniform 30B-A3B engines with the one-launch expert kernel, the five-engine dense harness with the
 # streamed A slices and 2 CTAs per SM above 16 rows)
-all=(streamk families escha-vllm serve-moe serve-8b e2e-dense kernel-8b linear-kernels kernel-8b-wide ncu moe-kernels
+all=(streamk ncu-streamk families escha-vllm serve-moe serve-8b e2e-dense kernel-8b linear-kernels kernel-8b-wide ncu moe-kernels
   kernel-8b-panel serve-moe-mixed e2e-moe profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
@@ -61,16 +69,13 @@ for s in "${@:-${all[@]}}"; do
     # Nsight Compute reports of the gate shard (4096 -> 14336, K 4 mul1) at 1, 16 and 64 rows and of q at 64 rows
     # (benchmarks/results/ncu/), for the issue-slot, occupancy and bandwidth figures of docs/kernels.md
     ncu)
+      for r in 1 16 64; do step "ncu-gate-rows$r" ncu_shard trellis_mma_kernel 4096,14336 "$r"; done
+      step ncu-q-rows64 ncu_shard trellis_mma_kernel 4096,4096 64 ;;
+    # the same reports of stream-K's kernels (QUANTPACK_TRELLIS_MMA_STREAM_K=1)
+    ncu-streamk)
       for r in 1 16 64; do
-        step "ncu-gate-rows$r" env QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS=0 /usr/local/cuda/bin/ncu --section SpeedOfLight --section MemoryWorkloadAnalysis \
-          --section SchedulerStats --section WarpStateStats --section LaunchStats --section Occupancy \
-          -k regex:trellis_mma_kernel --profile-from-start off --launch-count 1 \
-          python3 benchmarks/profile_shard.py --shape 4096,14336 --rows "$r"
-      done
-      step ncu-q-rows64 env QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS=0 /usr/local/cuda/bin/ncu --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section SchedulerStats --section WarpStateStats --section LaunchStats --section Occupancy \
-        -k regex:trellis_mma_kernel --profile-from-start off --launch-count 1 \
-        python3 benchmarks/profile_shard.py --shape 4096,4096 --rows 64 ;;
+        (export QUANTPACK_TRELLIS_MMA_STREAM_K=1; step "ncu-streamk-gate-rows$r" ncu_shard trellis_mma_streamk_kernel 4096,14336 "$r")
+      done ;;
     # 1-16 rows with the input transformed once per call (QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS=0) against
     # kernel-8b's in-CTA transform: which default to keep
     kernel-8b-panel) step kernel-8b-panel python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 1,2,4,8,16 \
