@@ -445,6 +445,22 @@ def test_config_that_contradicts_itself_or_the_tensors(tmp_path, edit, needles):
     expect_problem(path, *needles)
 
 
+def test_a_layer_past_the_configured_count_is_refused(tmp_path):
+    """A tensor of a layer config.json does not count (here layer 9 of a 1-layer config) would stop vLLM's loader
+    in the worker ("no module or parameter named 'layers.9'"): the pack check names the layer and a tensor of it at
+    open. DeepSeek's multi-token-prediction layer (index num_hidden_layers, counted by num_nextn_predict_layers)
+    is accepted."""
+    sound = {**CONFIG, "num_hidden_layers": 1, "vocab_size": 1024}
+    tensors = base_tensors()
+    tensors["model.layers.9.foo.weight"] = torch.ones(4, 4, dtype=torch.float16)
+    path = write_pack(tmp_path / "p", tensors, sound)
+    expect_problem(path, "layer(s) 9 (model.layers.9.foo", "past config.json's num_hidden_layers 1")
+    tensors = base_tensors()
+    tensors["model.layers.1.foo.weight"] = torch.ones(4, 4, dtype=torch.float16)
+    Pack.open(write_pack(tmp_path / "mtp", tensors, {**sound, "num_nextn_predict_layers": 1})).close()
+    expect_problem(write_pack(tmp_path / "q", tensors, sound), "layer(s) 1 (")
+
+
 def test_a_header_naming_a_tensor_twice_is_corrupt(tmp_path):
     """JSON readers keep one of two equal keys without a word; the header is refused, naming the tensor."""
     path = write_pack(tmp_path / "p", base_tensors(), CONFIG)

@@ -7,6 +7,7 @@ is reported when it is opened or loaded, never as garbage output or a crash insi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -52,10 +53,9 @@ class PackError(QuantpackError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         n = len(self.problems)
-        super().__init__(
-            f"{self.path}: {n} problem{'s' if n != 1 else ''} found in this pack:\n{lines}\n"
-            "Nothing in the pack directory was modified."
-        )
+        # a path that is no directory has no pack to leave untouched
+        tail = "\nNothing in the pack directory was modified." if os.path.isdir(self.path) else ""
+        super().__init__(f"{self.path}: {n} problem{'s' if n != 1 else ''} found in this pack:\n{lines}{tail}")
 
 
 class CodecError(QuantpackError):

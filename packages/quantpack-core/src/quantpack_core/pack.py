@@ -572,6 +572,21 @@ class Pack:
                 shown = ", ".join(map(str, missing)) + (f" ... ({count} in all)" if count > len(missing) else "")
                 what = f"num_hidden_layers is {layers}, but the pack holds no tensor of layer(s) {shown}"
                 out.append(Problem("", "config.json", what, "the pack is incomplete (re-download it), or " + fix))
+        # a layer past the config's count (vLLM's loader finds no module for it and stops in the worker); DeepSeek's
+        # multi-token-prediction layers follow the decoder's as model.layers.<num_hidden_layers + i>
+        nextn = cfg.get("num_nextn_predict_layers")
+        nextn = nextn if isinstance(nextn, int) and not isinstance(nextn, bool) and nextn > 0 else 0
+        if layers is not None:
+            extra = sorted(i for i in present - empty if i >= layers + nextn)
+            if extra:
+                shown = ", ".join(map(str, extra[:8])) + (f" ... ({len(extra)} in all)" if len(extra) > 8 else "")
+                first = next(k for k in sorted(self.modules) if re.search(rf"(?:^|\.)layers\.{extra[0]}\.", k))
+                what = (
+                    f"holds tensors of layer(s) {shown} ({first}, ...), past config.json's num_hidden_layers {layers}"
+                    + (f" + num_nextn_predict_layers {nextn}" if nextn else "")
+                    + ": vLLM's loader has no module for them"
+                )
+                out.append(Problem("", "config.json", what, "remove those tensors from a copy of the pack, or " + fix))
         out.extend(self._attention_shape_problems(cfg, sizes, fix))
         out.extend(self._mlp_shape_problems(cfg, sizes, fix))
         for key, m in self.modules.items():
