@@ -378,7 +378,7 @@ def test_a_lost_codebook_marker_is_named(fixtures_dir, tmp_path):
     del tensors["model.layers.0.mlp.down_proj.mul1"]
     (dst / "model.safetensors").unlink()
     save_file(tensors, str(dst / "model.safetensors"))
-    expect_problem(dst, "model.layers.0.mlp.down_proj.mul1", "says codebook mul1", "markers say 3inst")
+    expect_problem(dst, "model.layers.0.mlp.down_proj.mul1", "its .mul1 marker is missing", "would decode as 3inst")
 
 
 def test_nan_in_a_norm_weight_is_named(tmp_path):

@@ -810,11 +810,16 @@ class Pack:
         elif (said := self._pack_codebook()) is not None and m.codebook is not None and m.codebook is not said:
             # exllamav3 quantizes a whole pack with one codebook, marked per tensor: a lost (or stray) marker would
             # silently decode the layer with another codebook
-            marker = "marker" if said is Codebook.INST3 else f".{said.value} marker"
+            if m.codebook is Codebook.INST3:
+                what = f"its .{said.value} marker is missing (quantization_config says codebook {said.value}; without "
+                what += "the marker the layer would decode as 3inst)"
+            elif said is Codebook.INST3:
+                what = f"has a .{m.codebook.value} marker, but quantization_config says codebook 3inst"
+            else:
+                what = f"has a .{m.codebook.value} marker, but quantization_config says codebook {said.value}"
             bad(
                 said.value if said is not Codebook.INST3 else m.codebook.value,
-                f"quantization_config says codebook {said.value}, this tensor's markers say {m.codebook.value} "
-                f"(a {marker} lost or added)",
+                what,
                 "re-download the pack's file that holds this layer",
             )
         kp, np_ = m.padded_shape or (0, 0)
