@@ -269,7 +269,15 @@ def main() -> None:
         "--inline-transform-rows",
         type=int,
         default=None,
-        help="trellis_mma: rows up to which each CTA transforms its own input (0-16; default: the library's, 1)",
+        help="trellis_mma: 1 = a one-row call transforms its input in the GEMM CTAs, 0 = in one launch first "
+        "(default: the library's, 1)",
+    )
+    ap.add_argument(
+        "--ctas-per-sm",
+        type=int,
+        default=None,
+        help="trellis_mma: split-K target in CTAs per SM up to 16 rows (default: the library's, CTAS_PER_SM; capped "
+        "by what fits)",
     )
     ap.add_argument(
         "--ctas-per-sm-wide",
@@ -279,7 +287,9 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, default=Path(__file__).with_name("results") / "kernel_8b.json")
     args = ap.parse_args()
-    if args.ctas_per_sm_wide is not None:  # read when the kernel's workspace is made, below
+    if args.ctas_per_sm is not None:  # read when the kernel's workspace is made, below
+        os.environ["QUANTPACK_TRELLIS_MMA_CTAS_PER_SM"] = str(args.ctas_per_sm)
+    if args.ctas_per_sm_wide is not None:
         os.environ["QUANTPACK_TRELLIS_MMA_CTAS_PER_SM_WIDE"] = str(args.ctas_per_sm_wide)
     device = torch.device("cuda")
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -307,8 +317,9 @@ def main() -> None:
 
     ops.delegate_rows = 0  # trellis_mma's own kernels at every row count (the served op hands large calls over)
     if args.inline_transform_rows is not None:
-        ops.INLINE_TRANSFORM_ROWS = max(0, min(args.inline_transform_rows, ops.FUSED_ROWS))
+        ops.INLINE_TRANSFORM_ROWS = max(0, min(args.inline_transform_rows, 1))
     record["inline_transform_rows"] = ops.INLINE_TRANSFORM_ROWS
+    record["ctas_per_sm"] = args.ctas_per_sm or ops.CTAS_PER_SM
     record["ctas_per_sm_wide"] = args.ctas_per_sm_wide or ops.CTAS_PER_SM_WIDE
     record["stream_k"] = ops.STREAM_K  # QUANTPACK_TRELLIS_MMA_STREAM_K
     for name in args.kernels.split(","):

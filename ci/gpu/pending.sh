@@ -44,7 +44,7 @@ except Exception as e:
 # (owed first after 2026-12-03, later: stream-K's first run, the families with one process per family and the near-tie top-1, escha in
 # vLLM, the uniform 30B-A3B engines with the one-launch expert kernel, the five-engine dense harness with the
 # streamed A slices and 2 CTAs per SM above 16 rows)
-all=(streamk ncu-streamk families escha-vllm serve-moe serve-8b e2e-dense kernel-8b linear-kernels kernel-8b-wide ncu moe-kernels
+all=(streamk ctas ncu-streamk families escha-vllm serve-moe serve-8b e2e-dense kernel-8b linear-kernels kernel-8b-wide ncu moe-kernels
   kernel-8b-panel serve-moe-mixed e2e-moe profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
@@ -76,9 +76,16 @@ for s in "${@:-${all[@]}}"; do
       for r in 1 16 64; do
         (export QUANTPACK_TRELLIS_MMA_STREAM_K=1; step "ncu-streamk-gate-rows$r" ncu_shard trellis_mma_streamk_kernel 4096,14336 "$r")
       done ;;
-    # 1-16 rows with the input transformed once per call (QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS=0) against
-    # kernel-8b's in-CTA transform: which default to keep
-    kernel-8b-panel) step kernel-8b-panel python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 1,2,4,8,16 \
+    # up to 16 rows with 5 and 6 CTAs per SM as split-K target instead of 4 (the one-row kernel's panel holds one row
+    # since 2026-12-03, later: 25 KB of shared memory instead of 49, so 5 fit; the 2-16-row kernel fits 6): which default
+    ctas)
+      for c in 5 6; do
+        step "kernel-8b-ctas$c" python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 1,2,4,8,16 --no-dense \
+          --ctas-per-sm "$c" --json "$res/kernel_8b_ctas$c.json"
+      done ;;
+    # one row with the input transformed once per call (QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS=0) against
+    # kernel-8b's in-CTA transform (from two rows on the transform is always once per call): which default to keep
+    kernel-8b-panel) step kernel-8b-panel python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 1 \
       --no-dense --inline-transform-rows 0 --json "$res/kernel_8b_panel.json" ;;
     # the same stack in mcg (the 3INST / mcg decode)
     kernel-8b-mcg) step kernel-8b-mcg python3 benchmarks/kernel_8b.py --codebook mcg --rows 1,16,64 --no-dense \

@@ -293,11 +293,12 @@ def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, monkeypatch):
 @pytest.mark.parametrize("k_in", [1024, 1152, 2304])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch):
-    """With QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS below 16 (here 0 and 4) a fused q / k / v call of up to 16 rows
-    transforms every shard's input in one launch and the GEMM copies its panels from the workspace: each shard's
-    columns equal the in-CTA transform's within fp32 summation order and the fp64 reference's bound, every column is
-    written, and a graph replay is bit-identical to eager. Inputs of 72 and 144 tiles run as one split (a low CTA
-    target): several 64-tile panels per CTA, the last one ending in a partial round of the cp.async ring."""
+    """A fused q / k / v call of 1-16 rows whose input one launch transforms first (every call from two rows on; at one
+    row with QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS=0), the GEMM streaming its slices from the workspace, equals
+    the one-row kernel's in-CTA transform (its panel holds the one row, every lane's fragment row reading it) within
+    fp32 summation order and the fp64 reference's bound, writes every column, and a graph replay is bit-identical to
+    eager. Inputs of 72 and 144 tiles run as one split (a low CTA target): several 64-tile panels per CTA, the last
+    one ending in a partial round of the cp.async ring."""
     from quantpack_exl3.backends.trellis_mma import ops
 
     monkeypatch.setattr(ops, "delegate_rows", 0)
@@ -305,19 +306,24 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch):
     ts, prepared, fused = fused_layer([(k_in, 512), (k_in, 256), (k_in, 128)], 22, dtype)
     if k_in != 1024:
         monkeypatch.setattr(ops.workspace(dev), "target_ctas", 8)  # 7 column blocks: one split, the whole k per CTA
-    for inline in (0, 4):
-        for rows in (1, 2, 5, 16):
-            x = torch.randn((rows, k_in), device=dev).to(dtype)
-            monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", 16)
-            in_cta = torch.empty((rows, 896), dtype=dtype, device=dev)
-            fused.run(x, *fused.tensors.values(), *fused.static, in_cta, 0)
-            monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", inline)
-            once = torch.full((rows, 896), float("nan"), dtype=dtype, device=dev)
-            fused.run(x, *fused.tensors.values(), *fused.static, once, 0)
-            assert torch.isfinite(once).all(), (inline, rows)
-            assert rel_err(once.float(), in_cta.double()) < 2e-3, (inline, rows)
-            assert_shards_match_reference(once, x, ts, prepared, (inline, rows))
-        assert_replay_is_eager(fused, 7, k_in, 896, dtype)
+    x = torch.randn((1, k_in), device=dev).to(dtype)
+    monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", 1)
+    in_cta = torch.full((1, 896), float("nan"), dtype=dtype, device=dev)
+    fused.run(x, *fused.tensors.values(), *fused.static, in_cta, 0)
+    assert torch.isfinite(in_cta).all()
+    assert_shards_match_reference(in_cta, x, ts, prepared, "in-CTA")
+    monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", 0)
+    for rows in (1, 2, 5, 16):
+        x_rows = torch.cat([x, torch.randn((rows - 1, k_in), device=dev).to(dtype)])
+        once = torch.full((rows, 896), float("nan"), dtype=dtype, device=dev)
+        fused.run(x_rows, *fused.tensors.values(), *fused.static, once, 0)
+        assert torch.isfinite(once).all(), rows
+        assert rel_err(once[:1].float(), in_cta.double()) < 2e-3, rows
+        assert_shards_match_reference(once, x_rows, ts, prepared, rows)
+    assert_replay_is_eager(fused, 7, k_in, 896, dtype)
+    for inline in (0, 1):
+        monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", inline)
+        assert_replay_is_eager(fused, 1, k_in, 896, dtype)
 
 
 STREAMK_CASES = [(4, "mul1"), (2.5, "mul1"), (3, "mcg"), (6, "3inst"), (8, "mul1")]
@@ -360,7 +366,7 @@ def test_trellis_mma_stream_k_equals_the_split_plan(dtype, target, monkeypatch):
         monkeypatch.setattr(ws, "target_ctas", target if stream_k else default_target)
         monkeypatch.setattr(ws, "target_ctas_wide", target if stream_k else default_wide)
 
-    for inline in (16, 0):
+    for inline in (1, 0):
         monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", inline)
         for rows in (1, 3, 16, 40, 64):
             x = torch.randn((rows, 2304), device=dev).to(dtype)

@@ -60,13 +60,14 @@ CTAS_PER_SM = 4
 #: and 9.07 / 22.14 at 64 / 256 with 4. QUANTPACK_TRELLIS_MMA_CTAS_PER_SM_WIDE overrides
 CTAS_PER_SM_WIDE = 2
 
-#: rows up to which each CTA of a launch transforms its own input panel (had128(x * suh)); from there to FUSED_ROWS
-#: one transform launch writes every shard's transformed input to the workspace first and the GEMM's CTAs copy their
-#: panels from it (the transform is then done once, not once per column block and split). 1: measured on the H200
-#: (docs/results.md, 2026-12-03), the 8B stack fused at 4 / 16 rows took 3.85 / 4.17 ms this way against 3.98 / 6.34
-#: with the in-CTA transform; one row keeps the in-CTA form (3.56 ms, no extra launch).
-#: QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS (0-16) overrides; read when the module is imported.
-INLINE_TRANSFORM_ROWS = min(env_int("QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS", 1), FUSED_ROWS)
+#: 1: a one-row call's CTAs each transform their own input panel (had128(x * suh)); 0: one transform launch writes
+#: every shard's transformed input to the workspace first at one row too, as it always does from two rows on (the
+#: transform is then done once, not once per column block and split; the in-CTA transform was measured slower from
+#: two rows on: docs/results.md, 2026-12-03, the 8B stack fused at 4 / 16 rows took 3.85 / 4.17 ms once per call
+#: against 3.98 / 6.34 in-CTA, so since then the in-CTA kernel holds one row and its panel takes 2 KB of shared
+#: memory instead of 33). QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS (0 or 1; larger values count as 1) overrides;
+#: read when the module is imported.
+INLINE_TRANSFORM_ROWS = min(env_int("QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS", 1), 1)
 
 
 #: up to 64 rows (one row chunk), split k by stream-K (the CTAs that fit share every column block's k units evenly, a
@@ -74,6 +75,12 @@ INLINE_TRANSFORM_ROWS = min(env_int("QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS
 #: Compute, docs/kernels.md: 20-36% of each launch's cycles). Not measured yet, so off by default;
 #: QUANTPACK_TRELLIS_MMA_STREAM_K=1 turns it on; read when the module is imported.
 STREAM_K = env_int("QUANTPACK_TRELLIS_MMA_STREAM_K", 0) > 0
+
+
+def _in_cta(rows: int) -> bool:
+    """Whether a call of ``rows`` rows transforms its input in the GEMM's CTAs (one row, with
+    :data:`INLINE_TRANSFORM_ROWS` read now: benchmarks and tests set it at run time), as ``qp_trellis_mma`` decides."""
+    return rows == 1 and INLINE_TRANSFORM_ROWS >= 1
 
 
 def inline_transform_rows_now() -> int:
@@ -252,7 +259,7 @@ def run_trellis_mma(
         return
     x = x if x.stride(1) == 1 else x.contiguous()
     k = trellis[0].shape[0] * 16
-    if rows > INLINE_TRANSFORM_ROWS and k > ws.xh.shape[1]:  # (this module's global: set at run time)
+    if not _in_cta(rows) and k > ws.xh.shape[1]:
         raise LibraryError(f"trellis_mma: k {k} is wider than the workspace reserved for this GPU ({ws.xh.shape[1]})")
     if rows <= FUSED_ROWS:  # one launch for every shard
         _launch(ws, x, trellis, suh, svh, codebook, k_bits, out_features, out, cols)
@@ -275,9 +282,9 @@ def _launch(
     out: torch.Tensor,
     cols: list[int],
 ) -> None:
-    """One ``qp_trellis_mma`` launch: several shards at up to :data:`FUSED_ROWS` rows (above
-    :data:`INLINE_TRANSFORM_ROWS` through the workspace's transformed input), or one shard at up to :data:`XH_ROWS`
-    rows (through the workspace's transformed input)."""
+    """One ``qp_trellis_mma`` launch: several shards at up to :data:`FUSED_ROWS` rows (from two rows on, and at
+    one row with :data:`INLINE_TRANSFORM_ROWS` 0, through the workspace's transformed input), or one shard at up to
+    :data:`XH_ROWS` rows (through the workspace's transformed input)."""
     lib = load(ws.arch)
     rows, width = x.shape
     count = len(trellis)
@@ -286,7 +293,7 @@ def _launch(
     ptrs = ctypes.c_void_p * count
     ints = ctypes.c_int * count
     code = lib.qp_trellis_mma(
-        x.data_ptr(), None if rows <= INLINE_TRANSFORM_ROWS else ws.xh.data_ptr(),
+        x.data_ptr(), None if _in_cta(rows) else ws.xh.data_ptr(),
         ptrs(*(t.data_ptr() for t in trellis)), ptrs(*(t.data_ptr() for t in suh)), ptrs(*(t.data_ptr() for t in svh)),
         ints(*ns), ints(*cols), ints(*out_features), count,
         out.data_ptr(), ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),

@@ -8,8 +8,8 @@
 // never touch memory and each tile is decoded once for up to 64 rows (MB fragments of 16 rows).
 //
 // Per CTA:
-//   1. The transformed input had128(x * suh) (fp16): with FUSED (one 16-row fragment, up to the inline-transform
-//      rows) a panel of up to 1024 columns is built in shared memory from x by the CTA itself; otherwise the
+//   1. The transformed input had128(x * suh) (fp16): with FUSED (one row, when inline_rows allows) a one-row panel
+//      of up to 1024 columns is built in shared memory from x by the CTA itself; otherwise the
 //      transform kernel below wrote it once for all column blocks and it streams into a ring of A slices in the
 //      CTA's shared memory, one slice per trellis group, in the same cp.async groups (ARing).
 //   2. Each warp streams its tile column's trellis through a private cp.async ring (GROUPS_IN_FLIGHT groups of GROUP
@@ -570,11 +570,13 @@ __device__ __forceinline__ void cta_item(const Params& p, uint8_t* smem, int& la
                                          const int seg_first, const int seg_last) {
     using T = Tile<KA, HALFK>;
     constexpr int MROWS = 16 * MB;
-    static_assert(!FUSED || MB == 1, "the in-CTA transform builds one 16-row fragment");
+    static_assert(!FUSED || MB == 1, "the in-CTA transform builds one row of one 16-row fragment");
     constexpr int PANEL = 64;                 // FUSED: k tiles of A held in shared memory at once
     static_assert(PANEL % (GROUPS_IN_FLIGHT * GROUP) == 0, "TileStream::panel() needs panels of whole ring rounds");
     constexpr int A_STRIDE = PANEL * 16 + 8;  // halves; +16 bytes keeps ldmatrix rows on distinct banks
-    constexpr int A_BYTES = FUSED ? MROWS * A_STRIDE * 2 : ARing<MB>::BYTES;
+    // FUSED serves one row (the panel holds it once; every lane's ldmatrix row address is that row, so the 16-row
+    // fragment is the row repeated and only its first output row is kept)
+    constexpr int A_BYTES = FUSED ? A_STRIDE * 2 : ARing<MB>::BYTES;
     constexpr int F_BYTES = MROWS * F_STRIDE * 4;
     constexpr int AF_BYTES = A_BYTES > F_BYTES ? A_BYTES : F_BYTES;
 
@@ -611,14 +613,12 @@ __device__ __forceinline__ void cta_item(const Params& p, uint8_t* smem, int& la
 
     if constexpr (FUSED) {
         TileStream<CB, KA, HALFK> stream(warp_ring, warp_tiles, tile_stride, ktiles, lane);
-        const __half* a_lane = A + (lane % 16) * A_STRIDE + (lane / 16) * 8;
+        const __half* a_lane = A + (lane / 16) * 8;  // row 0 for every lane: see A_BYTES
         const __half* suh = field(p, si, &Shard::suh);
         for (int p0 = 0; p0 < ktiles; p0 += PANEL) {
             const int ptiles = min(PANEL, ktiles - p0);
-            // 1. the A panel had128(x * suh): rows x (ptiles * 16) fp16, the call's rows x blocks items of 128
-            // columns, PANEL_BATCH per warp loaded before any is transformed; the fragment's rows beyond them are
-            // left as they are: an mma output row depends on its own A row only, and those rows' sums are never
-            // stored
+            // 1. the A panel had128(x * suh): one row of ptiles * 16 fp16 (rows is 1 here), its blocks of 128
+            // columns PANEL_BATCH per warp loaded before any is transformed; every lane's fragment row reads it
             __syncthreads();
             const int kc0 = (kt0 + p0) * 16;
             const int blocks = ptiles / 8, items = rows * blocks;
@@ -817,7 +817,7 @@ __global__ void __launch_bounds__(THREADS) input_transform_kernel(const Params p
 template <int KA, bool HALFK, int MB, bool FUSED = true>
 constexpr int smem_bytes() {
     constexpr int MROWS = 16 * MB;
-    constexpr int A_BYTES = FUSED ? MROWS * (64 * 16 + 8) * 2 : ARing<MB>::BYTES;
+    constexpr int A_BYTES = FUSED ? (64 * 16 + 8) * 2 : ARing<MB>::BYTES;  // FUSED: one row (cta_item)
     constexpr int F_BYTES = MROWS * F_STRIDE * 4;
     return (A_BYTES > F_BYTES ? A_BYTES : F_BYTES) + WARPS * GROUPS_IN_FLIGHT * GROUP * Tile<KA, HALFK>::BYTES;
 }
@@ -1021,8 +1021,8 @@ QP_API int qp_trellis_mma_streamk_ctas(int rows, int k, int n, int target_ctas, 
 
 // `shards` EXL3 shards sharing the input x, in one launch: out[:, col[i]:col[i] + out_features[i]] = (x @ W_i)[:,
 // :out_features[i]]. trellis / suh / svh / n / col / out_features are host arrays of `shards` entries (device
-// pointers in the first three). More than one shard needs rows <= 16. Up to `inline_rows` rows (at most 16) each CTA
-// transforms its own input panel; from there to 16 rows one transform launch writes every shard's had128(x * suh)
+// pointers in the first three). More than one shard needs rows <= 16. At one row with `inline_rows` >= 1 each CTA
+// transforms its own input panel; otherwise up to 16 rows one transform launch writes every shard's had128(x * suh)
 // to xh (shards x rows x k fp16) and the GEMM streams its slices from there; above 16 rows likewise, one shard, in
 // 64-row chunks. With `stream_k` (up to 64 rows) the CTAs that fit share the k units of every column block evenly
 // (qp_trellis_mma_streamk_ctas) instead of whole splits. Returns 0, a CUDA error code, or -1 (bad geometry), -2 (no
@@ -1035,7 +1035,7 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
                           int target_ctas, int inline_rows, int stream_k, void* stream) {
     if (rows <= 0) return 0;
     const int small = rows <= 16;                    // one 16-row fragment (MB = 1), several shards allowed
-    const int fused = small && rows <= inline_rows;  // the input transform inside the GEMM's CTAs
+    const int fused = rows == 1 && inline_rows >= 1;  // the input transform inside the GEMM's CTAs (one row)
     if (shards < 1 || shards > qp::MAX_SHARDS || (shards > 1 && !small)) return -5;
     if (k % 128 || k <= 0 || x_width > k) return -1;
     qp::Params p{};
