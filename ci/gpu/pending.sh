@@ -44,7 +44,7 @@ except Exception as e:
 # (owed first after 2026-12-03, later: stream-K's first run, the families with one process per family and the near-tie top-1, escha in
 # vLLM, the uniform 30B-A3B engines with the one-launch expert kernel, the five-engine dense harness with the
 # streamed A slices and 2 CTAs per SM above 16 rows)
-all=(streamk ctas ncu-streamk families qwen-vl escha-vllm serve-moe serve-8b e2e-dense kernel-8b linear-kernels kernel-8b-wide ncu moe-kernels
+all=(streamk wide-fused ctas ncu-streamk families qwen-vl escha-vllm serve-moe serve-8b e2e-dense kernel-8b linear-kernels kernel-8b-wide ncu moe-kernels
   kernel-8b-panel serve-moe-mixed e2e-moe profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
@@ -55,7 +55,8 @@ for s in "${@:-${all[@]}}"; do
     # stream-K up to 64 rows (QUANTPACK_TRELLIS_MMA_STREAM_K, written 2026-12-03, never run on a GPU): its kernel
     # tests, then the 8B stack with it beside the split plan of kernel-8b (which default to keep)
     streamk)
-      step streamk-tests "${T[@]}" -k stream_k packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py
+      step streamk-tests "${T[@]}" -k "stream_k or one_launch or once_per_call" \
+        packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py
       step kernel-8b-streamk env QUANTPACK_TRELLIS_MMA_STREAM_K=1 python3 benchmarks/kernel_8b.py --kernels trellis_mma \
         --rows 1,2,4,8,16,32,64 --no-dense --json "$res/kernel_8b_streamk.json"
       step kernel-8b-split python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 1,2,4,8,16,32,64 --no-dense \
@@ -76,6 +77,10 @@ for s in "${@:-${all[@]}}"; do
       for r in 1 16 64; do
         (export QUANTPACK_TRELLIS_MMA_STREAM_K=1; step "ncu-streamk-gate-rows$r" ncu_shard trellis_mma_streamk_kernel 4096,14336 "$r")
       done ;;
+    # above 16 rows a layer's shards in one launch (QUANTPACK_TRELLIS_MMA_WIDE_FUSED, written 2026-12-03, its tests in
+    # the streamk step) against a launch per shard (kernel-8b-split of the streamk step)
+    wide-fused) step kernel-8b-wide-fused env QUANTPACK_TRELLIS_MMA_WIDE_FUSED=1 python3 benchmarks/kernel_8b.py \
+      --kernels trellis_mma --rows 32,64,128 --no-dense --json "$res/kernel_8b_wide_fused.json" ;;
     # up to 16 rows with 5 and 6 CTAs per SM as split-K target instead of 4 (the one-row kernel's panel holds one row
     # since 2026-12-03, later: 25 KB of shared memory instead of 49, so 5 fit; the 2-16-row kernel fits 6): which default
     ctas)

@@ -254,22 +254,26 @@ def assert_shards_match_reference(out: torch.Tensor, x: torch.Tensor, ts, prepar
         col += p.out_features
 
 
+@pytest.mark.parametrize("wide_fused", [False, True], ids=["per-shard-above-16", "wide-fused"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, monkeypatch):
-    """q / k / v of one K and codebook fused (one launch up to 16 rows, a launch per shard above) give each shard's
-    columns as its own launch does, within fp32 summation order (the split of k depends on the launch's column
-    blocks), and within the fp64 reference's bound; a graph replay is bit-identical to eager; shards of another K
-    are not fused; the fused op passes opcheck."""
+def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, wide_fused, monkeypatch):
+    """q / k / v of one K and codebook fused (one launch up to 16 rows; above, a launch per shard, or with
+    QUANTPACK_TRELLIS_MMA_WIDE_FUSED one launch per 128 rows, the whole 64-row chunks that three shards' inputs fit
+    in the workspace's 512 rows, so 400 rows take four launches) give each shard's columns as its own launch does,
+    within fp32 summation order (the split of k depends on the launch's column blocks), and within the fp64
+    reference's bound; a graph replay is bit-identical to eager; shards of another K are not fused; the fused op passes
+    opcheck."""
     from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel, ops
 
     monkeypatch.setattr(ops, "delegate_rows", 0)  # every row count in trellis_mma's own launches
+    monkeypatch.setattr(ops, "WIDE_FUSED", wide_fused)
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(121)
     ts, prepared, fused = fused_layer([(768, 512), (768, 128), (768, 128)], 21, dtype)
     assert fused is not None and fused.out_features == 768 and fused.static[2] == (512, 128, 128)
     other = Exl3Tensors.from_tensors(random_exl3_layer(768, 128, 3, "mul1", generator=g))
     assert TrellisMmaLinearKernel.fuse([*prepared, TrellisMmaShards.prepare_shard(other, 768, 128, dtype, dev)]) is None
-    for rows in (1, 3, 16, 17, 70):
+    for rows in (1, 3, 16, 17, 70, 400):
         x = torch.randn((rows, 768), device=dev).to(dtype)
         one = torch.full((rows, 800), float("nan"), dtype=dtype, device=dev)
         fused.run(x, *fused.tensors.values(), *fused.static, one, 16)
@@ -284,6 +288,7 @@ def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, monkeypatch):
             ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=p.out_features)
             assert rel_err(mine.cpu(), ref) < 2e-2, rows
             col += p.out_features
+    assert_replay_is_eager(fused, 70, 768, 768, dtype)
     x, out = assert_replay_is_eager(fused, 5, 768, 768, dtype, replays=2)
     t = fused.tensors
     lists = [[t[f"{name}{i}"] for i in range(3)] for name in ("trellis", "suh", "svh")]

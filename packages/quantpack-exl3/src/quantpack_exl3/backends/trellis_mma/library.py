@@ -36,7 +36,7 @@ ERRORS = {
     -2: "no kernel for this K",
     -3: "unknown codebook id",
     -4: "the workspace is too small for this call",
-    -5: "one launch runs 1-8 shards, and several only up to 16 rows",
+    -5: "one launch runs 1-8 shards",
 }
 
 

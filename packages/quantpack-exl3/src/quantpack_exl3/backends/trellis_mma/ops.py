@@ -83,6 +83,14 @@ def _in_cta(rows: int) -> bool:
     return rows == 1 and INLINE_TRANSFORM_ROWS >= 1
 
 
+#: above FUSED_ROWS, a layer's shards (q / k / v, gate / up) in one launch too, each 64-row chunk's transformed input
+#: per shard in the workspace (XH_ROWS // shards rows a launch, whole 64-row chunks), instead of a launch per shard:
+#: the narrow k / v shards then ride in q's grid as they do up to 16 rows (at 64 rows the fused q + k + v took 2.55 ms
+#: of the 8B stack against 0.93 for o, whose shape is q's: docs/kernels.md). Written 2026-12-03, not run on a GPU yet,
+#: hence off; QUANTPACK_TRELLIS_MMA_WIDE_FUSED=1 turns it on; read when the module is imported.
+WIDE_FUSED = env_int("QUANTPACK_TRELLIS_MMA_WIDE_FUSED", 0) > 0
+
+
 def inline_transform_rows_now() -> int:
     """:data:`INLINE_TRANSFORM_ROWS` as it is now (benchmarks set it at run time)."""
     return INLINE_TRANSFORM_ROWS
@@ -263,6 +271,11 @@ def run_trellis_mma(
         raise LibraryError(f"trellis_mma: k {k} is wider than the workspace reserved for this GPU ({ws.xh.shape[1]})")
     if rows <= FUSED_ROWS:  # one launch for every shard
         _launch(ws, x, trellis, suh, svh, codebook, k_bits, out_features, out, cols)
+        return
+    if WIDE_FUSED and len(trellis) > 1:  # every shard in each launch (the workspace holds each one's input)
+        step = XH_ROWS // len(trellis) // 64 * 64
+        for r0 in range(0, rows, step):
+            _launch(ws, x[r0 : r0 + step], trellis, suh, svh, codebook, k_bits, out_features, out[r0 : r0 + step], cols)
         return
     for r0 in range(0, rows, XH_ROWS):  # a launch per shard (the transformed input depends on its suh)
         xr, outr = x[r0 : r0 + XH_ROWS], out[r0 : r0 + XH_ROWS]

@@ -1021,13 +1021,13 @@ QP_API int qp_trellis_mma_streamk_ctas(int rows, int k, int n, int target_ctas, 
 
 // `shards` EXL3 shards sharing the input x, in one launch: out[:, col[i]:col[i] + out_features[i]] = (x @ W_i)[:,
 // :out_features[i]]. trellis / suh / svh / n / col / out_features are host arrays of `shards` entries (device
-// pointers in the first three). More than one shard needs rows <= 16. At one row with `inline_rows` >= 1 each CTA
+// pointers in the first three). xh holds shards x rows rows of k. At one row with `inline_rows` >= 1 each CTA
 // transforms its own input panel; otherwise up to 16 rows one transform launch writes every shard's had128(x * suh)
-// to xh (shards x rows x k fp16) and the GEMM streams its slices from there; above 16 rows likewise, one shard, in
-// 64-row chunks. With `stream_k` (up to 64 rows) the CTAs that fit share the k units of every column block evenly
+// to xh (shards x rows x k fp16) and the GEMM streams its slices from there; above 16 rows likewise in 64-row
+// chunks. With `stream_k` (up to 64 rows) the CTAs that fit share the k units of every column block evenly
 // (qp_trellis_mma_streamk_ctas) instead of whole splits. Returns 0, a CUDA error code, or -1 (bad geometry), -2 (no
-// kernel for this K), -3 (bad codebook), -4 (workspace too small, or no xh where one is needed), -5 (several shards
-// above 16 rows or more than MAX_SHARDS).
+// kernel for this K), -3 (bad codebook), -4 (workspace too small, or no xh where one is needed), -5 (no shard or more
+// than MAX_SHARDS).
 QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, const void* const* suh,
                           const void* const* svh, const int* n, const int* col, const int* out_features, int shards,
                           void* out, float* partials, long long partial_floats, int* counters, long long counters_len,
@@ -1036,7 +1036,7 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
     if (rows <= 0) return 0;
     const int small = rows <= 16;                    // one 16-row fragment (MB = 1), several shards allowed
     const int fused = rows == 1 && inline_rows >= 1;  // the input transform inside the GEMM's CTAs (one row)
-    if (shards < 1 || shards > qp::MAX_SHARDS || (shards > 1 && !small)) return -5;
+    if (shards < 1 || shards > qp::MAX_SHARDS) return -5;
     if (k % 128 || k <= 0 || x_width > k) return -1;
     qp::Params p{};
     int n_total = 0;
