@@ -564,6 +564,16 @@ __host__ __device__ __forceinline__ int streamk_slot(const StreamKPlan& plan, in
 // a block (a CTA's range of k units may span blocks: StreamKPlan): a whole block writes its output directly, a
 // part goes to the CTA's slot (`slot`: 2 per CTA, its first and its last item) and the last of the block's CTAs
 // `seg_first`..`seg_last` sums their slots in that order. Returns early (nothing left to do) when another CTA sums.
+// Dynamic shared memory of one kernel instantiation: the A panel (or, after it, the 128-column partial sums) and the
+// warps' trellis rings.
+template <int KA, bool HALFK, int MB, bool FUSED>
+__host__ __device__ constexpr int smem_bytes() {
+    constexpr int MROWS = 16 * MB;
+    constexpr int A_BYTES = FUSED ? (64 * 16 + 8) * 2 : ARing<MB>::BYTES;  // FUSED: one row (cta_item)
+    constexpr int F_BYTES = MROWS * F_STRIDE * 4;
+    return (A_BYTES > F_BYTES ? A_BYTES : F_BYTES) + WARPS * GROUPS_IN_FLIGHT * GROUP * Tile<KA, HALFK>::BYTES;
+}
+
 template <int CB, int KA, bool HALFK, int MB, bool FUSED, bool STREAMK>
 __device__ __forceinline__ void cta_item(const Params& p, uint8_t* smem, int& last_arrival, const int nb, const int kt0,
                                          const int ktiles, const int chunk, const int split, const int slot,
@@ -583,6 +593,8 @@ __device__ __forceinline__ void cta_item(const Params& p, uint8_t* smem, int& la
     __half* A = reinterpret_cast<__half*>(smem);
     float* F = reinterpret_cast<float*>(smem);
     uint32_t* ring = reinterpret_cast<uint32_t*>(smem + AF_BYTES);
+    static_assert(AF_BYTES + WARPS * GROUPS_IN_FLIGHT * GROUP * T::BYTES == smem_bytes<KA, HALFK, MB, FUSED>(),
+                  "smem_bytes() sizes this CTA's shared memory");
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int row0 = chunk * MROWS;
@@ -812,15 +824,6 @@ __global__ void __launch_bounds__(THREADS) input_transform_kernel(const Params p
     dst[1] = __floats2half2_rn(v[2], v[3]);
 }
 
-// Dynamic shared memory of one kernel instantiation: the A panel (or, after it, the 128-column partial sums) and the
-// warps' trellis rings.
-template <int KA, bool HALFK, int MB, bool FUSED = true>
-constexpr int smem_bytes() {
-    constexpr int MROWS = 16 * MB;
-    constexpr int A_BYTES = FUSED ? (64 * 16 + 8) * 2 : ARing<MB>::BYTES;  // FUSED: one row (cta_item)
-    constexpr int F_BYTES = MROWS * F_STRIDE * 4;
-    return (A_BYTES > F_BYTES ? A_BYTES : F_BYTES) + WARPS * GROUPS_IN_FLIGHT * GROUP * Tile<KA, HALFK>::BYTES;
-}
 
 // Raises a kernel instantiation's shared-memory limit once per device (at warm-up, before any CUDA-graph capture)
 // and gives how many of its CTAs fit in one SM at once (*fit; cached with the limit). Returns 0 or a CUDA error code.
@@ -1283,9 +1286,19 @@ __device__ __forceinline__ float moe_input(const MoeParams& p, int pick_or_pos, 
     }
 }
 
+// Dynamic shared memory of an expert CTA (moe_cta): its 16-row A panel of 64 k tiles (or, after it, the 16 rows of
+// 128-column partial sums) and the warps' trellis rings. Its own function: the linear kernels' one-row panel
+// (smem_bytes<..., FUSED = true>) is smaller than the expert kernel's 16 rows.
+template <int KA, bool HALFK>
+__host__ __device__ constexpr int moe_smem_bytes() {
+    constexpr int A_BYTES = MOE_ROWS * (64 * 16 + 8) * 2;
+    constexpr int F_BYTES = MOE_ROWS * F_STRIDE * 4;
+    return (A_BYTES > F_BYTES ? A_BYTES : F_BYTES) + WARPS * GROUPS_IN_FLIGHT * GROUP * Tile<KA, HALFK>::BYTES;
+}
+
 // One CTA of an expert launch: 128 output columns (blockIdx.x) x one k slice (blockIdx.y) of work item w, whose
 // split-K partials and arrival counter sit at grid index blockIdx.z. `smem` is the launch's dynamic shared memory
-// (smem_bytes<KA, HALFK, 1>() at least); `row_pick` and `last_arrival` live in the CTA's static shared memory.
+// (moe_smem_bytes<KA, HALFK>() at least); `row_pick` and `last_arrival` live in the CTA's static shared memory.
 template <int CB, int KA, bool HALFK, bool DOWN>
 __device__ __forceinline__ void moe_cta(const MoeParams& p, int w, uint8_t* smem, int* row_pick, int& last_arrival) {
     using T = Tile<KA, HALFK>;
@@ -1295,6 +1308,8 @@ __device__ __forceinline__ void moe_cta(const MoeParams& p, int w, uint8_t* smem
     constexpr int A_BYTES = MOE_ROWS * A_STRIDE * 2;
     constexpr int F_BYTES = MOE_ROWS * F_STRIDE * 4;
     constexpr int AF_BYTES = A_BYTES > F_BYTES ? A_BYTES : F_BYTES;
+    static_assert(AF_BYTES + WARPS * GROUPS_IN_FLIGHT * GROUP * T::BYTES == moe_smem_bytes<KA, HALFK>(),
+                  "moe_smem_bytes() sizes this CTA's shared memory");
 
     __half* A = reinterpret_cast<__half*>(smem);
     float* F = reinterpret_cast<float*>(smem);
@@ -1584,7 +1599,7 @@ inline int moe_plan(MoeParams& p, int fit, int items, int target_ctas, long long
 // The dynamic shared memory of an expert CTA of (codebook, 2K) in bytes, or -2 (no such K) / -3 (bad codebook).
 inline int moe_smem(int codebook, int k2) {
     return with_codebook_k(codebook, k2, [&](auto, auto ka, auto half) {
-        return smem_bytes<decltype(ka)::value, decltype(half)::value, 1>();
+        return moe_smem_bytes<decltype(ka)::value, decltype(half)::value>();
     });
 }
 
@@ -1600,7 +1615,7 @@ int moe_configure(int k2max, int smem, int* fit) {
     int& cached = fits[device & 63][k2max];  // k2max: 2..16, checked by moe_smem
     if (cached == 0) {
         auto kernel = trellis_moe_kernel<CB, DOWN>;
-        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<8, false, 1>());
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_smem_bytes<8, false>());
         if (e != cudaSuccess) return (int)e;
         int n = 0;
         e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, THREADS, smem);
