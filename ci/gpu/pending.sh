@@ -39,13 +39,11 @@ try:
     import torchvision; print('torchvision', torchvision.__version__)
 except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
-# (owed first, 2026-12-03: the families after the Flint / top-1 fixes, and every vLLM engine with the once-per-call
-# transform, the default from that day)
-# (owed first after 2026-12-03, later: stream-K's first run, the families with one process per family and the near-tie top-1, escha in
-# vLLM, the uniform 30B-A3B engines with the one-launch expert kernel, the five-engine dense harness with the
-# streamed A slices and 2 CTAs per SM above 16 rows)
-all=(streamk wide-fused ctas ncu-streamk families qwen-vl escha-vllm serve-moe serve-8b e2e-dense kernel-8b linear-kernels kernel-8b-wide ncu moe-kernels
-  kernel-8b-panel serve-moe-mixed e2e-moe profile)
+# (owed first after the run of 2026-12-03, later: the expert kernels after their shared-memory fix - the families run
+# met it as an illegal memory access in Flint - the families again, the whole Qwen3.5 VL pack's first run, the
+# vLLM MoE and dense jobs with the one-row panel and the fused launches above 16 rows, then the harnesses)
+all=(moe-kernels families qwen-vl e2e-moe e2e-dense linear-kernels serve-8b serve-moe escha-vllm kernel-8b
+  kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel serve-moe-mixed profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
     # trellis_mma's linear kernel against the float64 oracle and exllamav3's error (every K, codebook, bundled pack)
@@ -57,9 +55,9 @@ for s in "${@:-${all[@]}}"; do
     streamk)
       step streamk-tests "${T[@]}" -k "stream_k or one_launch or once_per_call" \
         packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py
-      step kernel-8b-streamk env QUANTPACK_TRELLIS_MMA_STREAM_K=1 python3 benchmarks/kernel_8b.py --kernels trellis_mma \
+      step kernel-8b-streamk env QUANTPACK_TRELLIS_MMA_STREAM_K=1 QUANTPACK_TRELLIS_MMA_WIDE_FUSED=0 python3 benchmarks/kernel_8b.py --kernels trellis_mma \
         --rows 1,2,4,8,16,32,64 --no-dense --json "$res/kernel_8b_streamk.json"
-      step kernel-8b-split python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 1,2,4,8,16,32,64 --no-dense \
+      step kernel-8b-split env QUANTPACK_TRELLIS_MMA_WIDE_FUSED=0 python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 1,2,4,8,16,32,64 --no-dense \
         --json "$res/kernel_8b_split.json" ;;
     # above 16 rows with fewer split-K CTAs per SM than the default (fewer partial rows to sum): which default to keep
     kernel-8b-wide)
@@ -77,8 +75,8 @@ for s in "${@:-${all[@]}}"; do
       for r in 1 16 64; do
         (export QUANTPACK_TRELLIS_MMA_STREAM_K=1; step "ncu-streamk-gate-rows$r" ncu_shard trellis_mma_streamk_kernel 4096,14336 "$r")
       done ;;
-    # above 16 rows a layer's shards in one launch (QUANTPACK_TRELLIS_MMA_WIDE_FUSED, written 2026-12-03, its tests in
-    # the streamk step) against a launch per shard (kernel-8b-split of the streamk step)
+    # above 16 rows a layer's shards in one launch (QUANTPACK_TRELLIS_MMA_WIDE_FUSED, the default since 2026-12-03; its
+    # tests in the streamk step) against a launch per shard (kernel-8b-split of the streamk step, which sets it to 0)
     wide-fused) step kernel-8b-wide-fused env QUANTPACK_TRELLIS_MMA_WIDE_FUSED=1 python3 benchmarks/kernel_8b.py \
       --kernels trellis_mma --rows 32,64,128 --no-dense --json "$res/kernel_8b_wide_fused.json" ;;
     # up to 16 rows with 5 and 6 CTAs per SM as split-K target instead of 4 (the one-row kernel's panel holds one row

@@ -151,8 +151,9 @@ class TrellisMmaLinearKernel(LinearKernel):
 
     @classmethod
     def fuse(cls, shards: list[PreparedShard]) -> PreparedShard | None:
-        """One run for a layer's shards that share its input (q / k / v, gate / up): up to 16 rows one launch runs
-        them all from a table of shards (:func:`.ops.trellis_mma_shards_`; above, one launch per shard as before).
+        """One run for a layer's shards that share its input (q / k / v, gate / up): one launch runs them all from a
+        table of shards (:func:`.ops.trellis_mma_shards_`; above 16 rows one launch per whole 64-row chunks that the
+        shards' inputs fit in the workspace, :data:`.ops.WIDE_FUSED`).
         The shards keep their own tensors (no copy); the fused run's route is measured on its own
         (:func:`measure_route`; on a GPU whose workspace :meth:`prepare` reserved).
 

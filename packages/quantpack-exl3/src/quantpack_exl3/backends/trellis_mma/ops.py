@@ -71,9 +71,11 @@ INLINE_TRANSFORM_ROWS = min(env_int("QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS
 
 
 #: up to 64 rows (one row chunk), split k by stream-K (the CTAs that fit share every column block's k units evenly, a
-#: block's parts summed by its last CTA) instead of whole splits per column block, whose grids leave SMs idle (Nsight
-#: Compute, docs/kernels.md: 20-36% of each launch's cycles). Not measured yet, so off by default;
-#: QUANTPACK_TRELLIS_MMA_STREAM_K=1 turns it on; read when the module is imported.
+#: block's parts summed by its last CTA) instead of whole splits per column block. Measured on the H200
+#: (docs/kernels.md, 2026-12-03) slower than the split plan: the 8B stack at 1 / 16 / 64 rows took 3.92 / 4.15 /
+#: 8.57 ms against 3.51 / 3.90 / 8.51 (its few-row kernels are held to 64 registers for 4 CTAs per SM, and its
+#: profile shows the integer pipes, not idle SMs, setting the pace). Off by default; QUANTPACK_TRELLIS_MMA_STREAM_K=1
+#: turns it on; read when the module is imported.
 STREAM_K = env_int("QUANTPACK_TRELLIS_MMA_STREAM_K", 0) > 0
 
 
@@ -85,10 +87,10 @@ def _in_cta(rows: int) -> bool:
 
 #: above FUSED_ROWS, a layer's shards (q / k / v, gate / up) in one launch too, each 64-row chunk's transformed input
 #: per shard in the workspace (XH_ROWS // shards rows a launch, whole 64-row chunks), instead of a launch per shard:
-#: the narrow k / v shards then ride in q's grid as they do up to 16 rows (at 64 rows the fused q + k + v took 2.55 ms
-#: of the 8B stack against 0.93 for o, whose shape is q's: docs/kernels.md). Written 2026-12-03, not run on a GPU yet,
-#: hence off; QUANTPACK_TRELLIS_MMA_WIDE_FUSED=1 turns it on; read when the module is imported.
-WIDE_FUSED = env_int("QUANTPACK_TRELLIS_MMA_WIDE_FUSED", 0) > 0
+#: the narrow k / v shards then ride in q's grid as they do up to 16 rows. Measured on the H200 (docs/kernels.md,
+#: 2026-12-03): the 8B stack at 32 / 64 / 128 rows took 5.85 / 6.64 / 11.32 ms against 7.14 / 8.51 / 12.90 with a
+#: launch per shard. QUANTPACK_TRELLIS_MMA_WIDE_FUSED=0 restores a launch per shard; read when the module is imported.
+WIDE_FUSED = env_int("QUANTPACK_TRELLIS_MMA_WIDE_FUSED", 1) > 0
 
 
 def inline_transform_rows_now() -> int:
