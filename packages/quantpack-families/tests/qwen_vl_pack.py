@@ -312,7 +312,11 @@ def image_inputs(pack_dir: str | Path, image, prompt: str = IMAGE_PROMPT) -> dic
         processor = None
     if processor is not None:
         return dict(processor(text=[prompt], images=[image], return_tensors="pt"))
-    image_processor = transformers.AutoImageProcessor.from_pretrained(pack_dir)
+    try:
+        image_processor = transformers.AutoImageProcessor.from_pretrained(pack_dir)
+    except ImportError:  # transformers 5.17's Auto class wants torchvision; its PIL backend is the same processor
+        pil = getattr(transformers, "Qwen2VLImageProcessorPil", transformers.Qwen2VLImageProcessor)
+        image_processor = pil.from_pretrained(pack_dir)
     images = image_processor(images=[image], return_tensors="pt")
     tokenizer = transformers.AutoTokenizer.from_pretrained(pack_dir)
     pad = "<|image_pad|>"
