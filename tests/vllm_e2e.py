@@ -203,10 +203,18 @@ def greedy(llm, ids: list[int], n: int) -> tuple[list[int], list[dict[int, float
     return list(seq.token_ids), top2
 
 
+def logit_agreement(ref: dict, lp, tie: float) -> dict:
+    """vLLM's prompt logprobs ``lp`` ``(positions, vocab)`` against the reference's ``logits`` ``(1, T, vocab)``
+    (``quantpack_core.compare.agreement``, near-ties within ``tie`` nats set apart) as a result record's fields:
+    ``kl``, ``top1``, ``positions``, ``ties``, ``top1_decided``."""
+    from quantpack_core.compare import agreement
+
+    a = agreement(ref["logits"][0, : lp.shape[0]], lp, tie=tie)
+    return {"kl": a.kl, "top1": a.top1, "positions": a.positions, "ties": a.ties, "top1_decided": a.top1_decided}
+
+
 def run_logits(job: dict) -> dict:
     import torch
-
-    from quantpack_core.compare import agreement
 
     ref = torch.load(job.get("reference") or os.path.join(job["pack"], "reference_logits.pt"))
     ids = ref["input_ids"][0].tolist()
@@ -223,17 +231,13 @@ def run_logits(job: dict) -> dict:
         llm.apply_model(install_routing_probe)
     lp = prompt_logprob_matrix(llm, ids, vocab)
     routing = llm.apply_model(routing_record)[0] if job.get("routing") and in_process else None
-    a = agreement(ref["logits"][0, : lp.shape[0]], lp, tie=job.get("tie", 0.0))
+    scores = logit_agreement(ref, lp, job.get("tie", 0.0))
     if job.get("save"):
         torch.save(lp, job["save"])
     tokens, top2 = greedy(llm, ids[:32], 16)
     release(llm)
     return {
-        "kl": a.kl,
-        "top1": a.top1,
-        "positions": a.positions,
-        "ties": a.ties,
-        "top1_decided": a.top1_decided,
+        **scores,
         "greedy": tokens,
         "greedy_top2": [{str(k): v for k, v in step.items()} for step in top2],
         "load_s": load_s,

@@ -104,8 +104,6 @@ def run_vl(job: dict) -> dict:
     from PIL import Image
     from vllm import SamplingParams
 
-    from quantpack_core.compare import agreement
-
     ref = torch.load(job["reference"])
     vocab = ref["logits"].shape[-1]
     lines = _Lines()
@@ -122,7 +120,7 @@ def run_vl(job: dict) -> dict:
     load_s = time.time() - t0
     methods = llm.apply_model(e2e.quant_methods)[0]
     lp = e2e.prompt_logprob_matrix(llm, ref["input_ids"][0].tolist(), vocab)
-    a = agreement(ref["logits"][0, : lp.shape[0]], lp, tie=job.get("tie", 0.0))
+    scores = e2e.logit_agreement(ref, lp, job.get("tie", 0.0))
     image = Image.open(job["image"]).convert("RGB")
     params = SamplingParams(max_tokens=job["tokens"], temperature=0, ignore_eos=True, logprobs=2)
     out = llm.generate([{"prompt": job["prompt"], "multi_modal_data": {"image": image}}], params, use_tqdm=False)[0]
@@ -132,11 +130,7 @@ def run_vl(job: dict) -> dict:
     ]
     e2e.release(llm)
     return {
-        "kl": a.kl,
-        "top1": a.top1,
-        "positions": a.positions,
-        "ties": a.ties,
-        "top1_decided": a.top1_decided,
+        **scores,
         "prompt_ids": list(out.prompt_token_ids),
         "greedy": list(seq.token_ids),
         "greedy_top2": top2,

@@ -364,8 +364,7 @@ def _graph_us(run: PreparedShard, x: torch.Tensor, out: torch.Tensor, route: int
 
 def warm_up(run: PreparedShard, in_features: int, exllamav3: bool, dtype: torch.dtype = torch.float16) -> None:
     """Run a new run shape once eagerly at every row count a CUDA-graph capture would otherwise meet first: the fused
-    kernel (1 row), the unfused ones (17 rows, and the row above INLINE_TRANSFORM_ROWS where that is below 16), so
-    that their shared-memory limits are set; and, with
+    kernel (1 row), the unfused ones (2 and 17 rows), so that their shared-memory limits are set; and, with
     ``exllamav3`` (its kernels can take buckets), each of exllamav3's autotune buckets (its kernels time their launch
     shapes on a shape's first call, which must not happen during capture; its key includes the output's dtype, so
     activations of the model's ``dtype``). A shape already warmed in this process the same way is skipped."""
@@ -374,9 +373,9 @@ def warm_up(run: PreparedShard, in_features: int, exllamav3: bool, dtype: torch.
     key = (tuple(tuple(t.shape) for t in trellis), run.static[0], dtype, device, exllamav3, inline_transform_rows_now())
     if key in _warmed:
         return
-    calls = [(1, 0), (FUSED_ROWS + 1, 0)]
-    if inline_transform_rows_now() < FUSED_ROWS:  # the few-row kernel that copies its panel from the transformed input
-        calls.append((inline_transform_rows_now() + 1, 0))
+    # one row (the in-CTA transform's kernel, unless INLINE_TRANSFORM_ROWS is 0), two rows (the few-row kernel that
+    # streams the transformed input), FUSED_ROWS + 1 (the 64-row kernel)
+    calls = [(1, 0), (2, 0), (FUSED_ROWS + 1, 0)]
     if exllamav3:
         from ..exllamav3.kernels import WARMUP_ROWS
 
