@@ -16,7 +16,7 @@ if [ "${1:-}" = "--collect" ]; then
   tar czf "${OUT:-/tmp}/pending.tgz" -C /tmp pending
   exit 0
 fi
-T=(python3 -m pytest -ra -p no:cacheprovider --durations=5 -m gpu -q)
+T=(python3 -m pytest -rA -p no:cacheprovider --durations=5 -m gpu -q)  # -rA: passing tests' figures too
 step() {
   local name=$1
   shift
@@ -39,11 +39,11 @@ try:
     import torchvision; print('torchvision', torchvision.__version__)
 except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
-# (owed first after the run of 2026-12-03, later: the expert kernels after their shared-memory fix - the families run
-# met it as an illegal memory access in Flint - the families again, the whole Qwen3.5 VL pack's first run, the
-# vLLM MoE and dense jobs with the one-row panel and the fused launches above 16 rows, then the harnesses)
-all=(moe-kernels families qwen-vl e2e-moe e2e-dense linear-kernels serve-8b serve-moe escha-vllm kernel-8b
-  kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel serve-moe-mixed profile)
+# (owed first after the last run of 2026-12-03, which passed the expert kernels, Flint and the whole Qwen3.5 VL pack:
+# the dense harness's five engines with today's kernels, the vLLM MoE and dense jobs with the one-row panel and the
+# fused launches above 16 rows, the Nemotron-H twin's graph fault, then the rest)
+all=(serve-8b e2e-moe e2e-dense nemotron-twin serve-moe linear-kernels escha-vllm families qwen-vl moe-kernels
+  kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel serve-moe-mixed profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
     # trellis_mma's linear kernel against the float64 oracle and exllamav3's error (every K, codebook, bundled pack)
@@ -104,6 +104,14 @@ for s in "${@:-${all[@]}}"; do
       packages/quantpack-families/tests/test_families_gpu.py ;;
     # the whole tiny Qwen3.5 VL pack (EXL3 text and vision towers) served by vLLM, both layouts, eager and graphs: text
     # KL and an image + text request's greedy tokens against transformers' dequantized model (first run owed)
+    # Nemotron-H's bf16 twin, KL 4.6 with compile + graphs (eager passes, and compiled on CPU): compiled without
+    # graphs, piecewise graphs only, and vLLM's default, each as a fresh process's only engine
+    nemotron-twin)
+      for mode in NONE PIECEWISE FULL_AND_PIECEWISE; do
+        QUANTPACK_GPU_JOBS=nemotron-h-bf16/float16/graphs \
+          QUANTPACK_GPU_LLM_KWARGS="{\"compilation_config\": {\"cudagraph_mode\": \"$mode\"}}" \
+          step "nemotron-twin-$mode" "${T[@]}" -k match packages/quantpack-families/tests/test_families_gpu.py
+      done ;;
     qwen-vl) step qwen-vl "${T[@]}" packages/quantpack-families/tests/test_qwen_vl_gpu.py ;;
     # the converted escha packs in vLLM (eager and graphs) with the spill-free Triton kernel
     escha-vllm) step escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py ;;

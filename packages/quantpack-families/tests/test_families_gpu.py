@@ -12,6 +12,7 @@ layers run on the CUDA kernels the platform chooses (trellis_mma for float16). `
 jobs as for the EXL3 end-to-end tests (substrings of the job ids, e.g. ``flint``).
 """
 
+import json
 import os
 
 import pytest
@@ -30,8 +31,14 @@ pytestmark = [
 KL_BOUND, TOP1_BOUND = 5e-4, 0.99
 #: prompt length of the GPU packs' references: 127 compared positions
 LENGTH = 128
-#: vLLM settings of the GPU tier (the slim bundle has no FlashAttention / FlashInfer; a small share of the GPU)
-LLM_KWARGS = {"attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.15}
+#: vLLM settings of the GPU tier (the slim bundle has no FlashAttention / FlashInfer; a small share of the GPU);
+#: ``QUANTPACK_GPU_LLM_KWARGS`` (a JSON object) adds to them for a diagnostic run, e.g.
+#: ``{"compilation_config": {"cudagraph_mode": "PIECEWISE"}}``
+LLM_KWARGS = {
+    "attention_backend": "TRITON_ATTN",
+    "gpu_memory_utilization": 0.15,
+    **json.loads(os.environ.get("QUANTPACK_GPU_LLM_KWARGS") or "{}"),
+}
 
 
 def selected(key: str) -> bool:
