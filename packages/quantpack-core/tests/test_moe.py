@@ -431,3 +431,86 @@ def test_reference_forward_argument_checks(banks):
         reference_moe_forward(bank, x, torch.zeros(2, 2, dtype=torch.int64), torch.ones(2, 1))
     with pytest.raises(ValueError, match="unknown activation"):
         reference_moe_forward(bank, x, torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, 1), activation="relu6")
+
+
+# ------------------------------------------------------------------------------------------------ ungated experts
+
+
+@pytest.fixture(scope="module")
+def ungated(experts):
+    """The same experts without w3: ungated ``down(relu(x W1)^2)`` (Nemotron-H's relu2 experts)."""
+    return [{"w1": ex["w1"], "w2": ex["w2"]} for ex in experts]
+
+
+def build_ungated(ungated, tp_size=1, tp_rank=0):
+    plan = plan_moe_layer(LAYER, KS, H, INTER, codebook=CB, tp_size=tp_size, tp_rank=tp_rank, gated=False)
+    bank = Exl3MoeBank(plan)
+    bank.allocate("cpu")
+    for e, ex in enumerate(ungated):
+        bank.load_expert(e, ex)
+    return bank
+
+
+def test_ungated_plan_holds_w1_alone():
+    gated = plan_moe_layer(LAYER, K_BITS, H, INTER, codebook=CB)
+    plan = plan_moe_layer(LAYER, KS, H, INTER, codebook=CB, gated=False)
+    assert not plan.gated and plan.projections == ("w1", "w2")
+    assert (plan.inv_perm, plan.groups, plan.words_w13, plan.words_w2) == (
+        gated.inv_perm,
+        gated.groups,
+        gated.words_w13,
+        gated.words_w2,
+    )
+    assert plan.total_w13 == sum(plan.words_w13) == gated.total_w13 // 2
+    assert plan.off_w3 == plan.off_w1 and plan.off_w1[1] == plan.words_w13[0]
+    assert plan.bank_shapes()["w13_suh"] == ((6, 1, H), torch.float16)
+    assert plan.bank_shapes()["w13_svh"] == ((6, 1, INTER), torch.float16)
+    with pytest.raises(ValueError, match=r"\(K of w1, K of w2\) of an ungated expert"):
+        plan_moe_layer(LAYER, K_BITS, H, INTER, codebook=CB, gated=False)
+    with pytest.raises(ValueError, match=r"\(K of w1, K of w3, K of w2\)"):
+        plan_moe_layer(LAYER, KS, H, INTER, codebook=CB)
+
+
+def test_ungated_bank_round_trips_refuses_w3_and_points_up_at_gate(ungated, experts):
+    bank = build_ungated(ungated)
+    assert bank.missing() == []
+    for e, ex in enumerate(ungated):
+        v = bank.expert_views(e)
+        assert v.w3 is None
+        for p in ("w1", "w2"):
+            for kind in ("trellis", "suh", "svh"):
+                assert torch.equal(getattr(v.proj(p), kind), ex[p][kind]), (e, p, kind)
+        with pytest.raises(ValueError, match="no w3"):
+            v.proj("w3")
+        assert bank.expert_tensors(e)[1] is None
+    with pytest.raises(GeometryError, match=r"expert 2: an up_proj \(w3\) for a layer of ungated experts"):
+        bank.load_piece(2, "w3", "trellis", experts[2]["w3"]["trellis"])
+    tables = bank.pointer_tables()
+    assert torch.equal(tables.up.trellis, tables.gate.trellis)  # never read for an ungated bank
+    views = [bank.slot_views(s) for s in range(6)]
+    assert tables.gate.trellis.tolist() == [v.w1.trellis.data_ptr() for v in views]
+    assert tables.down.suh.tolist() == [v.w2.suh.data_ptr() for v in views]
+
+
+def test_ungated_reference_forward_is_relu2_and_tp_ranks_sum_to_it(ungated):
+    """The oracle of an ungated bank against the plain per-expert loop (each expert through the codec's
+    reference_linear, ``relu(x W1)^2 W2``), and the sum of its tensor-parallel ranks' partial sums."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, H, generator=g, dtype=torch.float64)
+    ids = torch.tensor([[0, 3], [5, 1], [2, 2], [4, 0], [1, 5]])
+    wts = torch.rand(5, 2, generator=g, dtype=torch.float64)
+    expect = torch.zeros(5, H, dtype=torch.float64)
+    for t in range(5):
+        for j in range(2):
+            e = int(ids[t, j])
+            w1, w2 = (Exl3Tensors.from_tensors(ungated[e][p]) for p in ("w1", "w2"))
+            h = torch.relu(reference_linear(x[t : t + 1], w1, torch.float64)).square()
+            expect[t] += float(wts[t, j]) * reference_linear(h, w2, torch.float64)[0]
+    assert expect.abs().max() > 1e-3
+    got = reference_moe_forward(build_ungated(ungated), x, ids, wts)
+    assert torch.allclose(got, expect, rtol=1e-10, atol=1e-12)
+    partial = sum(reference_moe_forward(build_ungated(ungated, 4, r), x, ids, wts) for r in range(4))
+    assert torch.allclose(partial, expect, rtol=1e-10, atol=1e-12)
+    # the gated SiLU form of the same w1 differs: the activation is the one the bank is for, not a default
+    silu = reference_moe_forward(build_ungated(ungated), x, ids, wts, activation="silu")
+    assert (silu - expect).norm() > 0.1 * expect.norm()

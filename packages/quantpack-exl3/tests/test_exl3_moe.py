@@ -80,15 +80,23 @@ def oracle_bank(tensors: dict[str, torch.Tensor]) -> Exl3MoeBank:
     return bank_from_tensors(LAYER, grouped(tensors), "cpu")
 
 
-def test_grouped_path_views_are_the_banks_slots(fixtures_dir):
-    """The CUDA op's per-expert path rebuilds each slot's views from the group list; they must be the bank's."""
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+def test_grouped_path_views_are_the_banks_slots(fixtures_dir, gated):
+    """The CUDA op's per-expert path rebuilds each slot's views from the group list; they must be the bank's (an
+    ungated bank's slots hold w1 alone)."""
     from quantpack_exl3.backends.exllamav3.moe import _slot_tensors
 
-    bank = oracle_bank(expert_tensors(fixtures_dir / MIXED))
+    if gated:
+        bank = oracle_bank(expert_tensors(fixtures_dir / MIXED))
+    else:
+        bank = ungated_oracle(ungated_tensors(fixtures_dir / MIXED))
     groups = [(g.lo, g.hi, g.k_gu, g.k_d) for g in bank.plan.groups]
-    for slot, (gate, up, down, k_gu, k_d) in enumerate(_slot_tensors(bank.tensors, groups, H, INTER)):
+    for slot, (gate, up, down, k_gu, k_d) in enumerate(_slot_tensors(bank.tensors, groups, H, INTER, gated)):
         want = bank.slot_views(slot)
+        assert (up is None) == (not gated)
         for got, view in ((gate, want.w1), (up, want.w3), (down, want.w2)):
+            if view is None:
+                continue
             for a, b in zip(got, (view.trellis, view.suh, view.svh), strict=True):
                 assert a.data_ptr() == b.data_ptr() and a.shape == b.shape
         assert (k_gu, k_d) == (want.w1.k, want.w2.k)
@@ -221,3 +229,83 @@ def test_expert_loader_called_directly_refuses_unknown_experts(fixtures_dir):
     with pytest.raises(LayerLoadError, match=r"names expert 9, but the layer has 8 experts"):
         layer.w13_trellis.weight_loader(layer.w13_trellis, t, "experts.9.gate_proj.trellis", "w1", 9, True)
     assert layer.w13_trellis.weight_loader(layer.w13_trellis, t, "experts.0.gate_proj.trellis", "w1", 0, True)
+
+
+# ------------------------------------------------------------------------------------------------ ungated experts
+
+UNGATED = {"activation": SimpleNamespace(value="relu2_no_mul"), "is_act_and_mul": False}
+
+
+def ungated_tensors(pack_dir) -> dict[str, torch.Tensor]:
+    """Ungated experts (Nemotron-H's layout: ``up_proj`` and ``down_proj`` only) from a pack's experts: each
+    expert's gate_proj tensors stored as its up_proj."""
+    out = {}
+    for name, t in expert_tensors(pack_dir).items():
+        e, proj, kind = name.split(".")
+        if proj != "up_proj":
+            out[f"{e}.{'up_proj' if proj == 'gate_proj' else proj}.{kind}"] = t
+    return out
+
+
+def ungated_oracle(tensors: dict[str, torch.Tensor]) -> Exl3MoeBank:
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        e, proj, kind = name.split(".")
+        parts.setdefault((int(e), "w1" if proj == "up_proj" else "w2"), {})[kind] = t
+    return bank_from_tensors(LAYER, {k: Exl3Tensors.from_tensors(v) for k, v in parts.items()}, "cpu")
+
+
+@pytest.mark.parametrize("pack", [HIGH, MIXED])
+@pytest.mark.parametrize("route", ["layer loader", "parameter loader"])
+def test_ungated_relu2_experts_match_the_float64_oracle(fixtures_dir, pack, route):
+    """Ungated relu2 experts (vLLM's ``relu2_no_mul``, ``is_act_and_mul=False``): loaded by name through the layer
+    (vLLM 0.32's ``ckpt_names`` route) or through the parameters' loader with shard id w1 (0.25's Nemotron-H
+    loop), served by the reference kernel, equal to the float64 ``relu(x W1)^2 W2`` oracle; the gated pack's SiLU
+    form of the same experts is far from it."""
+    method, layer = make_layer(**UNGATED)
+    assert layer.quant_state.gated is False
+    tensors = ungated_tensors(fixtures_dir / pack)
+    if route == "layer loader":
+        names = load(layer, tensors)
+        assert set(names) == {f"{f}_{s}" for f in ("w13", "w2") for s in ("trellis", "suh", "svh", "mul1")}
+    else:
+        for name, t in tensors.items():
+            e, proj, kind = name.split(".")
+            param = getattr(layer, f"{'w13' if proj == 'up_proj' else 'w2'}_{kind}")
+            shard = "w1" if proj == "up_proj" else "w2"
+            param.weight_loader(param, t, f"experts.{name}", shard, int(e), True)
+    method.process_weights_after_loading(layer)
+    assert layer.bank_w13.shape == (E, H, INTER)  # W1 alone per expert
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(20)])
+    w = torch.rand(20, 2, generator=g).softmax(-1)
+    got = method.apply(layer, x, w, ids.to(torch.int32))
+    oracle = ungated_oracle(tensors)
+    want = reference_moe_forward(oracle, x, ids, w)
+    rel = ((got.double() - want).norm() / want.norm()).item()
+    assert rel < 1e-5, rel
+    silu = reference_moe_forward(oracle, x, ids, w, activation="silu")
+    assert (silu - want).norm() > 0.1 * want.norm()
+
+
+def test_ungated_layer_refuses_gated_tensors_and_names_missing_ones(fixtures_dir):
+    from quantpack_core.errors import LayerLoadError, UnsupportedMoeError
+
+    _, layer = make_layer(**UNGATED)
+    with pytest.raises(LayerLoadError, match=r"'0\.gate_proj\.trellis' is not a per-expert EXL3 tensor"):
+        load(layer, {"0.gate_proj.trellis": expert_tensors(fixtures_dir / HIGH)["0.gate_proj.trellis"]})
+    method, layer = make_layer(**UNGATED)
+    tensors = ungated_tensors(fixtures_dir / HIGH)
+    load(layer, {k: v for k, v in tensors.items() if not k.startswith("5.up_proj.")})
+    with pytest.raises(LayerLoadError, match=r"no EXL3 trellis for experts 5\.up_proj .*up/down \(ungated\)"):
+        method.process_weights_after_loading(layer)
+    method, layer = make_layer(**UNGATED)
+    load(layer, tensors)
+    t = expert_tensors(fixtures_dir / HIGH)["3.up_proj.trellis"]
+    layer.w13_trellis.weight_loader(layer.w13_trellis, t, "experts.3.up_proj.trellis", "w3", 3, True)
+    with pytest.raises(LayerLoadError, match=r"expert 3 has a w3 .* ungated experts"):
+        method.process_weights_after_loading(layer)
+    for over in ({"activation": SimpleNamespace(value="relu2_no_mul")}, {**UNGATED, "activation": "gelu_no_mul"}):
+        with pytest.raises(UnsupportedMoeError, match="ungated relu2 experts"):
+            make_layer(**over)

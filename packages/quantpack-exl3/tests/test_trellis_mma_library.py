@@ -319,7 +319,7 @@ def test_moe_bad_arguments_are_refused_before_any_launch(lib):
 
     def gemm(groups, k2, items, k, codebook=2):
         return lib.qp_moe_gemm(
-            0, None, None, None, None, 8, None, None, None, None, groups, k2, None, 0, None, 0, None, 0,
+            0, 1, None, None, None, None, 8, None, None, None, None, groups, k2, None, 0, None, 0, None, 0,
             items, 8, k, k, k, 768, codebook, 0, 528, None,
         )  # fmt: skip
 

@@ -119,6 +119,7 @@ class ExpertSpec:
         act_dtype: the model dtype.
         tp: ``"whole"``, ``"sliced"`` (the intermediate channels cut on whole blocks) or ``"expert-split"`` (whole
             experts per rank; picks of other ranks' experts arrive as id -1).
+        gated: ``down(silu(x W1) * (x W3))`` experts; False: ungated ``down(relu(x W1)²)`` (no W3).
     """
 
     platform: Platform
@@ -130,11 +131,13 @@ class ExpertSpec:
     intermediate: int
     act_dtype: torch.dtype
     tp: str = TP_WHOLE
+    gated: bool = True
 
     def describe(self) -> str:
         """A short human description for logs."""
         ks = ", ".join(f"{a:g}/{b:g}" for a, b in self.k_groups)
-        return f"{self.format} {self.codebook} {self.num_experts} experts, K {ks}"
+        kind = "" if self.gated else " ungated relu2"
+        return f"{self.format} {self.codebook} {self.num_experts}{kind} experts, K {ks}"
 
 
 @dataclass(frozen=True)

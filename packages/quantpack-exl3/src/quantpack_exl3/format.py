@@ -98,7 +98,16 @@ class Exl3Format:
         plan = bank.plan
         groups = tuple((float(g.k_gu), float(g.k_d)) for g in plan.groups)
         return ExpertSpec(
-            platform, self.name, plan.codebook.value, groups, plan.num_experts, plan.hidden, plan.inter_local, dtype, tp
+            platform,
+            self.name,
+            plan.codebook.value,
+            groups,
+            plan.num_experts,
+            plan.hidden,
+            plan.inter_local,
+            dtype,
+            tp,
+            gated=plan.gated,
         )
 
     def bank_intermediate(self, bank: Exl3MoeBank, logical: int) -> int:

@@ -5,6 +5,8 @@
   ``16*K`` (or ``16*KA + 8``) words, so every offset is a multiple of 16 bytes.
 - **Vectors.** float16, indexed by slot: ``w13_suh (E, 2, H)`` and ``w2_svh (E, H)`` span the hidden side (never cut),
   ``w13_svh (E, 2, I_loc)`` and ``w2_suh (E, I_loc)`` the rank's intermediate channels.
+- **Ungated experts** (``down(act(x W1))``, no ``up_proj``: Nemotron-H's relu² experts): ``w13_trellis`` holds ``w1``
+  alone per slot and ``w13_suh`` / ``w13_svh`` are ``(E, 1, .)``; the kernels tell the two apart by that axis.
 
 The layout comes from the layer's :class:`~quantpack_core.moe.plan.MoePlan`; each rank cuts its part out of the full
 exllamav3 tensors as they load (``w1`` / ``w3`` column parallel, ``w2`` row parallel). Follows docs/moe-bank.md.
@@ -30,6 +32,7 @@ from .plan import (
     PROJ_MODULES,
     PROJ_UP,
     PROJECTIONS,
+    UNGATED_PROJECTIONS,
     MoePlan,
     plan_moe_layer,
 )
@@ -62,20 +65,27 @@ class ExpertViews:
     """The three projections of one expert as views into the bank.
 
     Attributes:
-        w1: gate_proj (:class:`ProjView`).
-        w3: up_proj.
+        w1: gate_proj (:class:`ProjView`; an ungated expert's one input projection).
+        w3: up_proj (None for an ungated expert).
         w2: down_proj.
 
     Source: docs/moe-bank.md.
     """
 
     w1: ProjView
-    w3: ProjView
+    w3: ProjView | None
     w2: ProjView
 
     def proj(self, name: str) -> ProjView:
-        """The view of projection ``"w1"``, ``"w3"`` or ``"w2"``."""
-        return {PROJ_GATE: self.w1, PROJ_UP: self.w3, PROJ_DOWN: self.w2}[name]
+        """The view of projection ``"w1"``, ``"w3"`` or ``"w2"``.
+
+        Raises:
+            ValueError: ``"w3"`` of an ungated expert.
+        """
+        view = {PROJ_GATE: self.w1, PROJ_UP: self.w3, PROJ_DOWN: self.w2}[name]
+        if view is None:
+            raise ValueError("an ungated expert has no w3 (up_proj): its bank holds w1 and w2 only")
+        return view
 
 
 def _dtype(d: torch.dtype) -> str:
@@ -182,7 +192,7 @@ class Exl3MoeBank:
     def _required(self) -> list[tuple[int, str, str]]:
         marker = self.plan.codebook.marker
         kinds = (*PIECE_KINDS, marker) if marker else PIECE_KINDS
-        return [(e, p, k) for e in range(self.num_experts) for p in PROJECTIONS for k in kinds]
+        return [(e, p, k) for e in range(self.num_experts) for p in self.plan.projections for k in kinds]
 
     def missing(self) -> list[tuple[int, str, str]]:
         """Pieces not loaded yet: ``(logical expert, proj, kind)`` in expert order; kinds are ``trellis``, ``suh``,
@@ -210,6 +220,14 @@ class Exl3MoeBank:
         Source: docs/moe-bank.md.
         """
         return getattr(self.expert_views(expert).proj(self._check_proj(proj)), self._check_kind(kind))
+
+    def _check_gated_proj(self, expert: int, proj: str) -> None:
+        if proj == PROJ_UP and not self.plan.gated:
+            raise GeometryError(
+                f"{self.plan.layer or 'MoE layer'}: expert {expert}: an up_proj (w3) for a layer of ungated experts "
+                "(down(act(x W1)), w1 and w2 only) -> the pack's experts do not match the model's MoE layers; use "
+                "the config the pack was made with"
+            )
 
     def _check_expert(self, expert: int) -> int:
         e = int(expert)
@@ -251,6 +269,7 @@ class Exl3MoeBank:
         plan = self.plan
         e = self._check_expert(expert)
         self._check_proj(proj)
+        self._check_gated_proj(e, proj)
         if kind in ("mcg", "mul1"):
             self._check_marker_piece(e, proj, kind, tensor)
             return
@@ -344,9 +363,10 @@ class Exl3MoeBank:
         n13, n2 = plan.words_w13[slot], plan.words_w2[slot]
         o1, o3, o2 = plan.off_w1[slot], plan.off_w3[slot], plan.off_w2[slot]
         b = plan.bits[e]
+        up = ProjView(w13[o3 : o3 + n13].view(s_gu), s13[slot, 1], v13[slot, 1], b.k_gu) if plan.gated else None
         return ExpertViews(
             ProjView(w13[o1 : o1 + n13].view(s_gu), s13[slot, 0], v13[slot, 0], b.k_gu),
-            ProjView(w13[o3 : o3 + n13].view(s_gu), s13[slot, 1], v13[slot, 1], b.k_gu),
+            up,
             ProjView(w2[o2 : o2 + n2].view(s_d), s2[slot], v2[slot], b.k_d),
         )
 
@@ -358,11 +378,12 @@ class Exl3MoeBank:
         """
         return self.slot_views(self.plan.perm[self._check_expert(expert)])
 
-    def expert_tensors(self, expert: int) -> tuple[Exl3Tensors, Exl3Tensors, Exl3Tensors]:
+    def expert_tensors(self, expert: int) -> tuple[Exl3Tensors, Exl3Tensors | None, Exl3Tensors]:
         """This rank's part of one expert as codec objects over the bank's views (nothing copied).
 
         Returns:
-            ``(w1, w3, w2)`` :class:`~quantpack_core.codec.Exl3Tensors` with the plan's codebook.
+            ``(w1, w3, w2)`` :class:`~quantpack_core.codec.Exl3Tensors` with the plan's codebook (``w3`` None for an
+            ungated expert).
 
         Raises:
             ValueError: expert out of range, or no tensors yet.
@@ -372,7 +393,7 @@ class Exl3MoeBank:
         """
         v = self.expert_views(expert)
         cb = self.plan.codebook
-        return tuple(Exl3Tensors(p.trellis, p.suh, p.svh, cb) for p in (v.w1, v.w3, v.w2))  # type: ignore[return-value]
+        return tuple(None if p is None else Exl3Tensors(p.trellis, p.suh, p.svh, cb) for p in (v.w1, v.w3, v.w2))  # type: ignore[return-value]
 
     # --------------------------------------------------------------------------------------------- tables
 
@@ -394,7 +415,7 @@ def bank_from_tensors(
     Args:
         layer: module name, for messages.
         experts: ``(logical expert, "w1" | "w3" | "w2") -> tensors`` for experts ``0..E-1``, as the pack stores them
-            (sizes padded to 128).
+            (sizes padded to 128); a layer without any ``w3`` is planned as ungated experts (w1 and w2 only).
         device: where the bank lives (None: torch's default device).
         tp_size, tp_rank: the tensor-parallel rank whose share of the intermediate channels the bank keeps.
 
@@ -420,10 +441,12 @@ def bank_from_tensors(
             "codebook (the grouped kernels take it per launch) - re-quantize the layer with one codebook"
         )
     num = 1 + max(e for e, _ in experts)
-    k_bits = [tuple(experts[(e, p)].k_bits for p in PROJECTIONS) for e in range(num)]
+    gated = any(p == PROJ_UP for _, p in experts)
+    projs = PROJECTIONS if gated else UNGATED_PROJECTIONS
+    k_bits = [tuple(experts[(e, p)].k_bits for p in projs) for e in range(num)]
     hidden, inter = experts[(0, PROJ_GATE)].padded_shape
     plan = plan_moe_layer(
-        layer, k_bits, hidden, inter, codebook=next(iter(codebooks)), tp_size=tp_size, tp_rank=tp_rank
+        layer, k_bits, hidden, inter, codebook=next(iter(codebooks)), tp_size=tp_size, tp_rank=tp_rank, gated=gated
     )
     bank = Exl3MoeBank(plan)
     bank.allocate(device)
@@ -442,7 +465,8 @@ def pointer_tables(bank: Exl3MoeBank) -> BankTables:
     :meth:`allocate` or :meth:`bind`, a ``.to()``).
 
     Returns:
-        :class:`BankTables`; each table is int64 ``(E,)``, each group's are its ``[lo, hi)`` slices.
+        :class:`BankTables`; each table is int64 ``(E,)``, each group's are its ``[lo, hi)`` slices. An ungated bank's
+        up tables repeat its gate tables (the kernels read them only for gated banks).
 
     Raises:
         ValueError: no tensors yet.
@@ -458,7 +482,7 @@ def pointer_tables(bank: Exl3MoeBank) -> BankTables:
     for slot in range(bank.num_experts):
         v = bank.slot_views(slot)
         for p in PROJECTIONS:
-            pv = v.proj(p)
+            pv = v.proj(p if bank.plan.gated or p != PROJ_UP else PROJ_GATE)
             for i, t in enumerate((pv.trellis, pv.suh, pv.svh)):
                 cols[p][i].append(t.data_ptr())
     whole = {p: ProjTables(*(torch.tensor(c, dtype=torch.int64, device=dev) for c in cols[p])) for p in PROJECTIONS}
@@ -492,7 +516,8 @@ def grouped_inputs(bank: Exl3MoeBank, codebook_id: int, device: torch.device) ->
         ``(tensors, static)``: tensors ``perm`` (int64 ``(E + 1,)``: expert -> slot, a trailing -1 that an expert id
         of -1, another tensor-parallel rank's expert, indexes), ``tables`` (int64 ``(9, E)``: the trellis, suh and
         svh pointers of w1, w3, w2 per slot) and the six bank tensors (:data:`BANK_TENSORS`); static
-        ``(codebook_id, group_lo, group_hi, k_gu, k_d)``, one entry per K group in slot order.
+        ``(codebook_id, group_lo, group_hi, k_gu, k_d)``, one entry per K group in slot order. Whether the experts
+        are gated is the second axis of ``w13_suh`` (2 or 1).
 
     Source: docs/moe-bank.md ("Pointer tables"); exllamav3 ``MultiLinear`` (``ptrs_trellis`` / ``ptrs_suh`` /
     ``ptrs_svh``).

@@ -9,6 +9,9 @@ trellises sit in the bank's two flat trellis tensors (:mod:`.bank`), and which i
 tensor-parallel rank keeps: ``[r * I_loc, (r + 1) * I_loc)`` of every expert, exact only when ``I_loc`` is a whole
 number of 128-channel Hadamard blocks (any other cut is refused here; the vLLM method splits whole experts instead).
 
+An ungated layer (Nemotron-H's relu² experts: ``down(relu(x W1)²)``, no ``up_proj``) plans the same way with ``w1``
+alone on the gate / up side: ``w13_trellis`` holds one trellis per slot and the vectors' second axis has one entry.
+
 Here ``H`` and ``I`` are the stored (128-padded) hidden and intermediate sizes. Follows docs/moe-bank.md and
 exllamav3 (``exllamav3/modules/block_sparse_mlp.py``, ``exllamav3/modules/multilinear.py``).
 """
@@ -31,6 +34,8 @@ PROJ_GATE = "w1"
 PROJ_UP = "w3"
 PROJ_DOWN = "w2"
 PROJECTIONS = (PROJ_GATE, PROJ_UP, PROJ_DOWN)
+#: the projections of an ungated expert (``down(act(x W1))``): vLLM loads its one input projection as ``w1``
+UNGATED_PROJECTIONS = (PROJ_GATE, PROJ_DOWN)
 #: checkpoint module name of each projection (used in messages)
 PROJ_MODULES = {PROJ_GATE: "gate_proj", PROJ_UP: "up_proj", PROJ_DOWN: "down_proj"}
 #: the per-projection tensors the bank stores
@@ -210,9 +215,11 @@ class MoePlan:
         inter_local: intermediate channels this rank keeps (``I_loc = I / tp_size``).
         words_w13: per slot, int16 words of ONE of its w1 / w3 trellises (``H/16 * I_loc/16 * width(k_gu)``).
         words_w2: per slot, int16 words of its w2 trellis (``I_loc/16 * H/16 * width(k_d)``).
-        off_w1, off_w3: per slot, offset of its w1 / w3 trellis in ``w13_trellis`` (``off_w3 = off_w1 + words_w13``).
+        off_w1, off_w3: per slot, offset of its w1 / w3 trellis in ``w13_trellis`` (``off_w3 = off_w1 + words_w13``;
+            an ungated plan has no w3: ``off_w3 = off_w1``, never read).
         off_w2: per slot, offset of its w2 trellis in ``w2_trellis``.
         total_w13, total_w2: lengths of the two trellis banks.
+        gated: the experts are ``down(act(x W1) * (x W3))`` (True) or ungated ``down(act(x W1))`` (False: no w3).
 
     Source: docs/moe-bank.md (the plan: slots, groups, offsets in one object).
     """
@@ -236,11 +243,17 @@ class MoePlan:
     off_w2: tuple[int, ...]
     total_w13: int
     total_w2: int
+    gated: bool = True
 
     @property
     def num_experts(self) -> int:
         """Number of experts ``E`` (logical experts = physical slots)."""
         return len(self.bits)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The projections every expert stores: ``("w1", "w3", "w2")``, or ``("w1", "w2")`` when ungated."""
+        return PROJECTIONS if self.gated else UNGATED_PROJECTIONS
 
     def k_of(self, expert: int, proj: str) -> float:
         """K (bits per weight) of projection ``proj`` (``"w1"``, ``"w3"``, ``"w2"``) of logical expert ``expert``."""
@@ -290,11 +303,12 @@ class MoePlan:
         """``{bank tensor name: (shape, dtype)}`` of the six bank tensors (see the module docstring)."""
         e, h, i = self.num_experts, self.hidden, self.inter_local
         f16 = torch.float16
+        parts = 2 if self.gated else 1
         return {
             "w13_trellis": ((self.total_w13,), torch.int16),
             "w2_trellis": ((self.total_w2,), torch.int16),
-            "w13_suh": ((e, 2, h), f16),
-            "w13_svh": ((e, 2, i), f16),
+            "w13_suh": ((e, parts, h), f16),
+            "w13_svh": ((e, parts, i), f16),
             "w2_suh": ((e, i), f16),
             "w2_svh": ((e, h), f16),
         }
@@ -302,23 +316,26 @@ class MoePlan:
 
 def plan_moe_layer(
     layer: str,
-    k_bits: Sequence[tuple[float, float, float]],
+    k_bits: Sequence[tuple[float, ...]],
     hidden: int,
     intermediate: int,
     *,
     codebook: Codebook | str,
     tp_size: int = 1,
     tp_rank: int = 0,
+    gated: bool = True,
 ) -> MoePlan:
     """Plan one MoE layer's expert bank on one tensor-parallel rank.
 
     Args:
         layer: module name of the layer, e.g. ``model.layers.3.mlp.experts`` (used in messages).
-        k_bits: per logical expert ``e`` (0..E-1), the K of its ``(w1, w3, w2)`` tensors; w1 and w3 must agree.
+        k_bits: per logical expert ``e`` (0..E-1), the K of its ``(w1, w3, w2)`` tensors (w1 and w3 must agree), or
+            of its ``(w1, w2)`` when ``gated`` is False.
         hidden: stored hidden size ``H`` (a multiple of 128: suh of w1, svh of w2).
         intermediate: stored intermediate size ``I`` of the full experts (a multiple of 128).
         codebook: the codebook every expert tensor of the layer uses (``"3inst"``, ``"mcg"``, ``"mul1"``).
         tp_size, tp_rank: the tensor-parallel rank to plan for.
+        gated: False for ungated experts (``down(act(x W1))``, no w3).
 
     Returns:
         the :class:`MoePlan`: slots sorted by ``(k_gu, k_d)`` ascending (ties in logical order), K groups, offsets.
@@ -343,9 +360,10 @@ def plan_moe_layer(
     i0, i1 = tp_shard(intermediate, tp_size, tp_rank, layer)
     bits: list[ExpertBits] = []
     for e, ks in enumerate(k_bits):
-        if len(ks) != 3:
-            raise ValueError(f"{where}: expert {e}: k_bits entry {ks!r} is not (K of w1, K of w3, K of w2)")
-        k1, k3, k2 = (float(k) for k in ks)
+        if len(ks) != (3 if gated else 2):
+            want = "(K of w1, K of w3, K of w2)" if gated else "(K of w1, K of w2) of an ungated expert"
+            raise ValueError(f"{where}: expert {e}: k_bits entry {ks!r} is not {want}")
+        k1, k3, k2 = (float(k) for k in ks) if gated else (float(ks[0]), float(ks[0]), float(ks[1]))
         for proj, k in ((PROJ_GATE, k1), (PROJ_UP, k3), (PROJ_DOWN, k2)):
             try:
                 width_from_k(k)
@@ -372,7 +390,9 @@ def plan_moe_layer(
             groups[-1] = KGroup(g.k_gu, g.k_d, g.lo, slot + 1)
         else:
             groups.append(KGroup(b.k_gu, b.k_d, slot, slot + 1))
-    words13, words2, off1, off3, off2 = bank_layout([(bits[e].k_gu, bits[e].k_d) for e in order], hidden, i1 - i0)
+    words13, words2, off1, off3, off2 = bank_layout(
+        [(bits[e].k_gu, bits[e].k_d) for e in order], hidden, i1 - i0, gated=gated
+    )
     return MoePlan(
         layer=layer,
         hidden=hidden,
@@ -391,19 +411,21 @@ def plan_moe_layer(
         off_w1=off1,
         off_w3=off3,
         off_w2=off2,
-        total_w13=sum(2 * n for n in words13),
+        total_w13=(2 if gated else 1) * sum(words13),
         total_w2=sum(words2),
+        gated=gated,
     )
 
 
 def bank_layout(
-    slot_bits: Sequence[tuple[float, float]], hidden: int, inter_local: int
+    slot_bits: Sequence[tuple[float, float]], hidden: int, inter_local: int, *, gated: bool = True
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Where each slot's trellises sit in the two flat trellis banks.
 
     Args:
         slot_bits: ``(K of w1 / w3, K of w2)`` per physical slot, in slot order.
         hidden: stored hidden size ``H``; inter_local: this rank's intermediate channels ``I_loc``.
+        gated: False when the slots hold no w3 (``off_w3`` then equals ``off_w1`` and is never read).
 
     Returns:
         ``(words_w13, words_w2, off_w1, off_w3, off_w2)``, one entry per slot: the int16 words of one w1 / w3
@@ -421,8 +443,8 @@ def bank_layout(
     a13 = a2 = 0
     for n13, n2 in zip(words13, words2, strict=True):
         off1.append(a13)
-        off3.append(a13 + n13)
-        a13 += 2 * n13
+        off3.append(a13 + n13 if gated else a13)
+        a13 += 2 * n13 if gated else n13
         off2.append(a2)
         a2 += n2
     return words13, words2, tuple(off1), tuple(off3), tuple(off2)

@@ -1,5 +1,6 @@
 """The float64 reference forward of one expert bank: each routed expert dequantized by the core codec, the routed,
-weighted sum of ``down(act(gate(x)) * up(x))``. A test oracle (each expert decoded once per call), not a fast path.
+weighted sum of ``down(act(gate(x)) * up(x))`` (ungated experts: ``down(act(gate(x)))``). A test oracle (each
+expert decoded once per call), not a fast path.
 
 Follows exllamav3 ``exllamav3/modules/block_sparse_mlp.py`` (``BlockSparseMLP.forward``) and docs/moe-bank.md.
 """
@@ -16,7 +17,7 @@ from .bank import Exl3MoeBank
 
 def dequantize_expert(
     bank: Exl3MoeBank, expert: int, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Dense weights of this rank's part of one expert, decoded from the bank with the core codec.
 
     Args:
@@ -26,17 +27,23 @@ def dequantize_expert(
 
     Returns:
         ``(W1, W3, W2)`` with ``W1, W3`` of shape ``(H, I_loc)`` and ``W2`` of shape ``(I_loc, H)``, in ``y = x @ W``
-        layout (see :func:`~quantpack_core.codec.dequantize`).
+        layout (see :func:`~quantpack_core.codec.dequantize`); ``W3`` is None for an ungated expert.
 
     Raises:
         CodecError: a vector holding NaN or infinities (e.g. a piece never loaded).
 
     Source: quantpack_core.codec.dequantize over the bank's per-expert views (docs/moe-bank.md).
     """
-    return tuple(dequantize(t, dtype) for t in bank.expert_tensors(expert))  # type: ignore[return-value]
+    return tuple(None if t is None else dequantize(t, dtype) for t in bank.expert_tensors(expert))  # type: ignore[return-value]
 
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": torch.nn.functional.silu}
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x)²``: Nemotron-H's expert activation (vLLM's ``relu2_no_mul``, applied without an up projection)."""
+    return torch.relu(x).square()
+
+
+#: activations by name: ``silu`` of gated experts (exllamav3's and vLLM's default), ``relu2`` of ungated ones
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": torch.nn.functional.silu, "relu2": relu2}
 
 
 def reference_moe_forward(
@@ -45,12 +52,12 @@ def reference_moe_forward(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     *,
-    activation: str | Callable[[torch.Tensor], torch.Tensor] = "silu",
+    activation: str | Callable[[torch.Tensor], torch.Tensor] | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """Dense reference of the routed experts of one layer on this rank: for each token t,
     ``y[t] = sum_j topk_weights[t, j] * (act(x[t] @ W1) * (x[t] @ W3)) @ W2`` with ``W*`` of expert ``topk_ids[t, j]``
-    dequantized from the bank (:func:`dequantize_expert`).
+    dequantized from the bank (:func:`dequantize_expert`); for an ungated bank ``act(x[t] @ W1) @ W2``.
 
     On a rank of ``tp_size > 1`` this is the rank's partial sum: the sum over all ranks (vLLM's all-reduce) is the
     full layer's output. Each expert used is decoded once per call, so this is a test oracle, not a fast path.
@@ -60,7 +67,8 @@ def reference_moe_forward(
         x: ``(T, H)`` activations (``H`` the stored hidden size), any floating dtype.
         topk_ids: ``(T, k)`` integer logical expert ids in ``[0, E)``; a token may list an expert more than once.
         topk_weights: ``(T, k)`` routing weights (already normalized / scaled as the model wants).
-        activation: ``"silu"`` (exllamav3's and vLLM's default) or a callable applied to the gate.
+        activation: a name of :data:`ACTIVATIONS` or a callable applied to the gate; None: ``"silu"`` for a gated bank,
+            ``"relu2"`` for an ungated one.
         dtype: compute and result dtype (float64 for an oracle).
 
     Returns:
@@ -85,6 +93,8 @@ def reference_moe_forward(
         )
     if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
         raise ValueError(f"{where}: topk_ids must be integers, got {topk_ids.dtype}")
+    if activation is None:
+        activation = "silu" if plan.gated else "relu2"
     if isinstance(activation, str):
         if activation not in ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}: expected one of {sorted(ACTIVATIONS)} or a callable")
@@ -100,8 +110,8 @@ def reference_moe_forward(
     out = torch.zeros(x.shape[0], plan.hidden, dtype=dtype, device=x.device)
     for e in ids.unique().tolist():
         tok, j = (ids == e).nonzero(as_tuple=True)
-        w1, w3, w2 = (w.to(x.device) for w in dequantize_expert(bank, e, dtype))
+        w1, w3, w2 = (None if w is None else w.to(x.device) for w in dequantize_expert(bank, e, dtype))
         xe = xf[tok]
-        h = act(xe @ w1) * (xe @ w3)
+        h = act(xe @ w1) if w3 is None else act(xe @ w1) * (xe @ w3)
         out.index_add_(0, tok, (h @ w2) * wts[tok, j, None])
     return out

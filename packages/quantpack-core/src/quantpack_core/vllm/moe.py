@@ -16,6 +16,9 @@ mixed-precision recipe). This method:
 * ``apply`` runs one registered custom op over the routed tokens (vLLM's router has already chosen ``topk_ids`` and
   ``topk_weights``; vLLM's runner adds any shared experts).
 
+Experts are gated SiLU (``down(silu(gate(x)) * up(x))``, vLLM's default) or ungated relu² (``down(relu(up(x))²)``,
+vLLM's ``relu2_no_mul``: Nemotron-H's latent MoE), whose one input projection vLLM loads as ``w1``.
+
 The layer's state is one :class:`ExpertState` (``layer.quant_state``); its tensors are the parameters
 ``bank_{name}`` and, under an expert split, the buffer ``local_ids``.
 
@@ -38,7 +41,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from quantpack_core.errors import CodecError, GeometryError, LayerLoadError, UnsupportedMoeError
 from quantpack_core.format import ExpertFormat
 from quantpack_core.kernels import TP_EXPERT_SPLIT, TP_SLICED, TP_WHOLE, choose_kernel
-from quantpack_core.moe import PROJ_DOWN, PROJ_GATE, PROJ_MODULES, PROJ_UP, PROJECTIONS
+from quantpack_core.moe import PROJ_DOWN, PROJ_GATE, PROJ_MODULES, PROJ_UP, PROJECTIONS, UNGATED_PROJECTIONS
 from quantpack_core.tp import expert_split, padded, sliced_tp_sizes
 
 from .compile_key import op_name
@@ -72,11 +75,15 @@ def load_expert_weights(layer: torch.nn.Module, weights: Iterable[tuple[str, tor
     per-expert trellis for all experts (the 0.25-0.31 bug).
     """
     state: ExpertState = layer.quant_state
-    projs = {
-        getattr(layer, "ckpt_gate_proj_name", None) or "gate_proj": PROJ_GATE,
-        getattr(layer, "ckpt_up_proj_name", None) or "up_proj": PROJ_UP,
-        getattr(layer, "ckpt_down_proj_name", None) or "down_proj": PROJ_DOWN,
-    }
+    down = {getattr(layer, "ckpt_down_proj_name", None) or "down_proj": PROJ_DOWN}
+    if state.gated:
+        projs = {
+            getattr(layer, "ckpt_gate_proj_name", None) or "gate_proj": PROJ_GATE,
+            getattr(layer, "ckpt_up_proj_name", None) or "up_proj": PROJ_UP,
+            **down,
+        }
+    else:  # an ungated expert's one input projection (the checkpoint's up_proj) is vLLM's w1
+        projs = {getattr(layer, "ckpt_gate_proj_name", None) or "up_proj": PROJ_GATE, **down}
     name_of = getattr(layer, "layer_name", None) or state.prefix or "MoE layer"
     for name, tensor in weights:
         m = _EXPERT_NAME.match(name)
@@ -94,6 +101,11 @@ def load_expert_weights(layer: torch.nn.Module, weights: Iterable[tuple[str, tor
             getattr(layer, param_name), tensor, weight_name=name, shard_id=proj, expert_id=expert
         )
         yield param_name
+
+
+def _module(state: ExpertState, proj: str) -> str:
+    """The checkpoint module of projection ``proj`` in messages (an ungated expert's w1 is its ``up_proj``)."""
+    return "up_proj" if proj == PROJ_GATE and not state.gated else PROJ_MODULES[proj]
 
 
 @functools.cache
@@ -126,6 +138,8 @@ class ExpertState:
         kernel: the chosen kernel's name; fn / params / static: how ``apply`` runs the bank (None before processing).
         idle: an expert split with more ranks than experts left this rank none (it adds zero).
         local_ids: the buffer ``local_ids`` maps vLLM's expert ids to this rank's bank (-1 for other ranks' experts).
+        gated: gated SiLU experts (gate, up, down) or, when False, ungated relu² experts (w1 = the checkpoint's
+            up_proj, and down).
     """
 
     prefix: str
@@ -144,6 +158,12 @@ class ExpertState:
     static: tuple = ()
     idle: bool = False
     local_ids: bool = False
+    gated: bool = True
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        """The projections every expert of the layer stores (vLLM's shard ids)."""
+        return PROJECTIONS if self.gated else UNGATED_PROJECTIONS
 
 
 class QuantMoEMethod(FusedMoEMethodBase):
@@ -156,8 +176,8 @@ class QuantMoEMethod(FusedMoEMethodBase):
         prefix: the vLLM module name, e.g. ``model.layers.3.mlp.experts``.
 
     Raises (from :meth:`create_weights`):
-        UnsupportedMoeError: expert parallelism, a non-gated or non-SiLU activation, expert biases, routing weights
-            applied on the input, or SwiGLU limits (each named, with the way out).
+        UnsupportedMoeError: expert parallelism, an activation other than gated SiLU or ungated relu², expert biases,
+            routing weights applied on the input, or SwiGLU limits (each named, with the way out).
 
     Tensor parallelism: each rank keeps its share of every expert's intermediate channels (``w1`` / ``w3`` column
     parallel, ``w2`` row parallel; vLLM all-reduces the ranks' partial sums) when the share is whole 128-channel
@@ -183,16 +203,18 @@ class QuantMoEMethod(FusedMoEMethodBase):
 
     # ------------------------------------------------------------------------------------------------ create
 
-    def _check_supported(self, layer: torch.nn.Module) -> None:
+    def _check_supported(self, layer: torch.nn.Module) -> bool:
+        """Refuse what the banks cannot serve; returns whether the experts are gated."""
         moe = self.moe
         where = self.prefix or "MoE layer"
         name = self.format.label
-        act = getattr(getattr(moe, "activation", None), "value", getattr(moe, "activation", "silu"))
-        gated = getattr(moe, "is_act_and_mul", True)
-        if str(act) != "silu" or not gated:
+        act = str(getattr(getattr(moe, "activation", None), "value", getattr(moe, "activation", "silu")))
+        gated = bool(getattr(moe, "is_act_and_mul", True))
+        if (act, gated) not in (("silu", True), ("relu2_no_mul", False), ("relu2", False)):
             raise UnsupportedMoeError(
                 f"{where}: activation {act!r} ({'gated' if gated else 'not gated'}); {name} expert banks serve gated "
-                "SiLU experts (act(gate) * up) only - this model's experts cannot be served by this version"
+                "SiLU experts (silu(gate) * up) and ungated relu2 experts (relu(up)^2) only - this model's experts "
+                "cannot be served by this version"
             )
         if getattr(moe, "has_bias", False):
             raise UnsupportedMoeError(f"{where}: expert biases are not supported for {name} expert banks")
@@ -209,6 +231,7 @@ class QuantMoEMethod(FusedMoEMethodBase):
                 f"{where}: expert parallelism is not supported for {name} expert banks - run without "
                 "--enable-expert-parallel"
             )
+        return gated
 
     def create_weights(
         self,
@@ -233,7 +256,7 @@ class QuantMoEMethod(FusedMoEMethodBase):
         Raises:
             UnsupportedMoeError: see the class.
         """
-        self._check_supported(layer)
+        gated = self._check_supported(layer)
         tp_size = int(getattr(self.moe, "tp_size", 1) or 1)
         tp_rank = int(getattr(self.moe, "tp_rank", 0) or 0)
         inter_full = int(intermediate_size_per_partition) * tp_size
@@ -253,6 +276,7 @@ class QuantMoEMethod(FusedMoEMethodBase):
             tp_size,
             tp_rank,
             self._tp_sliced(inter_full, tp_size),
+            gated=gated,
         )
         # An instance attribute shadows RoutedExperts.load_weights (MoERunner.load_weights delegates to it).
         layer.load_weights = functools.partial(load_expert_weights, layer)
@@ -311,15 +335,27 @@ class QuantMoEMethod(FusedMoEMethodBase):
                 for key, t in getattr(layer, f"{family}_{suffix}").captured.items():
                     by_key.setdefault(key, {})[suffix] = t
         main = self.format.main_suffix
+        if not state.gated and any(proj == PROJ_UP for _, proj in by_key):
+            e = min(e for e, proj in by_key if proj == PROJ_UP)
+            raise LayerLoadError(
+                f"{self.prefix}: expert {e} has a w3 (a second input projection), but the model builds this layer with "
+                "ungated experts (one input projection, relu2): the pack was made for another architecture or config "
+                "- use the config the pack was made with"
+            )
         missing = [
-            (e, proj) for e in range(state.num_experts) for proj in PROJECTIONS if main not in by_key.get((e, proj), {})
+            (e, proj)
+            for e in range(state.num_experts)
+            for proj in state.projections
+            if main not in by_key.get((e, proj), {})
         ]
         if missing:
-            listing = ", ".join(f"{e}.{PROJ_MODULES[p]}" for e, p in missing[:6])
+            names = PROJ_MODULES if state.gated else {PROJ_GATE: "up_proj", PROJ_DOWN: "down_proj"}
+            listing = ", ".join(f"{e}.{names[p]}" for e, p in missing[:6])
             more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+            kinds = "gate/up/down" if state.gated else "up/down (ungated)"
             raise LayerLoadError(
                 f"{self.prefix}: no {self.format.label} {main} for experts {listing}{more} (of {state.num_experts} "
-                "experts x gate/up/down); the pack is incomplete or does not match config.json - re-download it"
+                f"experts x {kinds}); the pack is incomplete or does not match config.json - re-download it"
             )
         out = {}
         for (e, proj), tensors in sorted(by_key.items()):
@@ -327,7 +363,7 @@ class QuantMoEMethod(FusedMoEMethodBase):
                 out[(e, proj)] = self.format.parse(tensors)
             except CodecError as err:
                 raise LayerLoadError(
-                    f"{self.prefix}: expert {e} {PROJ_MODULES[proj]}: {err}; the pack's tensor is incomplete or "
+                    f"{self.prefix}: expert {e} {_module(state, proj)}: {err}; the pack's tensor is incomplete or "
                     "corrupt - re-download or re-quantize it"
                 ) from None
         return out
@@ -354,7 +390,7 @@ class QuantMoEMethod(FusedMoEMethodBase):
             if self.format.stored_shape(t) != want[proj]:
                 k, n = self.format.stored_shape(t)
                 raise GeometryError(
-                    f"{self.prefix}: expert {e} {PROJ_MODULES[proj]} stores a {k}x{n} (in x out) {self.format.label} "
+                    f"{self.prefix}: expert {e} {_module(state, proj)} stores a {k}x{n} (in x out) {self.format.label} "
                     f"matrix, the layer needs {want[proj][0]}x{want[proj][1]} (hidden {hidden}, intermediate {inter}, "
                     f"padded to {block}): the pack does not match config.json - use the config the pack was made with"
                 )
@@ -365,7 +401,7 @@ class QuantMoEMethod(FusedMoEMethodBase):
         if local is None:
             bank = self.format.build_bank(self.prefix, tensors, device, state.tp_size, state.tp_rank)
         elif local:
-            tensors = {(i, proj): tensors[(e, proj)] for i, e in enumerate(local) for proj in PROJECTIONS}
+            tensors = {(i, proj): tensors[(e, proj)] for i, e in enumerate(local) for proj in state.projections}
             bank = self.format.build_bank(self.prefix, tensors, device, 1, 0)
         for family in FAMILIES:
             for suffix in state.suffixes:

@@ -20,11 +20,14 @@ from .gemm import run_exl3_gemm
 GROUPED_MIN_SLOTS = 1024
 
 
-def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _act(gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
+    """The down projection's fp16 input: ``silu(gate) * up``, or ``relu(gate)²`` for ungated experts (up None)."""
+    if up is None:
+        return torch.relu(gate.float()).square().to(torch.float16)
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(torch.float16)
 
 
-def _moe_slots(xh, ids, weights, tables, mcg, mul1, groups, inter, acc) -> None:
+def _moe_slots(xh, ids, weights, tables, mcg, mul1, groups, inter, gated, acc) -> None:
     """Per-slot path: every (token, expert) pick is one matrix of a batched exl3_mgemm (graph-safe, no host sync)."""
     ext = load_extension()
     tokens, top_k = ids.shape
@@ -36,7 +39,7 @@ def _moe_slots(xh, ids, weights, tables, mcg, mul1, groups, inter, acc) -> None:
     ah_in = torch.empty((slots, 1, hidden), dtype=torch.float16, device=xh.device)
     ah_mid = torch.empty((slots, 1, inter), dtype=torch.float16, device=xh.device)
     g = torch.empty((slots, 1, inter), dtype=torch.float16, device=xh.device)
-    u = torch.empty_like(g)
+    u = torch.empty_like(g) if gated else None
     c = torch.empty((slots, 1, hidden), dtype=torch.float32, device=xh.device)
     for lo, hi, k_gu, k_d in groups:
         tab = tables[:, lo:hi]
@@ -48,27 +51,28 @@ def _moe_slots(xh, ids, weights, tables, mcg, mul1, groups, inter, acc) -> None:
             # row of c: test_exl3_gpu_moe.py's absent-expert cases check both on exllamav3 1.6.5)
             idx = torch.where((flat_ids >= lo) & (flat_ids < hi), flat_ids - lo, -1)
         ext.exl3_mgemm(a, tab[0], g, tab[1], ah_in, tab[2], idx, None, k_gu, -1, mcg, mul1, -1, -1, 0, 1)
-        ext.exl3_mgemm(a, tab[3], u, tab[4], ah_in, tab[5], idx, None, k_gu, -1, mcg, mul1, -1, -1, 0, 1)
+        if gated:
+            ext.exl3_mgemm(a, tab[3], u, tab[4], ah_in, tab[5], idx, None, k_gu, -1, mcg, mul1, -1, -1, 0, 1)
         # down: each slot scaled by its routing weight, and each token's k slots summed into row t of c
-        ext.exl3_mgemm(
-            _silu_mul(g, u), tab[6], c, tab[7], ah_mid, tab[8], idx, w, k_d, -1, mcg, mul1, -1, -1, 0, tokens
-        )
+        ext.exl3_mgemm(_act(g, u), tab[6], c, tab[7], ah_mid, tab[8], idx, w, k_d, -1, mcg, mul1, -1, -1, 0, tokens)
         acc += c[:tokens, 0]
 
 
-def _slot_tensors(bank: dict[str, torch.Tensor], groups, hidden: int, inter: int):
+def _slot_tensors(bank: dict[str, torch.Tensor], groups, hidden: int, inter: int, gated: bool):
     """Per physical slot: ``(gate, up, down, k_gu, k_d)`` with each projection as ``(trellis, suh, svh)`` views of
-    the bank, at the offsets :func:`quantpack_core.moe.bank_layout` gives the plan."""
+    the bank, at the offsets :func:`quantpack_core.moe.bank_layout` gives the plan (``up`` None when ungated)."""
     slot_bits = [(k_gu, k_d) for lo, hi, k_gu, k_d in groups for _ in range(lo, hi)]
-    words13, words2, off1, off3, off2 = bank_layout(slot_bits, hidden, inter)
+    words13, words2, off1, off3, off2 = bank_layout(slot_bits, hidden, inter, gated=gated)
     t13, t2 = bank["w13_trellis"], bank["w2_trellis"]
     out = []
     for slot, (k_gu, k_d) in enumerate(slot_bits):
         gu_shape = (hidden // 16, inter // 16, width_from_k(k_gu))
         w1 = t13[off1[slot] : off1[slot] + words13[slot]].view(gu_shape)
-        w3 = t13[off3[slot] : off3[slot] + words13[slot]].view(gu_shape)
         gate = (w1, bank["w13_suh"][slot, 0], bank["w13_svh"][slot, 0])
-        up = (w3, bank["w13_suh"][slot, 1], bank["w13_svh"][slot, 1])
+        up = None
+        if gated:
+            w3 = t13[off3[slot] : off3[slot] + words13[slot]].view(gu_shape)
+            up = (w3, bank["w13_suh"][slot, 1], bank["w13_svh"][slot, 1])
         down_trellis = t2[off2[slot] : off2[slot] + words2[slot]].view(inter // 16, hidden // 16, width_from_k(k_d))
         down = (down_trellis, bank["w2_suh"][slot], bank["w2_svh"][slot])
         out.append((gate, up, down, k_gu, k_d))
@@ -92,11 +96,13 @@ def _moe_grouped(xh, ids, weights, slot_tensors, codebook: int, inter: int, acc)
         rows = xh.index_select(0, tok)
         gate, up, down, k_gu, k_d = slot_tensors[slot]
         g = torch.empty((count, inter), dtype=torch.float16, device=xh.device)
-        u = torch.empty_like(g)
         run_exl3_gemm(rows, *gate, codebook, k_gu, inter, g, 0)
-        run_exl3_gemm(rows, *up, codebook, k_gu, inter, u, 0)
+        u = None
+        if up is not None:
+            u = torch.empty_like(g)
+            run_exl3_gemm(rows, *up, codebook, k_gu, inter, u, 0)
         y = torch.empty((count, hidden), dtype=torch.float32, device=xh.device)
-        run_exl3_gemm(_silu_mul(g, u), *down, codebook, k_d, hidden, y, 0)
+        run_exl3_gemm(_act(g, u), *down, codebook, k_d, hidden, y, 0)
         acc.index_add_(0, tok, y * w_sorted[start : start + count, None])
         start += count
 
@@ -118,7 +124,8 @@ def run_exl3_moe(
     """The CUDA implementation of ``quantpack::exl3_moe_`` (see :func:`.ops.exl3_moe_`).
 
     Up to :data:`GROUPED_MIN_SLOTS` slots (``T * top_k``), and always during CUDA-graph capture, each slot is one
-    matrix of ``exl3_mgemm``: per K group, a gate launch and an up launch (fp16 outputs), SiLU(gate) * up, and a down
+    matrix of ``exl3_mgemm``: per K group, a gate launch and an up launch (fp16 outputs), SiLU(gate) * up (ungated
+    experts, ``w13_suh`` of one entry per slot: the gate launch alone and relu(gate)²), and a down
     launch whose kernel weights each slot by its routing weight and sums each token's slots (fp32). A bank of several
     K groups runs each group over all slots, with the expert index of every slot outside the group set to -1 (the
     kernel skips such slots; the kernel's own index-range filter is not used). Shapes depend only on ``T``: nothing
@@ -133,6 +140,7 @@ def run_exl3_moe(
     hidden = out.shape[1]
     hidden_stored = bank["w13_suh"].shape[2]
     inter = bank["w2_suh"].shape[1]
+    gated = bank["w13_suh"].shape[1] == 2
     # ids are >= 0 or -1 (the method's expert-split map emits no other negative): -1 indexes perm's trailing -1
     ids = perm[topk_ids.long()]
     weights = topk_weights.to(torch.float16)
@@ -141,7 +149,8 @@ def run_exl3_moe(
         xh = torch.nn.functional.pad(xh, (0, hidden_stored - hidden))
     acc = torch.zeros((tokens, hidden_stored), dtype=torch.float32, device=x.device)
     if ids.numel() > GROUPED_MIN_SLOTS and not torch.cuda.is_current_stream_capturing():
-        _moe_grouped(xh, ids, weights, _slot_tensors(bank, groups, hidden_stored, inter), codebook, inter, acc)
+        slot_tensors = _slot_tensors(bank, groups, hidden_stored, inter, gated)
+        _moe_grouped(xh, ids, weights, slot_tensors, codebook, inter, acc)
     else:
-        _moe_slots(xh, ids, weights, tables, int(codebook == 1), int(codebook == 2), groups, inter, acc)
+        _moe_slots(xh, ids, weights, tables, int(codebook == 1), int(codebook == 2), groups, inter, gated, acc)
     out.copy_(acc[:, :hidden])

@@ -100,21 +100,24 @@ class ReferenceExpertKernel(ExpertKernel):
     def prepare(
         cls, bank: Exl3MoeBank, spec: ExpertSpec, hidden: int, intermediate: int, device: torch.device
     ) -> PreparedBank:
-        """Dense ``w13 (E, hidden, 2 * intermediate)`` and ``w2 (E, intermediate, hidden)`` in the model dtype,
-        decoded by the core codec in float32 and trimmed to the layer's logical sizes; the bank is freed by the
-        caller afterwards.
+        """Dense ``w13 (E, hidden, 2 * intermediate)`` (``[W1 | W3]``; an ungated bank's ``(E, hidden,
+        intermediate)``: ``W1``) and ``w2 (E, intermediate, hidden)`` in the model dtype, decoded by the core codec in
+        float32 and trimmed to the layer's logical sizes; the bank is freed by the caller afterwards. The op tells
+        gated from ungated by ``w13``'s width against ``w2``'s.
 
         Source: :func:`quantpack_core.moe.dequantize_expert`.
         """
         e_num, inter, dtype = bank.num_experts, intermediate, spec.act_dtype
-        w13 = torch.empty((e_num, hidden, 2 * inter), dtype=dtype, device=device)
+        w13 = torch.empty((e_num, hidden, (2 if spec.gated else 1) * inter), dtype=dtype, device=device)
         w2 = torch.empty((e_num, inter, hidden), dtype=dtype, device=device)
         for e in range(e_num):
             w1, w3, wd = dequantize_expert(bank, e, torch.float32)
             w13[e, :, :inter] = w1[:hidden, :inter]
-            w13[e, :, inter:] = w3[:hidden, :inter]
+            if w3 is not None:
+                w13[e, :, inter:] = w3[:hidden, :inter]
             w2[e] = wd[:inter, :hidden]
-        if device.type == "cpu" and spec.tp != TP_EXPERT_SPLIT and hidden % 32 == 0 and _vllm_cpu_moe():
+        cpu_moe = spec.gated and spec.tp != TP_EXPERT_SPLIT and hidden % 32 == 0  # vLLM's CPU kernel: gated SiLU
+        if device.type == "cpu" and cpu_moe and _vllm_cpu_moe():
             # vLLM's own CPU MoE kernel (every pick is an expert of this bank, hidden a multiple of 32)
             from quantpack_core.vllm.cpu_moe import pack_bank
 

@@ -21,7 +21,10 @@ def _reference_moe(
             continue
         tok, j = (ids == e).nonzero(as_tuple=True)
         h = x[tok] @ w13[e]
-        a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        if w13.shape[2] == inter:  # ungated experts: relu(x W1)^2
+            a = torch.relu(h).square()
+        else:
+            a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
         acc.index_add_(0, tok, (a @ w2[e]).float() * topk_weights[tok, j, None].float())
     out.copy_(acc)
 
@@ -42,13 +45,14 @@ def exl3_moe_reference_(
     out: torch.Tensor,
 ) -> None:
     """Routed experts through the reference backend: ``out[t] = sum_j w[t, j] * (silu(x W1) * (x W3)) W2`` of expert
-    ``topk_ids[t, j]``, over the picks whose id is not -1.
+    ``topk_ids[t, j]`` (ungated experts: ``relu(x W1)² W2``), over the picks whose id is not -1.
 
     Args:
         x: ``(T, H)`` activations, the model dtype.
         topk_ids: ``(T, top_k)`` expert ids of the bank, or -1 for a pick this bank does not hold (an expert of
             another tensor-parallel rank; it adds nothing); topk_weights: ``(T, top_k)`` routing weights.
-        w13: ``(E, H, 2I)`` dense ``[W1 | W3]`` per expert (dequantized at load), x's dtype.
+        w13: ``(E, H, 2I)`` dense ``[W1 | W3]`` per expert (dequantized at load), x's dtype; ``(E, H, I)``, ``W1``
+            alone, for ungated experts.
         w2: ``(E, I, H)`` dense ``W2`` per expert.
         out: ``(T, H)``, written in place (sums accumulate in float32).
 

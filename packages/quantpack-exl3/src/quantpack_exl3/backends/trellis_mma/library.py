@@ -162,7 +162,7 @@ def load(arch: int) -> ctypes.CDLL:
     ]  # fmt: skip
     lib.qp_moe_gemm.restype = i32
     lib.qp_moe_gemm.argtypes = [
-        i32, ptr, ptr, ptr, ptr, i32,  # down, x, gu, y, tables, slots
+        i32, i32, ptr, ptr, ptr, ptr, i32,  # down, gated, x, gu, y, tables, slots
         ptr, ptr, ptr, ptr,  # sorted, offsets, work, group_work
         i32, ptr, ptr, i32,  # K groups, their 2K (host array), weights, weights dtype
         ptr, i64, ptr, i64,  # partials, capacity, counters, capacity

@@ -121,6 +121,7 @@ def run_trellis_moe(
     ws, buf = workspace(device), _buffers.get(device.index)
     experts = tables.shape[1]
     hidden_stored, inter = w13_suh.shape[2], w2_suh.shape[1]
+    gated = w13_suh.shape[1] == 2  # an ungated bank (relu(x W1)^2, no W3) holds one entry per slot
     hidden = out.shape[1]
     if (
         ws is None
@@ -150,7 +151,7 @@ def run_trellis_moe(
     lo = (ctypes.c_int * len(group_lo))(*group_lo)
     k2_gu = (ctypes.c_int * len(group_lo))(*(round(2 * k) for k in k_gu))  # 2K of each group, host arrays
     k2_d = (ctypes.c_int * len(group_lo))(*(round(2 * k) for k in k_d))
-    gu, y = buf.gu[:, : 2 * inter], buf.y[:, :hidden_stored]
+    gu, y = buf.gu[:, : (2 if gated else 1) * inter], buf.y[:, :hidden_stored]
     chunk = SLOTS // top_k
     for t0 in range(0, tokens, chunk):
         t1 = min(t0 + chunk, tokens)
@@ -163,7 +164,7 @@ def run_trellis_moe(
         check(code, f"route {slots} picks over {experts} experts")
         for down, k2 in ((0, k2_gu), (1, k2_d)):
             code = lib.qp_moe_gemm(
-                down, x[t0:t1].data_ptr(), gu.data_ptr(), y.data_ptr(), tables.data_ptr(), experts,
+                down, int(gated), x[t0:t1].data_ptr(), gu.data_ptr(), y.data_ptr(), tables.data_ptr(), experts,
                 buf.sorted.data_ptr(), buf.offsets.data_ptr(), buf.work.data_ptr(), buf.group_work.data_ptr(),
                 len(group_lo), k2, weights[t0:t1].data_ptr(), WEIGHT_DTYPES[weights.dtype],
                 ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
@@ -207,7 +208,7 @@ def trellis_moe_(
 ) -> None:
     """One MoE layer's routed experts through the trellis_mma grouped kernels:
     ``out[t] = sum_j w[t, j] * (silu(x[t] W1_e) * (x[t] W3_e)) W2_e`` over the token's picks ``e = ids[t, j]`` this
-    rank holds.
+    rank holds; for an ungated bank (``w13_suh`` of one entry per slot) ``relu(x[t] W1_e)² W2_e``.
 
     Args:
         x: ``(T, hidden)`` float16 / bfloat16 activations (zero-extended to the stored hidden size in the kernel).

@@ -1179,7 +1179,7 @@ constexpr int MOE_ROUTE_THREADS = 1024;
 
 struct MoeParams {
     const void* x;                 // (tokens, x_width) model dtype, row stride x_stride (gate/up)
-    __half* gu;                    // (slots, 2 * inter) fp16: gate/up writes, down reads
+    __half* gu;                    // (slots, 2 * inter) fp16 (ungated: (slots, inter)): gate/up writes, down reads
     float* y;                      // (slots, hidden) fp32: down writes its weighted rows at the pick's index
     const long long* tables;       // (9, E) device pointers: w1, w3, w2 x (trellis, suh, svh) per slot
     const int* sorted;             // (slots,) pick indices in slot order
@@ -1195,7 +1195,8 @@ struct MoeParams {
     int x_width, x_stride, bf16, weights_dtype;
     int k;      // reduction width: stored hidden (gate/up) or stored intermediate (down)
     int n_proj; // stored output columns of one projection: intermediate (gate/up) or hidden (down)
-    int n;      // the grid's columns: 2 * intermediate or hidden
+    int n;      // the grid's columns: 2 * intermediate (ungated: intermediate) or hidden
+    int gated;  // 1: down(silu(x W1) * (x W3)); 0: ungated down(relu(x W1)^2), no W3 (Nemotron-H's experts)
     int slice_tiles, splits;
 };
 
@@ -1273,12 +1274,18 @@ __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_kernel(const MoeR
 namespace qp {
 
 // One value of an expert GEMM's input row before the Hadamard transform: gate/up (DOWN false) reads the pick's token
-// row of x, down reads silu(gate) * up of the pick from gu; both times the projection's suh.
+// row of x, down reads silu(gate) * up of the pick from gu (ungated experts: relu(gate)^2); both times the
+// projection's suh.
 template <bool DOWN>
 __device__ __forceinline__ float moe_input(const MoeParams& p, int pick_or_pos, int c, float suh) {
     if constexpr (DOWN) {
-        const size_t row = (size_t)pick_or_pos * 2 * p.k;
-        const float g = __half2float(p.gu[row + c]), u = __half2float(p.gu[row + p.k + c]);
+        const size_t row = (size_t)pick_or_pos * (p.gated ? 2 : 1) * p.k;
+        const float g = __half2float(p.gu[row + c]);
+        if (!p.gated) {
+            const float r = fmaxf(g, 0.0f);
+            return r * r * suh;
+        }
+        const float u = __half2float(p.gu[row + p.k + c]);
         return g / (1.0f + __expf(-g)) * u * suh;
     } else {
         const int token = pick_or_pos / p.top_k;
@@ -1322,7 +1329,8 @@ __device__ __forceinline__ void moe_cta(const MoeParams& p, int w, uint8_t* smem
     const int rows = min(p.offsets[slot + 1] - base, MOE_ROWS);
     if (threadIdx.x < MOE_ROWS) row_pick[threadIdx.x] = threadIdx.x < rows ? (DOWN ? base + threadIdx.x : p.sorted[base + threadIdx.x]) : 0;
 
-    // the projection: gate/up's first n_proj / 128 column blocks are gate (w1), the rest up (w3); down is w2
+    // the projection: gate/up's first n_proj / 128 column blocks are gate (w1), the rest up (w3; none when ungated);
+    // down is w2
     const int blocks_proj = p.n_proj / BLOCK_N;
     const int proj = DOWN ? 2 : nb / blocks_proj;
     const int lnb = DOWN ? nb : nb % blocks_proj;
@@ -1548,7 +1556,8 @@ QP_API int qp_moe_route(const void* ids, int ids64, const long long* perm, int s
 namespace qp {
 
 // The parameters every expert launch shares, checked. Returns 0 or -1 (bad geometry).
-inline int moe_params(MoeParams& p, int down, const void* x, void* gu, float* y, const long long* tables, int E,
+inline int moe_params(MoeParams& p, int down, int gated, const void* x, void* gu, float* y, const long long* tables,
+                      int E,
                       const int* sorted, const int* offsets, const int* work, const int* group_work,
                       const void* weights, int weights_dtype, float* partials, int* counters, int items, int top_k,
                       int x_width, int x_stride, int k, int n_proj, int bf16) {
@@ -1574,7 +1583,8 @@ inline int moe_params(MoeParams& p, int down, const void* x, void* gu, float* y,
     p.weights_dtype = weights_dtype;
     p.k = k;
     p.n_proj = n_proj;
-    p.n = down ? n_proj : 2 * n_proj;
+    p.gated = gated ? 1 : 0;
+    p.n = down ? n_proj : (p.gated ? 2 : 1) * n_proj;
     return 0;
 }
 
@@ -1629,11 +1639,11 @@ int moe_configure(int k2max, int smem, int* fit) {
 }  // namespace qp
 
 // One expert launch for every K group of a bank: down = 0 runs gate and up (x -> gu), down = 1 the down projection
-// (gu -> y). group_k2 (host array) holds each of the `groups` K groups' 2K; `items` is the grid's z extent, the bound
+// (gu -> y); gated = 0 for ungated experts (gate alone, then relu(gate)^2 into down). group_k2 (host array) holds each of the `groups` K groups' 2K; `items` is the grid's z extent, the bound
 // of the whole bank (qp_moe_items for the call's picks and all slots); k and n_proj are the stored reduction width
 // and one projection's stored output width. Returns 0, a CUDA error code, -1 (bad geometry or a group count outside
 // 1..16), -2 (no kernel for a group's K), -3 (bad codebook) or -4 (workspace too small).
-QP_API int qp_moe_gemm(int down, const void* x, void* gu, float* y, const long long* tables, int E,
+QP_API int qp_moe_gemm(int down, int gated, const void* x, void* gu, float* y, const long long* tables, int E,
                               const int* sorted, const int* offsets, const int* work, const int* group_work,
                               int groups, const int* group_k2, const void* weights, int weights_dtype,
                               float* partials, long long partial_floats, int* counters, long long counters_len,
@@ -1642,7 +1652,7 @@ QP_API int qp_moe_gemm(int down, const void* x, void* gu, float* y, const long l
     if (items <= 0) return 0;
     if (groups < 1 || groups > qp::MOE_MAX_GROUPS || group_k2 == nullptr) return -1;
     qp::MoeParams p;
-    int e = qp::moe_params(p, down, x, gu, y, tables, E, sorted, offsets, work, group_work, weights, weights_dtype,
+    int e = qp::moe_params(p, down, gated, x, gu, y, tables, E, sorted, offsets, work, group_work, weights, weights_dtype,
                            partials, counters, items, top_k, x_width, x_stride, k, n_proj, bf16);
     if (e != 0) return e;
     p.groups = groups;
