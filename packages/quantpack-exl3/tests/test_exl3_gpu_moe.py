@@ -80,9 +80,11 @@ def pack_bank(pack: str, layer: str = "model.layers.0.mlp.experts") -> Exl3MoeBa
     return bank_from_tensors(layer, grouped(expert_tensors(FIXTURES / pack, layer)), "cuda")
 
 
-def random_bank(ks, hidden: int, inter: int, codebook: str, seed: int = 0) -> Exl3MoeBank:
+def random_bank(ks, hidden: int, inter: int, codebook: str, seed: int = 0, gated: bool = True) -> Exl3MoeBank:
+    """Random experts of the given ``(K gate/up, K down)``; ``gated=False``: ungated relu2 experts (w1 and w2)."""
     g = torch.Generator().manual_seed(seed)
-    bank = Exl3MoeBank(plan_moe_layer("random", [(a, a, b) for a, b in ks], hidden, inter, codebook=codebook))
+    k_bits = [(a, a, b) if gated else (a, b) for a, b in ks]
+    bank = Exl3MoeBank(plan_moe_layer("random", k_bits, hidden, inter, codebook=codebook, gated=gated))
     bank.allocate("cuda")
     for e, (kgu, kd) in enumerate(ks):
         pieces = {
@@ -90,6 +92,8 @@ def random_bank(ks, hidden: int, inter: int, codebook: str, seed: int = 0) -> Ex
             "w3": random_exl3_layer(hidden, inter, kgu, codebook, generator=g, scale=0.05),
             "w2": random_exl3_layer(inter, hidden, kd, codebook, generator=g, scale=0.05),
         }
+        if not gated:
+            del pieces["w3"]
         bank.load_expert(e, pieces)
     return bank
 
@@ -164,6 +168,20 @@ def test_random_banks(backend, exllamav3_banks, figures, case, tokens):
     assert err < TOL
 
 
+@pytest.mark.parametrize("case", ["mul1-mixed", "mcg-mixed"])
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_ungated_relu2_banks(backend, exllamav3_banks, figures, case, tokens):
+    """Ungated relu2 experts (Nemotron-H's: ``relu(x W1)^2 W2``, no w3), several K groups, a padded hidden size, a
+    third of the picks another rank's: against the float64 oracle of the same bank (relu2, the ungated default)."""
+    ks, cb = RANDOM[case]
+    bank = random_bank(ks, 256, 384, cb, seed=3, gated=False)
+    assert not bank.plan.gated
+    err = check(backend, bank, 200, tokens, 3, absent=1)
+    note = within_bound(err, backend, exllamav3_banks, bank, 200, tokens, 3, 1, 1)
+    figures.append(f"GPU MoE {backend.name} ungated relu2 {case}, {tokens} tokens: rel err {err:.2e}{note}")
+    assert err < TOL
+
+
 @pytest.mark.parametrize("hidden", [1152, 2304])
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_mixed_banks_over_several_panels(backend, exllamav3_banks, figures, monkeypatch, hidden, tokens):
@@ -221,12 +239,13 @@ def test_opcheck(backend):
     opcheck(backend.op, (x, ids, w, *run.tensors.values(), *run.static, out), ("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
 @pytest.mark.parametrize("tokens", [4, 100])
-def test_cuda_graph_capture_and_replay(backend, tokens):
+def test_cuda_graph_capture_and_replay(backend, tokens, gated):
     """The op captures into a CUDA graph (no host sync, no allocation outside the graph pool) and replays with new
     routing and activations exactly as an eager call computes them; 100 tokens of the mixed-K bank take the
-    chunked path."""
-    bank = pack_bank(PACKS[1])
+    chunked path (ungated: a random mixed-K relu2 bank of 8 experts)."""
+    bank = pack_bank(PACKS[1]) if gated else random_bank(RANDOM["mul1-mixed"][0], 256, 256, "mul1", 4, gated=False)
     run = backend.prepare_moe(bank, 256, 256, torch.float16, torch.device("cuda"))
     x = torch.randn(tokens, 256, device="cuda", dtype=torch.float16)
     ids, w = routing(tokens, 8, 2, 0)

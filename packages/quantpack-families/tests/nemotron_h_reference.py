@@ -71,6 +71,9 @@ TINY = dict(
 #: two latent-MoE layers (4 experts, top-2, latent 128, a shared expert of 256, sigmoid router with correction bias)
 SUPER = {**TINY, "layers_block_type": ["linear_attention", "moe", "full_attention", "moe"]}
 
+#: K of each routed expert's (up_proj, down_proj) when the routed experts are EXL3 (three K groups per layer)
+ROUTED_K = [(4, 3), (3, 4), (4, 3), (2, 4)]
+
 #: the older single-letter naming of layer types (exllamav3's converter and vLLM's own config before 0.29 read it)
 PATTERN = {"linear_attention": "M", "full_attention": "*", "moe": "E", "mlp": "-"}
 
@@ -166,15 +169,15 @@ def forward(w: dict[str, torch.Tensor], cfg: dict, input_ids: torch.Tensor) -> t
     return rms_norm(x, w["backbone.norm_f.weight"], eps) @ w["lm_head.weight"].T
 
 
-def tiny_nemotron_h(seed: int = 0, cfg: dict = TINY):
+def tiny_nemotron_h(seed: int = 0, cfg: dict = TINY, routed_exl3: bool = False):
     """The pack tensors of a tiny Nemotron-H of layer kinds ``cfg["layers_block_type"]`` (:data:`TINY` or
     :data:`SUPER`) and its dense weights (float32; the EXL3 ones decoded by the core codec).
 
     EXL3 (mul1): the Mamba ``in_proj`` (K 4) / ``out_proj`` (K 3), attention q / k / v / o (K 4), the MLP's
     ``up_proj`` / ``down_proj`` (K 4), the latent projections (K 5), the shared experts (K 4) and ``lm_head`` (K 6).
     Dense as a pack keeps them: the embedding, norms, the convolution, ``A_log`` / ``D`` / ``dt_bias``, the router and
-    its correction bias (float32), and the routed experts (fp16; quantpack's expert banks serve gated SiLU experts
-    only, docs/families.md).
+    its correction bias (float32), and the routed experts (fp16), unless ``routed_exl3``: then each routed expert's
+    ungated ``up_proj`` / ``down_proj`` is EXL3 too, at :data:`ROUTED_K` (as exllamav3 quantizes them).
     """
     g = torch.Generator().manual_seed(seed)
     built = TinyPack(g)
@@ -213,6 +216,11 @@ def tiny_nemotron_h(seed: int = 0, cfg: dict = TINY):
             exl3(f"{m}.fc1_latent_proj", hid, latent, 5, 1 / math.sqrt(hid))
             exl3(f"{m}.fc2_latent_proj", latent, hid, 5, 1 / math.sqrt(latent))
             for e in range(experts):
+                if routed_exl3:
+                    k_up, k_down = ROUTED_K[e % len(ROUTED_K)]
+                    exl3(f"{m}.experts.{e}.up_proj", latent, inter, k_up, 1.5 / math.sqrt(latent))
+                    exl3(f"{m}.experts.{e}.down_proj", inter, latent, k_down, 1 / math.sqrt(inter))
+                    continue
                 for proj, n_in, n_out in (("up", latent, inter), ("down", inter, latent)):
                     plain(
                         f"{m}.experts.{e}.{proj}_proj.weight",
@@ -275,3 +283,18 @@ def write_nemotron_h_packs(root: Path, seed: int = 0, length: int = 32) -> dict[
     torch.save({"input_ids": ids[None], "logits": ref}, tpath / "reference_logits.pt")
     out["nemotron-h-bf16"] = tpath
     return out
+
+
+def write_nemotron_moe_pack(root: Path, seed: int = 0, length: int = 32) -> dict[str, Path]:
+    """Under ``root``: ``nemotron-h-moe-exl3``, the tiny model of Nemotron-3.5-Super's layer kinds (:data:`SUPER`: two
+    latent-MoE layers) with its routed ungated relu2 experts in EXL3 (:data:`ROUTED_K`, three K groups) beside the
+    EXL3 latent projections and shared experts, with a word tokenizer and ``reference_logits.pt`` from
+    :func:`forward` on the decoded weights. vLLM builds these layers on CUDA, XPU and ROCm only."""
+    ids = torch.randint(3, SUPER["vocab_size"], (length,), generator=torch.Generator().manual_seed(seed + 2))
+    pack, dense = tiny_nemotron_h(seed, SUPER, routed_exl3=True)
+    path = write_pack(root / "nemotron-h-moe-exl3", pack, config_json(True, cfg=SUPER))
+    write_word_tokenizer(path, SUPER["vocab_size"])
+    torch.save(
+        {"input_ids": ids[None], "logits": forward(dense, SUPER, ids).float()[None]}, path / "reference_logits.pt"
+    )
+    return {"nemotron-h-moe-exl3": path}

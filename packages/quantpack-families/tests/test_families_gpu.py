@@ -1,7 +1,9 @@
 """The families' tiny packs served by vLLM's CUDA build (GPU tier: ``nox -s gpu-tests``): Spark 2.5 and Flint
 through the model classes the families register, and the Nemotron-H text tower through vLLM's own model with the
 family's Mamba2 ``in_proj`` fix, each EXL3 pack and its bf16 twin in float16, eager and with compile + CUDA graphs.
-Their prompt logprobs are compared with the same independent references as on CPU (spark_reference.py,
+Nemotron-H also as a pack of Nemotron-3.5-Super's layer kinds whose routed ungated relu2 experts are EXL3
+(``nemotron-h-moe-exl3``: latent MoE, three K groups per layer; vLLM builds such layers on CUDA only). Their prompt
+logprobs are compared with the same independent references as on CPU (spark_reference.py,
 flint_reference.py, nemotron_h_reference.py: float64 forwards written from each architecture's description), within
 the GPU bound of the family issue: KL <= 5e-4 and top-1 >= 99% (over the positions that are not float16 near-ties,
 ``e2e_runner.NEAR_TIE``); graphs must give eager's greedy tokens (or part from them only at an exact near-tie,
@@ -53,13 +55,14 @@ def served(tmp_path_factory):
     pytest.importorskip("vllm")
     from e2e_runner import NEAR_TIE, run_runner
     from flint_reference import write_flint_packs
-    from nemotron_h_reference import write_nemotron_h_packs
+    from nemotron_h_reference import write_nemotron_h_packs, write_nemotron_moe_pack
     from spark_reference import write_spark_packs
 
     packs = {}
     for family, write in (("spark", write_spark_packs), ("flint", write_flint_packs)):
         packs.update(write(tmp_path_factory.mktemp(family), length=LENGTH))
     packs.update(write_nemotron_h_packs(tmp_path_factory.mktemp("nemotron_h"), length=LENGTH))
+    packs.update(write_nemotron_moe_pack(tmp_path_factory.mktemp("nemotron_h_moe"), length=LENGTH))
     jobs = {}
     for name, path in packs.items():
         for mode, eager in (("eager", True), ("graphs", False)):
@@ -119,3 +122,18 @@ def test_exl3_modules_are_served_by_the_exl3_method_on_the_gpu(served):
             continue
         want = "Exl3LinearMethod" if "-exl3" in key else "Unquantized"
         assert head["method"].startswith(want), (key, head)
+
+
+def test_nemotron_routed_relu2_experts_are_served_by_the_exl3_banks_on_the_gpu(served):
+    """The latent-MoE pack's routed ungated relu2 experts (EXL3, three K groups) reach the EXL3 expert method in
+    both MoE layers (its logprobs are checked against the reference with the other packs)."""
+    from e2e_runner import get
+
+    jobs, results = served
+    key = "nemotron-h-moe-exl3/float16/eager"
+    if key not in jobs:
+        pytest.skip("the Nemotron-H MoE pack's eager job is not selected")
+    methods = get(results, key)["quant_methods"]
+    experts = {n: m for n, m in methods.items() if ".mixer.experts" in n}
+    assert {n.split(".mixer")[0] for n in experts} == {"model.layers.1", "model.layers.3"}, experts
+    assert all(m == "Exl3MoEMethod" for m in experts.values()), experts

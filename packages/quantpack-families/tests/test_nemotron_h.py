@@ -24,7 +24,16 @@ import json
 
 import pytest
 import torch
-from nemotron_h_reference import SUPER, TINY, config_json, forward, tiny_nemotron_h, write_nemotron_h_packs
+from nemotron_h_reference import (
+    SUPER,
+    TINY,
+    config_json,
+    forward,
+    relu2_mlp,
+    tiny_nemotron_h,
+    write_nemotron_h_packs,
+    write_nemotron_moe_pack,
+)
 
 pytest.importorskip("vllm")
 
@@ -216,3 +225,55 @@ def test_vllm_serves_tiny_nemotron_h_at_tp2(packs, tmp_path, figures):
     }
     results = run_runner(jobs, tmp_path, timeout=1200)
     assert_within_bounds(results, jobs, dtype, figures)
+
+
+def test_routed_relu2_experts_of_the_moe_pack_through_the_exl3_method(tmp_path):
+    """The MoE pack's routed ungated relu2 experts (latent 128 -> 128, K groups 2 / 3 / 4) loaded by their
+    checkpoint names into the EXL3 expert method as vLLM builds Nemotron-H's layer (``relu2_no_mul``,
+    ``is_act_and_mul=False``) and run by this platform's kernel: the routed sum equals the independent reference's
+    ``relu2_mlp`` of each picked expert on the same decoded weights (float64). vLLM's CPU builds refuse this layer
+    kind, so the whole pack is served on the GPU only (``test_families_gpu.py``)."""
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+
+    from quantpack_exl3.config import Exl3Config
+    from quantpack_exl3.methods import Exl3MoEMethod
+
+    path = write_nemotron_moe_pack(tmp_path)["nemotron-h-moe-exl3"]
+    _, dense = tiny_nemotron_h(0, SUPER, routed_exl3=True)
+    dense = {k: v.double() for k, v in dense.items()}
+    for layer_id in (1, 3):
+        ckpt = f"backbone.layers.{layer_id}.mixer.experts"
+        moe = SimpleNamespace(
+            activation=SimpleNamespace(value="relu2_no_mul"),
+            is_act_and_mul=False,
+            has_bias=False,
+            tp_size=1,
+            moe_parallel_config=SimpleNamespace(use_ep=False),
+        )
+        method = Exl3MoEMethod(
+            moe, Exl3Config.from_config({"quant_method": "exl3"}), f"model.layers.{layer_id}.mixer.experts"
+        )
+        layer = torch.nn.Module()
+        layer.layer_name = method.prefix
+        method.create_weights(
+            layer, SUPER["n_routed_experts"], SUPER["moe_latent_size"], SUPER["moe_intermediate_size"], torch.float32
+        )
+        with safe_open(path / "model.safetensors", "pt") as f:
+            named = [(k.removeprefix(ckpt + "."), f.get_tensor(k)) for k in f.keys() if k.startswith(ckpt + ".")]
+        assert len(named) == 4 * 2 * 4  # 4 experts x up / down x trellis, suh, svh, mul1
+        list(layer.load_weights(named))
+        method.process_weights_after_loading(layer)
+        g = torch.Generator().manual_seed(layer_id)
+        x = torch.randn(10, SUPER["moe_latent_size"], generator=g)
+        ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(10)])
+        w = torch.rand(10, 2, generator=g)
+        got = method.apply(layer, x, w, ids.to(torch.int32)).double()
+        want = torch.zeros_like(got)
+        for t in range(10):
+            for j in range(2):
+                want[t] += float(w[t, j]) * relu2_mlp(x[t : t + 1].double(), dense, f"{ckpt}.{int(ids[t, j])}")[0]
+        assert want.abs().max() > 1e-2
+        rel = ((got - want).norm() / want.norm()).item()
+        assert rel < 1e-5, (layer_id, rel)
