@@ -19,9 +19,9 @@ loader takes, so every rank keeps exactly those output features of the stored te
 they touch, then its columns - the project's column fallback, exact). Other quant methods and the divisible case
 are left alone.
 
-Not a fix here (docs/families.md): vLLM's CPU builds refuse the ungated (relu^2) experts of the MoE layers for any
-method, and quantpack's expert banks serve gated SiLU experts only, so an EXL3 pack with Nemotron's routed experts in
-EXL3 is refused at load.
+Not a fix here (docs/families.md): the routed experts of the MoE layers are ungated (relu^2); quantpack's expert
+banks serve them (``quantpack_core.vllm.moe``), while vLLM's CPU builds refuse that layer kind for any method, so an
+EXL3 pack with Nemotron's MoE layers is served on CUDA only.
 
 Source: vLLM 0.29 - 0.32 ``vllm/model_executor/layers/mamba/mamba_mixer2.py`` (``MambaMixer2.__init__``,
 ``mamba_v2_sharded_weight_loader``), read; docs/families.md (Nemotron-H).
