@@ -163,12 +163,21 @@ def test_registry_declares_versions_and_imports_no_model_code():
     from quantpack_families.families import FAMILIES
 
     by_name = {f.name: f for f in FAMILIES}
-    assert set(by_name) == {"qwen3_5", "qwen3_next", "qwen4_exp", "flint", "spark", "nemotron_h", "qwen_vision"}
+    assert set(by_name) == {
+        "qwen3_5",
+        "qwen3_next",
+        "qwen4_exp",
+        "flint",
+        "spark",
+        "nemotron_h",
+        "nemotron_vl",
+        "qwen_vision",
+    }
     assert by_name["qwen3_5"].applies_to("0.25.1") and not by_name["qwen3_5"].applies_to("0.32.0")
     assert by_name["qwen3_5"].applies_to("0.28.0rc1") and not by_name["qwen3_5"].applies_to("0.29.0")
     assert all(
         by_name[f].applies_to(v)
-        for f in ("qwen3_next", "qwen4_exp", "flint", "spark", "nemotron_h", "qwen_vision")
+        for f in ("qwen3_next", "qwen4_exp", "flint", "spark", "nemotron_h", "nemotron_vl", "qwen_vision")
         for v in ("0.20.0", "0.25.1", "0.32.0")
     )
     code = (
