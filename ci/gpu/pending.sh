@@ -40,9 +40,11 @@ try:
 except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
 # (owed first after the last run of 2026-12-03, which passed the expert kernels, Flint and the whole Qwen3.5 VL pack:
-# the dense harness's five engines with today's kernels, the vLLM MoE and dense jobs with the one-row panel and the
-# fused launches above 16 rows, the Nemotron-H twin's graph fault, then the rest)
-all=(serve-8b e2e-moe e2e-dense nemotron-twin serve-moe linear-kernels escha-vllm families qwen-vl moe-kernels
+# the families with Nemotron-H's EXL3 relu2 experts and the expert kernels' ungated banks, both written after it;
+# the Qwen3.5 VL pack of exllamav3's converter; the dense harness's five engines with today's kernels, the vLLM MoE
+# and dense jobs with the one-row panel and the fused launches above 16 rows, the Nemotron-H twin's graph fault)
+all=(moe-ungated nemotron-moe qwen-vl-converter serve-8b e2e-moe e2e-dense nemotron-twin serve-moe linear-kernels
+  escha-vllm families qwen-vl moe-kernels
   kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel serve-moe-mixed profile)
 for s in "${@:-${all[@]}}"; do
   case $s in
@@ -95,6 +97,11 @@ for s in "${@:-${all[@]}}"; do
       --json "$res/kernel_8b_mcg.json" ;;
     # the expert banks through both kernels against the float64 oracle, trellis_mma within 1.1x exllamav3's error
     # (first: the one-launch-for-every-K-group kernel and the shared TileStream loop have not run on a GPU yet)
+    # the expert kernels' ungated relu2 banks alone (written 2026-12-03 after the last run), and the Nemotron-H pack
+    # whose routed relu2 experts are EXL3 through vLLM (eager and graphs, its experts on the EXL3 banks)
+    moe-ungated) step moe-ungated "${T[@]}" -k ungated packages/quantpack-exl3/tests/test_exl3_gpu_moe.py ;;
+    nemotron-moe) QUANTPACK_GPU_JOBS=nemotron-h-moe step nemotron-moe "${T[@]}" \
+      packages/quantpack-families/tests/test_families_gpu.py ;;
     moe-kernels) step moe-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_moe.py ;;
     # the vLLM MoE jobs (eager and graphs) with trellis_mma's experts, the CUDA default since its first run
     e2e-moe) QUANTPACK_GPU_JOBS=moe/ step e2e-moe "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py ;;
@@ -112,6 +119,14 @@ for s in "${@:-${all[@]}}"; do
           QUANTPACK_GPU_LLM_KWARGS="{\"compilation_config\": {\"cudagraph_mode\": \"$mode\"}}" \
           step "nemotron-twin-$mode" "${T[@]}" -k match packages/quantpack-families/tests/test_families_gpu.py
       done ;;
+    # the tiny Qwen3.5 VL model through exllamav3's own converter (vision tower at 6 bits; and its dual layout),
+    # then served by vLLM as the core writer's packs are (first run owed)
+    qwen-vl-converter)
+      step qwen-vl-convert python3 fixtures/tools/make_qwen_vl_exl3.py --out /tmp/qwen-vl-exl3
+      cp /tmp/qwen-vl-exl3/REPORT.json "$res/qwen-vl-convert-report.json" 2>/dev/null
+      cp /tmp/qwen-vl-exl3/convert.log "$res/qwen-vl-convert-converter.log" 2>/dev/null
+      QUANTPACK_QWEN_VL_CONVERTED=/tmp/qwen-vl-exl3 QUANTPACK_GPU_JOBS=converter \
+        step qwen-vl-converter "${T[@]}" packages/quantpack-families/tests/test_qwen_vl_gpu.py ;;
     qwen-vl) step qwen-vl "${T[@]}" packages/quantpack-families/tests/test_qwen_vl_gpu.py ;;
     # the converted escha packs in vLLM (eager and graphs) with the spill-free Triton kernel
     escha-vllm) step escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py ;;

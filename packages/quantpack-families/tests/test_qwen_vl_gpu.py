@@ -41,6 +41,26 @@ pytestmark = [
 
 #: the two layouts of the pack: whether it also keeps each vision block's dense fused attn.qkv
 LAYOUTS = {"split": False, "split+dense-qkv": True}
+#: the packs exllamav3's converter made (fixtures/tools/make_qwen_vl_exl3.py), served beside the core writer's when
+#: QUANTPACK_QWEN_VL_CONVERTED names their folder: layout -> (pack folder name, holds the dense fused attn.qkv)
+CONVERTED = {
+    "converter": ("qwen3_5-vl-tiny-exl3", False),
+    "converter+dense-qkv": ("qwen3_5-vl-tiny-exl3-dense-qkv", True),
+}
+
+
+def layouts() -> dict[str, tuple[Path | None, bool]]:
+    """Every layout this run serves: ``{layout: (a converter-made pack, or None to write one; dense qkv)}``."""
+    out: dict[str, tuple[Path | None, bool]] = {name: (None, dense) for name, dense in LAYOUTS.items()}
+    root = os.environ.get("QUANTPACK_QWEN_VL_CONVERTED")
+    if root:
+        for name, (folder, dense) in CONVERTED.items():
+            if not (Path(root) / folder / "config.json").is_file():
+                raise FileNotFoundError(f"QUANTPACK_QWEN_VL_CONVERTED={root}: no {folder} there (make_qwen_vl_exl3.py)")
+            out[name] = (Path(root) / folder, dense)
+    return out
+
+
 #: the family issue's bound on the text-only prompt (float16 vLLM against the float32 reference)
 KL_BOUND = 5e-4
 #: vLLM settings of the GPU tier: the slim bundle has no FlashAttention / FlashInfer (Triton attention for the text
@@ -180,10 +200,10 @@ def served(tmp_path_factory):
     image_path = root / "image.png"
     sample_image().save(image_path)  # lossless: the runner reads the reference's pixels back
     jobs, references = {}, {}
-    for layout, dense in LAYOUTS.items():
+    for layout, (given, dense) in layouts().items():
         if not any(selected(f"{layout}/float16/{mode}") for mode in ("eager", "graphs")):
             continue
-        pack = write_vl_pack(root / layout, dense_qkv=dense)
+        pack = given if given is not None else write_vl_pack(root / layout, dense_qkv=dense)
         ref = reference(pack, image=Image.open(image_path).convert("RGB"))
         torch.save(ref, root / f"{layout}-reference.pt")
         references[layout] = ref
@@ -207,7 +227,7 @@ def served(tmp_path_factory):
     results = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(e2e_runner, "RUNNER", Path(__file__).resolve())  # this file adds the "vl" kind to vllm_e2e.py
-        for layout in LAYOUTS:
+        for layout in layouts():
             group = {key: job for key, job in jobs.items() if key.startswith(f"{layout}/")}
             if group:
                 out = run_runner(group, tmp_path_factory.mktemp(f"runner-{layout.replace('+', '-')}"), timeout=1800)
@@ -248,7 +268,7 @@ def test_vl_pack_matches_its_reference_on_the_gpu(served):
         if len(qkv) != 2 or not all(m.startswith("Exl3") for m in qkv.values()):
             failures.append(f"{key}: the tower's attn.qkv served by {qkv}")
         said = res["family_log"]
-        if LAYOUTS[layout]:
+        if layouts()[layout][1]:
             if not (len(said) == 1 and "2 attention block(s)" in said[0] and "serving the EXL3 parts" in said[0]):
                 failures.append(f"{key}: the family's layout line is {said}")
         elif said:
