@@ -514,3 +514,34 @@ def test_ungated_reference_forward_is_relu2_and_tp_ranks_sum_to_it(ungated):
     # the gated SiLU form of the same w1 differs: the activation is the one the bank is for, not a default
     silu = reference_moe_forward(build_ungated(ungated), x, ids, wts, activation="silu")
     assert (silu - expect).norm() > 0.1 * expect.norm()
+
+
+def test_bank_from_tensors_names_missing_and_mixed_experts(experts, ungated):
+    """A layer's experts are all gated or all ungated, ids 0..E-1, each with w1 and w2: anything else is named."""
+    from quantpack_core.moe import bank_from_tensors
+
+    def codec(exs):
+        return {(e, p): Exl3Tensors.from_tensors(t) for e, ex in enumerate(exs) for p, t in ex.items()}
+
+    mixed = codec(ungated)
+    mixed[(0, "w3")] = Exl3Tensors.from_tensors(experts[0]["w3"])
+    with pytest.raises(GeometryError, match=r"no expert 1 w3 .*experts \[0\] have a w3 .*all gated or all ungated"):
+        bank_from_tensors(LAYER, mixed)
+    gap = {k: v for k, v in codec(ungated).items() if k[0] != 2}
+    with pytest.raises(GeometryError, match=r"no expert 2 w1 \(gate_proj\), expert 2 w2 \(down_proj\) among experts"):
+        bank_from_tensors(LAYER, gap)
+    with pytest.raises(GeometryError, match="no expert tensors"):
+        bank_from_tensors(LAYER, {})
+    with pytest.raises(TypeError, match="gated must be True or False"):
+        plan_moe_layer(LAYER, KS, H, INTER, codebook=CB, gated="no")
+
+
+def test_reference_forward_refuses_a_bank_never_fully_loaded(ungated):
+    plan = plan_moe_layer(LAYER, KS, H, INTER, codebook=CB, gated=False)
+    bank = Exl3MoeBank(plan)
+    bank.allocate("cpu")
+    for e, ex in enumerate(ungated):
+        pieces = {p: {k: v for k, v in t.items() if (e, p, k) != (1, "w2", "trellis")} for p, t in ex.items()}
+        bank.load_expert(e, pieces)
+    with pytest.raises(ValueError, match=r"never given expert 1 w2\.trellis: load every piece first"):
+        reference_moe_forward(bank, torch.zeros(1, H), torch.tensor([[0]]), torch.ones(1, 1))

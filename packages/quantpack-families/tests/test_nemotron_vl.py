@@ -329,19 +329,55 @@ def test_unknown_vision_layout_is_refused_not_served_random(host_cls):
         build(host_cls).load_weights(iter(weights.items()))
 
 
-def test_incomplete_qkv_is_named():
+def hf(index, rest):
+    return f"vision_model.encoder.layer.{index}.{rest}"
+
+
+@pytest.mark.parametrize(
+    ("names", "match"),
+    [
+        # an incomplete q / k / v in two blocks: both named
+        (
+            [hf(1, "attention.q_proj.weight"), hf(1, "attention.k_proj.weight"), hf(7, "attention.v_proj.bias")],
+            r"layer\.1\.attention weight: only \['k', 'q'\]; layer\.7\.attention bias: only \['v'\]",
+        ),
+        # a part given twice, before and after its block is complete
+        ([hf(0, "attention.q_proj.weight")] * 2, r"q_proj\.weight: given twice"),
+        (
+            [hf(0, f"attention.{p}_proj.weight") for p in "qkvq"],
+            r"layer\.0\.attention\.q_proj\.weight: given twice \(its block's .*attn\.qkv\.weight is complete",
+        ),
+        # one tensor in both layouts
+        (
+            [hf(0, "norm1.weight"), "vision_model.radio_model.model.blocks.0.norm1.weight"],
+            r"blocks\.0\.norm1\.weight: the checkpoint also holds vision_model\.encoder\.layer\.0\.norm1\.weight",
+        ),
+        # a block tensor the layouts do not have
+        ([hf(0, "attention.q_norm.weight")], r"attention\.q_norm\.weight: not a RADIO block tensor"),
+    ],
+)
+def test_bad_vision_names_are_named(names, match):
     from quantpack_families.families.nemotron_vl import NemotronVlError, remap_checkpoint
 
     t = torch.zeros(HIDDEN, HIDDEN)
-    with pytest.raises(NemotronVlError, match=r"layer\.1\.attention: .*only \['k', 'q'\]"):
-        list(
-            remap_checkpoint(
-                [
-                    ("vision_model.encoder.layer.1.attention.q_proj.weight", t),
-                    ("vision_model.encoder.layer.1.attention.k_proj.weight", t),
-                ]
-            )
-        )
+    with pytest.raises(NemotronVlError, match=match):
+        list(remap_checkpoint([(n, t) for n in names]))
+
+
+def test_qkv_parts_of_other_shapes_are_refused_and_indices_normalized():
+    from quantpack_families.families.nemotron_vl import NemotronVlError, remap_checkpoint
+
+    parts = [
+        (hf(0, f"attention.{p}_proj.weight"), torch.zeros(rows, 4)) for p, rows in zip("qkv", (4, 4, 5), strict=True)
+    ]
+    with pytest.raises(NemotronVlError, match=r"q / k / v weight differ .*v \(5, 4\)"):
+        list(remap_checkpoint(parts))
+    same = [(hf(i, f"attention.{p}_proj.weight"), torch.full((2, 4), float(n))) for n, (i, p) in enumerate(
+        [("00", "q"), ("0", "k"), ("0", "v")]
+    )]  # fmt: skip
+    ((name, fused),) = list(remap_checkpoint(same))
+    assert name == "vision_model.radio_model.model.blocks.0.attn.qkv.weight"
+    assert fused[:, 0].tolist() == [0, 0, 1, 1, 2, 2]
 
 
 def test_architecture_name_resolves_to_vllms_class():

@@ -423,7 +423,8 @@ def bank_from_tensors(
         the loaded :class:`Exl3MoeBank` of that rank.
 
     Raises:
-        KeyError: an expert or projection missing (check completeness first for a named error).
+        GeometryError: no experts, an expert or projection missing (experts must be ``0..E-1``, each with w1 and w2,
+            and either all or none with w3: a layer is gated or ungated as a whole), named.
         CodecError: experts of the layer in several codebooks, or an illegal K.
         GeometryError: w1 / w3 of an expert at different K, shapes that differ between experts, or a TP cut off a
             128-channel block (:func:`tp_shard`).
@@ -431,6 +432,25 @@ def bank_from_tensors(
     Source: docs/moe-bank.md.
     """
     where = layer or "MoE layer"
+    if not experts:
+        raise GeometryError(f"{where}: no expert tensors to build a bank from")
+    num = 1 + max(e for e, _ in experts)
+    gated = any(p == PROJ_UP for _, p in experts)
+    projs = PROJECTIONS if gated else UNGATED_PROJECTIONS
+    absent = [(e, p) for e in range(num) for p in projs if (e, p) not in experts]
+    if absent:
+        with_up = sorted({e for e, p in experts if p == PROJ_UP})
+        kind = (
+            f"; experts {with_up[:6]} have a w3 (up_proj) and others not: a layer's experts are all gated or all "
+            "ungated"
+            if gated and any(p == PROJ_UP for _, p in absent)
+            else ""
+        )
+        listing = ", ".join(f"expert {e} {p} ({PROJ_MODULES[p]})" for e, p in absent[:6])
+        raise GeometryError(
+            f"{where}: no {listing}{' and more' if len(absent) > 6 else ''} among experts 0..{num - 1}{kind} -> pass "
+            "every expert's tensors as the pack stores them"
+        )
     codebooks: dict[Codebook, tuple[int, str]] = {}
     for (e, proj), t in sorted(experts.items()):
         codebooks.setdefault(t.codebook, (e, proj))
@@ -440,9 +460,6 @@ def bank_from_tensors(
             f"{where}: the layer's experts use several codebooks: {listing}. Rule: one expert bank holds one "
             "codebook (the grouped kernels take it per launch) - re-quantize the layer with one codebook"
         )
-    num = 1 + max(e for e, _ in experts)
-    gated = any(p == PROJ_UP for _, p in experts)
-    projs = PROJECTIONS if gated else UNGATED_PROJECTIONS
     k_bits = [tuple(experts[(e, p)].k_bits for p in projs) for e in range(num)]
     hidden, inter = experts[(0, PROJ_GATE)].padded_shape
     plan = plan_moe_layer(

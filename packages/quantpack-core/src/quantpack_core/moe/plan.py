@@ -342,6 +342,7 @@ def plan_moe_layer(
 
     Raises:
         ValueError: no experts, a malformed ``k_bits`` entry, or a bad rank.
+        TypeError: ``gated`` not a bool.
         CodecError: an illegal K, or a half-integer K with a codebook other than mul1 (names layer and expert).
         GeometryError: ``H`` or ``I`` not a multiple of 128, an expert whose w1 and w3 K differ, or a TP cut off a
             128-channel block (see :func:`tp_shard`; each names the layer, the rule and the ways out).
@@ -350,6 +351,8 @@ def plan_moe_layer(
     """
     cb = Codebook.parse(codebook)
     where = layer or "MoE layer"
+    if not isinstance(gated, bool):
+        raise TypeError(f"{where}: gated must be True or False, got {gated!r}")
     if not k_bits:
         raise ValueError(f"{where}: no experts to plan")
     if hidden % HAD_BLOCK or hidden <= 0:

@@ -13,6 +13,7 @@ import torch
 
 from ..codec.exl3 import dequantize
 from .bank import Exl3MoeBank
+from .plan import PIECE_KINDS
 
 
 def dequantize_expert(
@@ -76,7 +77,7 @@ def reference_moe_forward(
 
     Raises:
         ValueError: shapes that do not match (``x`` not ``(T, H)``, ids and weights not both ``(T, k)``), an expert id
-            out of range, or an unknown activation name.
+            out of range, an unknown activation name, or a bank with pieces never loaded (:meth:`Exl3MoeBank.missing`).
         CodecError: an expert whose vectors hold NaN or infinities (e.g. never loaded).
 
     Source: exllamav3 ``exllamav3/modules/block_sparse_mlp.py`` (``BlockSparseMLP.forward``: per selected expert,
@@ -91,6 +92,11 @@ def reference_moe_forward(
             f"{where}: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be "
             f"(tokens={x.shape[0]}, top_k)"
         )
+    missing = [m for m in bank.missing() if m[2] in PIECE_KINDS]  # a codebook marker is only checked, never stored
+    if missing:
+        listing = ", ".join(f"expert {e} {proj}.{kind}" for e, proj, kind in missing[:4])
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise ValueError(f"{where}: the bank was never given {listing}{more}: load every piece first")
     if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
         raise ValueError(f"{where}: topk_ids must be integers, got {topk_ids.dtype}")
     if activation is None:

@@ -82,7 +82,8 @@ _HF_BLOCK = re.compile(r"vision_model\.encoder\.layer\.(\d+)\.(.+)")
 _HF_QKV = re.compile(r"attention\.([qkv])_proj\.(weight|bias)")
 _LAYER_SCALE = re.compile(re.escape(RADIO) + r"blocks\.(\d+)\.(ls[12])")
 #: buffers and config-derived tensors of a checkpoint that vLLM's tower does not take
-_IGNORED = ("vision_model.summary_idxs", "vision_model.input_conditioner.", "vision_model.radio_model.summary_idxs")
+_IGNORED = {"vision_model.summary_idxs", "vision_model.radio_model.summary_idxs"}
+_IGNORED_PREFIXES = ("vision_model.input_conditioner.",)
 
 
 class NemotronVlError(ValueError):
@@ -130,41 +131,73 @@ def remap_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tu
     arrived), buffers vLLM does not take dropped; every other name passes unchanged.
 
     Raises:
-        NemotronVlError: a block left with only some of q / k / v at the end (names the block and the parts).
+        NemotronVlError: a block left with only some of q / k / v at the end (every such block named), q / k / v of
+            different shapes or dtypes, a tensor under ``vision_model.encoder.layer.N.`` that is no RADIO block
+            tensor, or two tensors for one name of the result (a part given twice, or a tensor in both layouts).
     """
-    parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    parts: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
+    fused: dict[tuple[int, str], str] = {}  # blocks whose qkv is out: (index, kind) -> its target
+    given: dict[str, str] = {}  # name in the result -> the checkpoint name it came from
+
+    def once(target: str, source: str) -> str:
+        if target in given:
+            raise NemotronVlError(
+                f"{source}: the checkpoint also holds {given[target]}, and both are {target} for vLLM (a tensor "
+                "given twice, or one in both the timm and transformers layouts) - keep one layout"
+            )
+        given[target] = source
+        return target
+
     for name, tensor in weights:
-        if name.startswith(_IGNORED):
+        if name in _IGNORED or name.startswith(_IGNORED_PREFIXES):
             continue
         if name in PROJECTOR:
-            yield PROJECTOR[name], tensor
+            yield once(PROJECTOR[name], name), tensor
             continue
         if name in EMBEDDINGS:
             target = EMBEDDINGS[name]
             if target.endswith("pos_embed") and tensor.dim() == 2:
                 tensor = tensor[None]  # timm's position embedding is (1, positions, width)
-            yield target, tensor
+            yield once(target, name), tensor
             continue
         block = _HF_BLOCK.fullmatch(name)
         if block is None:
-            yield name, tensor
+            yield once(name, name), tensor
             continue
-        index, rest = block.groups()
+        index, rest = int(block.group(1)), block.group(2)
         qkv = _HF_QKV.fullmatch(rest)
         if qkv is not None:
             which, kind = qkv.groups()
+            if (index, kind) in fused:
+                raise NemotronVlError(f"{name}: given twice (its block's {fused[(index, kind)]} is complete already)")
             got = parts.setdefault((index, kind), {})
-            got[which] = tensor
+            if which in got:
+                raise NemotronVlError(f"{name}: given twice (also as {got[which][0]})")
+            got[which] = (name, tensor)
             if len(got) == 3:
-                yield f"{RADIO}blocks.{index}.attn.qkv.{kind}", torch.cat([got["q"], got["k"], got["v"]])
+                q, k, v = (got[p][1] for p in "qkv")
+                if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype):
+                    listing = ", ".join(f"{p} {tuple(got[p][1].shape)} {got[p][1].dtype}" for p in "qkv")
+                    raise NemotronVlError(
+                        f"vision_model.encoder.layer.{index}.attention: q / k / v {kind} differ ({listing}); RADIO's "
+                        "attention has equal heads for all three - the checkpoint is corrupt"
+                    )
+                target = once(f"{RADIO}blocks.{index}.attn.qkv.{kind}", name)
+                fused[(index, kind)] = target
                 del parts[(index, kind)]
+                yield target, torch.cat([q, k, v])
             continue
-        yield (f"{RADIO}blocks.{index}.{BLOCK[rest]}" if rest in BLOCK else name), tensor
+        if rest not in BLOCK:
+            raise NemotronVlError(
+                f"{name}: not a RADIO block tensor of transformers' layout ({', '.join(sorted(BLOCK))}, "
+                "attention.{q,k,v}_proj.{weight,bias}); vLLM's tower has no place for it - use the released layout"
+            )
+        yield once(f"{RADIO}blocks.{index}.{BLOCK[rest]}", name), tensor
     if parts:
-        (index, kind), got = next(iter(parts.items()))
+        listing = "; ".join(f"layer.{i}.attention {kind}: only {sorted(got)}" for (i, kind), got in parts.items())
         raise NemotronVlError(
-            f"vision_model.encoder.layer.{index}.attention: the checkpoint holds only {sorted(got)} of the q / k / v "
-            f"{kind} tensors, which vLLM's tower takes fused as attn.qkv - the checkpoint is incomplete, re-download it"
+            f"vision_model.encoder: {listing} of the q / k / v tensors, which vLLM's tower takes fused as attn.qkv - "
+            "the checkpoint is incomplete, re-download it"
         )
 
 
