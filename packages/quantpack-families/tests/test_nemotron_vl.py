@@ -329,6 +329,16 @@ def test_unknown_vision_layout_is_refused_not_served_random(host_cls):
         build(host_cls).load_weights(iter(weights.items()))
 
 
+def test_vision_tensors_no_module_takes_are_refused(host_cls):
+    """A vision tensor outside both layouts (here a projector tensor of another name) is named, where vLLM alone
+    drops it."""
+    from quantpack_families.families.nemotron_vl import NemotronVlError
+
+    weights = {**timm_checkpoint(8), "vision_projector.extra_norm.weight": torch.ones(HIDDEN)}
+    with pytest.raises(NemotronVlError, match=r"vision_projector\.extra_norm\.weight: vision tensors no module"):
+        build(host_cls).load_weights(iter(weights.items()))
+
+
 def hf(index, rest):
     return f"vision_model.encoder.layer.{index}.{rest}"
 

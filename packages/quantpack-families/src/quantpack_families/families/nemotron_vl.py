@@ -234,6 +234,7 @@ def wrap_model(cls) -> bool:
             norm: dict[str, torch.Tensor] = {}
             scales: dict[tuple[int, str], torch.Tensor] = {}
             projector: set[str] = set()
+            unused: list[str] = []
 
             vllms_norm = (
                 getattr(self, "vision_final_layernorm", None) is not None and not self._quantpack_owns_final_norm
@@ -250,6 +251,11 @@ def wrap_model(cls) -> bool:
                         continue
                     if name.startswith("mlp1."):
                         projector.add(name.removeprefix("mlp1."))
+                    elif name.startswith(("vision_projector.", "vision_model.")) and not name.startswith(
+                        ("vision_model.radio_model.", FINAL_NORM)  # the tower's loader; vLLM 0.32's own norm
+                    ):
+                        unused.append(name)  # vLLM's loader routes no such name anywhere
+                        continue
                     yield name, tensor
 
             loaded: set[str] | None = None  # the tower's loaded parameters; None: vLLM did not load the tower
@@ -267,6 +273,12 @@ def wrap_model(cls) -> bool:
                 result = load(self, stream())
             finally:
                 del tower.load_weights  # the instance attribute: the class's method shows again
+            if unused:
+                raise NemotronVlError(
+                    f"{', '.join(unused[:4])}{' and more' if len(unused) > 4 else ''}: vision tensors no module of "
+                    "vLLM's model takes (neither the timm layout vLLM loads nor transformers' that quantpack renames) "
+                    "- the checkpoint's vision half is of another layout; use the released checkpoint's"
+                )
             _finish(self, norm, scales, loaded, projector)
             return result
 
