@@ -111,6 +111,25 @@ def wrap_attribute(cls, name: str, mark: str, make: Callable[[Callable], Callabl
     return True
 
 
+def class_patch(wraps: Mapping[str, Callable[[type], bool]]) -> Callable[[ModuleType], bool]:
+    """A :attr:`Family.patches` function that applies ``wraps[name]`` to each class ``name`` the vLLM module defines
+    itself (a class it only imports is patched in the module that defines it).
+
+    Returns:
+        ``patch(module) -> bool``: whether anything was wrapped.
+    """
+
+    def patch(module: ModuleType) -> bool:
+        done = False
+        for name, wrap in wraps.items():
+            cls = getattr(module, name, None)
+            if cls is not None and cls.__module__ == module.__name__:
+                done = wrap(cls) or done
+        return done
+
+    return patch
+
+
 def wrap_init(cls) -> bool:
     """Make ``cls.__init__`` announce ``<prefix>.embed_tokens`` while it runs (idempotent).
 

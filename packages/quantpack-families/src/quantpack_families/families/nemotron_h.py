@@ -30,9 +30,8 @@ Source: vLLM 0.29 - 0.32 ``vllm/model_executor/layers/mamba/mamba_mixer2.py`` (`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
-from ..registry import Family, wrap_attribute
+from ..registry import Family, class_patch, wrap_attribute
 
 _MARK = "_quantpack_nemotron_h"
 
@@ -155,10 +154,8 @@ def wrap_mixer(cls) -> bool:
     return wrap_attribute(cls, "__init__", _MARK, make)
 
 
-def patch(module: ModuleType) -> bool:
-    """Apply :func:`wrap_mixer` to the ``MambaMixer2`` vLLM's module defines. Returns whether it was wrapped."""
-    cls = getattr(module, "MambaMixer2", None)
-    return cls is not None and cls.__module__ == module.__name__ and wrap_mixer(cls)
+#: :func:`wrap_mixer` applied to the ``MambaMixer2`` vLLM's module defines
+patch = class_patch({"MambaMixer2": wrap_mixer})
 
 
 FAMILY = Family(

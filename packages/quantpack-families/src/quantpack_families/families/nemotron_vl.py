@@ -34,11 +34,10 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Iterator
-from types import ModuleType
 
 import torch
 
-from ..registry import Architecture, Family, wrap_attribute
+from ..registry import Architecture, Family, class_patch, wrap_attribute
 
 logger = logging.getLogger("vllm.quantpack")
 
@@ -337,11 +336,8 @@ def _finish(model, norm: dict, scales: dict, loaded: set[str] | None, projector:
         )
 
 
-def patch(module: ModuleType) -> bool:
-    """Apply :func:`wrap_model` to the ``NemotronH_Nano_VL_V2`` vLLM's module defines. Returns whether it was
-    wrapped."""
-    cls = getattr(module, "NemotronH_Nano_VL_V2", None)
-    return cls is not None and cls.__module__ == module.__name__ and wrap_model(cls)
+#: :func:`wrap_model` applied to the ``NemotronH_Nano_VL_V2`` vLLM's module defines
+patch = class_patch({"NemotronH_Nano_VL_V2": wrap_model})
 
 
 FAMILY = Family(

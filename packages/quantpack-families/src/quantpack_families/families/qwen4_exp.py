@@ -27,9 +27,7 @@ read; docs/families.md.
 
 from __future__ import annotations
 
-from types import ModuleType
-
-from ..registry import Family, wrap_attribute
+from ..registry import Family, class_patch, wrap_attribute
 
 _MARK = "_quantpack_qwen4_exp"
 
@@ -90,15 +88,8 @@ def wrap_owner(cls) -> bool:
     return wrap_attribute(cls, "__init__", _MARK, make)
 
 
-def patch(module: ModuleType) -> bool:
-    """Apply :func:`wrap_selection` / :func:`wrap_owner` to the classes a vLLM qwen4_exp module defines (classes it
-    only imports are patched where they are defined). Returns whether anything was wrapped."""
-    done = False
-    for name, wrap in (("Qwen4ExpPLEEmbeddingMethod", wrap_selection), ("Qwen4ExpNGramEmbedding", wrap_owner)):
-        cls = getattr(module, name, None)
-        if cls is not None and cls.__module__ == module.__name__:
-            done = wrap(cls) or done
-    return done
+#: :func:`wrap_selection` / :func:`wrap_owner` applied to the classes a vLLM qwen4_exp module defines
+patch = class_patch({"Qwen4ExpPLEEmbeddingMethod": wrap_selection, "Qwen4ExpNGramEmbedding": wrap_owner})
 
 
 FAMILY = Family(

@@ -36,11 +36,10 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Iterator
-from types import ModuleType
 
 import torch
 
-from ..registry import Family, wrap_attribute
+from ..registry import Family, class_patch, wrap_attribute
 
 logger = logging.getLogger("vllm.quantpack.families")
 
@@ -157,11 +156,8 @@ def wrap_tower(cls) -> bool:
     return wrap_attribute(cls, "load_weights", _MARK, make)
 
 
-def patch(module: ModuleType) -> bool:
-    """Apply :func:`wrap_tower` to the ``Qwen3_VisionTransformer`` vLLM's module defines. Returns whether it was
-    wrapped."""
-    cls = getattr(module, "Qwen3_VisionTransformer", None)
-    return cls is not None and cls.__module__ == module.__name__ and wrap_tower(cls)
+#: :func:`wrap_tower` applied to the ``Qwen3_VisionTransformer`` vLLM's module defines
+patch = class_patch({"Qwen3_VisionTransformer": wrap_tower})
 
 
 FAMILY = Family(
