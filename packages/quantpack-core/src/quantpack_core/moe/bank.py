@@ -32,8 +32,8 @@ from .plan import (
     PROJ_MODULES,
     PROJ_UP,
     PROJECTIONS,
-    UNGATED_PROJECTIONS,
     MoePlan,
+    expert_projections,
     plan_moe_layer,
 )
 from .tables import BankTables, GroupTables, ProjTables
@@ -436,7 +436,7 @@ def bank_from_tensors(
         raise GeometryError(f"{where}: no expert tensors to build a bank from")
     num = 1 + max(e for e, _ in experts)
     gated = any(p == PROJ_UP for _, p in experts)
-    projs = PROJECTIONS if gated else UNGATED_PROJECTIONS
+    projs = expert_projections(gated)
     absent = [(e, p) for e in range(num) for p in projs if (e, p) not in experts]
     if absent:
         with_up = sorted({e for e, p in experts if p == PROJ_UP})

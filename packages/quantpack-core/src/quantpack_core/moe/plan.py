@@ -38,6 +38,19 @@ PROJECTIONS = (PROJ_GATE, PROJ_UP, PROJ_DOWN)
 UNGATED_PROJECTIONS = (PROJ_GATE, PROJ_DOWN)
 #: checkpoint module name of each projection (used in messages)
 PROJ_MODULES = {PROJ_GATE: "gate_proj", PROJ_UP: "up_proj", PROJ_DOWN: "down_proj"}
+
+
+def expert_projections(gated: bool) -> tuple[str, ...]:
+    """The projections every expert of a layer stores: :data:`PROJECTIONS`, or :data:`UNGATED_PROJECTIONS`."""
+    return PROJECTIONS if gated else UNGATED_PROJECTIONS
+
+
+def proj_module(proj: str, gated: bool = True) -> str:
+    """The checkpoint module of projection ``proj`` (messages): :data:`PROJ_MODULES`, except that an ungated
+    expert's ``w1`` is its ``up_proj``."""
+    return "up_proj" if proj == PROJ_GATE and not gated else PROJ_MODULES[proj]
+
+
 #: the per-projection tensors the bank stores
 PIECE_KINDS = ("trellis", "suh", "svh")
 #: the bank's tensors, in the order :meth:`Exl3MoeBank.allocate` creates them
@@ -253,7 +266,7 @@ class MoePlan:
     @property
     def projections(self) -> tuple[str, ...]:
         """The projections every expert stores: ``("w1", "w3", "w2")``, or ``("w1", "w2")`` when ungated."""
-        return PROJECTIONS if self.gated else UNGATED_PROJECTIONS
+        return expert_projections(self.gated)
 
     def k_of(self, expert: int, proj: str) -> float:
         """K (bits per weight) of projection ``proj`` (``"w1"``, ``"w3"``, ``"w2"``) of logical expert ``expert``."""

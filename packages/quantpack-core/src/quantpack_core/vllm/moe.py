@@ -41,7 +41,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from quantpack_core.errors import CodecError, GeometryError, LayerLoadError, UnsupportedMoeError
 from quantpack_core.format import ExpertFormat
 from quantpack_core.kernels import TP_EXPERT_SPLIT, TP_SLICED, TP_WHOLE, choose_kernel
-from quantpack_core.moe import PROJ_DOWN, PROJ_GATE, PROJ_MODULES, PROJ_UP, PROJECTIONS, UNGATED_PROJECTIONS
+from quantpack_core.moe import PROJ_DOWN, PROJ_GATE, PROJ_UP, expert_projections, proj_module
 from quantpack_core.tp import expert_split, padded, sliced_tp_sizes
 
 from .compile_key import op_name
@@ -103,11 +103,6 @@ def load_expert_weights(layer: torch.nn.Module, weights: Iterable[tuple[str, tor
         yield param_name
 
 
-def _module(state: ExpertState, proj: str) -> str:
-    """The checkpoint module of projection ``proj`` in messages (an ungated expert's w1 is its ``up_proj``)."""
-    return "up_proj" if proj == PROJ_GATE and not state.gated else PROJ_MODULES[proj]
-
-
 @functools.cache
 def _cpu_without_router() -> bool:
     """On CPU, and vLLM has no ``CPURouter`` (0.29 and older): its runner's router would call a CUDA-only op."""
@@ -163,7 +158,7 @@ class ExpertState:
     @property
     def projections(self) -> tuple[str, ...]:
         """The projections every expert of the layer stores (vLLM's shard ids)."""
-        return PROJECTIONS if self.gated else UNGATED_PROJECTIONS
+        return expert_projections(self.gated)
 
 
 class QuantMoEMethod(FusedMoEMethodBase):
@@ -349,8 +344,7 @@ class QuantMoEMethod(FusedMoEMethodBase):
             if main not in by_key.get((e, proj), {})
         ]
         if missing:
-            names = PROJ_MODULES if state.gated else {PROJ_GATE: "up_proj", PROJ_DOWN: "down_proj"}
-            listing = ", ".join(f"{e}.{names[p]}" for e, p in missing[:6])
+            listing = ", ".join(f"{e}.{proj_module(p, state.gated)}" for e, p in missing[:6])
             more = f" and {len(missing) - 6} more" if len(missing) > 6 else ""
             kinds = "gate/up/down" if state.gated else "up/down (ungated)"
             raise LayerLoadError(
@@ -362,9 +356,10 @@ class QuantMoEMethod(FusedMoEMethodBase):
             try:
                 out[(e, proj)] = self.format.parse(tensors)
             except CodecError as err:
+                module = proj_module(proj, state.gated)
                 raise LayerLoadError(
-                    f"{self.prefix}: expert {e} {_module(state, proj)}: {err}; the pack's tensor is incomplete or "
-                    "corrupt - re-download or re-quantize it"
+                    f"{self.prefix}: expert {e} {module}: {err}; the pack's tensor is incomplete or corrupt - "
+                    "re-download or re-quantize it"
                 ) from None
         return out
 
@@ -389,9 +384,10 @@ class QuantMoEMethod(FusedMoEMethodBase):
         for (e, proj), t in tensors.items():
             if self.format.stored_shape(t) != want[proj]:
                 k, n = self.format.stored_shape(t)
+                module = proj_module(proj, state.gated)
                 raise GeometryError(
-                    f"{self.prefix}: expert {e} {_module(state, proj)} stores a {k}x{n} (in x out) {self.format.label} "
-                    f"matrix, the layer needs {want[proj][0]}x{want[proj][1]} (hidden {hidden}, intermediate {inter}, "
+                    f"{self.prefix}: expert {e} {module} stores a {k}x{n} (in x out) {self.format.label} matrix, "
+                    f"the layer needs {want[proj][0]}x{want[proj][1]} (hidden {hidden}, intermediate {inter}, "
                     f"padded to {block}): the pack does not match config.json - use the config the pack was made with"
                 )
         device = getattr(layer, f"w13_{self.format.main_suffix}").device
