@@ -11,6 +11,7 @@ import torch
 
 from quantpack_core.codec.trellis import width_from_k
 from quantpack_core.moe import bank_layout
+from quantpack_core.moe.reference import relu2
 
 from .extension import load_extension
 from .gemm import run_exl3_gemm
@@ -23,7 +24,7 @@ GROUPED_MIN_SLOTS = 1024
 def _act(gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
     """The down projection's fp16 input: ``silu(gate) * up``, or ``relu(gate)²`` for ungated experts (up None)."""
     if up is None:
-        return torch.relu(gate.float()).square().to(torch.float16)
+        return relu2(gate.float()).to(torch.float16)
     return (torch.nn.functional.silu(gate.float()) * up.float()).to(torch.float16)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from quantpack_core.moe.reference import relu2
 from quantpack_core.ops import define_op
 
 
@@ -22,7 +23,7 @@ def _reference_moe(
         tok, j = (ids == e).nonzero(as_tuple=True)
         h = x[tok] @ w13[e]
         if w13.shape[2] == inter:  # ungated experts: relu(x W1)^2
-            a = torch.relu(h).square()
+            a = relu2(h)
         else:
             a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
         acc.index_add_(0, tok, (a @ w2[e]).float() * topk_weights[tok, j, None].float())
