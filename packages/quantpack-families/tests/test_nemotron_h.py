@@ -277,3 +277,86 @@ def test_routed_relu2_experts_of_the_moe_pack_through_the_exl3_method(tmp_path):
         assert want.abs().max() > 1e-2
         rel = ((got - want).norm() / want.norm()).item()
         assert rel < 1e-5, (layer_id, rel)
+
+
+def _runner(scale: float):
+    """A vLLM ``MoERunner`` with only ``routed_scaling_factor`` set (``__init__`` needs a whole engine config): its own
+    ``_maybe_apply_routed_scale_to_output`` runs on it unchanged."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    runner = MoERunner.__new__(MoERunner)
+    runner.routed_scaling_factor = scale
+    return runner
+
+
+def test_float16_moe_output_scale_undoes_vllms_shared_expert_division():
+    """vLLM's own MoE runner function on float16 shared / routed outputs gives ``(routed + shared) / s`` (the
+    division of its fp16 overflow guard that Nemotron-H's decoder layer never undoes); the family's factor turns
+    the combination into the model's ``s * routed + shared`` (float64 of the same float16 inputs, within float16
+    rounding), and is None where vLLM is right: float32, no shared expert, ``s = 1``."""
+    from types import SimpleNamespace
+
+    from quantpack_families.families.nemotron_h import float16_output_scale
+
+    s = SUPER["routed_scaling_factor"]
+    moe = SimpleNamespace(experts=_runner(s), shared_experts=object())
+    scale = float16_output_scale(moe, "model.layers.1.mixer")
+    assert scale == s
+    g = torch.Generator().manual_seed(0)
+    shared, routed = (torch.randn(64, 128, generator=g).half() for _ in range(2))
+    want = s * routed.double() + shared.double()
+    a, b = moe.experts._maybe_apply_routed_scale_to_output(shared.clone(), routed.clone())
+    served = (a + b).double()
+    assert (served - want).norm() / want.norm() > 0.3  # what vLLM serves without the fix
+    fixed = ((a + b) * scale).double()
+    assert ((fixed - want).norm() / want.norm()).item() < 2e-3
+    # no fix where vLLM combines them right
+    assert float16_output_scale(SimpleNamespace(experts=_runner(s), shared_experts=None)) is None
+    assert float16_output_scale(SimpleNamespace(experts=_runner(1.0), shared_experts=object())) is None
+    a32, b32 = moe.experts._maybe_apply_routed_scale_to_output(shared.float(), routed.float())
+    assert torch.allclose((a32 + b32).double(), want, rtol=1e-5, atol=1e-5)  # float32 needs none, gets none
+
+
+def test_float16_moe_output_scale_refuses_an_unknown_combination():
+    """A runner that combines float16 outputs in a way the fix does not know is refused at build, naming the layer
+    and the way out (bfloat16), instead of being rescaled blindly."""
+    from types import SimpleNamespace
+
+    from quantpack_families.families.nemotron_h import float16_output_scale
+
+    class Halving:
+        routed_scaling_factor = 2.5
+
+        def _maybe_apply_routed_scale_to_output(self, shared, routed):
+            return shared * 0.5, routed
+
+    with pytest.raises(RuntimeError, match=r"model\.layers\.3\.mixer.*--dtype bfloat16"):
+        float16_output_scale(SimpleNamespace(experts=Halving(), shared_experts=object()), "model.layers.3.mixer")
+
+
+def test_the_family_wraps_vllms_nemotron_h_moe_layer():
+    """With the plugins loaded, vLLM's ``NemotronHMoE`` (the class its Nemotron-H model file defines) carries the
+    family's build and forward wrappers, once; a layer so wrapped (here one holding vLLM's runner and a shared expert)
+    records the factor when built and multiplies its float16 output by it, not its float32 output."""
+    import quantpack_families.plugin as plugin
+    from quantpack_families.families.nemotron_h import _MARK, wrap_moe
+
+    plugin.register()
+    from vllm.model_executor.models import nemotron_h
+
+    cls = nemotron_h.NemotronHMoE
+    assert getattr(cls.__init__, _MARK, False) and getattr(cls.forward, _MARK, False)
+    assert not wrap_moe(cls)  # idempotent
+
+    class Layer:
+        def __init__(self, prefix: str = ""):
+            self.experts, self.shared_experts = _runner(SUPER["routed_scaling_factor"]), torch.nn.Identity()
+
+        def forward(self, hidden_states):
+            return hidden_states + 1
+
+    assert wrap_moe(Layer)
+    layer = Layer(prefix="model.layers.1.mixer")
+    x = torch.randn(3, 8)
+    assert torch.equal(layer.forward(x.half()), (x.half() + 1) * SUPER["routed_scaling_factor"])
+    assert torch.equal(layer.forward(x), x + 1)

@@ -19,12 +19,25 @@ loader takes, so every rank keeps exactly those output features of the stored te
 they touch, then its columns - the project's column fallback, exact). Other quant methods and the divisible case
 are left alone.
 
+A second fix, for float16 serving of the latent-MoE layers (Nemotron-3.5-Super's): vLLM builds ``NemotronHMoE``'s
+experts with ``apply_routed_scale_to_output=True``, and its MoE runner
+(``MoERunner._maybe_apply_routed_scale_to_output``) then, in float16 only and where a shared expert exists, divides
+the shared expert's output by ``routed_scaling_factor`` instead of multiplying the routed one by it, "the decoder
+layer compensating" - which ``NemotronHMoEDecoderLayer`` does not do (DeepSeek-V2's decoder layer does). A float16
+Nemotron-H MoE layer so gives ``(routed + shared) / s`` for ``s * routed + shared``: the tiny MoE pack serves at KL
+0.48, top-1 66% against its reference, for any quant method (the float64 reference with that combination gives the
+same KL). The family wraps ``NemotronHMoE``: at build it asks the runner's own function what it does with a float16
+unit pair (:func:`float16_output_scale`) and, where the result is that division, multiplies the layer's float16 output
+by ``s``. Other dtypes, layers without a shared expert and a runner that scales correctly are left alone.
+
 Not a fix here (docs/families.md): the routed experts of the MoE layers are ungated (relu^2); quantpack's expert
 banks serve them (``quantpack_core.vllm.moe``), while vLLM's CPU builds refuse that layer kind for any method, so an
 EXL3 pack with Nemotron's MoE layers is served on CUDA only.
 
 Source: vLLM 0.29 - 0.32 ``vllm/model_executor/layers/mamba/mamba_mixer2.py`` (``MambaMixer2.__init__``,
-``mamba_v2_sharded_weight_loader``), read; docs/families.md (Nemotron-H).
+``mamba_v2_sharded_weight_loader``) and 0.22 - 0.32 ``vllm/model_executor/models/nemotron_h.py`` (``NemotronHMoE``),
+``vllm/model_executor/layers/fused_moe/runner/moe_runner.py`` (``MoERunner.forward``), read; docs/families.md
+(Nemotron-H).
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from ..registry import Family, class_patch, wrap_attribute
 _MARK = "_quantpack_nemotron_h"
 
 MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
+MODEL_MODULE = "vllm.model_executor.models.nemotron_h"
 
 
 def in_proj_ranges(inner: int, state: int, heads: int, tp_size: int, tp_rank: int) -> list[tuple[int, int]]:
@@ -158,11 +172,79 @@ def wrap_mixer(cls) -> bool:
 patch = class_patch({"MambaMixer2": wrap_mixer})
 
 
+def float16_output_scale(moe, prefix: str = "") -> float | None:
+    """The factor that makes a built ``NemotronHMoE`` ``moe``'s float16 output right, or None where it is right.
+
+    vLLM's runner combines the routed experts' output ``r`` (routing weights without ``routed_scaling_factor``
+    ``s`` when it scales the output itself) and the shared expert's ``h`` through
+    ``_maybe_apply_routed_scale_to_output(h, r)``; the model wants ``s * r + h``. This calls that function on a
+    float16 unit pair: ``(1, s)`` back is right (None); ``(1 / s, 1)`` is the division the decoder layer never undoes,
+    fixed by multiplying the layer's output by ``s``.
+
+    Raises:
+        RuntimeError: the runner returns another combination (a vLLM this fix does not know), naming the layer.
+    """
+    import torch
+
+    experts = getattr(moe, "experts", None)
+    runner = getattr(experts, "runner", experts)  # vLLM <= 0.22: FusedMoE holds it; later: FusedMoE builds it
+    combine = getattr(runner, "_maybe_apply_routed_scale_to_output", None)
+    s = float(getattr(runner, "routed_scaling_factor", 1.0) or 1.0)
+    if combine is None or s == 1.0 or getattr(moe, "shared_experts", None) is None:
+        return None
+    shared, routed = combine(torch.ones(1, dtype=torch.float16), torch.ones(1, dtype=torch.float16))
+    a, b = float(shared), float(routed)
+    if abs(a - 1) < 1e-3 and abs(b - s) < 1e-3 * s:
+        return None
+    if abs(a * s - 1) < 1e-3 and abs(b - 1) < 1e-3:
+        return s
+    raise RuntimeError(
+        f"{prefix or 'NemotronHMoE'}: vLLM's MoE runner combines a float16 shared expert and routed output as "
+        f"{a:g} * shared + {b:g} * routed for routed_scaling_factor {s:g}; quantpack's Nemotron-H fix knows 1 / {s:g} "
+        "and 1 (it rescales) or 1 and the factor (it leaves it). Serve in bfloat16 (--dtype bfloat16) or update "
+        "quantpack-families"
+    )
+
+
+def wrap_moe(cls) -> bool:
+    """Make ``cls`` (vLLM's ``NemotronHMoE``) record :func:`float16_output_scale` when built and apply it to its
+    float16 output in ``forward``. Idempotent.
+
+    Returns:
+        True when this call wrapped anything.
+    """
+
+    def make_init(init):
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            self._quantpack_float16_scale = float16_output_scale(self, kwargs.get("prefix", ""))
+
+        return __init__
+
+    def make_forward(forward):
+        import torch  # vLLM imported it already: the module being patched is vLLM's
+
+        def forward_fixed(self, hidden_states, *args, **kwargs):
+            out = forward(self, hidden_states, *args, **kwargs)
+            scale = getattr(self, "_quantpack_float16_scale", None)
+            return out * scale if scale is not None and out.dtype == torch.float16 else out
+
+        return forward_fixed
+
+    wrapped = wrap_attribute(cls, "__init__", _MARK, make_init)
+    return wrap_attribute(cls, "forward", _MARK, make_forward) or wrapped
+
+
+#: :func:`wrap_moe` applied to the ``NemotronHMoE`` vLLM's Nemotron-H model module defines
+patch_model = class_patch({"NemotronHMoE": wrap_moe})
+
+
 FAMILY = Family(
     name="nemotron_h",
     why=(
         "vLLM's Mamba2 in_proj duplicates its one group of B / C on every tensor-parallel rank through a loader of "
-        "in_proj.weight, which a quantized in_proj never reaches"
+        "in_proj.weight, which a quantized in_proj never reaches; in float16 its MoE runner divides the shared "
+        "expert by routed_scaling_factor for a compensation the Nemotron-H decoder layer never makes"
     ),
-    patches={MODULE: patch},
+    patches={MODULE: patch, MODEL_MODULE: patch_model},
 )
