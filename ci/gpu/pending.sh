@@ -39,12 +39,12 @@ try:
     import torchvision; print('torchvision', torchvision.__version__)
 except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
-# (owed first after the last run of 2026-12-03, which passed the expert kernels, Flint and the whole Qwen3.5 VL pack:
-# the families with Nemotron-H's EXL3 relu2 experts and the expert kernels' ungated banks, both written after it;
-# the Qwen3.5 VL pack of exllamav3's converter; the dense harness's five engines with today's kernels, the vLLM MoE
-# and dense jobs with the one-row panel and the fused launches above 16 rows, the Nemotron-H twin's graph fault)
-all=(moe-ungated nemotron-moe qwen-vl-converter serve-8b e2e-moe e2e-dense nemotron-twin serve-moe linear-kernels
-  escha-vllm families qwen-vl moe-kernels
+# (owed first after the night of 2026-12-03, which passed the ungated expert banks, the Nemotron MoE pack with the
+# family's float16 fix and the converter's Qwen3.5 VL pack: the Nemotron-H twin's graph fault, the dense harness's
+# five engines with today's kernels, the vLLM MoE and dense jobs with the one-row panel and the fused launches above
+# 16 rows; the last steps re-check what passed before)
+all=(nemotron-twin serve-8b e2e-moe e2e-dense serve-moe linear-kernels escha-vllm families qwen-vl-converter
+  moe-kernels qwen-vl nemotron-moe moe-ungated
   kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel serve-moe-mixed profile)
 for s in "${@:-${all[@]}}"; do
   case $s in

@@ -59,8 +59,8 @@ def tiny_tower(seed: int = 0, dense_qkv: bool = False):
 
     Args:
         seed: RNG seed.
-        dense_qkv: also store each block's dense fused ``attn.qkv.{weight,bias}`` beside the split EXL3 parts (an
-            older converter's layout; random, so serving it would show).
+        dense_qkv: also store each block's dense fused ``attn.qkv.{weight,bias}`` beside the split EXL3 parts (the
+            layout exllamav3's converter writes; random, so serving it would show).
 
     Returns:
         ``(pack, layers, dense)``: the pack's tensors named relative to ``model.visual.`` (fp16, int16, int32);

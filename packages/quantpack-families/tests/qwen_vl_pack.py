@@ -5,7 +5,7 @@ The pack joins two things the project already has: the text tower of the EXL3 fi
 ``fixtures/qwen3_5-tiny-exl3-4.0bpw-mul1`` (exllamav3 1.6.5's encoding of a trained 4-layer Qwen3.5: 3 Gated
 DeltaNet layers + 1 gated attention layer, EXL3 ``lm_head``), and the tiny vision tower of
 ``qwen_vision_reference.tiny_tower`` (core-written EXL3 linears with split ``attn.{q,k,v}_proj``, padded MLP, dense
-patch / position embeddings and norms), optionally with the dense fused ``attn.qkv`` an older converter also kept.
+patch / position embeddings and norms), optionally with the dense fused ``attn.qkv`` exllamav3's converter also keeps.
 Around them: a ``config.json`` with ``text_config`` + ``vision_config`` + the vision token ids and the fixture's EXL3
 ``quantization_config``, the manifest (``quantization_config.json``), the fixture's tokenizer with the vision
 special tokens added at ids 1000-1003 (inside ``vocab_size`` 1024: rows the embedding has, untrained), and the
@@ -181,8 +181,8 @@ def write_vl_pack(path: str | Path, *, dense_qkv: bool = False, seed: int = 0) -
     Args:
         path: the pack folder.
         dense_qkv: also store each vision block's dense fused ``attn.qkv.{weight,bias}`` (random fp16, so serving
-            it would show) beside the split EXL3 parts: the layout of an older converter. Every other tensor is the
-            split layout's.
+            it would show) beside the split EXL3 parts: the layout exllamav3's converter writes. Every other tensor
+            is the split layout's.
         seed: the vision tower's seed (``qwen_vision_reference.tiny_tower``).
 
     Returns:
@@ -392,3 +392,15 @@ def reference(pack_dir: str | Path, image=None, model=None) -> dict:
         "greedy": tokens,
         "greedy_top2": top2,
     }
+
+
+def holds_dense_qkv(pack: Path) -> bool:
+    """Whether the pack's safetensors hold a vision block's dense fused ``attn.qkv.weight`` (read from the files,
+    not assumed: exllamav3's converter keeps it)."""
+    from safetensors import safe_open
+
+    for f in pack.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            if any(".attn.qkv.weight" in k and "visual" in k for k in st.keys()):
+                return True
+    return False

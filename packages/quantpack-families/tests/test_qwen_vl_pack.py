@@ -80,6 +80,7 @@ def test_pack_passes_the_pack_check(packs, layout):
             assert order.index(f"model.visual.blocks.{i}.attn.q_proj") < order.index(fused)
         else:
             assert fused not in pack.modules
+    assert vl.holds_dense_qkv(packs[layout]) == LAYOUTS[layout]  # what the GPU test reads of a converter's pack
     config = json.loads((packs[layout] / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
     assert config["quantization_config"]["quant_method"] == "exl3"

@@ -25,7 +25,7 @@ FUSED_LAYERS: dict[str, tuple[tuple[str, ...], ...]] = {
     "in_proj_qkvz": (("in_proj_qkvz",), ("in_proj_qkv", "in_proj_z")),
     "in_proj_ba": (("in_proj_ba",), ("in_proj_b", "in_proj_a")),
     # the Qwen3-VL vision tower's attention: exllamav3 splits it into q_proj / k_proj / v_proj; dense checkpoints keep
-    # the fused qkv (and an older converter's packs hold both: the split parts are served, docs/families.md)
+    # the fused qkv (and exllamav3's converter's packs hold both: the split parts are served, docs/families.md)
     "qkv": (("q_proj", "k_proj", "v_proj"), ("qkv",)),
 }
 

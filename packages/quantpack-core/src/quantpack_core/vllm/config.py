@@ -310,7 +310,7 @@ class QuantpackConfig(QuantizationConfig):
 
         Where the manifest holds a whole alternative layout of the layer (every module of it, e.g. the split
         ``q_proj`` / ``k_proj`` / ``v_proj`` of a vision ``qkv``), the first such layout decides, so a pack that also
-        keeps the other layout (an older converter's dense fused ``qkv``) routes to the one its loader serves.
+        keeps the other layout (exllamav3's converter's dense fused ``qkv``) routes to the one its loader serves.
 
         Raises:
             LayerLoadError: when the manifest has quantized and dense modules behind one fused layer.

@@ -8,11 +8,12 @@ What vLLM's tower cannot load from an EXL3 pack, and what the family does about 
   names into the ``attn.qkv`` shards ``q`` / ``k`` / ``v`` but knows no ``q_proj`` (stock vLLM fails with "no module
   or parameter named 'blocks.0.attn.k_proj'"): the family renames them to the spelling vLLM stacks, so each part
   reaches the layer's quantpack method as its own shard.
-* Packs of an older converter hold both the dense fused ``attn.qkv.{weight,bias}`` and the split EXL3 parts of the
-  same block. Loading both would give the layer two kinds of the same outputs (a load error), so where all three
-  EXL3 parts are present the dense fused weight is dropped (and the fused bias, where the three parts carry their
-  own), and one log line says which layout was served. The quant config routes such a layer by its split parts
-  (``quantpack_core.names.FUSED_LAYERS``: the first whole layout in the manifest decides).
+* Packs of exllamav3's converter (its 1.6.5 pack of the tiny model, docs/families.md) hold both the dense fused
+  ``attn.qkv.{weight,bias}`` and the split EXL3 parts of the same block. Loading both would give the layer two kinds
+  of the same outputs (a load error), so where all three EXL3 parts are present the dense fused weight is dropped (and
+  the fused bias, where the three parts carry their own), and one log line says which layout was served. The quant
+  config routes such a layer by its split parts (``quantpack_core.names.FUSED_LAYERS``: the first whole layout in the
+  manifest decides).
 * A quantized linear's stored ``bias`` is padded like its output (the tower's MLP width 4304 is stored as 4352;
   a loader that compares shapes fails with "(4304,) != (4352,)"). quantpack's linear method trims the padded
   outputs and zero-extends the padded inputs (``linear_fc2``) itself, and vLLM's column-parallel loader takes the
@@ -98,7 +99,7 @@ def vision_weights(
     if dropped:
         logger.info(
             "quantpack-families: %s: %d attention block(s) hold both a dense fused attn.qkv and split EXL3 "
-            "attn.{q,k,v}_proj (an older converter's layout); serving the EXL3 parts, ignoring the dense "
+            "attn.{q,k,v}_proj (as exllamav3's converter writes them); serving the EXL3 parts, ignoring the dense "
             "attn.qkv tensors (first: %s.%s.qkv)",
             prefix,
             len(dropped),
