@@ -40,10 +40,11 @@ try:
 except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
 # (owed first after the night of 2026-12-03, which passed the ungated expert banks, the Nemotron MoE pack with the
-# family's float16 fix and the converter's Qwen3.5 VL pack: the Nemotron-H twin's graph fault, the dense harness's
+# family's float16 fix and the converter's Qwen3.5 VL pack: the Spark and Nemotron-H packs of exllamav3's converter
+# (written after it), the Nemotron-H twin's graph fault, the dense harness's
 # five engines with today's kernels, the vLLM MoE and dense jobs with the one-row panel and the fused launches above
 # 16 rows; the last steps re-check what passed before)
-all=(nemotron-twin serve-8b e2e-moe e2e-dense serve-moe linear-kernels escha-vllm families qwen-vl-converter
+all=(family-converter nemotron-twin serve-8b e2e-moe e2e-dense serve-moe linear-kernels escha-vllm families qwen-vl-converter
   moe-kernels qwen-vl nemotron-moe moe-ungated
   kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel serve-moe-mixed profile)
 for s in "${@:-${all[@]}}"; do
@@ -127,6 +128,14 @@ for s in "${@:-${all[@]}}"; do
       cp /tmp/qwen-vl-exl3/convert.log "$res/qwen-vl-convert-converter.log" 2>/dev/null
       QUANTPACK_QWEN_VL_CONVERTED=/tmp/qwen-vl-exl3 QUANTPACK_GPU_JOBS=converter \
         step qwen-vl-converter "${T[@]}" packages/quantpack-families/tests/test_qwen_vl_gpu.py ;;
+    # Spark and the Nemotron-H text tower through exllamav3's own converter (from the bf16 twins), then served
+    # with the families' packs against their float64 references (first run owed)
+    family-converter)
+      step family-convert python3 fixtures/tools/make_family_exl3.py --out /tmp/family-exl3
+      cp /tmp/family-exl3/REPORT.json "$res/family-convert-report.json" 2>/dev/null
+      cp /tmp/family-exl3/*-convert.log "$res/" 2>/dev/null
+      QUANTPACK_FAMILY_CONVERTED=/tmp/family-exl3 QUANTPACK_GPU_JOBS=converter \
+        step family-converter "${T[@]}" packages/quantpack-families/tests/test_families_gpu.py ;;
     qwen-vl) step qwen-vl "${T[@]}" packages/quantpack-families/tests/test_qwen_vl_gpu.py ;;
     # the converted escha packs in vLLM (eager and graphs) with the spill-free Triton kernel
     escha-vllm) step escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py ;;

@@ -9,6 +9,10 @@ the GPU bound of the family issue: KL <= 5e-4 and top-1 >= 99% (over the positio
 ``e2e_runner.NEAR_TIE``); graphs must give eager's greedy tokens (or part from them only at an exact near-tie,
 ``e2e_runner.greedy_agreement``).
 
+Where ``QUANTPACK_FAMILY_CONVERTED`` names the output of ``fixtures/tools/make_family_exl3.py``, the Spark and
+Nemotron-H packs exllamav3's own converter made from the bf16 twins are served too (``spark-exl3-converter``,
+``nemotron-h-exl3-converter``), against the same float64 forwards on their own decoded weights.
+
 One runner process per family serves its jobs (first engine start included, a few minutes on the H200). The EXL3
 layers run on the CUDA kernels the platform chooses (trellis_mma for float16). ``QUANTPACK_GPU_JOBS`` narrows the
 jobs as for the EXL3 end-to-end tests (substrings of the job ids, e.g. ``flint``).
@@ -49,6 +53,32 @@ def selected(key: str) -> bool:
     return not only or any(s in key for s in only)
 
 
+#: the packs exllamav3's converter made (fixtures/tools/make_family_exl3.py), by folder name under
+#: QUANTPACK_FAMILY_CONVERTED; each holds reference_logits.pt (the family's float64 forward on its decoded weights)
+CONVERTED = ("spark-exl3-converter", "nemotron-h-exl3-converter")
+
+
+def converted_packs() -> dict:
+    """``{name: folder}`` of the converter-made packs under ``QUANTPACK_FAMILY_CONVERTED`` (unset: none).
+
+    Raises:
+        FileNotFoundError: the folder is set but a pack (or its reference) is missing: the tool's REPORT.json says
+            why.
+    """
+    from pathlib import Path
+
+    root = os.environ.get("QUANTPACK_FAMILY_CONVERTED")
+    if not root:
+        return {}
+    out = {}
+    for name in CONVERTED:
+        pack = Path(root) / name
+        if not (pack / "reference_logits.pt").is_file():
+            raise FileNotFoundError(f"QUANTPACK_FAMILY_CONVERTED={root}: no {name} with its reference (REPORT.json)")
+        out[name] = pack
+    return out
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """Every family pack written at test time, served in float16 eager and with graphs by one runner run."""
@@ -63,6 +93,7 @@ def served(tmp_path_factory):
         packs.update(write(tmp_path_factory.mktemp(family), length=LENGTH))
     packs.update(write_nemotron_h_packs(tmp_path_factory.mktemp("nemotron_h"), length=LENGTH))
     packs.update(write_nemotron_moe_pack(tmp_path_factory.mktemp("nemotron_h_moe"), length=LENGTH))
+    packs.update(converted_packs())
     jobs = {}
     for name, path in packs.items():
         for mode, eager in (("eager", True), ("graphs", False)):
