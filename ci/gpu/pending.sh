@@ -96,22 +96,20 @@ for s in "${@:-${all[@]}}"; do
     # the same stack in mcg (the 3INST / mcg decode)
     kernel-8b-mcg) step kernel-8b-mcg python3 benchmarks/kernel_8b.py --codebook mcg --rows 1,16,64 --no-dense \
       --json "$res/kernel_8b_mcg.json" ;;
-    # the expert banks through both kernels against the float64 oracle, trellis_mma within 1.1x exllamav3's error
-    # (first: the one-launch-for-every-K-group kernel and the shared TileStream loop have not run on a GPU yet)
-    # the expert kernels' ungated relu2 banks alone (written 2026-12-03 after the last run), and the Nemotron-H pack
-    # whose routed relu2 experts are EXL3 through vLLM (eager and graphs, its experts on the EXL3 banks)
+    # the expert kernels' ungated relu2 banks alone (28 passed, 2026-12-03), and the Nemotron-H pack whose routed
+    # relu2 experts are EXL3 through vLLM (eager and graphs, its experts on the EXL3 banks; passed with the family's
+    # float16 fix, 2026-12-03)
     moe-ungated) step moe-ungated "${T[@]}" -k ungated packages/quantpack-exl3/tests/test_exl3_gpu_moe.py ;;
     nemotron-moe) QUANTPACK_GPU_JOBS=nemotron-h-moe step nemotron-moe "${T[@]}" \
       packages/quantpack-families/tests/test_families_gpu.py ;;
+    # the expert banks through both kernels against the float64 oracle, trellis_mma within 1.1x exllamav3's error
     moe-kernels) step moe-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_moe.py ;;
     # the vLLM MoE jobs (eager and graphs) with trellis_mma's experts, the CUDA default since its first run
     e2e-moe) QUANTPACK_GPU_JOBS=moe/ step e2e-moe "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py ;;
     # Spark, Flint and the Nemotron-H text tower (EXL3 packs and bf16 twins) in vLLM's CUDA build, eager and graphs
-    # and the tiny EXL3 Qwen3.5 vision tower in vLLM's own Qwen3_VisionTransformer (first run owed)
+    # and the tiny EXL3 Qwen3.5 vision tower in vLLM's own Qwen3_VisionTransformer
     families) step families "${T[@]}" packages/quantpack-families/tests/test_qwen_vision_gpu.py \
       packages/quantpack-families/tests/test_families_gpu.py ;;
-    # the whole tiny Qwen3.5 VL pack (EXL3 text and vision towers) served by vLLM, both layouts, eager and graphs: text
-    # KL and an image + text request's greedy tokens against transformers' dequantized model (first run owed)
     # Nemotron-H's bf16 twin, KL 4.6 with compile + graphs (eager passes, and compiled on CPU): compiled without
     # graphs, piecewise graphs only, and vLLM's default, each as a fresh process's only engine
     nemotron-twin)
@@ -120,8 +118,9 @@ for s in "${@:-${all[@]}}"; do
           QUANTPACK_GPU_LLM_KWARGS="{\"compilation_config\": {\"cudagraph_mode\": \"$mode\"}}" \
           step "nemotron-twin-$mode" "${T[@]}" -k match packages/quantpack-families/tests/test_families_gpu.py
       done ;;
-    # the tiny Qwen3.5 VL model through exllamav3's own converter (vision tower at 6 bits; and its dual layout),
-    # then served by vLLM as the core writer's packs are (first run owed)
+    # the tiny Qwen3.5 VL model through exllamav3's own converter (vision tower at 6 bits; its pack keeps the dense
+    # fused qkv too), then served by vLLM as the core writer's packs are (passed 2026-12-03 but for the test's layout
+    # assumption, since fixed)
     qwen-vl-converter)
       step qwen-vl-convert python3 fixtures/tools/make_qwen_vl_exl3.py --out /tmp/qwen-vl-exl3
       cp /tmp/qwen-vl-exl3/REPORT.json "$res/qwen-vl-convert-report.json" 2>/dev/null
@@ -136,6 +135,8 @@ for s in "${@:-${all[@]}}"; do
       cp /tmp/family-exl3/*-convert.log "$res/" 2>/dev/null
       QUANTPACK_FAMILY_CONVERTED=/tmp/family-exl3 QUANTPACK_GPU_JOBS=converter \
         step family-converter "${T[@]}" packages/quantpack-families/tests/test_families_gpu.py ;;
+    # the whole tiny Qwen3.5 VL pack (EXL3 text and vision towers) served by vLLM, both layouts, eager and graphs: text
+    # KL and an image + text request's greedy tokens against transformers' dequantized model
     qwen-vl) step qwen-vl "${T[@]}" packages/quantpack-families/tests/test_qwen_vl_gpu.py ;;
     # the converted escha packs in vLLM (eager and graphs) with the spill-free Triton kernel
     escha-vllm) step escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py ;;

@@ -58,25 +58,23 @@ def selected(key: str) -> bool:
 CONVERTED = ("spark-exl3-converter", "nemotron-h-exl3-converter")
 
 
-def converted_packs() -> dict:
-    """``{name: folder}`` of the converter-made packs under ``QUANTPACK_FAMILY_CONVERTED`` (unset: none).
-
-    Raises:
-        FileNotFoundError: the folder is set but a pack (or its reference) is missing: the tool's REPORT.json says
-            why.
-    """
+def converted_packs() -> tuple[dict, list[str]]:
+    """The converter-made packs under ``QUANTPACK_FAMILY_CONVERTED`` (unset: none): ``({name: folder}, missing)``,
+    ``missing`` naming each pack (or its reference) that is not there - a failure of the test, with the tool's
+    REPORT.json saying why, while the packs that are there are still served."""
     from pathlib import Path
 
     root = os.environ.get("QUANTPACK_FAMILY_CONVERTED")
     if not root:
-        return {}
-    out = {}
+        return {}, []
+    out, missing = {}, []
     for name in CONVERTED:
         pack = Path(root) / name
-        if not (pack / "reference_logits.pt").is_file():
-            raise FileNotFoundError(f"QUANTPACK_FAMILY_CONVERTED={root}: no {name} with its reference (REPORT.json)")
-        out[name] = pack
-    return out
+        if (pack / "reference_logits.pt").is_file():
+            out[name] = pack
+        else:
+            missing.append(f"QUANTPACK_FAMILY_CONVERTED={root}: no {name} with its reference (see REPORT.json there)")
+    return out, missing
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +91,8 @@ def served(tmp_path_factory):
         packs.update(write(tmp_path_factory.mktemp(family), length=LENGTH))
     packs.update(write_nemotron_h_packs(tmp_path_factory.mktemp("nemotron_h"), length=LENGTH))
     packs.update(write_nemotron_moe_pack(tmp_path_factory.mktemp("nemotron_h_moe"), length=LENGTH))
-    packs.update(converted_packs())
+    converted, missing = converted_packs()
+    packs.update(converted)
     jobs = {}
     for name, path in packs.items():
         for mode, eager in (("eager", True), ("graphs", False)):
@@ -102,7 +101,7 @@ def served(tmp_path_factory):
                 jobs[key] = {"kind": "logits", "pack": str(path), "dtype": "float16", "eager": eager}
                 jobs[key]["llm_kwargs"] = LLM_KWARGS
                 jobs[key]["tie"] = NEAR_TIE
-    if not jobs:
+    if not jobs and not missing:
         pytest.skip(f"no family job selected by QUANTPACK_GPU_JOBS={os.environ.get('QUANTPACK_GPU_JOBS')}")
     # one runner process per family: engines of one process do not give all their GPU memory back (on the H200,
     # 2026-12-03, the twelve Spark and Flint engines of one process left 12.9 of 140 GiB free, and the Nemotron-H
@@ -114,6 +113,7 @@ def served(tmp_path_factory):
             out = run_runner(group, tmp_path_factory.mktemp(f"runner-{family}"), timeout=1800)
             results["_log"] = results.get("_log", "") + out.pop("_log")
             results.update(out)
+    results["_missing"] = missing
     return jobs, results
 
 
@@ -122,7 +122,7 @@ def test_family_packs_match_their_references_on_the_gpu(served):
     from e2e_runner import NEAR_TIE, get, greedy_agreement
 
     jobs, results = served
-    failures = []
+    failures = list(results["_missing"])  # converter-made packs asked for and not there
     for key in jobs:  # every job's figures first, then the failures together
         res = results.get(key, {})
         if "kl" not in res:

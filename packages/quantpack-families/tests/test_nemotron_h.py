@@ -332,6 +332,10 @@ def test_float16_moe_output_scale_refuses_an_unknown_combination():
 
     with pytest.raises(RuntimeError, match=r"model\.layers\.3\.mixer.*--dtype bfloat16"):
         float16_output_scale(SimpleNamespace(experts=Halving(), shared_experts=object()), "model.layers.3.mixer")
+    # a latent output projection with a bias (mlp_bias) would be scaled too: refused, not served wrong
+    biased = SimpleNamespace(experts=_runner(2.5), shared_experts=object(), fc2_latent_proj=torch.nn.Linear(4, 4))
+    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.mixer.*fc2_latent_proj's bias.*bfloat16"):
+        float16_output_scale(biased, "model.layers.1.mixer")
 
 
 def test_the_family_wraps_vllms_nemotron_h_moe_layer():
@@ -356,7 +360,16 @@ def test_the_family_wraps_vllms_nemotron_h_moe_layer():
             return hidden_states + 1
 
     assert wrap_moe(Layer)
-    layer = Layer(prefix="model.layers.1.mixer")
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float16)  # as vLLM builds a float16 model
+        layer = Layer(prefix="model.layers.1.mixer")
+        with torch.device("meta"):  # vLLM's IPC weight-cache loader builds models there: the probe stays on the host
+            assert Layer(prefix="model.layers.1.mixer")._quantpack_float16_scale == SUPER["routed_scaling_factor"]
+        torch.set_default_dtype(torch.bfloat16)
+        assert Layer(prefix="model.layers.1.mixer")._quantpack_float16_scale is None  # not probed: no fix to make
+    finally:
+        torch.set_default_dtype(default)
     x = torch.randn(3, 8)
     assert torch.equal(layer.forward(x.half()), (x.half() + 1) * SUPER["routed_scaling_factor"])
     assert torch.equal(layer.forward(x), x + 1)

@@ -178,25 +178,35 @@ def float16_output_scale(moe, prefix: str = "") -> float | None:
     vLLM's runner combines the routed experts' output ``r`` (routing weights without ``routed_scaling_factor``
     ``s`` when it scales the output itself) and the shared expert's ``h`` through
     ``_maybe_apply_routed_scale_to_output(h, r)``; the model wants ``s * r + h``. This calls that function on a
-    float16 unit pair: ``(1, s)`` back is right (None); ``(1 / s, 1)`` is the division the decoder layer never undoes,
-    fixed by multiplying the layer's output by ``s``.
+    float16 unit pair (host tensors, so a model built on the meta device probes too): ``(1, s)`` back is right (None);
+    ``(1 / s, 1)`` is the division the decoder layer never undoes, fixed by multiplying the layer's output by ``s``.
+    Call it for a float16 model only (:func:`wrap_moe` does).
 
     Raises:
-        RuntimeError: the runner returns another combination (a vLLM this fix does not know), naming the layer.
+        RuntimeError: the runner returns another combination (a vLLM this fix does not know), or the layer's latent
+            output projection has a bias (the multiplication would scale it too), naming the layer.
     """
     import torch
 
     experts = getattr(moe, "experts", None)
-    runner = getattr(experts, "runner", experts)  # vLLM <= 0.22: FusedMoE holds it; later: FusedMoE builds it
+    runner = getattr(experts, "runner", experts)  # vLLM 0.22: the FusedMoE module holds it; 0.25+: it is the runner
     combine = getattr(runner, "_maybe_apply_routed_scale_to_output", None)
     s = float(getattr(runner, "routed_scaling_factor", 1.0) or 1.0)
     if combine is None or s == 1.0 or getattr(moe, "shared_experts", None) is None:
         return None
-    shared, routed = combine(torch.ones(1, dtype=torch.float16), torch.ones(1, dtype=torch.float16))
+    one = {"dtype": torch.float16, "device": "cpu"}
+    shared, routed = combine(torch.ones(1, **one), torch.ones(1, **one))
     a, b = float(shared), float(routed)
     if abs(a - 1) < 1e-3 and abs(b - s) < 1e-3 * s:
         return None
     if abs(a * s - 1) < 1e-3 and abs(b - 1) < 1e-3:
+        if getattr(getattr(moe, "fc2_latent_proj", None), "bias", None) is not None:
+            raise RuntimeError(
+                f"{prefix or 'NemotronHMoE'}: in float16 vLLM's MoE runner divides the shared expert by "
+                f"routed_scaling_factor {s:g} and the Nemotron-H layer never undoes it; quantpack's fix multiplies "
+                "the layer's output back, which would also scale fc2_latent_proj's bias (mlp_bias). Serve this model "
+                "in bfloat16 (--dtype bfloat16)"
+            )
         return s
     raise RuntimeError(
         f"{prefix or 'NemotronHMoE'}: vLLM's MoE runner combines a float16 shared expert and routed output as "
@@ -207,8 +217,8 @@ def float16_output_scale(moe, prefix: str = "") -> float | None:
 
 
 def wrap_moe(cls) -> bool:
-    """Make ``cls`` (vLLM's ``NemotronHMoE``) record :func:`float16_output_scale` when built and apply it to its
-    float16 output in ``forward``. Idempotent.
+    """Make ``cls`` (vLLM's ``NemotronHMoE``) record :func:`float16_output_scale` when built as part of a float16
+    model (torch's default dtype while vLLM builds it) and apply it to its float16 output in ``forward``. Idempotent.
 
     Returns:
         True when this call wrapped anything.
@@ -216,8 +226,12 @@ def wrap_moe(cls) -> bool:
 
     def make_init(init):
         def __init__(self, *args, **kwargs):
+            import torch
+
             init(self, *args, **kwargs)
-            self._quantpack_float16_scale = float16_output_scale(self, kwargs.get("prefix", ""))
+            # vLLM builds a model under its dtype as torch's default: the runner's branch is float16's only
+            fp16 = torch.get_default_dtype() == torch.float16
+            self._quantpack_float16_scale = float16_output_scale(self, kwargs.get("prefix", "")) if fp16 else None
 
         return __init__
 
