@@ -157,11 +157,14 @@ def mlp(x, w, cfg, layer):
 MIXERS = {"linear_attention": mamba2, "full_attention": attention, "moe": moe, "mlp": mlp}
 
 
-def forward(w: dict[str, torch.Tensor], cfg: dict, input_ids: torch.Tensor) -> torch.Tensor:
+def forward(
+    w: dict[str, torch.Tensor], cfg: dict, input_ids: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+) -> torch.Tensor:
     """Logits ``(T, vocab)`` float64 of one sequence ``input_ids`` ``(T,)`` from dense weights ``w`` (checkpoint
-    names, ``backbone.*`` and ``lm_head.weight``)."""
+    names, ``backbone.*`` and ``lm_head.weight``); ``inputs_embeds`` ``(T, hidden)``, where given, replaces the
+    embedding rows (a vision-language model's image positions)."""
     w = {k: v.double() for k, v in w.items()}
-    x = w["backbone.embeddings.weight"][input_ids]
+    x = w["backbone.embeddings.weight"][input_ids] if inputs_embeds is None else inputs_embeds.double()
     eps = cfg["layer_norm_epsilon"]
     for layer, kind in enumerate(cfg["layers_block_type"]):
         h = rms_norm(x, w[f"backbone.layers.{layer}.norm.weight"], eps)

@@ -18,17 +18,15 @@ references are one, ``test_qwen_vl_pack.py``):
   (``e2e_runner.greedy_agreement``).
 
 The jobs run through the project's end-to-end runner (``tests/vllm_e2e.py``: its main loop, engine settings and
-helpers) with one job kind added by this file, ``vl`` (:func:`run_vl`: both prompts on one engine, so each layout
-and mode loads once); ``run_runner`` starts this file as the runner script, one process per layout (two engines
-each), as the families' GPU test runs one per family. ``QUANTPACK_GPU_JOBS`` narrows the jobs (substrings of the
-job ids, e.g. ``dense-qkv``).
+helpers) with one job kind added by ``vl_runner.py``, ``vl`` (``vl_runner.run_vl``: both prompts on one engine, so
+each layout and mode loads once); ``run_runner`` starts that file as the runner script, one process per layout (two
+engines each), as the families' GPU test runs one per family. ``QUANTPACK_GPU_JOBS`` narrows the jobs (substrings of
+the job ids, e.g. ``dense-qkv``).
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -79,113 +77,12 @@ LLM_KWARGS = {
     "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8]},
     "limit_mm_per_prompt": {"image": 1, "video": 0},
 }
-#: the logger of the family's layout line (quantpack_families.families.qwen_vision)
-FAMILY_LOGGER = "vllm.quantpack.families"
-#: what the family logs when it serves a block from the EXL3 parts and drops the dense fused copy
-DROPPED = "dense fused attn.qkv"
 
 
 def selected(key: str) -> bool:
     """Whether ``QUANTPACK_GPU_JOBS`` (comma-separated substrings; unset: every job) selects the job ``key``."""
     only = [s for s in os.environ.get("QUANTPACK_GPU_JOBS", "").split(",") if s]
     return not only or any(s in key for s in only)
-
-
-# ------------------------------------------------------------------------------------------ the runner's job kind
-
-
-class _Lines(logging.Handler):
-    """Keeps the messages of the records it is handed."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def run_vl(job: dict) -> dict:
-    """The ``vl`` job of the runner: one engine for the pack, then the text-only prompt's logprobs and the image +
-    text prompt's greedy tokens.
-
-    Job keys: ``pack``, ``dtype``, ``eager``, ``llm_kwargs`` (as every runner job); ``reference`` (a ``.pt`` of
-    ``qwen_vl_pack.reference``), ``image`` (a PNG), ``prompt`` (the image + text prompt), ``tokens`` (greedy
-    tokens), ``tie`` (nats, for the text prompt's top-1 count).
-
-    Returns:
-        ``kl``, ``top1``, ``positions``, ``ties``, ``top1_decided`` of the text prompt against the reference
-        (``quantpack_core.compare.agreement``); ``prompt_ids`` (the image prompt as vLLM expanded it), ``greedy``
-        and ``greedy_top2`` (per step ``{str(id): logprob}``: the layout of the runner's ``logits`` jobs);
-        ``quant_methods`` of the vision tower's modules; ``family_log`` (the family's log lines while the engine
-        was built); ``load_s``.
-    """
-    import time
-
-    import vllm_e2e as e2e
-    from PIL import Image
-    from vllm import SamplingParams
-
-    ref = torch.load(job["reference"])
-    vocab = ref["logits"].shape[-1]
-    lines = _Lines()
-    logger = logging.getLogger(FAMILY_LOGGER)
-    level = logger.level
-    logger.addHandler(lines)
-    logger.setLevel(logging.INFO)  # the layout line is INFO, whatever VLLM_LOGGING_LEVEL says
-    t0 = time.time()
-    try:
-        llm = e2e.make_llm(job, job["dtype"], job["eager"], vocab)
-    finally:
-        logger.removeHandler(lines)
-        logger.setLevel(level)
-    load_s = time.time() - t0
-    methods = llm.apply_model(e2e.quant_methods)[0]
-    lp = e2e.prompt_logprob_matrix(llm, ref["input_ids"][0].tolist(), vocab)
-    scores = e2e.logit_agreement(ref, lp, job.get("tie", 0.0))
-    image = Image.open(job["image"]).convert("RGB")
-    params = SamplingParams(max_tokens=job["tokens"], temperature=0, ignore_eos=True, logprobs=2)
-    out = llm.generate([{"prompt": job["prompt"], "multi_modal_data": {"image": image}}], params, use_tqdm=False)[0]
-    seq = out.outputs[0]
-    top2 = [
-        {str(tok): v.logprob for tok, v in step.items() if v.rank is not None and v.rank <= 2} for step in seq.logprobs
-    ]
-    e2e.release(llm)
-    return {
-        **scores,
-        "prompt_ids": list(out.prompt_token_ids),
-        "greedy": list(seq.token_ids),
-        "greedy_top2": top2,
-        "quant_methods": {k: v for k, v in methods.items() if k.startswith("visual.")},
-        "family_log": [line for line in lines.lines if DROPPED in line],
-        "load_s": load_s,
-    }
-
-
-# ------------------------------------------------------------------------------------------------------- the test
-
-
-def reference_agreement(ref: dict, got: list[int], tie: float) -> str:
-    """Check vLLM's greedy tokens ``got`` against the reference's (``ref["greedy"]``, ``ref["greedy_top2"]``);
-    returns a description. They must be identical, or part first at a step where vLLM took the reference's
-    runner-up and the reference's top-2 lie within ``tie`` nats (a float16 rounding can flip such a step and
-    nothing after it is comparable).
-
-    Raises:
-        AssertionError: they part elsewhere.
-    """
-    want = ref["greedy"]
-    if got == want:
-        return f"identical ({len(want)} tokens)"
-    i = next((i for i, (x, y) in enumerate(zip(want, got, strict=False)) if x != y), min(len(want), len(got)))
-    assert i < min(len(want), len(got)), f"{len(got)} tokens for the reference's {len(want)}: {got} vs {want}"
-    top2 = {int(k): v for k, v in ref["greedy_top2"][i].items()}
-    gap = max(top2.values()) - min(top2.values())
-    assert got[i] in top2 and gap <= tie, (
-        f"greedy tokens part from the reference at step {i} ({got[i]} for {want[i]}; the reference's top-2 "
-        f"{top2}, {gap:.3g} nats apart): {got} vs {want}"
-    )
-    return f"identical up to step {i} of {len(want)}, where the reference's top-2 tie within {gap:.2g} nats"
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +125,7 @@ def served(tmp_path_factory):
         pytest.skip(f"no job selected by QUANTPACK_GPU_JOBS={os.environ.get('QUANTPACK_GPU_JOBS')}")
     results = {}
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(e2e_runner, "RUNNER", Path(__file__).resolve())  # this file adds the "vl" kind to vllm_e2e.py
+        mp.setattr(e2e_runner, "RUNNER", Path(__file__).resolve().with_name("vl_runner.py"))  # the "vl" kind
         for layout in layouts():
             group = {key: job for key, job in jobs.items() if key.startswith(f"{layout}/")}
             if group:
@@ -243,6 +140,7 @@ def test_vl_pack_matches_its_reference_on_the_gpu(served):
     its greedy tokens the reference's (near-tie rule above), the tower's qkv served by the EXL3 method, the family's
     layout line where (and only where) the pack holds the dense fused qkv."""
     from e2e_runner import NEAR_TIE
+    from vl_runner import reference_agreement
 
     jobs, references, results = served
     failures = []
@@ -263,7 +161,8 @@ def test_vl_pack_matches_its_reference_on_the_gpu(served):
         if res["prompt_ids"] != ref["image_ids"]:
             failures.append(f"{key}: vLLM's image prompt {res['prompt_ids']} != the reference's {ref['image_ids']}")
         try:
-            print(f"GPU qwen VL {key} image greedy vs reference: {reference_agreement(ref, res['greedy'], NEAR_TIE)}")
+            agree = reference_agreement(ref, res["greedy"], NEAR_TIE)
+            print(f"GPU qwen VL {key} image greedy vs reference: {agree}")
         except AssertionError as e:
             failures.append(f"{key}: {e}")
         qkv = {name: m for name, m in res["quant_methods"].items() if name.endswith(".attn.qkv")}
@@ -289,11 +188,3 @@ def test_graphs_give_eager_greedy_tokens_on_the_gpu(served):
     for key in pairs:
         eager, graphs = get(results, key.replace("/graphs", "/eager")), get(results, key)
         print(f"GPU qwen VL {key} image greedy vs eager: {greedy_agreement(eager, graphs)}")
-
-
-if __name__ == "__main__":  # the runner script of the jobs above: vllm_e2e.py with the "vl" kind
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
-    import vllm_e2e  # sets the runner's environment (in-process engine) before vLLM is imported
-
-    vllm_e2e.RUNNERS["vl"] = run_vl
-    vllm_e2e.main(sys.argv[1], sys.argv[2])

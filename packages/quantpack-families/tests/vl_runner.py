@@ -1,0 +1,119 @@
+"""The ``vl`` job kind of the GPU end-to-end runner (``tests/vllm_e2e.py``) for vision-language packs, and the check
+of greedy tokens against a reference's: one engine per job serves a text-only prompt (its prompt logprobs against
+the reference's logits) and an image + text request (its greedy tokens). This file is the runner script of such
+jobs (``e2e_runner.RUNNER`` set to it): run as a script it registers the kind and runs ``vllm_e2e.main``. Used by
+``test_qwen_vl_gpu.py`` and ``test_nemotron_vl_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+#: the logger of the family's layout line (quantpack_families.families.qwen_vision)
+FAMILY_LOGGER = "vllm.quantpack.families"
+#: what the family logs when it serves a block from the EXL3 parts and drops the dense fused copy
+DROPPED = "dense fused attn.qkv"
+
+
+class _Lines(logging.Handler):
+    """Keeps the messages of the records it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def run_vl(job: dict) -> dict:
+    """The ``vl`` job of the runner: one engine for the pack, then the text-only prompt's logprobs and the image +
+    text prompt's greedy tokens.
+
+    Job keys: ``pack``, ``dtype``, ``eager``, ``llm_kwargs`` (as every runner job); ``reference`` (a ``.pt`` of
+    ``qwen_vl_pack.reference``), ``image`` (a PNG), ``prompt`` (the image + text prompt), ``tokens`` (greedy
+    tokens), ``tie`` (nats, for the text prompt's top-1 count).
+
+    Returns:
+        ``kl``, ``top1``, ``positions``, ``ties``, ``top1_decided`` of the text prompt against the reference
+        (``quantpack_core.compare.agreement``); ``prompt_ids`` (the image prompt as vLLM expanded it), ``greedy``
+        and ``greedy_top2`` (per step ``{str(id): logprob}``: the layout of the runner's ``logits`` jobs);
+        ``quant_methods`` of the modules whose names start with the job's ``methods_prefix`` (default
+        ``"visual."``, Qwen's tower); ``family_log`` (the family's log lines while the engine was built that contain
+        the job's ``log_match``, default :data:`DROPPED`); ``load_s``.
+    """
+    import time
+
+    import vllm_e2e as e2e
+    from PIL import Image
+    from vllm import SamplingParams
+
+    ref = torch.load(job["reference"])
+    vocab = ref["logits"].shape[-1]
+    lines = _Lines()
+    logger = logging.getLogger(FAMILY_LOGGER)
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)  # the layout line is INFO, whatever VLLM_LOGGING_LEVEL says
+    t0 = time.time()
+    try:
+        llm = e2e.make_llm(job, job["dtype"], job["eager"], vocab)
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    load_s = time.time() - t0
+    methods = llm.apply_model(e2e.quant_methods)[0]
+    lp = e2e.prompt_logprob_matrix(llm, ref["input_ids"][0].tolist(), vocab)
+    scores = e2e.logit_agreement(ref, lp, job.get("tie", 0.0))
+    image = Image.open(job["image"]).convert("RGB")
+    params = SamplingParams(max_tokens=job["tokens"], temperature=0, ignore_eos=True, logprobs=2)
+    out = llm.generate([{"prompt": job["prompt"], "multi_modal_data": {"image": image}}], params, use_tqdm=False)[0]
+    seq = out.outputs[0]
+    top2 = [
+        {str(tok): v.logprob for tok, v in step.items() if v.rank is not None and v.rank <= 2} for step in seq.logprobs
+    ]
+    e2e.release(llm)
+    return {
+        **scores,
+        "prompt_ids": list(out.prompt_token_ids),
+        "greedy": list(seq.token_ids),
+        "greedy_top2": top2,
+        "quant_methods": {k: v for k, v in methods.items() if k.startswith(job.get("methods_prefix", "visual."))},
+        "family_log": [line for line in lines.lines if job.get("log_match", DROPPED) in line],
+        "load_s": load_s,
+    }
+
+
+def reference_agreement(ref: dict, got: list[int], tie: float) -> str:
+    """Check vLLM's greedy tokens ``got`` against the reference's (``ref["greedy"]``, ``ref["greedy_top2"]``);
+    returns a description. They must be identical, or part first at a step where vLLM took the reference's
+    runner-up and the reference's top-2 lie within ``tie`` nats (a float16 rounding can flip such a step and
+    nothing after it is comparable).
+
+    Raises:
+        AssertionError: they part elsewhere.
+    """
+    want = ref["greedy"]
+    if got == want:
+        return f"identical ({len(want)} tokens)"
+    i = next((i for i, (x, y) in enumerate(zip(want, got, strict=False)) if x != y), min(len(want), len(got)))
+    assert i < min(len(want), len(got)), f"{len(got)} tokens for the reference's {len(want)}: {got} vs {want}"
+    top2 = {int(k): v for k, v in ref["greedy_top2"][i].items()}
+    gap = max(top2.values()) - min(top2.values())
+    assert got[i] in top2 and gap <= tie, (
+        f"greedy tokens part from the reference at step {i} ({got[i]} for {want[i]}; the reference's top-2 "
+        f"{top2}, {gap:.3g} nats apart): {got} vs {want}"
+    )
+    return f"identical up to step {i} of {len(want)}, where the reference's top-2 tie within {gap:.2g} nats"
+
+
+if __name__ == "__main__":  # the runner script: vllm_e2e.py with the "vl" kind
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+    import vllm_e2e  # sets the runner's environment (in-process engine) before vLLM is imported
+
+    vllm_e2e.RUNNERS["vl"] = run_vl
+    vllm_e2e.main(sys.argv[1], sys.argv[2])
