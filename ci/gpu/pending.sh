@@ -40,11 +40,12 @@ try:
 except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
 # (owed first after the night of 2026-12-03, which passed the ungated expert banks, the Nemotron MoE pack with the
-# family's float16 fix and the converter's Qwen3.5 VL pack: the Spark and Nemotron-H packs of exllamav3's converter
+# family's float16 fix and the converter's Qwen3.5 VL pack: the whole Nemotron-3.5-Super-VL pack, the Spark and
+# Nemotron-H packs of exllamav3's converter
 # (written after it), the Nemotron-H twin's graph fault, the dense harness's
 # five engines with today's kernels, the vLLM MoE and dense jobs with the one-row panel and the fused launches above
 # 16 rows; the last steps re-check what passed before)
-all=(family-converter nemotron-twin serve-8b e2e-moe e2e-dense serve-moe linear-kernels escha-vllm families qwen-vl-converter
+all=(nemotron-vl family-converter nemotron-twin serve-8b e2e-moe e2e-dense serve-moe linear-kernels escha-vllm families qwen-vl-converter
   moe-kernels qwen-vl nemotron-moe moe-ungated
   kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel serve-moe-mixed profile)
 for s in "${@:-${all[@]}}"; do
@@ -127,6 +128,9 @@ for s in "${@:-${all[@]}}"; do
       cp /tmp/qwen-vl-exl3/convert.log "$res/qwen-vl-convert-converter.log" 2>/dev/null
       QUANTPACK_QWEN_VL_CONVERTED=/tmp/qwen-vl-exl3 QUANTPACK_GPU_JOBS=converter \
         step qwen-vl-converter "${T[@]}" packages/quantpack-families/tests/test_qwen_vl_gpu.py ;;
+    # the whole tiny Nemotron-3.5-Super-VL pack (EXL3 language tower, RADIO tower with its final LayerNorm) served by
+    # vLLM in bfloat16, eager and graphs: text KL and an image + text request's greedy tokens (first run owed)
+    nemotron-vl) step nemotron-vl "${T[@]}" packages/quantpack-families/tests/test_nemotron_vl_gpu.py ;;
     # Spark and the Nemotron-H text tower through exllamav3's own converter (from the bf16 twins), then served
     # with the families' packs against their float64 references (first run owed)
     family-converter)

