@@ -139,32 +139,16 @@ def test_vl_pack_matches_its_reference_on_the_gpu(served):
     """Each layout and mode: the text prompt within the KL bound, the image prompt expanded as the reference's and
     its greedy tokens the reference's (near-tie rule above), the tower's qkv served by the EXL3 method, the family's
     layout line where (and only where) the pack holds the dense fused qkv."""
-    from e2e_runner import NEAR_TIE
-    from vl_runner import reference_agreement
+    from vl_runner import vl_failures
 
     jobs, references, results = served
     failures = []
     for key in jobs:  # every job's figures first, then the failures together
         layout = key.split("/")[0]
-        ref = references[layout]
         res = results.get(key, {})
+        failures += vl_failures("qwen VL", key, res, references[layout], KL_BOUND)
         if "kl" not in res:
-            failures.append(f"{key}: {res.get('failed', 'no result')}")
             continue
-        print(
-            f"GPU qwen VL {key}: text KL {res['kl']:.2e}, top-1 {res['top1_decided']:.3f} over the "
-            f"{res['positions'] - res['ties']} positions not within {NEAR_TIE} nats of a tie; "
-            f"load {res['load_s']:.0f} s"
-        )
-        if not res["kl"] <= KL_BOUND:
-            failures.append(f"{key}: text prompt KL {res['kl']:.3g} > {KL_BOUND}")
-        if res["prompt_ids"] != ref["image_ids"]:
-            failures.append(f"{key}: vLLM's image prompt {res['prompt_ids']} != the reference's {ref['image_ids']}")
-        try:
-            agree = reference_agreement(ref, res["greedy"], NEAR_TIE)
-            print(f"GPU qwen VL {key} image greedy vs reference: {agree}")
-        except AssertionError as e:
-            failures.append(f"{key}: {e}")
         qkv = {name: m for name, m in res["quant_methods"].items() if name.endswith(".attn.qkv")}
         if len(qkv) != 2 or not all(m.startswith("Exl3") for m in qkv.values()):
             failures.append(f"{key}: the tower's attn.qkv served by {qkv}")

@@ -111,6 +111,31 @@ def reference_agreement(ref: dict, got: list[int], tie: float) -> str:
     return f"identical up to step {i} of {len(want)}, where the reference's top-2 tie within {gap:.2g} nats"
 
 
+def vl_failures(name: str, key: str, res: dict, ref: dict, kl_bound: float, top1_bound: float = 0.0) -> list[str]:
+    """The checks every ``vl`` job shares, its figures printed (``name``: the model, for the lines): the text
+    prompt's KL (and top-1 over the decided positions) within the bounds, the image prompt expanded as the
+    reference's, the greedy tokens the reference's (:func:`reference_agreement`). Returns the failures; a job with no
+    result is one."""
+    from e2e_runner import NEAR_TIE
+
+    if "kl" not in res:
+        return [f"{key}: {res.get('failed', 'no result')}"]
+    print(
+        f"GPU {name} {key}: text KL {res['kl']:.2e}, top-1 {res['top1_decided']:.3f} over the "
+        f"{res['positions'] - res['ties']} positions not within {NEAR_TIE} nats of a tie; load {res['load_s']:.0f} s"
+    )
+    failures = []
+    if not (res["kl"] <= kl_bound and res["top1_decided"] >= top1_bound):
+        failures.append(f"{key}: text prompt KL {res['kl']:.3g} (bound {kl_bound}), top-1 {res['top1_decided']:.3f}")
+    if res["prompt_ids"] != ref["image_ids"]:
+        failures.append(f"{key}: vLLM's image prompt {res['prompt_ids']} != the reference's {ref['image_ids']}")
+    try:
+        print(f"GPU {name} {key} image greedy vs reference: {reference_agreement(ref, res['greedy'], NEAR_TIE)}")
+    except AssertionError as e:
+        failures.append(f"{key}: {e}")
+    return failures
+
+
 if __name__ == "__main__":  # the runner script: vllm_e2e.py with the "vl" kind
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
     import vllm_e2e  # sets the runner's environment (in-process engine) before vLLM is imported
