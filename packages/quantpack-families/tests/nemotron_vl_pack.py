@@ -18,12 +18,12 @@
   digits of ``t17``-style words) and the processor's ``<image>``, ``<img>``, ``</img>`` as special tokens at
   ids 1021 - 1023 (inside the vocabulary: rows the embedding has).
 
-The reference (:func:`reference`): the image as vLLM's processor gives it for one 64 x 64 tile (no thumbnail for
-one tile; ``(x / 255 - mean) / std``), the RADIO forward written from the architecture's description (patches
-flattened channel-major, position embedding, class and register tokens prepended and dropped after the blocks,
-pre-LN blocks with exact GELU), the final LayerNorm, the 2 x 2 pixel shuffle, ``mlp1``, the four projected rows
-placed at the ``<image>`` positions of the expanded prompt, then ``nemotron_h_reference.forward``; the text prompt's
-logits and 16 greedy tokens of the image prompt with each step's top-2 (float64).
+The reference (:func:`reference`): the image as vLLM's processor gives it for one 64 x 64 tile (no thumbnail for one
+tile; ``(x / 255 - mean) / std``, rounded to the config's bfloat16), the RADIO forward written from the architecture's
+description (patches flattened channel-major, position embedding, class and register tokens prepended and dropped
+after the blocks, pre-LN blocks with exact GELU), the final LayerNorm, the 2 x 2 pixel shuffle, ``mlp1``, the four
+projected rows placed at the ``<image>`` positions of the expanded prompt, then ``nemotron_h_reference.forward``; the
+text prompt's logits and 16 greedy tokens of the image prompt with each step's top-2 (float64).
 """
 
 from __future__ import annotations
@@ -307,7 +307,8 @@ def reference(seed: int = 0, image=None) -> dict:
     g = torch.Generator().manual_seed(seed + 3)
     text_ids = torch.randint(3, min(SPECIAL.values()), (TEXT_LENGTH,), generator=g)
     text_logits = forward(language, SUPER, text_ids)
-    image_rows = project(vision, pixels_of(image if image is not None else sample_image()))
+    pixels = pixels_of(image if image is not None else sample_image()).to(torch.bfloat16)  # as vLLM's processor casts
+    image_rows = project(vision, pixels)
     ids = expand(IMAGE_PROMPT)
     embed = language["backbone.embeddings.weight"].double()
     greedy, top2 = [], []

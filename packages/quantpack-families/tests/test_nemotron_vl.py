@@ -399,3 +399,28 @@ def test_architecture_name_resolves_to_vllms_class():
 
     assert FAMILY.registers[ARCH].target == f"{MODULE}:NemotronH_Nano_VL_V2"
     assert ARCH in ModelRegistry.get_supported_archs()
+
+
+def test_omni_names_run_vllms_nemotron_vl_config_hook(world):
+    """vLLM keys its config hooks by architecture name and lists only ``NemotronH_Nano_VL_V2``; with the family the
+    Omni names get the same hook, which sets the Mamba2 state cache to float32 (the language config's default)
+    instead of the model's bfloat16."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models import config as model_configs
+
+    import quantpack_families.plugin as plugin
+    from quantpack_families.families.nemotron_vl import OMNI_ARCHS, add_config_hooks
+
+    plugin.register()
+
+    hook = model_configs.MODELS_CONFIG_MAP["NemotronH_Nano_VL_V2"]
+    assert all(model_configs.MODELS_CONFIG_MAP.get(a) is hook for a in OMNI_ARCHS)
+    assert not add_config_hooks(model_configs)  # idempotent
+    cache = SimpleNamespace(mamba_ssm_cache_dtype="auto")
+    text = SimpleNamespace()  # no mamba_ssm_cache_dtype: vLLM's default
+    vllm_config = SimpleNamespace(
+        cache_config=cache, model_config=SimpleNamespace(hf_config=SimpleNamespace(text_config=text))
+    )
+    hook.verify_and_update_config(vllm_config)
+    assert cache.mamba_ssm_cache_dtype == "float32"

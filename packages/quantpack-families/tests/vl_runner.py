@@ -44,7 +44,8 @@ def run_vl(job: dict) -> dict:
         and ``greedy_top2`` (per step ``{str(id): logprob}``: the layout of the runner's ``logits`` jobs);
         ``quant_methods`` of the modules whose names start with the job's ``methods_prefix`` (default
         ``"visual."``, Qwen's tower); ``family_log`` (the family's log lines while the engine was built that contain
-        the job's ``log_match``, default :data:`DROPPED`); ``load_s``.
+        the job's ``log_match``, default :data:`DROPPED`, from the job's ``logger``, default :data:`FAMILY_LOGGER`);
+        ``load_s``.
     """
     import time
 
@@ -55,7 +56,7 @@ def run_vl(job: dict) -> dict:
     ref = torch.load(job["reference"])
     vocab = ref["logits"].shape[-1]
     lines = _Lines()
-    logger = logging.getLogger(FAMILY_LOGGER)
+    logger = logging.getLogger(job.get("logger", FAMILY_LOGGER))
     level = logger.level
     logger.addHandler(lines)
     logger.setLevel(logging.INFO)  # the layout line is INFO, whatever VLLM_LOGGING_LEVEL says

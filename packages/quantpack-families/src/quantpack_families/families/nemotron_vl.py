@@ -11,6 +11,11 @@
   itself (0.32 does, on the same rule), the family builds it when the language config declares MTP layers
   (``num_nextn_predict_layers`` > 0), applies it to the tower's output (a forward hook on ``vision_model``) and
   loads it; a checkpoint holding it for a model without one is refused, naming the tensor;
+* runs none of its per-architecture config hooks for the ``*_Omni_Reasoning_V3`` names it serves (vLLM 0.25 -
+  0.32 key ``MODELS_CONFIG_MAP`` by the checkpoint's architecture name and list ``NemotronH_Nano_VL_V2`` only), so
+  the Mamba2 state cache, which ``NemotronHNanoVLV2Config`` sets to the language config's
+  ``mamba_ssm_cache_dtype`` (float32 by default, as for the text-only model), stays at the model's dtype, bfloat16:
+  the family gives those names vLLM's own hook where it has none;
 * loads the RADIO tower in timm's layout only (``vision_model.radio_model.model.blocks.N.attn.qkv`` ..., the
   released checkpoint's) and skips every other name silently, leaving those parameters at their initial values. A
   checkpoint saved through transformers' own classes (``vision_model.encoder.layer.N.attention.{q,k,v,o}_proj``,
@@ -24,9 +29,10 @@ Under EXL3 the language tower (``language_model.backbone.*``) is quantized and s
 RADIO and ``mlp1`` are plain modules no quant method reaches, dense as a pack stores them.
 
 Source: vLLM 0.25.1 and 0.29 - 0.32 ``vllm/model_executor/models/nano_nemotron_vl.py`` (``NemotronH_Nano_VL_V2``:
-``__init__``, ``extract_feature*``, ``load_weights``) and ``radio.py`` (``RadioModel.load_weights``), read;
-transformers 5.24 ``models/radio`` (its module names); ../shared/docs/reference/families-notes.md section 2.5;
-docs/families.md (Nemotron-3.5-Super-VL).
+``__init__``, ``extract_feature*``, ``load_weights``), ``model_executor/models/config.py`` (``MODELS_CONFIG_MAP``,
+``NemotronHNanoVLV2Config``), ``config/vllm.py`` (where the map is read) and ``radio.py``
+(``RadioModel.load_weights``), read; transformers 5.24 ``models/radio`` (its module names);
+../shared/docs/reference/families-notes.md section 2.5; docs/families.md (Nemotron-3.5-Super-VL).
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ logger = logging.getLogger("vllm.quantpack")
 
 MODULE = "vllm.model_executor.models.nano_nemotron_vl"
 ARCH = "NemotronH_Omni_Reasoning_V3"
+#: the architecture names vLLM serves with ``NemotronH_Nano_VL_V2`` that may lack its config hook
+OMNI_ARCHS = (ARCH, "NemotronH_Nano_Omni_Reasoning_V3", "NemotronH_Super_Omni_Reasoning_V3")
+CONFIG_MODULE = "vllm.model_executor.models.config"
 _MARK = "_quantpack_nemotron_vl"
 
 #: the final LayerNorm's checkpoint prefix (Super only)
@@ -340,12 +349,31 @@ def _finish(model, norm: dict, scales: dict, loaded: set[str] | None, projector:
 patch = class_patch({"NemotronH_Nano_VL_V2": wrap_model})
 
 
+def add_config_hooks(module) -> bool:
+    """Give each of :data:`OMNI_ARCHS` missing from ``module.MODELS_CONFIG_MAP`` (vLLM's
+    ``model_executor/models/config.py``) the hook vLLM runs for ``NemotronH_Nano_VL_V2`` (its Mamba2 state dtype).
+    Idempotent.
+
+    Returns:
+        True when an entry was added.
+    """
+    table = getattr(module, "MODELS_CONFIG_MAP", None)
+    hook = None if table is None else table.get("NemotronH_Nano_VL_V2")
+    if hook is None:
+        return False
+    added = [arch for arch in OMNI_ARCHS if arch not in table]
+    for arch in added:
+        table[arch] = hook
+    return bool(added)
+
+
 FAMILY = Family(
     name="nemotron_vl",
     why=(
-        "vLLM's Nemotron VL model lacks Super's vision final LayerNorm and its architecture name before 0.29, and "
-        "skips vision tensors of other layouts without a word"
+        "vLLM's Nemotron VL model lacks Super's vision final LayerNorm and its architecture name before 0.29, runs "
+        "the Omni names without its config hook (a bfloat16 Mamba state), and skips vision tensors of other layouts "
+        "without a word"
     ),
     registers={ARCH: Architecture(f"{MODULE}:NemotronH_Nano_VL_V2")},
-    patches={MODULE: patch},
+    patches={MODULE: patch, CONFIG_MODULE: add_config_hooks},
 )
