@@ -246,3 +246,70 @@ def test_reference_tower_holds_every_weight():
         model.merger.linear_fc2.weight.zero_()
         changed = model(pixels.double(), torch.tensor(grid)).pooler_output
     assert (changed - out).abs().max() > 1e-3
+
+
+def _drop(name):
+    return lambda t: {k: v for k, v in t.items() if k != name}
+
+
+def _set(name, fn):
+    return lambda t: {**t, name: fn(t)}
+
+
+def _without_part_biases_and(name, fn):
+    def change(t):
+        t = {k: v for k, v in t.items() if not (k.startswith("blocks.0.attn.") and k.endswith("_proj.bias"))}
+        return {**t, name: fn(t)}
+
+    return change
+
+
+# a damaged or foreign pack, each refused before vLLM's loader runs, naming the tensor (not a deep slicing error,
+# not an uninitialised or shifted shard served)
+BROKEN = {
+    "one part without bias": (
+        _drop("blocks.0.attn.q_proj.bias"),
+        False,
+        r"visual\.blocks\.0\.attn: k_proj, v_proj carry a bias and q_proj none",
+    ),
+    "part bias of the fused width": (
+        _set("blocks.0.attn.k_proj.bias", lambda t: torch.zeros(3 * HIDDEN)),
+        False,
+        r"visual\.blocks\.0\.attn\.k_proj: the pack's bias has shape \[384\]",
+    ),
+    "short part bias": (
+        _set("blocks.0.attn.q_proj.bias", lambda t: t["blocks.0.attn.q_proj.bias"][:100]),
+        False,
+        r"visual\.blocks\.0\.attn\.q_proj: the pack's bias has shape \[100\]",
+    ),
+    "part of fewer outputs": (
+        _set("blocks.0.attn.k_proj.trellis", lambda t: t["blocks.0.attn.k_proj.trellis"][:, :4].contiguous()),
+        False,
+        r"visual\.blocks\.0\.attn\.k_proj: the trellis stores 64 outputs, the layer's k shard has 128",
+    ),
+    "2-D bias": (
+        _set("blocks.1.mlp.linear_fc1.bias", lambda t: t["blocks.1.mlp.linear_fc1.bias"][None]),
+        False,
+        r"visual\.blocks\.1\.mlp\.linear_fc1: the pack's bias has shape \[1, 256\]",
+    ),
+    "bias longer than the stored layer": (
+        _set("blocks.0.attn.proj.bias", lambda t: torch.zeros(1000)),
+        False,
+        r"visual\.blocks\.0\.attn\.proj: the pack's bias has shape \[1000\] for 128 outputs",
+    ),
+    "dense fused bias of another width": (
+        _without_part_biases_and("blocks.0.attn.qkv.bias", lambda t: t["blocks.0.attn.qkv.bias"][:100]),
+        True,
+        r"visual\.blocks\.0\.attn\.qkv: the dense fused bias has shape \[100\] for the layer's 384 outputs",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_damaged_split_and_bias_tensors_are_refused_naming_them(world, fixed_tower_class, case):
+    """Each damage of :data:`BROKEN` to the tiny tower's pack raises a LayerLoadError naming the tensor and the fix
+    (without the checks: an uninitialised q bias, k taking q's values, or a slicing error deep in vLLM's loader)."""
+    change, dense, match = BROKEN[case]
+    tensors, _ = tower_pack(dense_qkv=dense)
+    with pytest.raises(LayerLoadError, match=match):
+        load(fixed_tower_class, config(world), change(tensors))

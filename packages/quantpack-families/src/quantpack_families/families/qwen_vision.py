@@ -74,11 +74,17 @@ def vision_weights(
         an iterator of ``(name, tensor)`` pairs in the input's order, less the dropped ones.
 
     Raises:
-        LayerLoadError: a quantized layer's stored bias is shorter than the layer's outputs.
+        LayerLoadError: naming the tensor and the fix, before vLLM's loader sees it: a quantized layer's stored bias
+            that is not one value per output (shorter than the layer's outputs, longer than the stored, padded ones,
+            or not 1-D); a split part whose trellis stores fewer outputs than its shard of ``attn.qkv`` has, whose
+            bias does not fit its shard, or a block where some split parts carry a bias and others do not (the
+            missing shard's bias would stay uninitialised); a dense fused ``attn.qkv.bias`` kept beside the parts
+            whose length is not the layer's outputs.
     """
     from quantpack_core.errors import LayerLoadError
 
     items = list(weights)
+    _check_split_parts(tower, items, prefix, LayerLoadError)
     quantized = {n.rsplit(".", 1)[0] for n, _ in items if n.endswith("." + QUANTIZED_SUFFIX)}
     parts: dict[tuple[str, str], set[str]] = {}  # (attention module, suffix) -> the split parts that have it
     for name, _ in items:
@@ -112,31 +118,91 @@ def vision_weights(
             continue
         module, _, suffix = name.rpartition(".")
         if suffix == "bias" and module in quantized:
-            tensor = _fit_bias(tower, module, tensor, prefix, LayerLoadError)
+            trellis = next((t for n, t in items if n == f"{module}.{QUANTIZED_SUFFIX}"), None)
+            tensor = _fit_bias(tower, module, tensor, prefix, LayerLoadError, stored_outputs(trellis))
         m = _SPLIT.match(name)
         if m:
             name = f"{m['attn']}.{m['part']}.{m['suffix']}"
         yield name, tensor
 
 
-def _fit_bias(tower: torch.nn.Module, module: str, bias: torch.Tensor, prefix: str, error: type) -> torch.Tensor:
-    """``bias`` of the quantized layer ``module`` cut to the layer's outputs where the pack padded it. A split
-    attention part (``attn.q_proj``) is left alone: it is one shard of the fused layer, not padded (the tower's
-    widths are multiples of 128)."""
-    if _SPLIT.match(module + ".bias"):
-        return bias
+def stored_outputs(trellis: torch.Tensor | None) -> int | None:
+    """The output features an EXL3 ``trellis`` ``(in / 16, out / 16, 16 K)`` stores (padded), or None."""
+    return None if trellis is None or trellis.dim() != 3 else int(trellis.shape[1]) * 16
+
+
+def _check_bias(bias: torch.Tensor, outputs: int, stored: int | None, name: str, error: type) -> None:
+    """Refuse a bias that is not 1-D with between ``outputs`` and ``stored`` (the padded width) values."""
+    longest = max(outputs, stored or outputs)
+    if bias.dim() != 1 or not outputs <= bias.shape[0] <= longest:
+        raise error(
+            f"{name}: the pack's bias has shape {list(bias.shape)} for {outputs} outputs (stored padded to "
+            f"{longest}); the pack is damaged or made for another model - re-convert the vision tower"
+        )
+
+
+def _check_split_parts(tower: torch.nn.Module, items: list, prefix: str, error: type) -> None:
+    """The checks of :func:`vision_weights` on each block's split ``attn.{q,k,v}_proj`` and kept fused bias, against
+    the block's ``attn.qkv`` (``output_sizes``: its q / k / v shards, whole-layer sizes)."""
+    by_attn: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+    fused_bias = {}
+    for name, t in items:
+        if m := _SPLIT.match(name):
+            by_attn.setdefault(m["attn"], {}).setdefault(m["part"], {})[m["suffix"]] = t
+        elif (m := _FUSED.match(name)) and m["suffix"] == "bias":
+            fused_bias[m["attn"]] = t
+    for attn, parts in by_attn.items():
+        try:
+            sizes = dict(zip("qkv", tower.get_submodule(f"{attn}.qkv").output_sizes, strict=True))
+        except (AttributeError, TypeError, ValueError):
+            continue  # not this tower's attention (vLLM's loader names it) or a layer without shard sizes
+        with_bias = sorted(p for p, t in parts.items() if "bias" in t)
+        if with_bias and len(with_bias) < len(parts):
+            missing = sorted(set(parts) - set(with_bias))
+            raise error(
+                f"{prefix}.{attn}: {', '.join(f'{p}_proj' for p in with_bias)} carry a bias and "
+                f"{', '.join(f'{p}_proj' for p in missing)} none: the fused layer's "
+                f"{'/'.join(missing)} bias would stay unset - re-download or re-convert the vision tower"
+            )
+        for part, tensors in parts.items():
+            stored = stored_outputs(tensors.get(QUANTIZED_SUFFIX))
+            if stored is not None and stored < sizes[part]:
+                raise error(
+                    f"{prefix}.{attn}.{part}_proj: the trellis stores {stored} outputs, the layer's {part} shard has "
+                    f"{sizes[part]}; the pack is made for another model - re-convert the vision tower"
+                )
+            if "bias" in tensors:
+                _check_bias(tensors["bias"], sizes[part], stored, f"{prefix}.{attn}.{part}_proj", error)
+        total = sum(sizes.values())
+        if attn in fused_bias and not with_bias and fused_bias[attn].shape != (total,):
+            raise error(
+                f"{prefix}.{attn}.qkv: the dense fused bias has shape {list(fused_bias[attn].shape)} for the layer's "
+                f"{total} outputs; the pack is damaged or made for another model - re-convert the vision tower"
+            )
+
+
+def _fit_bias(
+    tower: torch.nn.Module, module: str, bias: torch.Tensor, prefix: str, error: type, stored: int | None = None
+) -> torch.Tensor:
+    """``bias`` of the quantized layer ``module`` (``stored`` padded outputs, where known) cut to the layer's outputs
+    where the pack padded it. A split attention part (``attn.q_proj``) is cut to its shard by the checks above."""
+    split = _SPLIT.match(module + ".bias")
     try:
-        layer = tower.get_submodule(module)
+        layer = tower.get_submodule(f"{split['attn']}.qkv" if split else module)
     except AttributeError:
         return bias  # not a module of this tower: vLLM's loader names it
+    if split:
+        sizes = getattr(layer, "output_sizes", None)
+        return bias[: dict(zip("qkv", sizes, strict=True))[split["part"]]] if sizes and len(sizes) == 3 else bias
     outputs = getattr(layer, "output_size", None)
-    if not isinstance(outputs, int) or bias.dim() != 1 or bias.shape[0] == outputs:
+    if not isinstance(outputs, int):
         return bias
-    if bias.shape[0] < outputs:
+    if bias.dim() == 1 and bias.shape[0] < outputs:
         raise error(
             f"{prefix}.{module}: the pack's bias has {bias.shape[0]} values for a layer of {outputs} outputs; the "
             "pack is truncated or made for another model - re-convert the vision tower"
         )
+    _check_bias(bias, outputs, stored, f"{prefix}.{module}", error)
     return bias[:outputs]
 
 
