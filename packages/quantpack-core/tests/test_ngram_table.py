@@ -50,6 +50,10 @@ def test_a_missing_table_file_is_named(tmp_path):
         (lambda t: t.pop(f"{KEY}.shard_1.trellis"), "shard_2.trellis: a shard after a gap in the shard numbers"),
         (lambda t: t.pop(f"{KEY}.head_bias"), "head_bias: missing"),
         (lambda t: t.__setitem__(f"{KEY}.head_bias", torch.zeros(3, 160).half()), r"shape \[3, 160\], want \[4, 160\]"),
+        (  # a NaN head bias would serve NaN rows for the whole head
+            lambda t: t[f"{KEY}.head_bias"].__setitem__((1, slice(0, 3)), float("nan")),
+            r"head_bias: 3 NaN / Inf values",
+        ),
         (
             lambda t: t.__setitem__(f"{KEY}.shard_0.trellis", t[f"{KEY}.shard_0.trellis"][:, :30]),
             "ring rows are 2-D int16 of one width",
@@ -78,6 +82,7 @@ def test_a_missing_table_file_is_named(tmp_path):
         "shard-gap",
         "no-bias",
         "bias-shape",
+        "bias-nan",
         "width",
         "offsets",
         "sizes",

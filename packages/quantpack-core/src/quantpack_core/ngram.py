@@ -126,6 +126,9 @@ class NgramTable:
             problem(f"{key}.head_vocab_sizes", f"{count} entries for {heads} heads", RECONVERT)
         if tuple(aux["head_bias"].shape) != (heads, NGRAM_ROW_DIM):
             problem(f"{key}.head_bias", f"shape {list(aux['head_bias'].shape)}, want [{heads}, 160]", RECONVERT)
+        elif aux["head_bias"].dtype.is_floating_point and not torch.isfinite(aux["head_bias"]).all():
+            bad = int((~torch.isfinite(aux["head_bias"])).sum())
+            problem(f"{key}.head_bias", f"{bad} NaN / Inf values (every row of their head would be)", RECONVERT)
         for suffix in ("head_offsets", "head_vocab_sizes", "layer_multipliers"):
             if aux[suffix].dtype.is_floating_point or aux[suffix].dtype == torch.bool:
                 problem(
