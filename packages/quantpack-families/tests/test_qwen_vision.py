@@ -305,11 +305,16 @@ BROKEN = {
 }
 
 
+@pytest.fixture(scope="module")
+def intact_packs():
+    """The tiny tower's pack tensors in both layouts (split; split + dense qkv), written once for the damage cases."""
+    return {dense: tower_pack(dense_qkv=dense)[0] for dense in (False, True)}
+
+
 @pytest.mark.parametrize("case", BROKEN)
-def test_damaged_split_and_bias_tensors_are_refused_naming_them(world, fixed_tower_class, case):
+def test_damaged_split_and_bias_tensors_are_refused_naming_them(world, fixed_tower_class, intact_packs, case):
     """Each damage of :data:`BROKEN` to the tiny tower's pack raises a LayerLoadError naming the tensor and the fix
     (without the checks: an uninitialised q bias, k taking q's values, or a slicing error deep in vLLM's loader)."""
     change, dense, match = BROKEN[case]
-    tensors, _ = tower_pack(dense_qkv=dense)
     with pytest.raises(LayerLoadError, match=match):
-        load(fixed_tower_class, config(world), change(tensors))
+        load(fixed_tower_class, config(world), change(dict(intact_packs[dense])))
