@@ -114,6 +114,9 @@ for s in "${@:-${all[@]}}"; do
     # Nemotron-H's bf16 twin, KL 4.6 with compile + graphs (eager passes, and compiled on CPU): compiled without
     # graphs, piecewise graphs only, and vLLM's default, each as a fresh process's only engine
     nemotron-twin)
+      # first vLLM's default graphs for the twin and for the same twin named as the EXL3 pack (layers_block_type)
+      QUANTPACK_NEMOTRON_TWIN_NAMING=1 QUANTPACK_GPU_JOBS=nemotron-h-bf16/float16/graphs,nemotron-h-bf16-layers \
+        step nemotron-twin-naming "${T[@]}" -k match packages/quantpack-families/tests/test_families_gpu.py
       for mode in NONE PIECEWISE FULL_AND_PIECEWISE; do
         QUANTPACK_GPU_JOBS=nemotron-h-bf16/float16/graphs \
           QUANTPACK_GPU_LLM_KWARGS="{\"compilation_config\": {\"cudagraph_mode\": \"$mode\"}}" \
