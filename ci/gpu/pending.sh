@@ -134,14 +134,15 @@ for s in "${@:-${all[@]}}"; do
     # the whole tiny Nemotron-3.5-Super-VL pack (EXL3 language tower, RADIO tower with its final LayerNorm) served by
     # vLLM in bfloat16, eager and graphs: text KL and an image + text request's greedy tokens (first run owed)
     nemotron-vl) step nemotron-vl "${T[@]}" packages/quantpack-families/tests/test_nemotron_vl_gpu.py ;;
-    # Spark and the Nemotron-H text tower through exllamav3's own converter (from the bf16 twins), then served
-    # with the families' packs against their float64 references (first run owed)
+    # Spark, the Nemotron-H text tower (from the bf16 twins) and the tiny Nemotron-3.5-Super-VL through exllamav3's
+    # own converter, then served against their float64 references (first run owed)
     family-converter)
       step family-convert python3 fixtures/tools/make_family_exl3.py --out /tmp/family-exl3
       cp /tmp/family-exl3/REPORT.json "$res/family-convert-report.json" 2>/dev/null
       cp /tmp/family-exl3/*-convert.log "$res/" 2>/dev/null
       QUANTPACK_FAMILY_CONVERTED=/tmp/family-exl3 QUANTPACK_GPU_JOBS=converter \
-        step family-converter "${T[@]}" packages/quantpack-families/tests/test_families_gpu.py ;;
+        step family-converter "${T[@]}" packages/quantpack-families/tests/test_families_gpu.py \
+        packages/quantpack-families/tests/test_nemotron_vl_gpu.py ;;
     # the whole tiny Qwen3.5 VL pack (EXL3 text and vision towers) served by vLLM, both layouts, eager and graphs: text
     # KL and an image + text request's greedy tokens against transformers' dequantized model
     qwen-vl) step qwen-vl "${T[@]}" packages/quantpack-families/tests/test_qwen_vl_gpu.py ;;

@@ -14,7 +14,7 @@
   ``use_thumbnail``, ``vision_config.args``), the EXL3 ``quantization_config`` at the top level, and an ``auto_map``
   to a small ``configuration_nemotron_vl_tiny.py`` beside it: transformers 5.17 (the GPU machine's) has no
   ``nemotron_h_omni`` config class, so the pack is served with ``trust_remote_code``.
-- Tokenizer: one three-letter word per id 0 - 1020 (:func:`word`: letters only, since transformers 5.19 splits the
+- Tokenizer: one two-letter word per id 0 - 1020 (:func:`word`: letters only, since transformers 5.19 splits the
   digits of ``t17``-style words) and the processor's ``<image>``, ``<img>``, ``</img>`` as special tokens at
   ids 1021 - 1023 (inside the vocabulary: rows the embedding has).
 
@@ -47,9 +47,14 @@ SPECIAL = {IMAGE: 1021, IMG_START: 1022, IMG_END: 1023}
 TILE_TOKENS = (VISION["image"] // VISION["patch"]) ** 2 // 4
 
 
+LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
 def word(i: int) -> str:
-    """The tokenizer's word of id ``i`` (0 - 1020): three letters, ``aaa`` for 0."""
-    return "".join(chr(97 + (i // 26**k) % 26) for k in (2, 1, 0))
+    """The tokenizer's word of id ``i`` (0 - 1020): two letters, ``aa`` for 0 (the unknown word). Two, because
+    exllamav3's tokenizer reads its vocabulary by decoding ``" t"``: an unknown word of two characters keeps it on
+    its plain path."""
+    return LETTERS[i // len(LETTERS)] + LETTERS[i % len(LETTERS)]
 
 
 IMAGE_PROMPT = "<image> " + " ".join(word(i) for i in (17, 230, 5, 881, 64, 300))
@@ -231,9 +236,14 @@ def write_tokenizer(path: Path) -> None:
     )
 
 
-def vl_config() -> dict:
-    """``config.json`` of the pack (see the module docstring)."""
-    llm = config_json(True, cfg=SUPER)  # layers_block_type naming, an MTP layer declared (the final LayerNorm's cue)
+def vl_config(naming: str = "layers_block_type") -> dict:
+    """``config.json`` of the pack (see the module docstring). ``naming="hybrid_override_pattern"``: the language
+    layers as letters (exllamav3 1.6.5's converter reads ``layers_block_type`` only with its own words, ``mamba`` /
+    ``attention``, which transformers refuses; both read the letters), the MTP layer declared as
+    ``mtp_hybrid_override_pattern``. The vision config carries the fields exllamav3 reads beside vLLM's ``args``."""
+    llm = config_json(True, naming, cfg=SUPER)
+    if naming == "hybrid_override_pattern":  # an MTP layer declared (the final LayerNorm's cue), as letters
+        llm.update(num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E")
     quant = llm.pop("quantization_config")
     llm["dtype"] = "bfloat16"
     v = VISION
@@ -243,6 +253,17 @@ def vl_config() -> dict:
         "auto_map": {"AutoConfig": "configuration_nemotron_vl_tiny.NemotronVLTinyConfig"},
         "llm_config": llm,
         "vision_config": {
+            # exllamav3's reading of the tower (architecture/nemotronh.py, read_nemotronh_omni_vision_config)
+            "hidden_size": v["hidden"],
+            "num_hidden_layers": v["blocks"],
+            "num_attention_heads": v["heads"],
+            "max_img_size": v["image"],
+            "num_cls_tokens": 1,
+            "num_registers": v["registers"],
+            "layer_norm_eps": 1e-6,
+            "mlp_ratio": v["mlp"] / v["hidden"],
+            "hidden_act": "gelu",
+            # vLLM's (nano_nemotron_vl.py, get_vit_model_from_radio_config)
             "patch_size": v["patch"],
             "preferred_resolution": [v["image"], v["image"]],
             "video_temporal_patch_size": 1,
@@ -291,6 +312,43 @@ def write_vl_pack(path: Path, seed: int = 0) -> Path:
     return path
 
 
+#: exllamav3's image preprocessing fields (``preprocessor_config.json``; vLLM 0.25.1 reads none of them): one
+#: 64 x 64 tile of 16 patches
+PREPROCESSOR = {
+    "norm_mean": list(MEAN),
+    "norm_std": list(STD),
+    "patch_size": VISION["patch"],
+    "min_num_patches": (VISION["image"] // VISION["patch"]) ** 2,
+    "max_num_patches": (VISION["image"] // VISION["patch"]) ** 2,
+    "video_target_num_patches": (VISION["image"] // VISION["patch"]) ** 2,
+}
+
+
+def write_vl_source(path: Path, seed: int = 0) -> Path:
+    """The pack's model unquantized, as exllamav3's converter takes it: the language tower's dense weights (the EXL3
+    ones decoded, bfloat16; the router, its bias and ``A_log`` / ``D`` / ``dt_bias`` float32, as the Nemotron-H twin
+    keeps them) under ``language_model.``, the vision half bfloat16, :func:`vl_config` with the letters naming and no
+    quantization config, its config class, the tokenizer and ``preprocessor_config.json``. Returns ``path``."""
+    from safetensors.torch import save_file
+
+    language, vision = dense_weights(seed)
+    keep_fp32 = (".gate.", ".A_log", ".D", ".dt_bias")
+    tensors = {
+        f"language_model.{k}": v.float() if any(s in k for s in keep_fp32) else v.to(torch.bfloat16)
+        for k, v in language.items()
+    }
+    tensors.update({k: v.to(torch.bfloat16) for k, v in vision.items()})
+    path.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    cfg = vl_config("hybrid_override_pattern")
+    cfg.pop("quantization_config")
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    (path / "configuration_nemotron_vl_tiny.py").write_text(CONFIG_CODE)
+    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
+    write_tokenizer(path)
+    return path
+
+
 def dense_weights(seed: int = 0) -> tuple[dict, dict]:
     """``(language, vision)`` dense weights of the pack (language: the EXL3 ones decoded; vision: bf16-rounded, as
     stored), in the references' names."""
@@ -299,11 +357,13 @@ def dense_weights(seed: int = 0) -> tuple[dict, dict]:
     return dense, vision
 
 
-def reference(seed: int = 0, image=None) -> dict:
+def reference(seed: int = 0, image=None, weights: tuple[dict, dict] | None = None) -> dict:
     """The float64 reference of the pack: ``input_ids`` ``(1, TEXT_LENGTH)`` and ``logits`` of a text-only prompt
     (words only), ``image_ids`` (the image prompt as expanded), ``greedy`` (GREEDY_TOKENS ids) and ``greedy_top2``
-    (per step ``{str(id): logprob}`` of the two best) of the image prompt, and ``image_tokens`` (the projected rows)."""
-    language, vision = dense_weights(seed)
+    (per step ``{str(id): logprob}`` of the two best) of the image prompt, and ``image_tokens`` (the projected rows).
+    ``weights``: ``(language, vision)`` dense weights in :func:`dense_weights`' names (default: the pack's own; a
+    converter-made pack's decoded ones)."""
+    language, vision = weights if weights is not None else dense_weights(seed)
     g = torch.Generator().manual_seed(seed + 3)
     text_ids = torch.randint(3, min(SPECIAL.values()), (TEXT_LENGTH,), generator=g)
     text_logits = forward(language, SUPER, text_ids)

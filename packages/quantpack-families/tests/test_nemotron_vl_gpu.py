@@ -55,7 +55,10 @@ def selected(key: str) -> bool:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The pack written, its reference computed (CPU), and both modes served by one runner process."""
+    """The pack written, its reference computed (CPU), and both modes served by one runner process; where
+    ``QUANTPACK_FAMILY_CONVERTED`` names the output of ``fixtures/tools/make_family_exl3.py``, the pack exllamav3's
+    converter made of the same model too (``nemotron-vl-converter``, against its ``reference.pt``: the same float64
+    forward on its decoded weights)."""
     pytest.importorskip("vllm")
     import e2e_runner
     from e2e_runner import NEAR_TIE, run_runner
@@ -64,20 +67,31 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("nemotron_vl")
     image = root / "image.png"
     sample_image().save(image)  # lossless: the runner reads the reference's pixels back
+    packs = {"nemotron-vl": None}  # name -> (pack, reference file); None: the core writer's, written below
+    converted = Path(os.environ.get("QUANTPACK_FAMILY_CONVERTED") or "/nonexistent") / "nemotron-vl-exl3-converter"
+    if os.environ.get("QUANTPACK_FAMILY_CONVERTED"):
+        packs["nemotron-vl-converter"] = (converted, converted / "reference.pt")
     jobs = {}
-    for mode, eager in (("eager", True), ("graphs", False)):
-        key = f"nemotron-vl/bfloat16/{mode}"
-        if selected(key):
-            jobs[key] = {"kind": "vl", "dtype": "bfloat16", "eager": eager, "tie": NEAR_TIE, "llm_kwargs": LLM_KWARGS}
+    for name in packs:
+        for mode, eager in (("eager", True), ("graphs", False)):
+            key = f"{name}/bfloat16/{mode}"
+            if selected(key):
+                jobs[key] = {"kind": "vl", "dtype": "bfloat16", "eager": eager, "tie": NEAR_TIE}
+                jobs[key]["llm_kwargs"] = LLM_KWARGS
     if not jobs:
         pytest.skip(f"no job selected by QUANTPACK_GPU_JOBS={os.environ.get('QUANTPACK_GPU_JOBS')}")
-    pack = write_vl_pack(root / "nemotron-vl-exl3")
-    ref = reference()
-    torch.save(ref, root / "reference.pt")
-    for job in jobs.values():
+    if any(k.startswith("nemotron-vl/") for k in jobs):
+        torch.save(reference(), root / "reference.pt")
+        packs["nemotron-vl"] = (write_vl_pack(root / "nemotron-vl-exl3"), root / "reference.pt")
+    refs = {}
+    for key, job in jobs.items():
+        pack, ref_file = packs[key.split("/")[0]]
+        if not ref_file.is_file():
+            raise FileNotFoundError(f"{ref_file}: no reference of {pack} (make_family_exl3.py's REPORT.json says why)")
+        refs[key] = torch.load(ref_file)
         job.update(
             pack=str(pack),
-            reference=str(root / "reference.pt"),
+            reference=str(ref_file),
             image=str(image),
             prompt=IMAGE_PROMPT,
             tokens=GREEDY_TOKENS,
@@ -88,7 +102,7 @@ def served(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(e2e_runner, "RUNNER", Path(__file__).resolve().with_name("vl_runner.py"))
         results = run_runner(jobs, root / "runner", timeout=1800)
-    return jobs, ref, results
+    return jobs, refs, results
 
 
 def test_vl_pack_matches_its_reference_on_the_gpu(served):
@@ -96,11 +110,11 @@ def test_vl_pack_matches_its_reference_on_the_gpu(served):
     the reference's, the language tower's EXL3 modules on the EXL3 methods."""
     from vl_runner import vl_failures
 
-    jobs, ref, results = served
+    jobs, refs, results = served
     failures = []
     for key in jobs:  # every job's figures first, then the failures together
         res = results.get(key, {})
-        failures += vl_failures("nemotron VL", key, res, ref, KL_BOUND, TOP1_BOUND)
+        failures += vl_failures("nemotron VL", key, res, refs[key], KL_BOUND, TOP1_BOUND)
         if "kl" not in res:
             continue
         print(f"GPU nemotron VL {key}: family log {res['family_log']}")
@@ -122,7 +136,9 @@ def test_graphs_give_eager_greedy_tokens_on_the_gpu(served):
     from e2e_runner import get, greedy_agreement
 
     jobs, _, results = served
-    eager, graphs = "nemotron-vl/bfloat16/eager", "nemotron-vl/bfloat16/graphs"
-    if eager not in jobs or graphs not in jobs:
-        pytest.skip("eager and graphs not both selected")
-    print(f"GPU nemotron VL graphs vs eager: {greedy_agreement(get(results, eager), get(results, graphs))}")
+    pairs = [k for k in jobs if k.endswith("/graphs") and k.replace("/graphs", "/eager") in jobs]
+    if not pairs:
+        pytest.skip("eager and graphs of one pack not both selected")
+    for key in pairs:
+        eager, graphs = get(results, key.replace("/graphs", "/eager")), get(results, key)
+        print(f"GPU nemotron VL {key} vs eager: {greedy_agreement(eager, graphs)}")
