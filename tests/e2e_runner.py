@@ -12,6 +12,13 @@ import pytest
 RUNNER = Path(__file__).with_name("vllm_e2e.py")
 
 
+def selected(key: str) -> bool:
+    """Whether ``QUANTPACK_GPU_JOBS`` (comma-separated substrings of job ids; unset or empty: every job) selects the
+    job ``key``."""
+    only = [s for s in os.environ.get("QUANTPACK_GPU_JOBS", "").split(",") if s]
+    return not only or any(s in key for s in only)
+
+
 def run_runner(jobs: dict[str, dict], tmp: Path, timeout: float) -> dict:
     """Hand ``{job id: job}`` to one run of vllm_e2e.py; returns ``{job id: result}`` plus ``_log`` (its stderr
     tail). Fails the calling test when the runner produced nothing. With ``QUANTPACK_E2E_ONLY`` set

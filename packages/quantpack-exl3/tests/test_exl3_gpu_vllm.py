@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_jobs import LLAMA_PACKS, MOE_PACKS, get, run_runner
-from e2e_runner import greedy_agreement
+from e2e_runner import greedy_agreement, selected
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,11 +34,6 @@ QWEN_LLM_KWARGS = {**LLM_KWARGS, "additional_config": {"gdn_prefill_backend": "t
 #: job-name substrings to run (every job when empty), e.g. QUANTPACK_GPU_JOBS=moe/ for the MoE packs alone; the
 #: tests of the other jobs skip
 ONLY = [s for s in os.environ.get("QUANTPACK_GPU_JOBS", "").split(",") if s]
-
-
-def selected(key: str) -> bool:
-    """Whether job ``key`` runs (see :data:`ONLY`)."""
-    return not ONLY or any(s in key for s in ONLY)
 
 
 def result(results: dict, key: str) -> dict:

@@ -47,12 +47,6 @@ LLM_KWARGS = {
 }
 
 
-def selected(key: str) -> bool:
-    """Whether ``QUANTPACK_GPU_JOBS`` (comma-separated substrings; unset: every job) selects the job ``key``."""
-    only = [s for s in os.environ.get("QUANTPACK_GPU_JOBS", "").split(",") if s]
-    return not only or any(s in key for s in only)
-
-
 #: the packs exllamav3's converter made (fixtures/tools/make_family_exl3.py), by folder name under
 #: QUANTPACK_FAMILY_CONVERTED; each holds reference_logits.pt (the family's float64 forward on its decoded weights)
 CONVERTED = ("spark-exl3-converter", "nemotron-h-exl3-converter")
@@ -96,7 +90,7 @@ def twin_with_layers_naming(twin, tmp_path_factory):
 def served(tmp_path_factory):
     """Every family pack written at test time, served in float16 eager and with graphs by one runner run."""
     pytest.importorskip("vllm")
-    from e2e_runner import NEAR_TIE, run_runner
+    from e2e_runner import NEAR_TIE, run_runner, selected
     from flint_reference import write_flint_packs
     from nemotron_h_reference import write_nemotron_h_packs, write_nemotron_moe_pack
     from spark_reference import write_spark_packs

@@ -47,12 +47,6 @@ LLM_KWARGS = {
 }
 
 
-def selected(key: str) -> bool:
-    """Whether ``QUANTPACK_GPU_JOBS`` (comma-separated substrings; unset: every job) selects the job ``key``."""
-    only = [s for s in os.environ.get("QUANTPACK_GPU_JOBS", "").split(",") if s]
-    return not only or any(s in key for s in only)
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The pack written, its reference computed (CPU), and both modes served by one runner process; where
@@ -61,7 +55,7 @@ def served(tmp_path_factory):
     forward on its decoded weights)."""
     pytest.importorskip("vllm")
     import e2e_runner
-    from e2e_runner import NEAR_TIE, run_runner
+    from e2e_runner import NEAR_TIE, run_runner, selected
     from nemotron_vl_pack import GREEDY_TOKENS, IMAGE_PROMPT, reference, sample_image, write_vl_pack
 
     root = tmp_path_factory.mktemp("nemotron_vl")
@@ -133,12 +127,7 @@ def test_vl_pack_matches_its_reference_on_the_gpu(served):
 
 def test_graphs_give_eager_greedy_tokens_on_the_gpu(served):
     """Compile + CUDA graphs give eager's greedy tokens on the image prompt (or part only at an eager near-tie)."""
-    from e2e_runner import get, greedy_agreement
+    from vl_runner import graphs_vs_eager
 
     jobs, _, results = served
-    pairs = [k for k in jobs if k.endswith("/graphs") and k.replace("/graphs", "/eager") in jobs]
-    if not pairs:
-        pytest.skip("eager and graphs of one pack not both selected")
-    for key in pairs:
-        eager, graphs = get(results, key.replace("/graphs", "/eager")), get(results, key)
-        print(f"GPU nemotron VL {key} vs eager: {greedy_agreement(eager, graphs)}")
+    graphs_vs_eager("nemotron VL", jobs, results)

@@ -137,6 +137,21 @@ def vl_failures(name: str, key: str, res: dict, ref: dict, kl_bound: float, top1
     return failures
 
 
+def graphs_vs_eager(name: str, jobs: dict, results: dict) -> None:
+    """For every ``.../graphs`` job whose ``.../eager`` twin ran: compile + CUDA graphs give eager's greedy tokens on
+    the image prompt, or part only at an eager near-tie (``e2e_runner.greedy_agreement``, which raises otherwise);
+    each pair's line printed. Skips the test where no pair was selected."""
+    import pytest
+    from e2e_runner import get, greedy_agreement
+
+    pairs = [k for k in jobs if k.endswith("/graphs") and k.replace("/graphs", "/eager") in jobs]
+    if not pairs:
+        pytest.skip("eager and graphs of one pack not both selected")
+    for key in pairs:
+        eager, graphs = get(results, key.replace("/graphs", "/eager")), get(results, key)
+        print(f"GPU {name} {key} image greedy vs eager: {greedy_agreement(eager, graphs)}")
+
+
 if __name__ == "__main__":  # the runner script: vllm_e2e.py with the "vl" kind
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
     import vllm_e2e  # sets the runner's environment (in-process engine) before vLLM is imported
