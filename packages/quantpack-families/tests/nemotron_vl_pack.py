@@ -28,6 +28,7 @@ text prompt's logits and 16 greedy tokens of the image prompt with each step's t
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -349,9 +350,10 @@ def write_vl_source(path: Path, seed: int = 0) -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=2)
 def dense_weights(seed: int = 0) -> tuple[dict, dict]:
     """``(language, vision)`` dense weights of the pack (language: the EXL3 ones decoded; vision: bf16-rounded, as
-    stored), in the references' names."""
+    stored), in the references' names. Encoded once per seed (cached: callers only read them)."""
     _, dense = tiny_nemotron_h(seed, SUPER, routed_exl3=True)
     vision = {k: v.to(torch.bfloat16).double() for k, v in tiny_vision(seed).items()}
     return dense, vision

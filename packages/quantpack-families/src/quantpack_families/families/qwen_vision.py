@@ -85,7 +85,8 @@ def vision_weights(
 
     items = list(weights)
     _check_split_parts(tower, items, prefix, LayerLoadError)
-    quantized = {n.rsplit(".", 1)[0] for n, _ in items if n.endswith("." + QUANTIZED_SUFFIX)}
+    #: quantized module -> its trellis (whose shape gives the stored, padded outputs)
+    quantized = {n.rsplit(".", 1)[0]: t for n, t in items if n.endswith("." + QUANTIZED_SUFFIX)}
     parts: dict[tuple[str, str], set[str]] = {}  # (attention module, suffix) -> the split parts that have it
     for name, _ in items:
         m = _SPLIT.match(name)
@@ -118,8 +119,7 @@ def vision_weights(
             continue
         module, _, suffix = name.rpartition(".")
         if suffix == "bias" and module in quantized:
-            trellis = next((t for n, t in items if n == f"{module}.{QUANTIZED_SUFFIX}"), None)
-            tensor = _fit_bias(tower, module, tensor, prefix, LayerLoadError, stored_outputs(trellis))
+            tensor = _fit_bias(tower, module, tensor, prefix, LayerLoadError, stored_outputs(quantized[module]))
         m = _SPLIT.match(name)
         if m:
             name = f"{m['attn']}.{m['part']}.{m['suffix']}"
