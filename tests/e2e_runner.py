@@ -26,6 +26,7 @@ def run_runner(jobs: dict[str, dict], tmp: Path, timeout: float) -> dict:
     # re-runs on a GPU: just the jobs whose id contains one of these comma-separated strings
     only = [s for s in os.environ.get("QUANTPACK_E2E_ONLY", "").split(",") if s]
     ids = [i for i in jobs if not only or any(s in i for s in only)]
+    tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "jobs.json").write_text(json.dumps([jobs[i] for i in ids]))
     proc = subprocess.run(
         [sys.executable, str(RUNNER), str(tmp / "jobs.json"), str(tmp / "results.json")],

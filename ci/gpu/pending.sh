@@ -39,15 +39,21 @@ try:
     import torchvision; print('torchvision', torchvision.__version__)
 except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
-# (owed first after the night of 2026-12-03, which passed the ungated expert banks, the Nemotron MoE pack with the
-# family's float16 fix and the converter's Qwen3.5 VL pack: the whole Nemotron-3.5-Super-VL pack, the Spark and
-# Nemotron-H packs of exllamav3's converter
-# (written after it), the Nemotron-H twin's graph fault, the dense harness's
-# five engines with today's kernels, the vLLM MoE and dense jobs with the one-row panel and the fused launches above
-# 16 rows; the last steps re-check what passed before)
-all=(nemotron-vl family-converter nemotron-twin serve-8b e2e-moe e2e-dense serve-moe linear-kernels escha-vllm families qwen-vl-converter
-  moe-kernels qwen-vl nemotron-moe moe-ungated
+# (owed first after the late night of 2026-12-03, which ran the five-engine harness and the 8B stack with today's
+# kernels, passed the Spark and Nemotron-H packs of exllamav3's converter and did not see the Nemotron-H twin's graph
+# fault again: the whole Nemotron-3.5-Super-VL pack, the core writer's and the converter's; the vLLM dense and MoE
+# jobs with the one-row panel and the fused launches above 16 rows; the linear kernels' tests; escha in vLLM; the
+# 30B-A3B harness; the twin's compile modes; the last steps re-check what passed before)
+all=(nemotron-vl e2e-dense linear-kernels e2e-moe escha-vllm serve-moe nemotron-twin family-converter families
+  qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated serve-8b
   kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel serve-moe-mixed profile)
+# the tiny Spark, Nemotron-H and Nemotron-VL models through exllamav3's own converter, once per machine
+family_convert() {
+  [ -f /tmp/family-exl3/REPORT.json ] && return 0
+  step family-convert python3 fixtures/tools/make_family_exl3.py --out /tmp/family-exl3
+  cp /tmp/family-exl3/REPORT.json "$res/family-convert-report.json" 2>/dev/null
+  cp /tmp/family-exl3/*-convert.log "$res/" 2>/dev/null
+}
 for s in "${@:-${all[@]}}"; do
   case $s in
     # trellis_mma's linear kernel against the float64 oracle and exllamav3's error (every K, codebook, bundled pack)
@@ -111,7 +117,7 @@ for s in "${@:-${all[@]}}"; do
     # and the tiny EXL3 Qwen3.5 vision tower in vLLM's own Qwen3_VisionTransformer
     families) step families "${T[@]}" packages/quantpack-families/tests/test_qwen_vision_gpu.py \
       packages/quantpack-families/tests/test_families_gpu.py ;;
-    # Nemotron-H's bf16 twin, KL 4.6 with compile + graphs (eager passes, and compiled on CPU): compiled without
+    # Nemotron-H's bf16 twin, KL 4.6 with compile + graphs until it passed on 2026-12-03 (night): compiled without
     # graphs, piecewise graphs only, and vLLM's default, each as a fresh process's only engine
     nemotron-twin)
       # first vLLM's default graphs for the twin and for the same twin named as the EXL3 pack (layers_block_type)
@@ -133,16 +139,17 @@ for s in "${@:-${all[@]}}"; do
         step qwen-vl-converter "${T[@]}" packages/quantpack-families/tests/test_qwen_vl_gpu.py ;;
     # the whole tiny Nemotron-3.5-Super-VL pack (EXL3 language tower, RADIO tower with its final LayerNorm) served by
     # vLLM in bfloat16, eager and graphs: text KL and an image + text request's greedy tokens (first run owed)
-    nemotron-vl) step nemotron-vl "${T[@]}" packages/quantpack-families/tests/test_nemotron_vl_gpu.py ;;
-    # Spark, the Nemotron-H text tower (from the bf16 twins) and the tiny Nemotron-3.5-Super-VL through exllamav3's
-    # own converter, then served against their float64 references (first run owed)
-    family-converter)
-      step family-convert python3 fixtures/tools/make_family_exl3.py --out /tmp/family-exl3
-      cp /tmp/family-exl3/REPORT.json "$res/family-convert-report.json" 2>/dev/null
-      cp /tmp/family-exl3/*-convert.log "$res/" 2>/dev/null
-      QUANTPACK_FAMILY_CONVERTED=/tmp/family-exl3 QUANTPACK_GPU_JOBS=converter \
-        step family-converter "${T[@]}" packages/quantpack-families/tests/test_families_gpu.py \
+    # (with the converter's pack of the same model beside it, converted first)
+    nemotron-vl)
+      family_convert
+      QUANTPACK_FAMILY_CONVERTED=/tmp/family-exl3 step nemotron-vl "${T[@]}" \
         packages/quantpack-families/tests/test_nemotron_vl_gpu.py ;;
+    # Spark and the Nemotron-H text tower (from the bf16 twins) through exllamav3's own converter, served against
+    # their float64 references (passed 2026-12-03; the VL pack's converter job runs in nemotron-vl)
+    family-converter)
+      family_convert
+      QUANTPACK_FAMILY_CONVERTED=/tmp/family-exl3 QUANTPACK_GPU_JOBS=converter \
+        step family-converter "${T[@]}" packages/quantpack-families/tests/test_families_gpu.py ;;
     # the whole tiny Qwen3.5 VL pack (EXL3 text and vision towers) served by vLLM, both layouts, eager and graphs: text
     # KL and an image + text request's greedy tokens against transformers' dequantized model
     qwen-vl) step qwen-vl "${T[@]}" packages/quantpack-families/tests/test_qwen_vl_gpu.py ;;
