@@ -55,6 +55,11 @@ OVERRIDES = [
 #: vLLM's CUDA builds the GPU tier ran (ci/gpu/), each with the torch it pins (torch 2.11.0 is cu130 on PyPI); add a
 #: release here once it has run there, then ``nox -s pins``
 VLLM_CUDA_VERSIONS = {"0.25.1": "2.11.0"}
+#: the GPU tier's vLLM matrix (``gpu-tests``' parameter): 0.22.1, the last release whose MoE layer is ``FusedMoE``;
+#: 0.25.1, the bundle the tier was first measured with; 0.26.0, the newest that pins the machine's torch 2.11.0
+GPU_VLLM_VERSIONS = ["0.22.1", "0.25.1", "0.26.0"]
+#: where ``gpu-tests`` writes each version's pytest report (JUnit XML) for ``ci/gpu/matrix_table.py``
+GPU_RESULTS = Path(os.environ.get("QUANTPACK_GPU_RESULTS", "/tmp/gpu-matrix"))
 #: exllamav3's kernels beside vLLM's CUDA build (the GPU tier's version)
 EXLLAMAV3 = "exllamav3==1.6.5"
 #: the pinned sets per hardware target (``nox -s pins`` writes them; docs/install.md uses them)
@@ -414,12 +419,27 @@ def install(session: nox.Session) -> None:
 
 
 @nox.session(name="gpu-tests", venv_backend="none")
-def gpu_tests(session: nox.Session) -> None:
-    """The GPU tier (exllamav3 kernels, vLLM's CUDA build) in this interpreter; see ci/gpu/README.md."""
+@nox.parametrize("vllm", GPU_VLLM_VERSIONS)
+def gpu_tests(session: nox.Session, vllm: str) -> None:
+    """The GPU tier (exllamav3 kernels, vLLM's CUDA build) in this interpreter, for the vLLM release whose bundle is
+    unpacked (ci/gpu/README.md: one release per machine at a time; the others skip, naming the one found). Writes
+    the pytest report to ``GPU_RESULTS/vllm-<release>-<time>.xml`` for ``ci/gpu/matrix_table.py``."""
     # where nox itself was put on PYTHONPATH apart from the machine's packages (ci/gpu/run-tests.sh), the tests run
     # without it, so that nox's dependencies never shadow the machine's own
     nox_site = os.environ.get("QUANTPACK_NOX_SITE")
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != nox_site]
+    env = {"PYTHONPATH": os.pathsep.join(path)}
+    found = subprocess.run(
+        ["python3", "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+        capture_output=True, text=True, env={**os.environ, **env},
+    ).stdout.strip()  # fmt: skip
+    if found != vllm:
+        session.skip(
+            f"vLLM {found or '(none)'} is unpacked here, not {vllm}: build and stage {vllm}'s bundle "
+            f"(ci/gpu/bundle.sh {vllm}; VLLM_BUNDLE=.stage-bundles/vllm-slim-{vllm}.tar.xz ci/gpu/stage.sh)"
+        )
+    GPU_RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
     # test files or node ids among the arguments narrow the selection; otherwise every GPU test
     given = any(
         a.split("::")[0].endswith(".py") and os.path.exists(a.split("::")[0])
@@ -433,10 +453,11 @@ def gpu_tests(session: nox.Session) -> None:
         "-m",
         *PYTEST,
         "--durations=15",
+        f"--junitxml={GPU_RESULTS / f'vllm-{vllm}-{stamp}.xml'}",
         "-m",
         "gpu",
         *tests,
         *session.posargs,
-        env={"PYTHONPATH": os.pathsep.join(path)},
+        env=env,
         external=True,
     )
