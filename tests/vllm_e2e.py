@@ -135,6 +135,16 @@ def quant_methods(model) -> dict:
     }
 
 
+def shard_kernels(model) -> dict:
+    """``{kernel name: runs}`` over the runs of every quantpack linear layer of a built model (its ``quant_state``),
+    i.e. which kernel served how many shards or fused shard groups."""
+    counts: dict[str, int] = {}
+    for _, m in model.named_modules():
+        for run in getattr(getattr(m, "quant_state", None), "runs", None) or ():
+            counts[run.kernel] = counts.get(run.kernel, 0) + 1
+    return counts
+
+
 def install_routing_probe(model) -> int:
     """Wrap the router of every vLLM MoE layer (``MoERunner.router.select_experts``, vLLM 0.25+) so that the expert
     ids it picks are recorded, call by call; returns how many layers were wrapped."""
@@ -227,6 +237,7 @@ def run_logits(job: dict) -> dict:
     in_process = job.get("tp", 1) == 1  # the model is inspected in this process only without worker processes
     modules = llm.apply_model(vocab_modules)[0] if in_process else None
     methods = llm.apply_model(quant_methods)[0] if in_process else None
+    kernels = llm.apply_model(shard_kernels)[0] if in_process else None
     if job.get("routing") and in_process:
         llm.apply_model(install_routing_probe)
     lp = prompt_logprob_matrix(llm, ids, vocab)
@@ -243,6 +254,7 @@ def run_logits(job: dict) -> dict:
         "load_s": load_s,
         "vocab_modules": modules,
         "quant_methods": methods,
+        "shard_kernels": kernels,
         "rss_mib": [rss_before, rss_after],
         "routing": routing,
         "save": job.get("save"),

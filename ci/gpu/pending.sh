@@ -48,7 +48,7 @@ except Exception as e:
 # fault again: the whole Nemotron-3.5-Super-VL pack, the core writer's and the converter's; the vLLM dense and MoE
 # jobs with the one-row panel and the fused launches above 16 rows; the linear kernels' tests; escha in vLLM; the
 # 30B-A3B harness; the twin's compile modes; the last steps re-check what passed before)
-all=(nemotron-vl e2e-dense linear-kernels escha-times e2e-moe escha-vllm serve-moe nemotron-twin family-converter families
+all=(nemotron-vl e2e-dense linear-kernels escha-gpu escha-vllm escha-times e2e-moe serve-moe nemotron-twin family-converter families
   qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated serve-8b
   kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel serve-moe-mixed profile)
 # the tiny Spark, Nemotron-H and Nemotron-VL models through exllamav3's own converter, once per machine
@@ -157,7 +157,7 @@ for s in "${@:-${all[@]}}"; do
     # the whole tiny Qwen3.5 VL pack (EXL3 text and vision towers) served by vLLM, both layouts, eager and graphs: text
     # KL and an image + text request's greedy tokens against transformers' dequantized model
     qwen-vl) step qwen-vl "${T[@]}" packages/quantpack-families/tests/test_qwen_vl_gpu.py ;;
-    # the converted escha packs in vLLM (eager and graphs) with the spill-free Triton kernel
+    # the converted escha packs in vLLM (eager and graphs) on trellis_mma, and the two-K pack on the Triton kernel
     escha-vllm) step escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py ;;
     # where the escha Triton kernel's time goes (30-45x the CUDA kernels on the mcg K=2 stack, 2026-12-02): each of
     # its three launches timed per call beside trellis_mma's on the same trellis (torch.profiler), then Nsight
@@ -172,6 +172,9 @@ for s in "${@:-${all[@]}}"; do
         --section Occupancy --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
         -k regex:gemm_kernel --profile-from-start off --launch-count 1 python3 benchmarks/profile_shard.py \
         --kernel escha_triton --shape 4096,14336 --rows 1 --k-bits 2 --codebook mcg ;;
+    # the escha kernels of CUDA against the reference: quantpack-exl3's trellis_mma through the escha backend (first
+    # run owed) and the Triton kernel
+    escha-gpu) step escha-gpu "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu.py ;;
     # the escha Triton kernel without register spills: its GPU tests, then its line of the mcg K=2 stack
     escha)
       step escha-gpu "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu.py

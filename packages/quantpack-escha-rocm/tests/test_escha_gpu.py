@@ -1,7 +1,7 @@
-"""GPU tier: the escha Triton kernels on a CUDA device against the escha codec's fp64 reference, on random escha
-layers of K 1..4 over 1..4096 rows: relative error within 1.1x of what exllamav3's EXL3 kernels make of the same
-trellis as an EXL3 layer (when exllamav3 imports), never NaN, only the shard's columns written; and the kernel the
-GPU chooses. Not run in the version that added it (no device time was left); ``nox -s gpu-tests`` runs it."""
+"""GPU tier: the escha kernels of CUDA (quantpack-exl3's trellis_mma through the escha backend, and the Triton kernel)
+against the escha codec's fp64 reference, on random escha layers of K 1..4 over 1..4096 rows: relative error within
+1.1x of what exllamav3's EXL3 kernels make of the same trellis as an EXL3 layer (when exllamav3 imports), never NaN,
+only the shard's columns written; and the kernels the GPU chooses."""
 
 import math
 
@@ -52,16 +52,29 @@ def exllamav3_error(e: EschaTensors, x16: torch.Tensor, ref: torch.Tensor) -> fl
     return float((y - ref).norm() / ref.norm())
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
-@pytest.mark.parametrize("rows", ROWS)
-def test_triton_kernel_against_the_reference(k, rows):
+def kernel_class(name: str):
+    """The escha linear kernel ``name`` of CUDA's list (skips trellis_mma where quantpack-exl3 is not installed)."""
+    if name == "trellis_mma":
+        pytest.importorskip("quantpack_exl3")
+        from quantpack_escha.backends.trellis_mma import EschaTrellisMmaLinearKernel
+
+        return EschaTrellisMmaLinearKernel
     from quantpack_escha.backends.triton import EschaTritonLinearKernel
 
+    return EschaTritonLinearKernel
+
+
+@pytest.mark.parametrize("name", ["trellis_mma", "triton"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", ROWS)
+def test_kernel_against_the_reference(name, k, rows):
+    kernel = kernel_class(name)
     dev = torch.device("cuda")
     e = layer(k, seed=k * 100 + rows)
     spec = LinearSpec(platform(), "escha", float(k), "mcg", 768, 512, 768, 512, torch.float16, TP_WHOLE)
-    assert EschaTritonLinearKernel.available(platform()) == (True, None)
-    p = EschaTritonLinearKernel.prepare(e, spec, dev)
+    assert kernel.available(platform()) == (True, None)
+    assert kernel.can_implement(spec) == (True, None)
+    p = kernel.prepare(e, spec, dev)
     x16 = torch.randn(rows, 768, device=dev).half()
     out = torch.full((rows, 512 + 48), float("nan"), dtype=torch.float16, device=dev)
     p.run(x16, *p.tensors.values(), *p.static, out, 16)
@@ -73,11 +86,14 @@ def test_triton_kernel_against_the_reference(k, rows):
     assert ours <= max(RATIO * theirs, FLOOR) if theirs is not None else ours <= 2e-3, (ours, theirs)
 
 
-def test_this_gpu_chooses_the_triton_kernel():
+def test_this_gpu_chooses_trellis_mma_and_triton_for_float32():
+    pytest.importorskip("quantpack_exl3")
     from quantpack_core.kernels import choose_kernel
     from quantpack_escha.config import EschaConfig
 
     linear, _ = EschaConfig.resolve_kernels(platform())
-    assert [kk.name for kk in linear] == ["triton"]
+    assert [kk.name for kk in linear] == ["trellis_mma", "triton"]
     spec = LinearSpec(platform(), "escha", 2.0, "mcg", 4096, 4096, 4096, 4096, torch.bfloat16, TP_WHOLE)
-    assert choose_kernel(linear, spec, "test").kernel.name == "triton"
+    assert choose_kernel(linear, spec, "test").kernel.name == "trellis_mma"
+    spec32 = LinearSpec(platform(), "escha", 2.0, "mcg", 4096, 4096, 4096, 4096, torch.float32, TP_WHOLE)
+    assert choose_kernel(linear, spec32, "test").kernel.name == "triton"

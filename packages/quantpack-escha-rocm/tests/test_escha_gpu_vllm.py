@@ -1,7 +1,8 @@
 """GPU tier, end to end: escha packs converted (``quantpack escha-from-exl3``) from the bundled mcg EXL3 packs, served
-by vLLM's CUDA build through the plugin with the escha Triton kernel, float16, eager and with torch.compile + CUDA
-graphs: prompt logprobs against the source pack's reference logits (exllamav3's own forward; for a Qwen3.5 source
-without them, the core codec's dequantized source weights in transformers, float32).
+by vLLM's CUDA build through the plugin, float16, eager and with torch.compile + CUDA graphs, with CUDA's first kernel
+(quantpack-exl3's trellis_mma, installed beside it here) and, for the two-K pack, the Triton kernel forced
+(``QUANTPACK_ESCHA_BACKEND=triton``): prompt logprobs against the source pack's reference logits (exllamav3's own
+forward; for a Qwen3.5 source without them, the core codec's dequantized source weights in transformers, float32).
 
 The packs: llama-tiny 4.0 bpw; llama-tiny with every gate_proj at K=2 and up_proj at K=3 (vLLM's merged
 gate_up_proj runs two K in one layer); the Qwen3.5 text model (Gated DeltaNet layers). The int8 embedding and head
@@ -64,13 +65,24 @@ def results(fixtures_dir, tmp_path_factory):
         base["reference"] = reference(fixtures_dir, source, tmp)
         jobs[f"{source}/eager"] = dict(base, eager=True)
         jobs[f"{source}/graphs"] = dict(base, eager=False)
+        if source == TRITON_SOURCE:
+            jobs[f"{source}/triton/eager"] = dict(base, eager=True, env={"QUANTPACK_ESCHA_BACKEND": "triton"})
     return run_runner(jobs, tmp, timeout=1800)
 
 
-@pytest.mark.parametrize("mode", ["eager", "graphs"])
-@pytest.mark.parametrize("source", SOURCES)
-def test_converted_packs_on_cuda(results, figures, source, mode):
-    res = get(results, f"{source}/{mode}")
-    figures.append(f"GPU escha {source} float16 {mode}: KL {res['kl']:.3g}, top-1 {100 * res['top1']:.2f}%")
+#: the pack also served with the Triton kernel forced (its merged gate_up_proj runs two K)
+TRITON_SOURCE = "llama-tiny-exl3-mcg-k2k3"
+
+
+@pytest.mark.parametrize(
+    "job",
+    [f"{s}/{m}" for s in SOURCES for m in ("eager", "graphs")] + [f"{TRITON_SOURCE}/triton/eager"],
+)
+def test_converted_packs_on_cuda(results, figures, job):
+    res = get(results, job)
+    kernels = res["shard_kernels"]
+    figures.append(f"GPU escha {job} float16: KL {res['kl']:.3g}, top-1 {100 * res['top1']:.2f}%, runs {kernels}")
     assert res["kl"] <= 5e-4 and res["top1"] >= 0.97
     assert all("EschaInt8Embedding" in m["method"] for m in res["vocab_modules"].values()), res["vocab_modules"]
+    want, other = ("triton", "trellis_mma") if "/triton/" in job else ("trellis_mma", "triton")
+    assert want in kernels and other not in kernels, kernels  # every coded layer on the kernel this job asks for

@@ -164,6 +164,32 @@ def test_no_kernel_accepting_a_shard_names_every_reason(vllm_layers):
         layer.quant_method.process_weights_after_loading(layer)
 
 
+class ValueRefusingKernel(StandInKernel):
+    """Accepts K=4 shards by their spec, then refuses one's values at prepare, as a kernel whose float16 scales
+    cannot hold a shard's does (escha's trellis_mma backend)."""
+
+    name = "value-refusing"
+
+    @classmethod
+    def prepare(cls, shard: Exl3Tensors, spec: LinearSpec, device) -> PreparedShard:
+        from quantpack_core.errors import LayerLoadError
+
+        raise LayerLoadError("its scales do not fit this kernel - set QUANTPACK_EXL3_BACKEND=reference")
+
+
+def test_a_kernel_refusing_a_shards_values_at_prepare_is_named_with_the_layer_and_shard(vllm_layers):
+    from quantpack_core.errors import LayerLoadError
+
+    config = make_config(vllm_layers)
+    config.linear_kernels = (ValueRefusingKernel, *config.linear_kernels)
+    layer = qkv(config)
+    for sid, t in shards().items():
+        feed(layer, t, sid)
+    named = r"qkv_proj: shard 'k' \(model\.layers\.0\.self_attn\.k_proj\): its scales do not fit"
+    with pytest.raises(LayerLoadError, match=named):
+        layer.quant_method.process_weights_after_loading(layer)
+
+
 def test_platform_without_any_kernel_fails_at_config_time():
     from quantpack_core.errors import BackendUnavailableError
     from quantpack_core.kernels import ROCM, Platform

@@ -412,7 +412,10 @@ class QuantLinearMethod(LinearMethodBase):
                 kernels = self.config.dense_kernels
             choice = choose_kernel(kernels, spec, f"{self.prefix}: {plan.name}")
             log.record("linear", choice)
-            prepared.append((choice.kernel, choice.kernel.prepare(shard, spec, device)))
+            try:
+                prepared.append((choice.kernel, choice.kernel.prepare(shard, spec, device)))
+            except LayerLoadError as e:  # a kernel's refusal of the shard's values: name the layer and the shard
+                raise LayerLoadError(f"{self.prefix}: {plan.name}: {e}") from None
             if quantized:
                 self.format.release(shard)
             selects.append(select)

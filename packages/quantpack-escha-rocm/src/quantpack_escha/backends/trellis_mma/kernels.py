@@ -1,0 +1,133 @@
+"""escha shards through quantpack-exl3's ``trellis_mma`` kernels, on CUDA sm_80+ where quantpack-exl3 is installed.
+
+An escha code is an EXL3 trellis in the mcg codebook (docs/escha-format.md), and the two formats differ only in their
+scales and Hadamard gains: escha computes ``H(H((x * s_in) * rin) @ What) * rout * s_out`` with the unnormalized
+128-point Hadamard ``H``, EXL3 ``Hn(Hn(x * suh) @ What) * svh`` with ``Hn = H / sqrt(128)``. So an escha shard is the
+EXL3 shard of the same trellis with ``suh = a / alpha`` and ``svh = 128 * b * alpha`` (``a = s_in * rin``,
+``b = rout * s_out``, ``alpha`` a power of two, which scales exactly: :func:`exl3_shard`), and the trellis_mma kernels
+run it as they run EXL3 (their fused launches and measured routes included).
+trellis_mma keeps ``suh`` / ``svh`` in float16, as EXL3 stores them: the one rounding this path adds over the Triton
+kernel, which keeps ``a`` and ``b`` in float32, is that of the two products to float16 (relative 2^-11 at most).
+
+The package does not depend on quantpack-exl3: without it this backend is unavailable and the Triton kernel serves
+CUDA (the reason is logged with the kernel table). Float32 models go to the Triton kernel too (:meth:`can_implement`
+declines them); a shard whose scales float16 cannot hold is refused at load, naming the layer, the shard and
+``QUANTPACK_ESCHA_BACKEND=triton``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from quantpack_core.codec import Codebook, Exl3Tensors
+from quantpack_core.errors import LayerLoadError
+from quantpack_core.kernels import LinearKernel, LinearSpec, Platform, PreparedShard
+
+from ...codec import HAD_GAIN, EschaTensors
+
+NAME = "trellis_mma"
+#: float16's smallest normal and largest finite magnitudes: ``suh`` / ``svh`` entries outside them would lose bits
+FP16_TINY, FP16_MAX = 2.0**-14, 65504.0
+#: the largest ``suh`` magnitude :func:`exl3_shard` makes where a smaller one does not fit ``svh``
+SUH_PEAK = 16.0
+
+
+def _exl3_kernel():
+    """quantpack-exl3's trellis_mma linear kernel class, or None where quantpack-exl3 is not installed."""
+    try:
+        from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel
+    except ImportError:
+        return None
+    return TrellisMmaLinearKernel
+
+
+def _as_exl3(spec: LinearSpec) -> LinearSpec:
+    return dataclasses.replace(spec, format="exl3")
+
+
+def exl3_shard(shard: EschaTensors, where: str = "escha shard") -> Exl3Tensors:
+    """The EXL3 shard (mcg, float16 ``suh`` / ``svh``) that computes what the escha shard does (see the module).
+
+    ``alpha`` is the power of two nearest to ``max |a|`` (``suh`` peaking at 1, as EXL3's do) that keeps every
+    nonzero entry of both vectors in float16's normal range, with ``suh`` at most :data:`SUH_PEAK` (the kernels'
+    float16 transformed input grows with it).
+
+    Args:
+        shard: the escha tensors of one shard (any device).
+        where: the layer and shard, for the error.
+
+    Returns:
+        :class:`~quantpack_core.codec.Exl3Tensors` sharing ``shard.code`` as its trellis.
+
+    Raises:
+        LayerLoadError: no power of two fits both ``a = s_in * rin`` and ``128 * b`` into float16 (their entries
+            span too many magnitudes); the message names the shard and the fix (``QUANTPACK_ESCHA_BACKEND=triton``
+            keeps both in float32).
+    """
+    a = shard.input_scale(torch.float64).abs()
+    b = shard.output_scale(torch.float64).abs() * (HAD_GAIN * HAD_GAIN)
+    a_nz, b_nz = a[a > 0], b[b > 0]
+    if not a_nz.numel() or not b_nz.numel():  # an all-zero side: the shard's output is zero whatever alpha is
+        lo = hi = best = 0
+    else:
+        a_min, a_max, b_min, b_max = (float(v) for v in (a_nz.min(), a_nz.max(), b_nz.min(), b_nz.max()))
+        # alpha = 2^e: a / alpha within [FP16_TINY, SUH_PEAK], b * alpha within [FP16_TINY, FP16_MAX]
+        lo = math.ceil(max(math.log2(a_max / SUH_PEAK), math.log2(FP16_TINY / b_min)))
+        hi = math.floor(min(math.log2(a_min / FP16_TINY), math.log2(FP16_MAX / b_max)))
+        best = min(max(math.ceil(math.log2(a_max)), lo), hi)
+        if lo > hi:
+            raise LayerLoadError(
+                f"{where}: its input scales s_in * rin span {a_min:.3g} to {a_max:.3g} and its output scales "
+                f"128 * rout * s_out {b_min:.3g} to {b_max:.3g}: no power of two moves both into float16's "
+                f"{FP16_TINY:.3g} to {FP16_MAX:g}, which the trellis_mma kernels keep these scales in - set "
+                "QUANTPACK_ESCHA_BACKEND=triton to serve the pack with the Triton kernel, which keeps them in float32"
+            )
+    alpha = 2.0**best
+    suh = shard.input_scale(torch.float64) / alpha
+    svh = shard.output_scale(torch.float64) * (HAD_GAIN * HAD_GAIN * alpha)
+    return Exl3Tensors(shard.code, suh.to(torch.float16), svh.to(torch.float16), Codebook.MCG)
+
+
+class EschaTrellisMmaLinearKernel(LinearKernel):
+    """One escha shard through quantpack-exl3's trellis_mma kernels (see the module)."""
+
+    name = NAME
+
+    @classmethod
+    def available(cls, platform: Platform) -> tuple[bool, str | None]:
+        """quantpack-exl3 installed, and its trellis_mma kernel available on ``platform`` (CUDA sm_80+, nvcc)."""
+        kernel = _exl3_kernel()
+        if kernel is None:
+            return False, (
+                "needs quantpack-exl3, whose trellis_mma kernels decode the same mcg trellis on CUDA (install "
+                "./packages/quantpack-exl3 beside this package)"
+            )
+        return kernel.available(platform)
+
+    @classmethod
+    def can_implement(cls, spec: LinearSpec) -> tuple[bool, str | None]:
+        """Every escha shard that trellis_mma takes as EXL3: a float16 / bfloat16 model on CUDA sm_80+."""
+        if spec.format != "escha":
+            return False, f"runs escha only, this is {spec.format}"
+        kernel = _exl3_kernel()
+        if kernel is None:
+            return False, "needs quantpack-exl3"
+        return kernel.can_implement(_as_exl3(spec))
+
+    @classmethod
+    def prepare(cls, shard: EschaTensors, spec: LinearSpec, device: torch.device) -> PreparedShard:
+        """The shard as EXL3 (:func:`exl3_shard`), prepared by trellis_mma (its workspace, warm-up and route).
+
+        Raises:
+            LayerLoadError: scales float16 cannot hold (:func:`exl3_shard`).
+            quantpack_exl3.backends.trellis_mma.library.LibraryError: the kernels cannot be built or loaded.
+        """
+        return _exl3_kernel().prepare(exl3_shard(shard, spec.describe()), _as_exl3(spec), device)
+
+    @classmethod
+    def fuse(cls, shards: list[PreparedShard]) -> PreparedShard | None:
+        """trellis_mma's one launch for a layer's shards that share the input (q / k / v, gate / up)."""
+        return _exl3_kernel().fuse(shards)
