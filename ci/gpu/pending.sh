@@ -51,11 +51,16 @@ except Exception as e:
 all=(nemotron-vl e2e-dense linear-kernels escha-gpu escha-vllm escha-times e2e-moe serve-moe nemotron-twin family-converter families
   qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated serve-8b
   kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel serve-moe-mixed profile)
-# the tiny Spark, Nemotron-H and Nemotron-VL models through exllamav3's own converter, once per machine
+# the tiny models of the given families (of spark, nemotron-h, nemotron-vl) through exllamav3's own converter, each
+# once per machine
 family_convert() {
-  [ -f /tmp/family-exl3/REPORT.json ] && return 0
-  step family-convert python3 fixtures/tools/make_family_exl3.py --out /tmp/family-exl3
-  cp /tmp/family-exl3/REPORT.json "$res/family-convert-report.json" 2>/dev/null
+  local want=() f
+  for f in "$@"; do [ -f "/tmp/family-exl3/$f-exl3-converter/config.json" ] || want+=("$f"); done
+  [ ${#want[@]} -eq 0 ] && return 0
+  local fams
+  fams=$(IFS=,; echo "${want[*]}")
+  step "family-convert-${fams//,/-}" python3 fixtures/tools/make_family_exl3.py --out /tmp/family-exl3 --families "$fams"
+  cp /tmp/family-exl3/REPORT.json "$res/family-convert-${fams//,/-}-report.json" 2>/dev/null
   cp /tmp/family-exl3/*-convert.log "$res/" 2>/dev/null
 }
 for s in "${@:-${all[@]}}"; do
@@ -145,13 +150,13 @@ for s in "${@:-${all[@]}}"; do
     # vLLM in bfloat16, eager and graphs: text KL and an image + text request's greedy tokens (first run owed)
     # (with the converter's pack of the same model beside it, converted first)
     nemotron-vl)
-      family_convert
+      family_convert nemotron-vl
       QUANTPACK_FAMILY_CONVERTED=/tmp/family-exl3 step nemotron-vl "${T[@]}" \
         packages/quantpack-families/tests/test_nemotron_vl_gpu.py ;;
     # Spark and the Nemotron-H text tower (from the bf16 twins) through exllamav3's own converter, served against
     # their float64 references (passed 2026-12-03; the VL pack's converter job runs in nemotron-vl)
     family-converter)
-      family_convert
+      family_convert spark nemotron-h
       QUANTPACK_FAMILY_CONVERTED=/tmp/family-exl3 QUANTPACK_GPU_JOBS=converter \
         step family-converter "${T[@]}" packages/quantpack-families/tests/test_families_gpu.py ;;
     # the whole tiny Qwen3.5 VL pack (EXL3 text and vision towers) served by vLLM, both layouts, eager and graphs: text
