@@ -432,7 +432,12 @@ def gpu_tests(session: nox.Session, vllm: str) -> None:
     found = subprocess.run(
         ["python3", "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
         capture_output=True, text=True, env={**os.environ, **env},
-    ).stdout.strip()  # fmt: skip
+    ).stdout.strip().split("+")[0]  # fmt: skip
+    if found not in GPU_VLLM_VERSIONS:  # no parameter would run: an error, not three skips
+        session.error(
+            f"vLLM {found or '(none)'} is unpacked here, none of the matrix's {', '.join(GPU_VLLM_VERSIONS)}: stage "
+            "one of their bundles (ci/gpu/README.md), or add the release to GPU_VLLM_VERSIONS"
+        )
     if found != vllm:
         session.skip(
             f"vLLM {found or '(none)'} is unpacked here, not {vllm}: build and stage {vllm}'s bundle "

@@ -1,10 +1,10 @@
-"""The GPU tier's vLLM matrix as a Markdown table: test file x vLLM release -> passed / failed / skipped.
+"""The GPU tier's vLLM matrix as a Markdown table: test file x vLLM release -> passed / failed / xfailed / skipped.
 
 Reads the JUnit XML reports ``nox -s gpu-tests`` and ``ci/gpu/pending.sh``'s steps write
 (``vllm-<release>-<time>[-<step>].xml``, in ``$QUANTPACK_GPU_RESULTS``, default ``/tmp/gpu-matrix``, or the folders
-given); where a test ran in several reports of one release, the newest
-report's outcome counts. A release with no report is "not run". Usage (after copying the reports back from the GPU
-machine): ``python3 ci/gpu/matrix_table.py DIR... [--versions 0.22.1,0.25.1,0.26.0]``.
+given). For each release and test file the newest report that ran the file counts; a release with no report of a
+file is "not run" there; a module that failed to import counts as one failed test of its file. Usage (the reports
+kept in ``ci/gpu/results/``): ``python3 ci/gpu/matrix_table.py ci/gpu/results [--versions 0.22.1,0.25.1,0.26.0]``.
 """
 
 from __future__ import annotations
@@ -21,23 +21,27 @@ REPORT = re.compile(r"vllm-(?P<version>\d+\.\d+\.\d+)-(?P<stamp>\d{8}-\d{6})(-[\
 
 
 def test_file(case: ET.Element) -> str:
-    """The test file of one JUnit ``testcase`` (pytest writes the module path, dotted, as its ``classname``)."""
-    parts = case.get("classname", "").split(".")
-    mods = [p for p in parts if p.startswith("test_")]
-    return f"{mods[0]}.py" if mods else case.get("classname", "?")
+    """The test file of one JUnit ``testcase``: pytest writes the module path, dotted, as its ``classname`` (with
+    any class after it), and for a module that failed to import an empty ``classname`` and the module as ``name``."""
+    where = case.get("classname") or case.get("name", "")
+    mods = [p for p in re.split(r"[./]", where) if p.startswith("test_")]
+    return f"{mods[0]}.py" if mods else where or "?"
 
 
 def outcome(case: ET.Element) -> str:
-    """``passed``, ``failed`` (a failure or an error) or ``skipped``."""
+    """``passed``, ``failed`` (a failure or an error, a collection error included), ``xfailed`` or ``skipped``
+    (a non-strict unexpected pass counts as passed)."""
     if case.find("failure") is not None or case.find("error") is not None:
         return "failed"
-    if case.find("skipped") is not None:
-        return "skipped"
+    skipped = case.find("skipped")
+    if skipped is not None:
+        return "xfailed" if skipped.get("type") == "pytest.xfail" else "skipped"
     return "passed"
 
 
-def collect(folders: list[Path]) -> dict[str, dict[str, str]]:
-    """``{release: {test id: outcome}}`` over every report in ``folders``, newer reports overriding older ones.
+def collect(folders: list[Path]) -> dict[str, dict[str, dict[str, str]]]:
+    """``{release: {test file: {test id: outcome}}}``: for each release and test file, the outcomes of the newest
+    report that ran that file (so a test renamed or removed since drops out).
 
     Raises:
         SystemExit: a report that is not JUnit XML (its path named).
@@ -45,29 +49,33 @@ def collect(folders: list[Path]) -> dict[str, dict[str, str]]:
     reports = sorted(
         (m["version"], m["stamp"], f) for d in folders for f in d.glob("vllm-*.xml") if (m := REPORT.search(f.name))
     )
-    out: dict[str, dict[str, str]] = {}
-    for version, _, path in reports:
+    out: dict[str, dict[str, dict[str, str]]] = {}
+    for version, _, path in reports:  # oldest first: a newer report's files replace the older ones'
         try:
             root = ET.parse(path).getroot()
         except ET.ParseError as e:
             raise SystemExit(f"{path}: not a JUnit XML report ({e})") from e
+        ran: dict[str, dict[str, str]] = {}
         for case in root.iter("testcase"):
-            key = f"{test_file(case)}::{case.get('name')}"
-            out.setdefault(version, {})[key] = outcome(case)
+            key = f"{case.get('classname', '')}::{case.get('name')}"
+            ran.setdefault(test_file(case), {})[key] = outcome(case)
+        out.setdefault(version, {}).update(ran)
     return out
 
 
-def table(results: dict[str, dict[str, str]], versions: list[str]) -> str:
+OUTCOMES = ("passed", "failed", "xfailed", "skipped")
+
+
+def table(results: dict[str, dict[str, dict[str, str]]], versions: list[str]) -> str:
     """The Markdown table: one row per test file seen in any release, one column per release."""
-    files = sorted({k.split("::")[0] for r in results.values() for k in r})
+    files = sorted({f for r in results.values() for f in r})
     lines = ["| test file | " + " | ".join(f"vLLM {v}" for v in versions) + " |", "|---" * (len(versions) + 1) + "|"]
     for f in files:
         cells = []
         for v in versions:
-            counts = Counter(o for k, o in results.get(v, {}).items() if k.split("::")[0] == f)
-            cells.append(
-                ", ".join(f"{counts[o]} {o}" for o in ("passed", "failed", "skipped") if counts[o]) or "not run"
-            )
+            counts = Counter(results.get(v, {}).get(f, {}).values())
+            cell = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o])
+            cells.append(cell or "not run")
         lines.append(f"| `{f}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -81,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     folders = args.folders or [Path(os.environ.get("QUANTPACK_GPU_RESULTS", "/tmp/gpu-matrix"))]
     results = collect(folders)
     print(table(results, args.versions.split(",")))
-    return int(any(o == "failed" for r in results.values() for o in r.values()))
+    return int(any(o == "failed" for r in results.values() for f in r.values() for o in f.values()))
 
 
 if __name__ == "__main__":

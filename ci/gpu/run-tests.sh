@@ -18,4 +18,9 @@ fi
 # as the nox session: test files among the arguments narrow the selection, otherwise every GPU test
 paths=(packages/quantpack-core/tests packages/quantpack-exl3/tests packages/quantpack-escha-rocm/tests)
 for a in "$@"; do case "$a" in *.py | *.py::*) paths=() ;; esac; done
-exec python3 -m pytest -ra -p no:cacheprovider --durations=15 -m gpu "${paths[@]}" "$@"
+# the same report as the nox session's (ci/gpu/matrix_table.py)
+results=${QUANTPACK_GPU_RESULTS:-/tmp/gpu-matrix}
+mkdir -p "$results"
+vllm=$(python3 -c "import importlib.metadata as m; print(m.version('vllm').split('+')[0])")
+exec python3 -m pytest -ra -p no:cacheprovider --durations=15 --junitxml="$results/vllm-$vllm-$(date +%Y%m%d-%H%M%S).xml" \
+  -m gpu "${paths[@]}" "$@"

@@ -18,11 +18,11 @@ def load_tool():
     return mod
 
 
-def report(tmp: Path, out: Path, body: str) -> None:
-    """Run pytest on a module ``test_gpu_demo.py`` holding ``body`` and write its JUnit XML to ``out``."""
-    mod = tmp / "pkg" / "tests"
+def report(tmp: Path, out: Path, body: str, name: str = "test_gpu_demo.py") -> None:
+    """Run pytest on a module ``name`` holding ``body`` (alone in its folder) and write its JUnit XML to ``out``."""
+    mod = tmp / out.stem / "pkg" / "tests"
     mod.mkdir(parents=True, exist_ok=True)
-    (mod / "test_gpu_demo.py").write_text(body)
+    (mod / name).write_text(body)
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={out}", str(mod)],
         cwd=tmp,
@@ -39,8 +39,16 @@ def test_a(): pass
 def test_b(): assert False
 @pytest.mark.skip(reason="no GPU of that kind")
 def test_c(): pass
+@pytest.mark.xfail(reason="known")
+def test_d(): assert False
+class TestOne:
+    def test_same(self): pass
+class TestTwo:
+    def test_same(self): pass
 """
-LATER = FIRST.replace("assert False", "pass")
+#: test_b fixed, test_c removed
+SKIPPED_C = '@pytest.mark.skip(reason="no GPU of that kind")\ndef test_c(): pass\n'
+LATER = FIRST.replace("assert False", "pass", 1).replace(SKIPPED_C, "")
 
 
 def test_cells_count_outcomes_per_release_and_newest_report_wins(tmp_path):
@@ -49,13 +57,17 @@ def test_cells_count_outcomes_per_release_and_newest_report_wins(tmp_path):
     reports.mkdir()
     report(tmp_path, reports / "vllm-0.22.1-20261203-100000.xml", FIRST)
     report(tmp_path, reports / "vllm-0.25.1-20261203-100000.xml", FIRST)
-    # test_b fixed and run again by a pending.sh step (its name after the time)
+    # run again by a pending.sh step (its name after the time), test_b fixed and test_c removed since
     report(tmp_path, reports / "vllm-0.25.1-20261203-120000-e2e-dense.xml", LATER)
+    # a module that does not import on 0.26.0
+    report(tmp_path, reports / "vllm-0.26.0-20261203-100000.xml", "import no_such_module_here\n", "test_gpu_other.py")
     results = tool.collect([reports])
     text = tool.table(results, ["0.22.1", "0.25.1", "0.26.0"])
-    row = next(line for line in text.splitlines() if "test_gpu_demo.py" in line)
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells == ["`test_gpu_demo.py`", "1 passed, 1 failed, 1 skipped", "2 passed, 1 skipped", "not run"]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()]
+    rows = {row[0]: row[1:] for row in cells}
+    # the two classes' test_same count twice; test_d is an expected failure
+    assert rows["`test_gpu_demo.py`"] == ["3 passed, 1 failed, 1 xfailed, 1 skipped", "4 passed, 1 xfailed", "not run"]
+    assert rows["`test_gpu_other.py`"] == ["not run", "not run", "1 failed"]
     assert tool.main([str(reports)]) == 1  # 0.22.1 still has a failure
 
 

@@ -63,6 +63,23 @@ def test_suh_peaks_at_one_where_svh_allows():
     assert 0.5 < float(t.suh.abs().max()) <= 1.0
 
 
+@pytest.mark.parametrize("side", ["input", "output"])
+def test_an_all_zero_side_gives_zero_scales_not_overflow(side):
+    """The shard computes zero; the other side's scales, however large, must not reach float16 unscaled."""
+    e = layer(2, seed=5)
+    zero_in, zero_out = side == "input", side == "output"
+    t = exl3_shard(
+        EschaTensors(
+            e.code,
+            e.rin.float() * (0 if zero_in else 1e6),
+            e.s_in,
+            e.rout.float() * (0 if zero_out else 1e6),
+            e.s_out,
+        )
+    )
+    assert not t.suh.any() and not t.svh.any()
+
+
 def test_scales_float16_cannot_hold_are_refused_naming_the_fix():
     e = layer(2, seed=1)
     s_in = e.s_in.float().clone()

@@ -31,7 +31,8 @@ from ...codec import HAD_GAIN, EschaTensors
 NAME = "trellis_mma"
 #: float16's smallest normal and largest finite magnitudes: ``suh`` / ``svh`` entries outside them would lose bits
 FP16_TINY, FP16_MAX = 2.0**-14, 65504.0
-#: the largest ``suh`` magnitude :func:`exl3_shard` makes where a smaller one does not fit ``svh``
+#: ``suh`` peaks at 1 as EXL3's do; up to this peak where ``svh`` would otherwise leave float16's normal range (the
+#: kernels' float16 transformed input grows with it)
 SUH_PEAK = 16.0
 
 
@@ -51,9 +52,9 @@ def _as_exl3(spec: LinearSpec) -> LinearSpec:
 def exl3_shard(shard: EschaTensors, where: str = "escha shard") -> Exl3Tensors:
     """The EXL3 shard (mcg, float16 ``suh`` / ``svh``) that computes what the escha shard does (see the module).
 
-    ``alpha`` is the power of two nearest to ``max |a|`` (``suh`` peaking at 1, as EXL3's do) that keeps every
-    nonzero entry of both vectors in float16's normal range, with ``suh`` at most :data:`SUH_PEAK` (the kernels'
-    float16 transformed input grows with it).
+    ``alpha`` is the power of two that makes ``suh`` peak at 1 in magnitude (EXL3's convention), or the nearest to
+    it, up to a peak of :data:`SUH_PEAK`, that keeps every nonzero entry of both vectors in float16's normal range.
+    Where either side is all zero, so is the shard's output: both vectors are zero then.
 
     Args:
         shard: the escha tensors of one shard (any device).
@@ -63,32 +64,30 @@ def exl3_shard(shard: EschaTensors, where: str = "escha shard") -> Exl3Tensors:
         :class:`~quantpack_core.codec.Exl3Tensors` sharing ``shard.code`` as its trellis.
 
     Raises:
-        LayerLoadError: no power of two fits both ``a = s_in * rin`` and ``128 * b`` into float16 (their entries
-            span too many magnitudes); the message names the shard and the fix (``QUANTPACK_ESCHA_BACKEND=triton``
-            keeps both in float32).
+        LayerLoadError: ``a = s_in * rin`` or ``128 * b`` does not fit float16 that way (their entries span too
+            many magnitudes, or ``b`` is too large or small for ``a``); the message names the shard and the fix
+            (``QUANTPACK_ESCHA_BACKEND=triton`` keeps both in float32).
     """
-    a = shard.input_scale(torch.float64).abs()
-    b = shard.output_scale(torch.float64).abs() * (HAD_GAIN * HAD_GAIN)
-    a_nz, b_nz = a[a > 0], b[b > 0]
-    if not a_nz.numel() or not b_nz.numel():  # an all-zero side: the shard's output is zero whatever alpha is
-        lo = hi = best = 0
-    else:
-        a_min, a_max, b_min, b_max = (float(v) for v in (a_nz.min(), a_nz.max(), b_nz.min(), b_nz.max()))
-        # alpha = 2^e: a / alpha within [FP16_TINY, SUH_PEAK], b * alpha within [FP16_TINY, FP16_MAX]
-        lo = math.ceil(max(math.log2(a_max / SUH_PEAK), math.log2(FP16_TINY / b_min)))
-        hi = math.floor(min(math.log2(a_min / FP16_TINY), math.log2(FP16_MAX / b_max)))
-        best = min(max(math.ceil(math.log2(a_max)), lo), hi)
-        if lo > hi:
-            raise LayerLoadError(
-                f"{where}: its input scales s_in * rin span {a_min:.3g} to {a_max:.3g} and its output scales "
-                f"128 * rout * s_out {b_min:.3g} to {b_max:.3g}: no power of two moves both into float16's "
-                f"{FP16_TINY:.3g} to {FP16_MAX:g}, which the trellis_mma kernels keep these scales in - set "
-                "QUANTPACK_ESCHA_BACKEND=triton to serve the pack with the Triton kernel, which keeps them in float32"
-            )
-    alpha = 2.0**best
-    suh = shard.input_scale(torch.float64) / alpha
-    svh = shard.output_scale(torch.float64) * (HAD_GAIN * HAD_GAIN * alpha)
-    return Exl3Tensors(shard.code, suh.to(torch.float16), svh.to(torch.float16), Codebook.MCG)
+    a = shard.input_scale(torch.float64)
+    b = shard.output_scale(torch.float64) * (HAD_GAIN * HAD_GAIN)
+    a_nz, b_nz = a.abs()[a != 0], b.abs()[b != 0]
+    if not a_nz.numel() or not b_nz.numel():  # an all-zero side: the shard computes zero
+        zero = torch.zeros_like
+        return Exl3Tensors(shard.code, zero(a, dtype=torch.float16), zero(b, dtype=torch.float16), Codebook.MCG)
+    a_min, a_max, b_min, b_max = (float(v) for v in (a_nz.min(), a_nz.max(), b_nz.min(), b_nz.max()))
+    # alpha = 2^e: a / alpha within [FP16_TINY, SUH_PEAK] and b * alpha within [FP16_TINY, FP16_MAX] for e in [lo, hi]
+    lo = math.ceil(max(math.log2(a_max / SUH_PEAK), math.log2(FP16_TINY / b_min)))
+    hi = math.floor(min(math.log2(a_min / FP16_TINY), math.log2(FP16_MAX / b_max)))
+    if lo > hi:
+        raise LayerLoadError(
+            f"{where}: its input scales s_in * rin span {a_min:.3g} to {a_max:.3g} and its output scales "
+            f"128 * rout * s_out {b_min:.3g} to {b_max:.3g}: no power of two moves both into float16's "
+            f"{FP16_TINY:.3g} to {FP16_MAX:g} (the input side at most {SUH_PEAK:g}), which the trellis_mma kernels "
+            "keep these scales in - set QUANTPACK_ESCHA_BACKEND=triton to serve the pack with the Triton kernel, "
+            "which keeps them in float32"
+        )
+    alpha = 2.0 ** min(max(math.ceil(math.log2(a_max)), lo), hi)  # suh peaking at 1 where that fits
+    return Exl3Tensors(shard.code, (a / alpha).to(torch.float16), (b * alpha).to(torch.float16), Codebook.MCG)
 
 
 class EschaTrellisMmaLinearKernel(LinearKernel):
