@@ -18,8 +18,9 @@ draws it. Usage (GPU machine, after ci/gpu/setup.sh): ``source ci/gpu/env.sh && 
 [--rows 1,4,16,64,256] [--kernels exllamav3,trellis_mma] [--codebook mul1] [--layer-k 4] [--no-dense]
 [--inline-transform-rows N]``.
 
-The escha line (quantpack-escha-rocm's Triton kernel against the EXL3 kernels on the same trellis, read as an escha
-code: docs/escha-format.md): ``--codebook mcg --kernels exllamav3,trellis_mma,escha_triton --layer-k 2``.
+The escha line (quantpack-escha-rocm's kernels against the EXL3 kernels on the same trellis, read as an escha code:
+docs/escha-format.md): ``--codebook mcg --kernels exllamav3,trellis_mma,escha_trellis_mma,escha_triton --layer-k 2``
+(``escha_trellis_mma``: escha's backend handing its shards to trellis_mma).
 """
 
 from __future__ import annotations
@@ -49,22 +50,25 @@ LAYER_K, HEAD_K = 4.0, 6.0
 REPLAYS = 20
 
 
-#: record key of quantpack-escha-rocm's Triton kernel, timed on the same trellis as an escha stack (``--kernels``)
-ESCHA_TRITON = "escha_triton"
+#: record keys of quantpack-escha-rocm's Triton and trellis_mma kernels, timed on the same trellis as an escha stack
+#: (``--kernels``)
+ESCHA_TRITON, ESCHA_TRELLIS_MMA = "escha_triton", "escha_trellis_mma"
 
 
 def kernel_classes() -> dict:
-    """Name -> linear kernel class of every CUDA kernel (EXL3's, and escha's Triton kernel when quantpack-escha-rocm
-    is installed, under :data:`ESCHA_TRITON`)."""
+    """Name -> linear kernel class of every CUDA kernel (EXL3's, and escha's Triton and trellis_mma kernels when
+    quantpack-escha-rocm is installed, under :data:`ESCHA_TRITON` and :data:`ESCHA_TRELLIS_MMA`)."""
     from quantpack_exl3.backends.exllamav3 import Exllamav3LinearKernel
     from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel
 
     classes = {k.name: k for k in (Exllamav3LinearKernel, TrellisMmaLinearKernel)}
     try:
+        from quantpack_escha.backends.trellis_mma import EschaTrellisMmaLinearKernel
         from quantpack_escha.backends.triton import EschaTritonLinearKernel
     except ImportError:
         return classes
     classes[ESCHA_TRITON] = EschaTritonLinearKernel
+    classes[ESCHA_TRELLIS_MMA] = EschaTrellisMmaLinearKernel
     return classes
 
 
@@ -140,15 +144,16 @@ def device_platform():
     return Platform(CUDA, capability=major * 10 + minor)
 
 
-def bench_kernel(kernel, stack, rows_list, device, unfused: bool = True) -> dict:
+def bench_kernel(kernel, stack, rows_list, device, unfused: bool = True, label: str | None = None) -> dict:
     """Stack and per-class milliseconds of one kernel at each row count (``unfused=False``: only the fused stack,
-    under key ``fused``)."""
+    under key ``fused``); ``label`` names it in the printed lines (default its name)."""
+    label = label or kernel.name
     from quantpack_core.kernels import TP_WHOLE
     from quantpack_exl3.format import EXL3
 
     plat = device_platform()
     fmt = EXL3
-    if kernel is kernel_classes().get(ESCHA_TRITON):
+    if kernel in (kernel_classes().get(ESCHA_TRITON), kernel_classes().get(ESCHA_TRELLIS_MMA)):
         from quantpack_escha.format import ESCHA
 
         fmt, stack = ESCHA, [(cls, as_escha(t)) for cls, t in stack]
@@ -160,10 +165,10 @@ def bench_kernel(kernel, stack, rows_list, device, unfused: bool = True) -> dict
         if not ok:
             return {"skipped": why}
         prepared.append((cls, kernel.prepare(t, spec, device), k, n))
-    result = time_stack(kernel.name, prepared, rows_list, device) if unfused else {}
+    result = time_stack(label, prepared, rows_list, device) if unfused else {}
     fused = fused_stack(kernel, prepared)
     if fused is not None:
-        result["fused"] = time_stack(f"{kernel.name}+", fused, rows_list, device)
+        result["fused"] = time_stack(f"{label}+", fused, rows_list, device)
     return result
 
 
@@ -327,11 +332,11 @@ def main() -> None:
         if kernel is None:
             record["kernels"][name] = {"skipped": f"not installed here (known: {', '.join(classes)})"}
             continue
-        if name == ESCHA_TRITON and args.codebook != "mcg":
+        if name in (ESCHA_TRITON, ESCHA_TRELLIS_MMA) and args.codebook != "mcg":
             record["kernels"][name] = {"skipped": "escha is the mcg codebook: run with --codebook mcg"}
             continue
         ok, why = kernel.available(device_platform())
-        record["kernels"][name] = bench_kernel(kernel, stack, rows_list, device) if ok else {"skipped": why}
+        record["kernels"][name] = bench_kernel(kernel, stack, rows_list, device, label=name) if ok else {"skipped": why}
         torch.cuda.empty_cache()
         if name == "trellis_mma" and ok and "exllamav3" in args.kernels.split(","):
             record["kernels"]["trellis_mma"]["served"] = bench_served(kernel, stack, rows_list, device)

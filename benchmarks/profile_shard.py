@@ -2,9 +2,10 @@
 
 Usage (GPU machine): ``source ci/gpu/env.sh && ncu --profile-from-start off --launch-count 1 --section SpeedOfLight
 -k regex:trellis_mma_kernel python3 benchmarks/profile_shard.py --kernel trellis_mma --shape 4096,14336 --rows 1``
-(the profiler starts after prepare's warm-up launches: ``ci/gpu/pending.sh ncu``). ``--kernel escha_triton`` runs the
-same trellis read as an escha shard (mcg only, as ``kernel_8b.py``'s escha line); ``--kernel-times`` prints each
-launch's GPU time per call from ``torch.profiler`` instead (no external profiler needed).
+(the profiler starts after prepare's warm-up launches: ``ci/gpu/pending.sh ncu``). ``--kernel escha_triton`` and
+``--kernel escha_trellis_mma`` run the same trellis read as an escha shard (mcg only, as ``kernel_8b.py``'s escha
+line); ``--kernel-times`` prints each launch's GPU time per call from ``torch.profiler`` instead (no external
+profiler needed).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def main() -> None:
     ap.add_argument("--kernel-times", action="store_true", help="print each launch's GPU time (torch.profiler)")
     args = ap.parse_args()
 
-    from kernel_8b import ESCHA_TRITON, as_escha, device_platform, kernel_classes
+    from kernel_8b import ESCHA_TRELLIS_MMA, ESCHA_TRITON, as_escha, device_platform, kernel_classes
 
     from quantpack_core.codec import Exl3Tensors
     from quantpack_core.kernels import TP_WHOLE
@@ -39,7 +40,7 @@ def main() -> None:
     t = Exl3Tensors.from_tensors(random_exl3_layer(i, o, args.k_bits, args.codebook, generator=g, device=dev))
     kernel = kernel_classes()[args.kernel]
     fmt = EXL3
-    if args.kernel == ESCHA_TRITON:
+    if args.kernel in (ESCHA_TRITON, ESCHA_TRELLIS_MMA):
         from quantpack_escha.format import ESCHA
 
         fmt, t = ESCHA, as_escha(t)

@@ -48,7 +48,7 @@ except Exception as e:
 # fault again: the whole Nemotron-3.5-Super-VL pack, the core writer's and the converter's; the vLLM dense and MoE
 # jobs with the one-row panel and the fused launches above 16 rows; the linear kernels' tests; escha in vLLM; the
 # 30B-A3B harness; the twin's compile modes; the last steps re-check what passed before)
-all=(nemotron-vl e2e-dense linear-kernels escha-gpu escha-vllm escha-times e2e-moe serve-moe nemotron-twin family-converter families
+all=(nemotron-vl e2e-dense linear-kernels escha-gpu escha-vllm escha-kernel escha-times e2e-moe serve-moe nemotron-twin family-converter families
   qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated serve-8b
   kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel serve-moe-mixed profile)
 # the tiny models of the given families (of spark, nemotron-h, nemotron-vl) through exllamav3's own converter, each
@@ -168,7 +168,7 @@ for s in "${@:-${all[@]}}"; do
     # its three launches timed per call beside trellis_mma's on the same trellis (torch.profiler), then Nsight
     # Compute of its decode GEMM on the gate shard at one row
     escha-times)
-      for kern in escha_triton trellis_mma; do
+      for kern in escha_triton escha_trellis_mma trellis_mma; do
         step "times-$kern" python3 benchmarks/profile_shard.py --kernel "$kern" --shape 4096,14336 --rows 1,16,64 \
           --k-bits 2 --codebook mcg --repeat 20 --kernel-times
       done
@@ -180,11 +180,10 @@ for s in "${@:-${all[@]}}"; do
     # the escha kernels of CUDA against the reference: quantpack-exl3's trellis_mma through the escha backend (first
     # run owed) and the Triton kernel
     escha-gpu) step escha-gpu "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu.py ;;
-    # the escha Triton kernel without register spills: its GPU tests, then its line of the mcg K=2 stack
-    escha)
-      step escha-gpu "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu.py
-      step escha-kernel python3 benchmarks/kernel_8b.py --codebook mcg --layer-k 2 \
-        --kernels exllamav3,trellis_mma,escha_triton --rows 1,64 --no-dense --json "$res/kernel_8b_escha.json" ;;
+    # the escha line of the 8B stack (mcg K=2): escha's trellis_mma backend and Triton kernel beside EXL3's kernels
+    escha-kernel) step escha-kernel python3 benchmarks/kernel_8b.py --codebook mcg --layer-k 2 \
+        --kernels exllamav3,trellis_mma,escha_trellis_mma,escha_triton --rows 1,64 --no-dense \
+        --json "$res/kernel_8b_escha.json" ;;
     # 30B-A3B with three K groups per bank (the issue's mixed-K target: >= 0.9x the uniform pack, run after it)
     serve-moe-mixed) step serve-moe-mixed python3 benchmarks/serve_8b.py --model 30b-a3b-mixed --repeats 1 \
       --json "$res/serve_30b_a3b_mixed.json" ;;
