@@ -45,12 +45,13 @@ except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
 # (owed first after the late night of 2026-12-03, which ran the five-engine harness and the 8B stack with today's
 # kernels, passed the Spark and Nemotron-H packs of exllamav3's converter and did not see the Nemotron-H twin's graph
-# fault again: the whole Nemotron-3.5-Super-VL pack, the core writer's and the converter's; the vLLM dense and MoE
-# jobs with the one-row panel and the fused launches above 16 rows; the linear kernels' tests; escha in vLLM; the
+# fault again: the whole Nemotron-3.5-Super-VL pack, the core writer's and the converter's; the vLLM dense jobs with
+# the one-row panel and the fused launches above 16 rows; the linear kernels' tests; escha's trellis_mma backend
+# (kernel tests, vLLM, the stack's escha line) and where the escha Triton kernel's time goes; the vLLM MoE jobs; the
 # 30B-A3B harness; the twin's compile modes; the last steps re-check what passed before)
-all=(nemotron-vl e2e-dense linear-kernels escha-gpu escha-vllm escha-kernel escha-times e2e-moe serve-moe nemotron-twin family-converter families
-  qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated serve-8b
-  kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel serve-moe-mixed profile)
+all=(nemotron-vl e2e-dense linear-kernels escha-gpu escha-vllm escha-kernel escha-times e2e-moe serve-moe serve-moe-mixed
+  profile-moe profile nemotron-twin family-converter families qwen-vl-converter moe-kernels qwen-vl nemotron-moe
+  moe-ungated serve-8b kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel)
 # the tiny models of the given families (of spark, nemotron-h, nemotron-vl) through exllamav3's own converter, each
 # once per machine
 family_convert() {
@@ -197,9 +198,21 @@ for s in "${@:-${all[@]}}"; do
     # the dense end-to-end jobs with today's kernels (KL / top-1 against exllamav3's reference logits)
     e2e-dense) QUANTPACK_GPU_JOBS=llama-tiny,qwen3_5,qwen-int8 step e2e-dense "${T[@]}" \
       packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py ;;
+    # a decode step's device time by kernel group (torch.profiler), plugin against bf16: the 8B shape at batch 1 and
+    # 64, then the 30B-A3B MoE shape (what is not an expert: issue 15's evidence at batch 1)
     profile)
       for e in plugin bf16; do
-        step "profile-$e" python3 benchmarks/profile_decode.py --engine "$e" --json "$res/profile_$e.json"
+        for b in 1 64; do
+          step "profile-8b-$e-b$b" python3 benchmarks/profile_decode.py --engine "$e" --batch "$b" \
+            --json "$res/profile_8b_${e}_b$b.json"
+        done
+      done ;;
+    profile-moe)
+      for e in plugin bf16; do
+        for b in 1 64; do
+          step "profile-moe-$e-b$b" python3 benchmarks/profile_decode.py --model 30b-a3b --engine "$e" --batch "$b" \
+            --json "$res/profile_30b_a3b_${e}_b$b.json"
+        done
       done ;;
     *) echo "unknown step $s (of: ${all[*]})" >&2 ;;
   esac
