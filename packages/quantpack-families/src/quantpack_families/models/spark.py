@@ -11,9 +11,11 @@ dimensions; full layers θ 5e6 and a quarter of each head, sliding layers θ 1e4
 config's ``gate_attn_act_mode`` (sigmoid or SiLU; one public engine hard-coded sigmoid), then ``out_proj``.
 
 Follows vLLM 0.29-0.32's layer and loader conventions (``qwen2_moe.py``: ``AutoWeightsLoader`` with a
-``WeightsMapper``).
+``WeightsMapper``), whose stacked-name mapping (``WeightsMapper.orig_to_new_stacked``) arrived in vLLM 0.25: on an
+older vLLM the module imports and the model refuses to build, naming the release it needs.
 """
 
+import dataclasses
 from collections.abc import Iterable
 from typing import ClassVar
 
@@ -122,6 +124,21 @@ class Spark2_5Model(PrenormModel):
     layer_cls = Spark2_5DecoderLayer
 
 
+#: checkpoint name -> (vLLM's stacked layer, shard) for the split layout exllamav3 writes
+STACKED = {
+    ".q_proj": (".qkv_proj", "q"),
+    ".k_proj": (".qkv_proj", "k"),
+    ".v_proj": (".qkv_proj", "v"),
+    ".gate_proj": (".gate_up_proj", 0),
+    ".up_proj": (".gate_up_proj", 1),
+}
+
+
+def stacked_names_supported() -> bool:
+    """Whether this vLLM's ``WeightsMapper`` maps split checkpoint names onto stacked layers (vLLM 0.25+)."""
+    return "orig_to_new_stacked" in {f.name for f in dataclasses.fields(WeightsMapper)}
+
+
 class Spark2_5ForCausalLM(PrenormForCausalLM):
     """Spark-X2.5 for both checkpoint layouts (see the module)."""
 
@@ -133,24 +150,27 @@ class Spark2_5ForCausalLM(PrenormForCausalLM):
     hf_to_vllm_mapper = WeightsMapper(
         orig_to_new_prefix={"model.embedding.": "model.embed_tokens."},
         orig_to_new_substr={".q_k_v_proj.": ".qkv_proj."},
-        orig_to_new_stacked={
-            ".q_proj": (".qkv_proj", "q"),
-            ".k_proj": (".qkv_proj", "k"),
-            ".v_proj": (".qkv_proj", "v"),
-            ".gate_proj": (".gate_up_proj", 0),
-            ".up_proj": (".gate_up_proj", 1),
-        },
+        **({"orig_to_new_stacked": STACKED} if stacked_names_supported() else {}),
     )
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         """Raises:
-        RuntimeError: the vendor's Spark plugin is installed and enabled too (it registers this architecture).
+        RuntimeError: the vendor's Spark plugin is installed and enabled too (it registers this architecture), or
+            this vLLM's loader cannot map the split checkpoint names onto the stacked layers (before vLLM 0.25).
         """
         from ..families.spark import vendor_conflict
 
         conflict = vendor_conflict()
         if conflict:
             raise RuntimeError(f"Spark2_5ForCausalLM: {conflict}")
+        if not stacked_names_supported():
+            import vllm
+
+            raise RuntimeError(
+                f"Spark2_5ForCausalLM needs vLLM 0.25 or newer (its loader maps the checkpoint's q / k / v and gate / "
+                f"up tensors onto vLLM's stacked layers through WeightsMapper.orig_to_new_stacked); this is vLLM "
+                f"{vllm.__version__}: upgrade vLLM"
+            )
         super().__init__(vllm_config=vllm_config, prefix=prefix)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
