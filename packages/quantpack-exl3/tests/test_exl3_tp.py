@@ -315,11 +315,12 @@ def test_lm_head_vocab_rows(vllm_layers, monkeypatch, fixtures_dir, tp, keeps_tp
         create = Exl3LinearMethod.create_weights
 
         def without_tp_rank(self, layer, *args, **kwargs):
-            saved = layer.__dict__.pop("tp_rank")
+            saved = layer.__dict__.pop("tp_rank", None)  # vLLM before 0.26 has none to hide
             try:
                 return create(self, layer, *args, **kwargs)
             finally:
-                layer.__dict__["tp_rank"] = saved
+                if saved is not None:
+                    layer.__dict__["tp_rank"] = saved
 
         monkeypatch.setattr(Exl3LinearMethod, "create_weights", without_tp_rank)
     pack = Pack.open(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1")
