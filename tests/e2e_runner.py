@@ -19,6 +19,22 @@ def selected(key: str) -> bool:
     return not only or any(s in key for s in only)
 
 
+def unsupported_architecture(pack: Path) -> str | None:
+    """Why the installed vLLM cannot build ``pack``'s model: none of its config's ``architectures`` is known to vLLM
+    or to the installed plugins (loaded first, as vLLM does); None when one is. For the GPU tier's vLLM matrix, where
+    an older release lacks a model (vLLM 0.22 has no Qwen3.5): its jobs skip with this reason instead of failing."""
+    import vllm
+    from vllm import ModelRegistry
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    archs = json.loads((Path(pack) / "config.json").read_text()).get("architectures") or []
+    known = set(ModelRegistry.get_supported_archs())
+    if archs and not any(a in known for a in archs):
+        return f"vLLM {vllm.__version__} has no {' / '.join(archs)}"
+    return None
+
+
 def run_runner(jobs: dict[str, dict], tmp: Path, timeout: float) -> dict:
     """Hand ``{job id: job}`` to one run of vllm_e2e.py; returns ``{job id: result}`` plus ``_log`` (its stderr
     tail). Fails the calling test when the runner produced nothing. With ``QUANTPACK_E2E_ONLY`` set

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_runner import get, run_runner
+from e2e_runner import get, run_runner, unsupported_architecture
 
 pytestmark = [
     pytest.mark.gpu,
@@ -58,8 +58,12 @@ def results(fixtures_dir, tmp_path_factory):
     from quantpack_escha.convert import escha_from_exl3
 
     tmp = tmp_path_factory.mktemp("escha_gpu_e2e")
-    jobs = {}
+    jobs, unsupported = {}, {}
     for source in SOURCES:
+        why = unsupported_architecture(fixtures_dir / source)
+        if why:  # an older vLLM of the GPU matrix without the model (vLLM 0.22: Qwen3.5)
+            unsupported[source] = why
+            continue
         pack = escha_from_exl3(fixtures_dir / source, tmp / source).out_dir
         base = {"kind": "logits", "pack": str(pack), "dtype": "float16", "llm_kwargs": LLM_KWARGS}
         base["reference"] = reference(fixtures_dir, source, tmp)
@@ -67,7 +71,7 @@ def results(fixtures_dir, tmp_path_factory):
         jobs[f"{source}/graphs"] = dict(base, eager=False)
         if source == TRITON_SOURCE:
             jobs[f"{source}/triton/eager"] = dict(base, eager=True, env={"QUANTPACK_ESCHA_BACKEND": "triton"})
-    return run_runner(jobs, tmp, timeout=1800)
+    return {**run_runner(jobs, tmp, timeout=1800), "_unsupported": unsupported}
 
 
 #: the pack also served with the Triton kernel forced (its merged gate_up_proj runs two K)
@@ -79,6 +83,9 @@ TRITON_SOURCE = "llama-tiny-exl3-mcg-k2k3"
     [f"{s}/{m}" for s in SOURCES for m in ("eager", "graphs")] + [f"{TRITON_SOURCE}/triton/eager"],
 )
 def test_converted_packs_on_cuda(results, figures, job):
+    why = results["_unsupported"].get(job.split("/")[0])
+    if why:
+        pytest.skip(why)
     res = get(results, job)
     kernels = res["shard_kernels"]
     figures.append(f"GPU escha {job} float16: KL {res['kl']:.3g}, top-1 {100 * res['top1']:.2f}%, runs {kernels}")
