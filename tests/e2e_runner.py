@@ -22,7 +22,7 @@ def selected(key: str) -> bool:
 def unsupported_architecture(pack: Path) -> str | None:
     """Why the installed vLLM cannot build ``pack``'s model: none of its config's ``architectures`` is known to vLLM
     or to the installed plugins (loaded first, as vLLM does); None when one is. For the GPU tier's vLLM matrix, where
-    an older release lacks a model (vLLM 0.22 has no Qwen3.5): its jobs skip with this reason instead of failing."""
+    an older release may lack a model: its jobs skip with this reason instead of failing."""
     import vllm
     from vllm import ModelRegistry
     from vllm.plugins import load_general_plugins

@@ -61,7 +61,7 @@ def results(fixtures_dir, tmp_path_factory):
     jobs, unsupported = {}, {}
     for source in SOURCES:
         why = unsupported_architecture(fixtures_dir / source)
-        if why:  # an older vLLM of the GPU matrix without the model (vLLM 0.22: Qwen3.5)
+        if why:  # an older vLLM of the GPU matrix without the model
             unsupported[source] = why
             continue
         pack = escha_from_exl3(fixtures_dir / source, tmp / source).out_dir

@@ -87,7 +87,7 @@ def test_before_vllm_0_24_a_quantpack_heads_tying_goes_to_its_method(vllm_layers
 
     from quantpack_core.vllm.layers import delegate_tie_weights
 
-    assert not delegate_tie_weights(vpe.ParallelLMHead)  # this vLLM delegates already: nothing installed
+    assert not delegate_tie_weights(vpe.ParallelLMHead)  # vLLM delegates already, or registration installed it
 
     def tie_of_0_22(self, embed_tokens):  # vocab_parallel_embedding.py of vLLM 0.22.1, without its GGUF case
         self.weight = embed_tokens.weight
@@ -106,6 +106,35 @@ def test_before_vllm_0_24_a_quantpack_heads_tying_goes_to_its_method(vllm_layers
     assert torch.allclose(tied.quant_method.apply(tied, x), x @ w.float().T, atol=1e-5)
     plain = vpe.ParallelLMHead(1024, 256, prefix="lm_head", params_dtype=torch.float32)
     assert plain.tie_weights(layer) is plain and plain.weight is layer.weight
+
+
+@pytest.mark.parametrize("head_first", [False, True])
+@pytest.mark.parametrize("storage", ["dense", "int8 rows"])
+def test_a_head_tied_by_assignment_computes_the_embeddings_logits(
+    vllm_layers, fixtures_dir, int8_pack, storage, head_first
+):
+    """Model files of vLLM 0.22-0.25 tie a head by ``lm_head.weight = embed_tokens.weight``, bypassing
+    ``tie_weights``: the quantpack head finds the embedding through that weight and its method computes the logits
+    (whichever module is processed first; the embedding keeps its table)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    if storage == "dense":
+        layer, tensors = embed_layer(vllm_layers), {"weight": Pack.open(fixtures_dir / MAIN).get_tensor(
+            "model.embed_tokens.weight")}  # fmt: skip
+        table = tensors["weight"].float()
+    else:
+        layer = embed_layer(vllm_layers, int8_pack.manifest)
+        tensors = int8_pack.module_tensors("model.embed_tokens")
+        table = dequantize_rows(tensors["qweight"], tensors["scales"]).float()
+    head = ParallelLMHead(1024, 256, quant_config=cfg(vllm_layers), prefix="lm_head", params_dtype=torch.float32)
+    head.weight = layer.weight  # as those model files tie
+    feed(layer, tensors)
+    for module in (head, layer) if head_first else (layer, head):
+        module.quant_method.process_weights_after_loading(module)
+    ids = torch.tensor([3, 9, 1000])
+    assert torch.allclose(layer(ids).float(), table[ids])  # the embedding kept its table
+    x = torch.randn(2, 256)
+    assert torch.allclose(head.quant_method.apply(head, x), x @ table.T, atol=1e-4)
 
 
 def test_shorter_table_is_padded_to_vllm_rows(vllm_layers):

@@ -118,7 +118,7 @@ def served(tmp_path_factory):
     if not jobs:
         pytest.skip(f"no job selected by QUANTPACK_GPU_JOBS={os.environ.get('QUANTPACK_GPU_JOBS')}")
     why = e2e_runner.unsupported_architecture(Path(next(iter(jobs.values()))["pack"]))
-    if why:  # an older vLLM of the GPU matrix (vLLM 0.22 has no Qwen3.5)
+    if why:  # an older vLLM of the GPU matrix without the model
         pytest.skip(why)
     results = {}
     with pytest.MonkeyPatch.context() as mp:

@@ -14,6 +14,7 @@ Follows vLLM's ``UnquantizedEmbeddingMethod`` (``vllm/model_executor/layers/voca
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,9 @@ class Int8RowsEmbeddingMethod(QuantizeMethodBase):
         at the top of its partition, the rest zero, as vLLM lays out a dense partition."""
         for suffix, dtype in self.placeholders.items():
             layer.register_parameter(suffix, ShardParam(suffix, dtype or params_dtype, self.prefix))
+        # a model file of vLLM 0.22-0.25 ties its head by ``lm_head.weight = embed_tokens.weight``: the head finds
+        # this embedding through its weight (QuantLinearMethod.process_weights_after_loading)
+        getattr(layer, DENSE).quantpack_embedding = weakref.ref(layer)
         si = getattr(layer, "shard_indices", None)
         tp_size = int(getattr(layer, "tp_size", 1) or 1)
         vocab_rows = (

@@ -151,6 +151,9 @@ class LinearState:
         row_pad: zeros ``(before, after)`` a row-parallel fallback puts around the input slice, or None.
         col_select: whether the buffer ``col_select`` selects this rank's columns (a column-parallel fallback).
         empty_head: a head that received no weights (a draft's, shared from its target after loading).
+        tied: the embedding module whose method computes this head's logits: a head tied by assignment of the
+            embedding's weight (``lm_head.weight = embed_tokens.weight``, model files of vLLM 0.22-0.25), which
+            bypasses ``tie_weights``; else None.
         returns: the only run's ``returns`` callable when ``apply`` hands its product back directly (one run
             writing every column, no fallback selection or padding, and the kernel offers one); else None.
     """
@@ -167,6 +170,7 @@ class LinearState:
     row_pad: tuple[int, int] | None = None
     col_select: bool = False
     empty_head: bool = False
+    tied: torch.nn.Module | None = None
     returns: Callable[..., torch.Tensor] | None = None
 
 
@@ -348,6 +352,18 @@ class QuantLinearMethod(LinearMethodBase):
         """
         state: LinearState = layer.quant_state
         log = self.config.kernel_log
+        embedding = getattr(getattr(layer, DENSE_SUFFIX, None), "quantpack_embedding", None)
+        if self.is_lm_head and embedding is not None:
+            # tied by assignment (LinearState.tied): the weight is the embedding's placeholder, whose table is the
+            # embedding's to keep; only the head's own placeholders are released
+            state.tied = embedding()
+            for suffix in self.suffixes:
+                param = getattr(layer, suffix)
+                if not hasattr(param, "quantpack_embedding"):
+                    param.release()
+                delattr(layer, suffix)
+            log.finish(layer)
+            return
         captured: dict[str, ShardParam] = {s: getattr(layer, s) for s in self.suffixes}
         quantized = any(captured[s].shards for s in self.format.suffixes)
         dense = bool(captured[DENSE_SUFFIX].shards)
@@ -525,6 +541,8 @@ class QuantLinearMethod(LinearMethodBase):
         """
         state: LinearState = layer.quant_state
         if not state.runs:
+            if state.tied is not None:  # tied by assignment (see LinearState.tied): the embedding's logits
+                return state.tied.quant_method.apply(state.tied, x, bias)
             if state.empty_head:
                 raise LayerLoadError(
                     f"{self.prefix}: this head received no weights (a draft model's, meant to be "
