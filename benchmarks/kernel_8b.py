@@ -53,6 +53,7 @@ REPLAYS = 20
 #: record keys of quantpack-escha-rocm's Triton and trellis_mma kernels, timed on the same trellis as an escha stack
 #: (``--kernels``)
 ESCHA_TRITON, ESCHA_TRELLIS_MMA = "escha_triton", "escha_trellis_mma"
+ESCHA_KERNELS = (ESCHA_TRITON, ESCHA_TRELLIS_MMA)
 
 
 def kernel_classes() -> dict:
@@ -82,6 +83,18 @@ def as_escha(t):
     ones_out = torch.ones_like(t.svh, dtype=torch.float16)
     rin, rout = (t.suh.float() / HAD_GAIN).half(), (t.svh.float() / HAD_GAIN).half()
     return EschaTensors(code=t.trellis, rin=rin, s_in=ones_in, rout=rout, s_out=ones_out)
+
+
+def as_format(name: str, t):
+    """``(format, shard)`` that the kernel of record key ``name`` runs on the EXL3 layer ``t``: escha's kernels
+    (:data:`ESCHA_KERNELS`) take it read as an escha shard (:func:`as_escha`), the others as it is."""
+    if name in ESCHA_KERNELS:
+        from quantpack_escha.format import ESCHA
+
+        return ESCHA, as_escha(t)
+    from quantpack_exl3.format import EXL3
+
+    return EXL3, t
 
 
 def make_stack(codebook: str, device: torch.device, layer_k: float = LAYER_K) -> list[tuple[str, object]]:
@@ -146,19 +159,15 @@ def device_platform():
 
 def bench_kernel(kernel, stack, rows_list, device, unfused: bool = True, label: str | None = None) -> dict:
     """Stack and per-class milliseconds of one kernel at each row count (``unfused=False``: only the fused stack,
-    under key ``fused``); ``label`` names it in the printed lines (default its name)."""
+    under key ``fused``); ``label`` is its record key (default its name): it names it in the printed lines and picks
+    the format its shards are read in (:func:`as_format`)."""
     label = label or kernel.name
     from quantpack_core.kernels import TP_WHOLE
-    from quantpack_exl3.format import EXL3
 
     plat = device_platform()
-    fmt = EXL3
-    if kernel in (kernel_classes().get(ESCHA_TRITON), kernel_classes().get(ESCHA_TRELLIS_MMA)):
-        from quantpack_escha.format import ESCHA
-
-        fmt, stack = ESCHA, [(cls, as_escha(t)) for cls, t in stack]
     prepared = []
     for cls, t in stack:
+        fmt, t = as_format(label, t)
         k, n = fmt.stored_shape(t)
         spec = fmt.spec(t, plat, k, n, torch.float16, TP_WHOLE)
         ok, why = kernel.can_implement(spec)
@@ -332,7 +341,7 @@ def main() -> None:
         if kernel is None:
             record["kernels"][name] = {"skipped": f"not installed here (known: {', '.join(classes)})"}
             continue
-        if name in (ESCHA_TRITON, ESCHA_TRELLIS_MMA) and args.codebook != "mcg":
+        if name in ESCHA_KERNELS and args.codebook != "mcg":
             record["kernels"][name] = {"skipped": "escha is the mcg codebook: run with --codebook mcg"}
             continue
         ok, why = kernel.available(device_platform())

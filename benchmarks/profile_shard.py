@@ -27,23 +27,18 @@ def main() -> None:
     ap.add_argument("--kernel-times", action="store_true", help="print each launch's GPU time (torch.profiler)")
     args = ap.parse_args()
 
-    from kernel_8b import ESCHA_TRELLIS_MMA, ESCHA_TRITON, as_escha, device_platform, kernel_classes
+    from kernel_8b import as_format, device_platform, kernel_classes
 
     from quantpack_core.codec import Exl3Tensors
     from quantpack_core.kernels import TP_WHOLE
     from quantpack_core.synthetic import random_exl3_layer
-    from quantpack_exl3.format import EXL3
 
     dev = torch.device("cuda")
     i, o = (int(v) for v in args.shape.split(","))
     g = torch.Generator(device=dev).manual_seed(0)
     t = Exl3Tensors.from_tensors(random_exl3_layer(i, o, args.k_bits, args.codebook, generator=g, device=dev))
     kernel = kernel_classes()[args.kernel]
-    fmt = EXL3
-    if args.kernel in (ESCHA_TRITON, ESCHA_TRELLIS_MMA):
-        from quantpack_escha.format import ESCHA
-
-        fmt, t = ESCHA, as_escha(t)
+    fmt, t = as_format(args.kernel, t)
     spec = fmt.spec(t, device_platform(), i, o, torch.float16, TP_WHOLE)
     p = kernel.prepare(t, spec, dev)
     rows_list = [int(r) for r in args.rows.split(",")]

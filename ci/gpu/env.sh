@@ -10,3 +10,17 @@ export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 TORCH_EXTENSIONS_DIR=/tmp/torch_ext
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 VLLM_DO_NOT_TRACK=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# the GPU matrix's folder of pytest reports (ci/gpu/matrix_table.py): QUANTPACK_GPU_RESULTS, default /tmp/gpu-matrix,
+# made absolute and created
+gpu_matrix_dir() {
+  local dir
+  dir=$(realpath -m "${QUANTPACK_GPU_RESULTS:-/tmp/gpu-matrix}")
+  mkdir -p "$dir"
+  echo "$dir"
+}
+# the report path of one pytest run there: vllm-<release>-<time>[-<step>].xml
+gpu_report() {
+  local release
+  release=$(python3 -c "import importlib.metadata as m; print(m.version('vllm').split('+')[0])" 2>/dev/null || echo none)
+  echo "$(gpu_matrix_dir)/vllm-$release-$(date +%Y%m%d-%H%M%S)${1:+-$1}.xml"
+}

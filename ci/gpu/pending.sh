@@ -12,20 +12,18 @@ source ci/gpu/env.sh
 res=/tmp/pending
 mkdir -p "$res"
 # every pytest step's report also goes to the GPU matrix's folder (ci/gpu/matrix_table.py), named by the release
-matrix=$(realpath -m "${QUANTPACK_GPU_RESULTS:-/tmp/gpu-matrix}")
-mkdir -p "$matrix"
+matrix=$(gpu_matrix_dir)
 if [ "${1:-}" = "--collect" ]; then
   ci/gpu/bg.sh copy "$res" pending 2>/dev/null
   tar czf "${OUT:-/tmp}/pending.tgz" -C /tmp pending -C "$(dirname "$matrix")" "$(basename "$matrix")"
   exit 0
 fi
-vllm=$(python3 -c "import importlib.metadata as m; print(m.version('vllm').split('+')[0])" 2>/dev/null || echo none)
 T=(python3 -m pytest -rA -p no:cacheprovider --durations=5 -m gpu -q)  # -rA: passing tests' figures too
 step() {
   local name=$1
   shift
   echo "=== $name $(date +%T)"
-  PYTEST_ADDOPTS="--junitxml=$matrix/vllm-$vllm-$(date +%Y%m%d-%H%M%S)-$name.xml" "$@" > "$res/$name.log" 2>&1
+  PYTEST_ADDOPTS="--junitxml=$(gpu_report "$name")" "$@" > "$res/$name.log" 2>&1
   echo "=== $name rc=$? $(date +%T)"
   tail -15 "$res/$name.log"
 }

@@ -19,8 +19,4 @@ fi
 paths=(packages/quantpack-core/tests packages/quantpack-exl3/tests packages/quantpack-escha-rocm/tests)
 for a in "$@"; do case "$a" in *.py | *.py::*) paths=() ;; esac; done
 # the same report as the nox session's (ci/gpu/matrix_table.py)
-results=${QUANTPACK_GPU_RESULTS:-/tmp/gpu-matrix}
-mkdir -p "$results"
-vllm=$(python3 -c "import importlib.metadata as m; print(m.version('vllm').split('+')[0])")
-exec python3 -m pytest -ra -p no:cacheprovider --durations=15 --junitxml="$results/vllm-$vllm-$(date +%Y%m%d-%H%M%S).xml" \
-  -m gpu "${paths[@]}" "$@"
+exec python3 -m pytest -ra -p no:cacheprovider --durations=15 --junitxml="$(gpu_report)" -m gpu "${paths[@]}" "$@"
