@@ -354,14 +354,8 @@ class QuantLinearMethod(LinearMethodBase):
         log = self.config.kernel_log
         embedding = getattr(getattr(layer, DENSE_SUFFIX, None), "quantpack_embedding", None)
         if self.is_lm_head and embedding is not None:
-            # tied by assignment (LinearState.tied): the weight is the embedding's placeholder, whose table is the
-            # embedding's to keep; only the head's own placeholders are released
-            state.tied = embedding()
-            for suffix in self.suffixes:
-                param = getattr(layer, suffix)
-                if not hasattr(param, "quantpack_embedding"):
-                    param.release()
-                delattr(layer, suffix)
+            state.tied = embedding()  # tied by assignment (LinearState.tied)
+            self._drop_placeholders(layer, {s: getattr(layer, s) for s in self.suffixes})
             log.finish(layer)
             return
         captured: dict[str, ShardParam] = {s: getattr(layer, s) for s in self.suffixes}
@@ -485,8 +479,11 @@ class QuantLinearMethod(LinearMethodBase):
 
     @staticmethod
     def _drop_placeholders(layer: torch.nn.Module, captured: dict[str, ShardParam]) -> None:
+        """Take the placeholders off ``layer`` and release their captured tensors, except an embedding's placeholder
+        a head holds by assignment (its table is the embedding's to keep)."""
         for suffix, param in captured.items():
-            param.release()
+            if not hasattr(param, "quantpack_embedding"):
+                param.release()
             delattr(layer, suffix)
 
     @staticmethod
