@@ -22,10 +22,12 @@ REPORT = re.compile(r"vllm-(?P<version>\d+\.\d+\.\d+)-(?P<stamp>\d{8}-\d{6})(-[\
 
 def test_file(case: ET.Element) -> str:
     """The test file of one JUnit ``testcase``: pytest writes the module path, dotted, as its ``classname`` (with
-    any class after it), and for a module that failed to import an empty ``classname`` and the module as ``name``."""
+    any class after it), and for a module that failed to import an empty ``classname`` and the module as ``name``.
+    The module is the last ``test_`` part: folders above it may be named ``test_...`` too (pytest's own temporary
+    folders are)."""
     where = case.get("classname") or case.get("name", "")
     mods = [p for p in re.split(r"[./]", where) if p.startswith("test_")]
-    return f"{mods[0]}.py" if mods else where or "?"
+    return f"{mods[-1]}.py" if mods else where or "?"
 
 
 def outcome(case: ET.Element) -> str:
