@@ -41,15 +41,14 @@ try:
     import torchvision; print('torchvision', torchvision.__version__)
 except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
-# (owed first after the late night of 2026-12-03, which ran the five-engine harness and the 8B stack with today's
-# kernels, passed the Spark and Nemotron-H packs of exllamav3's converter and did not see the Nemotron-H twin's graph
-# fault again: the whole Nemotron-3.5-Super-VL pack, the core writer's and the converter's; the vLLM dense jobs with
-# the one-row panel and the fused launches above 16 rows; the linear kernels' tests; escha's trellis_mma backend
-# (kernel tests, vLLM, the stack's escha line) and where the escha Triton kernel's time goes; the vLLM MoE jobs; the
-# 30B-A3B harness; the twin's compile modes; the last steps re-check what passed before)
-all=(nemotron-vl e2e-dense linear-kernels escha-gpu escha-vllm escha-kernel escha-times e2e-moe serve-moe serve-moe-mixed
-  profile-moe profile nemotron-twin family-converter families qwen-vl-converter moe-kernels qwen-vl nemotron-moe
-  moe-ungated serve-8b kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel)
+# (owed first after 2026-12-04, which passed the dense vLLM jobs with the one-row panel and the fused launches above
+# 16 rows, the linear kernels' tests and escha on trellis_mma (kernel tests and vLLM): the whole
+# Nemotron-3.5-Super-VL pack, the core writer's and the converter's; the vLLM MoE jobs and the 30B-A3B harness with
+# the decode profile of its batch 1; the stack's escha line and where the escha Triton kernel's time goes; the twin's
+# compile modes; the last steps re-check what passed before)
+all=(nemotron-vl e2e-moe profile-moe serve-moe serve-moe-mixed escha-kernel escha-times profile nemotron-twin
+  family-converter families qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated e2e-dense linear-kernels
+  escha-gpu escha-vllm serve-8b kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel)
 # the tiny models of the given families (of spark, nemotron-h, nemotron-vl) through exllamav3's own converter, each
 # once per machine
 family_convert() {
