@@ -75,6 +75,29 @@ if [ -f .stage/ext/exllamav3_ext.so.xz ] && ! [ -f /tmp/ext-built ]; then
     echo "exllamav3 extension: the prebuilt one does not load here; building"
   fi
 fi
+# trellis_mma's library staged by stage.sh: into this machine's build cache, used when it was built by the nvcc this
+# machine has (the library's cache key), else built here on first use
+if compgen -G ".stage/ext/trellis_mma-*.so.xz" >/dev/null; then
+  python3 -c "
+import lzma, pathlib, sys
+from quantpack_exl3.backends.trellis_mma.library import LibraryError, cache_dir, library_path
+for staged in map(pathlib.Path, sys.argv[1:]):
+    name = staged.name[: -len('.xz')]
+    target = cache_dir() / name
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        part = target.with_suffix('.part')
+        part.write_bytes(lzma.decompress(staged.read_bytes()))
+        part.chmod(0o755)
+        part.replace(target)
+    try:
+        same = library_path(int(name.split('-sm')[1].split('-')[0])).name == name
+    except LibraryError as e:
+        same = False
+        print(e)
+    print('trellis_mma:', name, 'staged and used' if same else 'staged, but built by another nvcc: built here on first use')
+" .stage/ext/trellis_mma-*.so.xz
+fi
 # the extension: JIT-built on first import, cached in $TORCH_EXTENSIONS_DIR; built in the background (setsid) so it
 # survives this command, tracked through its pid file
 building() { [ -f /tmp/ext-build.pid ] && kill -0 "$(cat /tmp/ext-build.pid)" 2>/dev/null; }

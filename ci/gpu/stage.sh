@@ -37,6 +37,21 @@ if [ -n "${EXL3_EXT_SO_XZ:-}" ]; then
   mkdir -p "$stage/ext"
   cp "$EXL3_EXT_SO_XZ" "$stage/ext/exllamav3_ext.so.xz"
 fi
+# trellis_mma's library for sm_90, built here when this machine has nvcc (kept in .stage-cache/ across stagings, keyed
+# as the library keys its build cache): setup.sh puts it in the GPU machine's build cache, where it is used when that
+# machine's `nvcc --version` says what this one's does, saving its first use the build (about 2 minutes of device
+# time); otherwise the first use builds there as before. TRELLIS_MMA_PREBUILD=0 skips it
+if [ "${TRELLIS_MMA_PREBUILD:-1}" != 0 ] && command -v nvcc >/dev/null 2>&1; then
+  mkdir -p "$stage/ext"
+  lib=$(QUANTPACK_CACHE_DIR="$root/.stage-cache" python3 -c "
+import importlib.util
+spec = importlib.util.spec_from_file_location(
+    'library', 'packages/quantpack-exl3/src/quantpack_exl3/backends/trellis_mma/library.py')
+library = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(library)  # standard library only: no torch needed here
+print(library.build(90))")
+  xz -T0 -c "$lib" > "$stage/ext/$(basename "$lib").xz"
+fi
 # the bundle in parts (.stage/vllm-a, -b, ...), each small enough to travel beside the checkout within the 64 MiB
 # of one run (the checkout's tracked and untracked-not-ignored files, about 48 MB, and 1 MiB to spare): four parts
 # of about 14 MB for a 56 MB bundle; VLLM_PARTS=N forces N

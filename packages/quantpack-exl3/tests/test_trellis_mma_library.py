@@ -203,6 +203,25 @@ def test_missing_nvcc_names_the_fix(monkeypatch, tmp_path):
         library.build(90)
 
 
+def test_a_library_at_its_key_is_used_without_building(monkeypatch, tmp_path):
+    """build() returns a library found at library_path() (what ci/gpu/stage.sh stages from another machine with the
+    same compiler) without running the compiler; another compiler's --version output keys another path."""
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'release 13.0, V13.0.88'; exit 0; }\nexit 7\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path / "cache"))
+    target = library.library_path(90, str(nvcc))
+    assert target.parent == tmp_path / "cache" and target.name.startswith("trellis_mma-sm90-")
+    with pytest.raises(library.LibraryError, match="building its kernels failed"):
+        library.build(90, str(nvcc))  # nothing there: the stand-in compiler is run and fails
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(b"staged")
+    assert library.build(90, str(nvcc)) == target  # found: the compiler is not run
+    assert library.library_path(91, str(nvcc)) != target
+    nvcc.write_text("#!/bin/sh\necho 'release 13.1, V13.1.0'\n")
+    assert library.library_path(90, str(nvcc)) != target
+
+
 def test_row_buckets_and_fixed_routes():
     """Calls fall into the power-of-two row buckets a route names (the last one open-ended), and a fixed
     QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS sends exactly the buckets whose smallest row count exceeds it, a threshold

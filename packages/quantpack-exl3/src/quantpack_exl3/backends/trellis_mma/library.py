@@ -78,6 +78,29 @@ def cache_dir() -> Path:
     return Path(base) / "quantpack"
 
 
+def library_path(arch: int, nvcc: str | None = None) -> Path:
+    """Where :func:`build` keeps (or finds) the library for ``arch`` built by ``nvcc``: under :func:`cache_dir`,
+    named by a hash of the source, ``nvcc --version``'s output, the flags and the architecture, so a library built on
+    another machine with the same compiler and copied there is used as is (``ci/gpu/stage.sh`` stages one).
+
+    Args:
+        arch: compute capability as ``major * 10 + minor``.
+        nvcc: the compiler (default :func:`nvcc_path`).
+
+    Raises:
+        LibraryError: no nvcc, or ``nvcc --version`` failed.
+    """
+    nvcc = nvcc or nvcc_path()
+    if nvcc is None:
+        raise LibraryError(f"trellis_mma: no nvcc to build its kernels; {NVCC_HINT}")
+    try:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise LibraryError(f"trellis_mma: {nvcc} --version failed ({e}); {NVCC_HINT}") from None
+    ident = SOURCE.read_bytes() + version.encode() + str(arch).encode() + " ".join(FLAGS).encode()
+    return cache_dir() / f"trellis_mma-sm{arch}-{hashlib.sha256(ident).hexdigest()[:16]}.so"
+
+
 def build(arch: int, nvcc: str | None = None) -> Path:
     """Compile the kernels for one GPU architecture unless a cached build exists.
 
@@ -92,14 +115,7 @@ def build(arch: int, nvcc: str | None = None) -> Path:
         LibraryError: no nvcc, or the compiler failed (its output is in the message).
     """
     nvcc = nvcc or nvcc_path()
-    if nvcc is None:
-        raise LibraryError(f"trellis_mma: no nvcc to build its kernels; {NVCC_HINT}")
-    try:
-        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise LibraryError(f"trellis_mma: {nvcc} --version failed ({e}); {NVCC_HINT}") from None
-    ident = SOURCE.read_bytes() + version.encode() + str(arch).encode() + " ".join(FLAGS).encode()
-    target = cache_dir() / f"trellis_mma-sm{arch}-{hashlib.sha256(ident).hexdigest()[:16]}.so"
+    target = library_path(arch, nvcc)
     if target.exists():
         return target
     try:
