@@ -87,6 +87,46 @@ def test_other_codebooks_and_non_empty_outputs_are_refused(fixtures_dir, tmp_pat
     assert (tmp_path / "c").read_text() == "mine too"
 
 
+def test_outputs_inside_the_source_or_through_links_are_refused(fixtures_dir, tmp_path):
+    """--out inside the source pack (or the pack itself) and a symbolic link as --out (dangling or not) are refused
+    before anything is written; the source pack is left as it was."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(fixtures_dir / SOURCE, src)
+    before = sorted(p.name for p in src.iterdir())
+    for out in (src / "sub", src, src / "a" / "b"):
+        with pytest.raises(FileExistsError, match=r"inside the source pack|never overwrites"):
+            escha_from_exl3(src, out)
+    assert sorted(p.name for p in src.iterdir()) == before
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "linked").symlink_to(tmp_path / "empty", target_is_directory=True)
+    (tmp_path / "empty").mkdir()
+    for link in ("dangling", "linked"):
+        with pytest.raises(FileExistsError, match="is a symbolic link"):
+            escha_from_exl3(src, tmp_path / link)
+    assert not (tmp_path / "nowhere").exists() and not any((tmp_path / "empty").iterdir())
+
+
+def test_a_failed_write_leaves_no_partial_pack(fixtures_dir, tmp_path, monkeypatch):
+    """A write that fails (a full disk, simulated) leaves neither OUT nor a hidden partial folder beside it, so the
+    same command can run again."""
+    import errno
+
+    from quantpack_escha import convert
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(convert, "save_file", full)
+    with pytest.raises(OSError, match="No space left"):
+        escha_from_exl3(fixtures_dir / SOURCE, tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    report = escha_from_exl3(fixtures_dir / SOURCE, tmp_path / "out")
+    assert (report.out_dir / "config.json").exists() and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
 def test_written_files_have_default_modes_and_no_source_logits(converted):
     """The converted pack's files get the umask's default mode (not a private 0600), and the source's exllamav3
     reference logits, which describe the EXL3 pack and not this one, are not copied."""

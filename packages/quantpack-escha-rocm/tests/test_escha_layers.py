@@ -186,3 +186,33 @@ def test_tensor_parallel_share_off_the_blocks_is_refused_naming_layer_and_sizes(
     y = layer.quant_method.apply(layer, x)
     refs = [reference_linear(x.double(), EschaTensors.from_tensors(t), torch.float64)[:, 128:] for t in shards]
     assert rel(y, torch.cat(refs, 1)) < 1e-5
+
+
+def test_layer_meta_must_match_the_coded_tensors(fixtures_dir, tmp_path):
+    """Before any worker loads (``maybe_update_config``, in the user's process): a module storing ``.escha_code``
+    that ``layer_meta`` leaves out (vLLM would build it dense and fail deep in its loader), and a ``layer_meta``
+    entry with no code in the pack (a layer the model does not have), are refused naming the module and the fix;
+    the pack as converted passes."""
+    import json
+
+    from quantpack_core.errors import LayerLoadError
+    from quantpack_escha.config import EschaConfig
+    from quantpack_escha.convert import escha_from_exl3
+
+    pack = escha_from_exl3(fixtures_dir / "llama-tiny-exl3-4.0bpw-mcg", tmp_path / "escha").out_dir
+    qc = json.loads((pack / "config.json").read_text())["quantization_config"]
+    EschaConfig.from_config(qc).maybe_update_config(str(pack))
+    without = {k: v for k, v in qc["layer_meta"].items() if not k.startswith("model.layers.1.self_attn.")}
+    with pytest.raises(
+        LayerLoadError,
+        match=r"model\.layers\.1\.self_attn\.\w_proj: the pack stores \.escha_code for it \(and 3 more modules\) but "
+        r"quantization_config\.layer_meta does not list it.*add it to layer_meta with its K",
+    ):
+        EschaConfig.from_config(dict(qc, layer_meta=without)).maybe_update_config(str(pack))
+    extra = dict(qc["layer_meta"], **{"model.layers.9.self_attn.q_proj": {"K": 4}})
+    with pytest.raises(
+        LayerLoadError,
+        match=r"model\.layers\.9\.self_attn\.q_proj: quantization_config\.layer_meta lists it but the pack stores no "
+        r"model\.layers\.9\.self_attn\.q_proj\.escha_code",
+    ):
+        EschaConfig.from_config(dict(qc, layer_meta=extra)).maybe_update_config(str(pack))

@@ -26,6 +26,7 @@ from quantpack_core.names import expand_fused, normalize_prefix
 from quantpack_core.vllm.config import INT8_ROWS, QuantpackConfig, untie_if_head_stored
 from quantpack_core.vllm.embedding import Int8RowsEmbeddingMethod
 
+from .codec import CODE
 from .format import ESCHA
 from .kernels import BACKEND_ENV, LINEAR_KERNELS
 from .methods import EschaLinearMethod
@@ -177,6 +178,7 @@ class EschaConfig(QuantpackConfig):
                 self.routes.setdefault(table, INT8_ROWS)
             return
         names = tensor_names(Path(model_name))
+        self.check_layer_meta(names)
         for name in names:
             module, _, suffix = name.rpartition(".")
             key = normalize_prefix(module)
@@ -188,6 +190,34 @@ class EschaConfig(QuantpackConfig):
                 self.routes.setdefault(key, "dense")
         untie_if_head_stored([n.rpartition(".")[0] for n in names], hf_config, model_name)
         logger.info("quantpack-escha: %s: %r", model_name, self)
+
+    def check_layer_meta(self, names: list[str]) -> None:
+        """``layer_meta`` against the pack's tensors, in the user's process before any worker loads: every module
+        storing ``.escha_code`` must be listed (else vLLM would build it as a dense layer and fail deep in its loader),
+        and every listed module must store one (else ``layer_meta`` describes another model).
+
+        Args:
+            names: every tensor name of the pack (:func:`tensor_names`).
+
+        Raises:
+            LayerLoadError: naming the first such module, how many more there are, and the fix.
+        """
+        stored = {meta_key(n[: -len(CODE) - 1]): n[: -len(CODE) - 1] for n in names if n.endswith("." + CODE)}
+        listed = {meta_key(m): m for m in self.layer_meta}
+        unlisted = [stored[k] for k in stored if k not in listed]
+        if unlisted:
+            more = f" (and {len(unlisted) - 1} more modules)" if len(unlisted) > 1 else ""
+            raise LayerLoadError(
+                f"{unlisted[0]}: the pack stores .{CODE} for it{more} but quantization_config.layer_meta does not list "
+                "it, so vLLM would build it as a dense layer - add it to layer_meta with its K, or re-convert the pack"
+            )
+        absent = [listed[k] for k in listed if k not in stored]
+        if absent:
+            more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
+            raise LayerLoadError(
+                f"{absent[0]}: quantization_config.layer_meta lists it{more} but the pack stores no {absent[0]}.{CODE} "
+                "- config.json does not describe these tensors; re-download or re-convert the pack"
+            )
 
 
 def tensor_names(pack: Path) -> list[str]:

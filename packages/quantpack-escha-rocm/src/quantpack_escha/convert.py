@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,11 +92,7 @@ def escha_from_exl3(src: str | Path, out: str | Path, *, seed: int = 0, biases: 
             f"{k}: coded with the {cb.value} codebook ({len(other)} modules are not mcg); escha decodes mcg codes only "
             "- quantize the model with exllamav3's --codebook mcg and convert that pack"
         )
-    if dst.exists() and not dst.is_dir():
-        raise FileExistsError(f"{dst} is a file; --out names the folder the escha pack is written to")
-    if dst.exists() and any(dst.iterdir()):
-        raise FileExistsError(f"{dst} exists and is not empty; the converter never overwrites")
-    dst.mkdir(parents=True, exist_ok=True)
+    check_output(src, dst)
     g = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     coded: dict[str, int] = {}
@@ -149,15 +146,42 @@ def escha_from_exl3(src: str | Path, out: str | Path, *, seed: int = 0, biases: 
         raise ConversionError(f"{src}: no embed_tokens table found; an escha pack stores it as int8 rows")
     pack.close()
 
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in NOT_COPIED:
-            shutil.copy2(f, dst / f.name)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), {"format": "pt"})
-    default_file_mode(dst / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
     bits = sum(coded.values()) / max(len(coded), 1)
     config["quantization_config"] = {"quant_method": "escha", "bits": bits, "layer_meta": meta}
     if biases:
         config["attention_bias"] = config["mlp_bias"] = True
-    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # written into a hidden folder beside OUT and moved into place whole: a conversion that fails (a full disk) leaves
+    # no partial pack where OUT was asked for
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.partial-") as tmp:
+        work = Path(tmp) / "pack"
+        work.mkdir()
+        for f in src.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in NOT_COPIED:
+                shutil.copy2(f, work / f.name)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(work / "model.safetensors"), {"format": "pt"})
+        default_file_mode(work / "model.safetensors")
+        (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if dst.is_dir():
+            dst.rmdir()  # the empty folder check_output accepted
+        work.rename(dst)
     return ConversionReport(dst, coded, tuple(tables), biases)
+
+
+def check_output(src: Path, dst: Path) -> None:
+    """Refuse an output folder that would overwrite or nest in what the user gave.
+
+    Raises:
+        FileExistsError: ``dst`` is a file, a symbolic link (dangling or not), a folder that is not empty, or lies
+            inside the source pack ``src`` (or is it).
+    """
+    if dst.is_symlink():
+        raise FileExistsError(f"{dst} is a symbolic link; --out names a new folder for the escha pack")
+    if dst.exists() and not dst.is_dir():
+        raise FileExistsError(f"{dst} is a file; --out names the folder the escha pack is written to")
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} exists and is not empty; the converter never overwrites")
+    source, target = src.resolve(), dst.resolve()
+    if target == source or source in target.parents:
+        raise FileExistsError(f"{dst} lies inside the source pack {src}; write the escha pack outside it")

@@ -28,7 +28,7 @@ class EschaLinearMethod(QuantLinearMethod):
         want = self.config.meta_k(plan.label)
         if want is not None and want != shard.k_bits:
             raise LayerLoadError(
-                f"{self.prefix}: {plan.name}: .escha_code {list(shard.code.shape)} holds K={shard.k_bits} "
+                f"{self.where(plan)}: .escha_code {list(shard.code.shape)} holds K={shard.k_bits} "
                 f"(16*K words per tile), layer_meta says K={want} - the pack's config.json does not match its "
                 "tensors; re-download or re-convert the pack"
             )

@@ -76,7 +76,8 @@ class Int8RowsEmbeddingMethod(QuantizeMethodBase):
     rebuild_hint: str = "re-run `quantpack embed-int8` on the original pack"
 
     def __init__(self, prefix: str = ""):
-        self.prefix = prefix
+        # vLLM builds some models' input embedding without a prefix (Llama's embed_tokens): name it for messages
+        self.prefix = prefix or "embed_tokens"
 
     @property
     def placeholders(self) -> dict[str, torch.dtype | None]:

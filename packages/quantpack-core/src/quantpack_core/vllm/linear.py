@@ -42,7 +42,7 @@ from quantpack_core.kernels import (
     PreparedShard,
     choose_kernel,
 )
-from quantpack_core.names import expand_fused, shard_partitions
+from quantpack_core.names import expand_fused, normalize_prefix, shard_partitions
 from quantpack_core.tp import COLUMN, ROW, TpCut, cut_dense, make_cut, partition_ranges, plan_cut, sliced_tp_sizes
 
 from .compile_key import op_name
@@ -393,13 +393,13 @@ class QuantLinearMethod(LinearMethodBase):
                 why = self.format.geometry_error(shard, in_f, out_f, self.is_lm_head)
                 if why is not None:
                     raise GeometryError(
-                        f"{self.prefix}: {plan.name} {why}: the pack does not match config.json - use the config the "
+                        f"{self.where(plan)} {why}: the pack does not match config.json - use the config the "
                         "pack was made with"
                     )
                 if cut is not None and not cut.sliced and not self.format.tp_fallback:
                     side = "output" if cut.column else "input"
                     raise GeometryError(
-                        f"{self.prefix}: {plan.name}: tensor parallelism gives this rank {side} features "
+                        f"{self.where(plan)}: tensor parallelism gives this rank {side} features "
                         f"{list(cut.ranges)} of {cut.features}, not whole {self.format.block}-feature blocks; "
                         f"{self.format.label} shards are cut in whole blocks per rank - serve with a tensor-parallel "
                         f"size whose shares of {cut.features} are multiples of {self.format.block}"
@@ -420,12 +420,12 @@ class QuantLinearMethod(LinearMethodBase):
                 out_n, in_n = shard.shape
                 spec = self.config.dense_spec(in_n, out_n, state.params_dtype, TP_WHOLE if cut is None else TP_SLICED)
                 kernels = self.config.dense_kernels
-            choice = choose_kernel(kernels, spec, f"{self.prefix}: {plan.name}")
+            choice = choose_kernel(kernels, spec, self.where(plan))
             log.record("linear", choice)
             try:
                 prepared.append((choice.kernel, choice.kernel.prepare(shard, spec, device)))
             except LayerLoadError as e:  # a kernel's refusal of the shard's values: name the layer and the shard
-                raise LayerLoadError(f"{self.prefix}: {plan.name}: {e}") from None
+                raise LayerLoadError(f"{self.where(plan)}: {e}") from None
             if quantized:
                 self.format.release(shard)
             selects.append(select)
@@ -495,13 +495,19 @@ class QuantLinearMethod(LinearMethodBase):
             return cut.features, plan.out_features
         return plan.in_features, cut.features
 
+    def where(self, plan: ShardPlan) -> str:
+        """The layer and shard as messages name them: ``"<layer>: <shard>"``, or the layer alone when the shard is
+        the whole layer under the same name."""
+        same = plan.shard_id is None and normalize_prefix(plan.label) == normalize_prefix(self.prefix)
+        return self.prefix if same else f"{self.prefix}: {plan.name}"
+
     def _parse(self, captured: dict[str, ShardParam], plan: ShardPlan) -> Any:
         got = {s: captured[s].shards[plan.slot] for s in self.format.suffixes if plan.slot in captured[s].shards}
         try:
             return self.format.parse(got)
         except CodecError as e:
             raise LayerLoadError(
-                f"{self.prefix}: {plan.name}: {e}; the pack's {plan.label} is incomplete or corrupt - re-download or "
+                f"{self.where(plan)}: {e}; the pack's {plan.label} is incomplete or corrupt - re-download or "
                 "re-quantize it"
             ) from None
 
