@@ -148,3 +148,25 @@ def test_the_quantpack_cli_runs_the_converter(fixtures_dir, tmp_path):
     res = CliRunner().invoke(main, ["escha-from-exl3", str(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1"),
                                     "--out", str(tmp_path / "q")])  # fmt: skip
     assert res.exit_code == 1 and "error:" in res.output and "mcg" in res.output
+
+
+def test_inspect_names_escha_modules_and_their_tensor_parallel_cuts(converted):
+    """``quantpack inspect`` opens an escha pack (its config says escha, not exl3): every coded module as ``escha``
+    with the K its code's width holds, the mcg codebook and the padded shape; the int8 tables as int8 rows; the K
+    histogram; and with ``--tp 2`` the modules whose shares are not whole 128-feature blocks, refused (escha has no
+    block fallback), exit status 1."""
+    from quantpack_core.cli import main
+
+    _, out, report = converted
+    res = CliRunner().invoke(main, ["inspect", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = {line.split()[0]: line.split() for line in res.output.splitlines() if line.startswith(("model.", "lm_"))}
+    for key in report.coded:
+        assert rows[key][1:4] == ["escha", "4", "mcg"], rows[key]
+    assert rows["model.layers.0.mlp.down_proj"][4] == "640x256"
+    assert rows["model.embed_tokens"][1] == rows["lm_head"][1] == "int8-rows"
+    assert "escha modules K=4: 28" in res.output and "int8-rows 0.5 MiB" in res.output
+    res = CliRunner().invoke(main, ["inspect", str(out), "--tp", "2"])
+    assert res.exit_code == 1, res.output
+    assert "model.layers.0.mlp.down_proj" in res.output and "20 refused" in res.output
+    assert "not whole 128-feature blocks" in res.output

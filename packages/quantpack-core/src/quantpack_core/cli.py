@@ -104,23 +104,37 @@ def inspect(pack: Path, show_all: bool, tp: int | None, max_model_len: int | Non
     """Validate PACK and print its modules (format, K, codebook, padded and logical shapes, dtype, bytes), a K
     histogram and the bytes per storage kind; with --tp N, every module whose cut at N ranks falls back to whole
     blocks or is refused, and the memory per rank (exit status 1 when a module would be refused)."""
-    from .pack import Pack
+    from .pack import CODED_FORMATS, Pack
 
     try:
-        p = Pack.open(pack)
+        escha = _config_quant_method(pack) == "escha"
+        p = Pack.open(pack, require_exl3=not escha)
     except QuantpackError as e:
         _fail(e)
     header = ("module", "format", "K", "codebook", "padded in x out", "logical", "dtype", "bytes")
-    _table(header, [r for r in p.summary_rows() if show_all or r[1] == "exl3" or r[4] != "-"])
+    _table(header, [r for r in p.summary_rows() if show_all or r[1] in CODED_FORMATS or r[4] != "-"])
     total = sum(m.nbytes for m in p.modules.values())
     hist = ", ".join(f"K={k:g}: {n}" for k, n in p.bits_histogram().items())
-    click.echo(f"\n{len(p.modules)} modules, {total / 2**20:.1f} MiB in {len(p.files)} file(s); EXL3 modules {hist}")
+    coded = "escha" if escha else "EXL3"
+    click.echo(f"\n{len(p.modules)} modules, {total / 2**20:.1f} MiB in {len(p.files)} file(s); {coded} modules {hist}")
     kinds: dict[str, int] = {}
     for m in p.modules.values():
         kinds[m.format] = kinds.get(m.format, 0) + m.nbytes
     click.echo("bytes per storage kind: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(kinds.items())))
     if tp is not None or max_model_len is not None:  # --max-model-len alone: one rank
         _print_tp(p, tp or 1, max_model_len, show_all, kv_cache_dtype)
+
+
+def _config_quant_method(pack: Path) -> str:
+    """``quantization_config.quant_method`` of PACK's config.json, lower-cased ("" when absent or unreadable: the
+    pack's validation then reports the file)."""
+    import json
+
+    try:
+        qc = json.loads((Path(pack) / "config.json").read_text()).get("quantization_config")
+        return str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else ""
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return ""
 
 
 def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool, kv_cache_dtype: str) -> None:

@@ -63,6 +63,13 @@ FIX_REQUANTIZE = "re-quantize this module with exllamav3, or re-download the pac
 _EXPERT_MODULE = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
 
 
+#: an escha-coded module's code tensor (docs/escha-format.md; quantpack-escha-rocm reads the format, the pack only
+#: names the module's storage kind and K for ``inspect``)
+ESCHA_CODE = "escha_code"
+#: storage kinds holding a trellis (K and codebook known)
+CODED_FORMATS = ("exl3", "escha")
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor as the safetensors header describes it (nothing is read).
@@ -88,7 +95,8 @@ class ModuleInfo:
 
     Attributes:
         key: HF module name (``model.layers.0.mlp.down_proj``).
-        format: ``"exl3"`` (a trellis linear layer), ``"dense"`` (a plain ``.weight``), ``"int8-rows"`` (an int8
+        format: ``"exl3"`` (a trellis linear layer), ``"escha"`` (an escha-coded one, ``escha_code``),
+            ``"dense"`` (a plain ``.weight``), ``"int8-rows"`` (an int8
             table with per-row scales: ``qweight`` / ``scales`` of ``quantpack embed-int8``, escha's
             ``weight_int8`` / ``weight_scale``) or ``"other"`` (anything else: exllamav3's 2-D embedding codec,
             ``A_log``, ``dt_bias`` ...).
@@ -423,6 +431,8 @@ class Pack:
             nbytes = sum(i.nbytes for i in t.values())
             if "trellis" in t and len(t["trellis"].shape) == 3:
                 self.modules[key] = self._exl3_module(key, t, nbytes)
+            elif ESCHA_CODE in t and len(t[ESCHA_CODE].shape) == 3:
+                self.modules[key] = self._escha_module(key, t, nbytes)
             elif (t.keys() & {"suh", "svh", "su", "sv", "mcg", "mul1"}) and "trellis" not in t and "weight" not in t:
                 # the vectors of an EXL3 layer whose trellis is gone
                 self.modules[key] = ModuleInfo(key, "exl3", None, None, None, None, None, nbytes, t)
@@ -449,6 +459,17 @@ class Pack:
             if rows in t and scales in t and t[rows].dtype == torch.int8:
                 return rows, scales
         return None
+
+    def _escha_module(self, key: str, t: dict[str, TensorInfo], nbytes: int) -> ModuleInfo:
+        """An escha-coded module (docs/escha-format.md): the mcg trellis in ``escha_code``, K from its width."""
+        code = t[ESCHA_CODE]
+        try:
+            k_bits = k_from_width(code.shape[-1])
+        except CodecError:
+            k_bits = None
+        padded = (code.shape[0] * TILE, code.shape[1] * TILE)
+        logical = (None, t["bias"].shape[0]) if "bias" in t and len(t["bias"].shape) == 1 else None
+        return ModuleInfo(key, "escha", k_bits, Codebook.MCG, padded, logical, code.dtype, nbytes, t)
 
     def _exl3_module(self, key: str, t: dict[str, TensorInfo], nbytes: int) -> ModuleInfo:
         tr = t["trellis"]
@@ -1118,9 +1139,9 @@ class Pack:
         return rows
 
     def bits_histogram(self) -> dict[float, int]:
-        """K -> number of EXL3 modules."""
+        """K -> number of trellis-coded modules (EXL3, or escha in an escha pack)."""
         hist: dict[float, int] = {}
         for m in self.modules.values():
-            if m.format == "exl3" and m.k_bits is not None:
+            if m.format in CODED_FORMATS and m.k_bits is not None:
                 hist[m.k_bits] = hist.get(m.k_bits, 0) + 1
         return dict(sorted(hist.items()))

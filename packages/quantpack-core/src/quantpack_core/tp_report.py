@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 from .errors import GeometryError
-from .pack import ModuleInfo, Pack
+from .pack import CODED_FORMATS, ModuleInfo, Pack
 from .tp import COLUMN, ROW, make_cut, partition_ranges, plan_cut
 
 #: last name component -> how tensor parallelism splits the module
@@ -223,7 +223,7 @@ def tp_report(pack: Pack, tp: int, fallback: bool = True, kv_cache_dtype: str = 
         parts["in_proj_qkv"] = [lk * lkd, lk * lkd, lv * lvd]
     cuts, weights = [], 0
     for m in pack.modules.values():
-        if m.format == "exl3":
+        if m.format in CODED_FORMATS:
             c = module_cut(m, tp, kv_heads if isinstance(kv_heads, int) else None, head_dim, fallback, parts)
             cuts.append(c)
             weights += c.rank_bytes if not (c.kind == "expert" and c.outcome == FALLBACK) else m.nbytes // tp
