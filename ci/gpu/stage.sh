@@ -77,3 +77,9 @@ done
 echo "vLLM bundle $(basename "$bundle"): $size bytes in $parts parts of at most $room bytes" \
   "(checkout: $checkout bytes): carry .stage/vllm-a .. .stage/vllm-${letters:parts-1:1}, one a run"
 du -sh "$stage"/*
+# .stage/ext travels with the checkout and the source snapshot (.stage/head, about 1 MB) in one run
+ext=$(du -sb "$stage/ext" 2>/dev/null | cut -f1)
+if [ -n "$ext" ] && [ $((checkout + ${ext:-0} + 1024 * 1024)) -gt $((64 * 1024 * 1024)) ]; then
+  echo "stage.sh: .stage/ext ($ext bytes) with the checkout ($checkout) and a 1 MB snapshot exceeds the 64 MiB of one" \
+    "run: carry .stage/ext/*.so.xz in two runs, or stage again with TRELLIS_MMA_PREBUILD=0" >&2
+fi
