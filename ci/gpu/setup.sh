@@ -79,7 +79,7 @@ fi
 # machine has (the library's cache key), else built here on first use
 if compgen -G ".stage/ext/trellis_mma-*.so.xz" >/dev/null; then
   python3 -c "
-import lzma, pathlib, sys
+import ctypes, lzma, pathlib, sys
 from quantpack_exl3.backends.trellis_mma.library import LibraryError, cache_dir, library_path
 for staged in map(pathlib.Path, sys.argv[1:]):
     name = staged.name[: -len('.xz')]
@@ -89,6 +89,12 @@ for staged in map(pathlib.Path, sys.argv[1:]):
         part = target.with_suffix('.part')
         part.write_bytes(lzma.decompress(staged.read_bytes()))
         part.chmod(0o755)
+        try:  # built on another machine: it must load here (its C library), else the first use builds one
+            ctypes.CDLL(str(part))
+        except OSError as e:
+            part.unlink()
+            print('trellis_mma:', name, 'does not load here, built on first use instead:', e)
+            continue
         part.replace(target)
     try:
         same = library_path(int(name.split('-sm')[1].split('-')[0])).name == name
