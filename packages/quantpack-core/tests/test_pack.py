@@ -508,3 +508,29 @@ def test_attention_heads_against_the_projections(fixtures_dir, tmp_path, edit, n
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, **edit}))
     expect_problem(path, needle)
+
+
+def test_logical_shapes_come_from_the_config_where_its_sizes_fix_them(fixtures_dir):
+    """The summary's logical column for trellis-coded modules without a bias: config.json's sizes (heads x head
+    width, intermediate, expert widths, vocabulary) when they pad to the stored shape; a module those sizes do not
+    describe (Qwen3.5's gated q_proj, twice the heads' width) or a config that contradicts the stored shape, "-"."""
+    p = Pack.open(fixtures_dir / "llama-tiny-exl3-4.0bpw-mcg")
+    rows = {r[0]: r for r in p.summary_rows()}
+    cfg = p.config
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * (cfg.get("head_dim") or hidden // cfg["num_attention_heads"])
+    assert rows["model.layers.0.mlp.down_proj"][5] == f"{inter}x{hidden}"
+    assert rows["model.layers.0.self_attn.k_proj"][5] == f"{hidden}x{kv}"
+    assert rows["lm_head"][5] == f"{hidden}x{vocab}"
+    # a width inside the last 128-feature block is the logical one; one that pads elsewhere is not believed
+    p.config = dict(cfg, intermediate_size=inter - 40)
+    assert p.config_logical_shape(p.modules["model.layers.0.mlp.gate_proj"]) == (hidden, inter - 40)
+    p.config = dict(cfg, intermediate_size=inter + 200)
+    assert p.config_logical_shape(p.modules["model.layers.0.mlp.gate_proj"]) is None
+    q = Pack.open(fixtures_dir / "qwen3_5-tiny-exl3-4.0bpw-mcg")
+    rows = {r[0]: r for r in q.summary_rows()}
+    assert rows["model.language_model.layers.3.self_attn.q_proj"][5] == "-"
+    assert rows["model.language_model.layers.3.self_attn.o_proj"][5] != "-"
+    moe = Pack.open(fixtures_dir / "qwen3moe-tiny-exl3-4.0bpw-mul1")
+    width = moe.config["moe_intermediate_size"]
+    assert {r[0]: r for r in moe.summary_rows()}["model.layers.0.mlp.experts.0.down_proj"][5].startswith(f"{width}x")

@@ -1116,8 +1116,48 @@ class Pack:
 
     # ---------------------------------------------------------------------------------------------- reporting
 
+    def config_logical_shape(self, m: ModuleInfo) -> tuple[int, int] | None:
+        """The logical (unpadded) ``(in, out)`` of a trellis-coded module as config.json's sizes give it (hidden,
+        intermediate, expert and shared-expert widths, heads x head width, vocabulary), for the projections whose
+        widths those sizes fix; None for other modules, or where the sizes do not pad (to whole 128-feature blocks)
+        to the stored shape."""
+        if m.format not in CODED_FORMATS or m.padded_shape is None:
+            return None
+        cfg = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else self.config
+
+        def size(*names: str) -> int | None:
+            for n in names:
+                v = cfg.get(n)
+                if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                    return v
+            return None
+
+        hidden, heads, kv = size("hidden_size"), size("num_attention_heads"), size("num_key_value_heads")
+        head_dim = size("head_dim") or (hidden // heads if hidden and heads else None)
+        leaf = m.key.rsplit(".", 1)[-1]
+        if ".experts." in m.key + ".":
+            inter = size("moe_intermediate_size")
+        elif ".shared_expert." in m.key + "." or ".shared_experts." in m.key + ".":
+            inter = size("shared_expert_intermediate_size", "moe_intermediate_size")
+        else:
+            inter = size("intermediate_size")
+        q = heads * head_dim if heads and head_dim else None
+        kvw = kv * head_dim if kv and head_dim else None
+        shapes = {
+            "q_proj": (hidden, q), "k_proj": (hidden, kvw), "v_proj": (hidden, kvw), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+            "lm_head": (hidden, size("vocab_size")),
+        }  # fmt: skip
+        shape = shapes.get(leaf)
+        if shape is None or None in shape:
+            return None
+        if tuple(-(-d // 128) * 128 for d in shape) != tuple(-(-d // 128) * 128 for d in m.padded_shape):
+            return None
+        return shape[0], shape[1]
+
     def summary_rows(self) -> list[tuple[str, ...]]:
-        """One row of strings per module: key, format, K, codebook, padded (in x out), logical, dtype, bytes."""
+        """One row of strings per module: key, format, K, codebook, padded (in x out), logical (stored, or from
+        config.json: :meth:`config_logical_shape`), dtype, bytes."""
         rows = []
         for m in self.modules.values():
 
@@ -1131,7 +1171,7 @@ class Pack:
                     "-" if m.k_bits is None else f"{m.k_bits:g}",
                     m.codebook.value if m.codebook else "-",
                     shape(m.padded_shape),
-                    shape(m.logical_shape),
+                    shape(m.logical_shape or self.config_logical_shape(m)),
                     _dtype_name(m.dtype),
                     str(m.nbytes),
                 )
