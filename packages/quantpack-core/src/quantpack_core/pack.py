@@ -461,26 +461,28 @@ class Pack:
         return None
 
     def _escha_module(self, key: str, t: dict[str, TensorInfo], nbytes: int) -> ModuleInfo:
-        """An escha-coded module (docs/escha-format.md): the mcg trellis in ``escha_code``, K from its width."""
-        code = t[ESCHA_CODE]
-        try:
-            k_bits = k_from_width(code.shape[-1])
-        except CodecError:
-            k_bits = None
-        padded = (code.shape[0] * TILE, code.shape[1] * TILE)
-        logical = (None, t["bias"].shape[0]) if "bias" in t and len(t["bias"].shape) == 1 else None
-        return ModuleInfo(key, "escha", k_bits, Codebook.MCG, padded, logical, code.dtype, nbytes, t)
+        """An escha-coded module (docs/escha-format.md): the mcg trellis in ``escha_code``."""
+        return self._coded_module(key, t, nbytes, "escha", ESCHA_CODE, Codebook.MCG)
 
     def _exl3_module(self, key: str, t: dict[str, TensorInfo], nbytes: int) -> ModuleInfo:
-        tr = t["trellis"]
+        """An EXL3 module: the trellis in ``trellis``, the codebook from its markers (None when both are set)."""
+        codebook = None if ("mcg" in t and "mul1" in t) else Codebook.from_markers("mcg" in t, "mul1" in t)
+        return self._coded_module(key, t, nbytes, "exl3", "trellis", codebook)
+
+    @staticmethod
+    def _coded_module(
+        key: str, t: dict[str, TensorInfo], nbytes: int, fmt: str, code: str, codebook: Codebook | None
+    ) -> ModuleInfo:
+        """A trellis-coded module whose ``(in/16, out/16, 16K)`` code tensor is ``t[code]``: K from its width (None
+        when illegal), the padded shape from its tiles, the logical output width from a 1-D bias."""
+        tr = t[code]
         try:
             k_bits = k_from_width(tr.shape[-1])
         except CodecError:
             k_bits = None
-        codebook = None if ("mcg" in t and "mul1" in t) else Codebook.from_markers("mcg" in t, "mul1" in t)
         padded = (tr.shape[0] * TILE, tr.shape[1] * TILE)
         logical = (None, t["bias"].shape[0]) if "bias" in t and len(t["bias"].shape) == 1 else None
-        return ModuleInfo(key, "exl3", k_bits, codebook, padded, logical, tr.dtype, nbytes, t)
+        return ModuleInfo(key, fmt, k_bits, codebook, padded, logical, tr.dtype, nbytes, t)
 
     # --------------------------------------------------------------------------------------------- validation
 

@@ -202,7 +202,8 @@ class EschaConfig(QuantpackConfig):
         Raises:
             LayerLoadError: naming the first such module, how many more there are, and the fix.
         """
-        stored = {meta_key(n[: -len(CODE) - 1]): n[: -len(CODE) - 1] for n in names if n.endswith("." + CODE)}
+        coded = [module for module, _, suffix in (n.rpartition(".") for n in names) if suffix == CODE]
+        stored = {meta_key(m): m for m in coded}
         listed = {meta_key(m): m for m in self.layer_meta}
         unlisted = [stored[k] for k in stored if k not in listed]
         if unlisted:
