@@ -3,7 +3,9 @@
 Reads the JUnit XML reports ``nox -s gpu-tests`` and ``ci/gpu/pending.sh``'s steps write
 (``vllm-<release>-<time>[-<step>].xml``, in ``$QUANTPACK_GPU_RESULTS``, default ``/tmp/gpu-matrix``, or the folders
 given). For each release and test file the newest report that ran the file counts; a release with no report of a
-file is "not run" there; a module that failed to import counts as one failed test of its file. Usage (the reports
+file is "not run" there; a module that failed to import counts as one failed test of its file. A cell whose report
+came from a ``pending.sh`` step names the step (``(step linear-kernels)``): a step may run a selection of the file
+(``-k``, ``QUANTPACK_GPU_JOBS``), which ci/gpu/pending.sh states per step. Usage (the reports
 kept in ``ci/gpu/results/``): ``python3 ci/gpu/matrix_table.py ci/gpu/results [--versions 0.22.1,0.25.1,0.26.0]``.
 """
 
@@ -17,7 +19,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-REPORT = re.compile(r"vllm-(?P<version>\d+\.\d+\.\d+)-(?P<stamp>\d{8}-\d{6})(-[\w.-]+)?\.xml$")
+REPORT = re.compile(r"vllm-(?P<version>\d+\.\d+\.\d+)-(?P<stamp>\d{8}-\d{6})(-(?P<step>[\w.-]+))?\.xml$")
 
 
 def test_file(case: ET.Element) -> str:
@@ -43,16 +45,20 @@ def outcome(case: ET.Element) -> str:
 
 def collect(folders: list[Path]) -> dict[str, dict[str, dict[str, str]]]:
     """``{release: {test file: {test id: outcome}}}``: for each release and test file, the outcomes of the newest
-    report that ran that file (so a test renamed or removed since drops out).
+    report that ran that file (so a test renamed or removed since drops out); the pending step that wrote that report,
+    if one did, under the test id ``STEP`` (:data:`STEP`).
 
     Raises:
         SystemExit: a report that is not JUnit XML (its path named).
     """
     reports = sorted(
-        (m["version"], m["stamp"], f) for d in folders for f in d.glob("vllm-*.xml") if (m := REPORT.search(f.name))
+        (m["version"], m["stamp"], m["step"], f)
+        for d in folders
+        for f in d.glob("vllm-*.xml")
+        if (m := REPORT.search(f.name))
     )
     out: dict[str, dict[str, dict[str, str]]] = {}
-    for version, _, path in reports:  # oldest first: a newer report's files replace the older ones'
+    for version, _, step, path in reports:  # oldest first: a newer report's files replace the older ones'
         try:
             root = ET.parse(path).getroot()
         except ET.ParseError as e:
@@ -61,11 +67,16 @@ def collect(folders: list[Path]) -> dict[str, dict[str, dict[str, str]]]:
         for case in root.iter("testcase"):
             key = f"{case.get('classname', '')}::{case.get('name')}"
             ran.setdefault(test_file(case), {})[key] = outcome(case)
+        if step:
+            for cases in ran.values():
+                cases[STEP] = step
         out.setdefault(version, {}).update(ran)
     return out
 
 
 OUTCOMES = ("passed", "failed", "xfailed", "skipped")
+#: the key under which :func:`collect` keeps the pending step a file's report came from (not a test id: no ``::``)
+STEP = "step"
 
 
 def table(results: dict[str, dict[str, dict[str, str]]], versions: list[str]) -> str:
@@ -75,9 +86,11 @@ def table(results: dict[str, dict[str, dict[str, str]]], versions: list[str]) ->
     for f in files:
         cells = []
         for v in versions:
-            counts = Counter(results.get(v, {}).get(f, {}).values())
+            cases = dict(results.get(v, {}).get(f, {}))
+            step = cases.pop(STEP, None)
+            counts = Counter(cases.values())
             cell = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o])
-            cells.append(cell or "not run")
+            cells.append(f"{cell} (step {step})" if cell and step else cell or "not run")
         lines.append(f"| `{f}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -91,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     folders = args.folders or [Path(os.environ.get("QUANTPACK_GPU_RESULTS", "/tmp/gpu-matrix"))]
     results = collect(folders)
     print(table(results, args.versions.split(",")))
-    return int(any(o == "failed" for r in results.values() for f in r.values() for o in f.values()))
+    return int(any(o == "failed" for r in results.values() for f in r.values() for k, o in f.items() if k != STEP))
 
 
 if __name__ == "__main__":
