@@ -15,7 +15,9 @@ Three launches per shard:
 
 The end of a column block lives in its own launch because its float32 128 x 128 product needs most of a program's
 registers: inside the decode loop's kernel it made the compiler spill (ptxas for sm_90: 255 registers and 1.1 KB of
-spill stores per thread; the decode loop alone, 8 warps and ``BK`` = 16, takes 128 registers and spills nothing).
+spill stores per thread). The decode loop alone, 8 warps and ``BK`` = 16, takes 96 registers for sm_90, spills
+nothing and issues 157 instructions per warp and step (261 before its per-weight offsets and shifts were made
+loop-invariant, 2026-12-04; bit-identical results).
 
 The decode is the codec's (``quantpack_core.codec.trellis``: state of stream position ``t`` = the 16 ring bits
 ending at ``(t + 1) * K``, tile placement of the tensor-core layout), written for whole blocks of weights.
@@ -64,32 +66,36 @@ def gemm_kernel(
     r = pid_m * BM + tl.arange(0, BM)
     rk = tl.arange(0, BK)
     cr = tl.arange(0, 128)
-    # where each weight of a (BK, 128) block sits in its tile's stream: the word holding its state's high bits and
-    # the state's offset in the 64 bits from there, packed in one loop-invariant int32 per weight (a register each;
-    # the shifts are derived per step, which costs a few integer operations but keeps the kernel from spilling)
+    # where each weight of a (BK, 128) block finds its 16-bit state (loop-invariant, one register each): the state
+    # starts at stream bit ``start``, in word ``j = start // 32`` at offset ``o = start % 32`` (most significant bit
+    # first). With o <= 16 it lies in word j alone, ``(w[j] >> (16 - o)) & 0xFFFF``; else it runs into the next word
+    # of the ring, ``(w[j]:w[j+1] >> (48 - o)) & 0xFFFF``. Both are ``((hi << (32 - s)) | (lo >> s)) & 0xFFFF``
+    # with s in 0..31 (hi's part falls outside the mask when s <= 16), written ``(hi << 1) << (31 - s)`` so that no
+    # shift reaches 32
     t = tl.load(place_ptr + (rk[:, None] % 16) * 16 + (cr[None, :] % 16))
     start = ((t + 1) * KBITS - 16 + RING) % RING
-    packed = (start // 32) | ((48 - start % 32) << 8)  # word | shift of the 64-bit (hi:lo), 17..48
-    tile_n = nb * 8 + cr[None, :] // 16
+    j = start // 32
+    o = start % 32
+    two = o > 16
+    s = tl.where(two, 48 - o, 16 - o)
+    tile_off = (nb * 8 + cr[None, :] // 16) * WORDS
+    hi_off = tile_off + j
+    lo_off = tile_off + tl.where(two, tl.where(j == WORDS - 1, 0, j + 1), j)
+    hi_shift = (31 - s).to(tl.uint32)
+    lo_shift = s.to(tl.uint32)
     ntn = n // 16
     acc = tl.zeros((BM, 128), dtype=tl.float32)
     k_lo = ks * slice_k
     k_hi = tl.minimum(k, k_lo + slice_k)
     for k0 in range(k_lo, k_hi, BK):
-        word = packed & 0xFF
-        shift = packed >> 8
-        nxt = tl.where(word == WORDS - 1, 0, word + 1)
-        in_hi = shift >= 32  # the state lies in the high word alone
-        hi_shift = tl.where(in_hi, shift - 32, 32 - shift).to(tl.uint32)  # right shift / left shift of hi
-        lo_shift = tl.where(in_hi, 0, shift).to(tl.uint32)
-        base = (((k0 + rk[:, None]) // 16) * ntn + tile_n) * WORDS
-        hi = tl.load(code_ptr + base + word).to(tl.uint32, bitcast=True)
-        lo = tl.load(code_ptr + base + nxt).to(tl.uint32, bitcast=True)
-        state = tl.where(in_hi, hi >> hi_shift, (hi << hi_shift) | (lo >> lo_shift)) & 0xFFFF
+        tiles = code_ptr + (k0 // 16) * ntn * WORDS  # this step's row of tiles
+        hi = tl.load(tiles + hi_off).to(tl.uint32, bitcast=True)
+        lo = tl.load(tiles + lo_off).to(tl.uint32, bitcast=True)
+        state = (((hi << 1) << hi_shift) | (lo >> lo_shift)) & 0xFFFF
         h16 = ((state * MCG_MULT) & HALF_MASK) ^ HALF_XOR
-        low = (h16 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        high = (h16 >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        w = (low + high).to(tl.float16)
+        low = (h16 & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        high = (h16 >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        w = low + high  # in float16: the halves' exponents are close, so their sum is exact before its one rounding
         xt = tl.load(xt_ptr + r[:, None] * k + k0 + rk[None, :], mask=r[:, None] < rows, other=0.0)
         acc += tl.dot(xt, w)
     c = nb * 128 + cr
