@@ -44,11 +44,12 @@ except Exception as e:
 # (owed first after 2026-12-04, which passed the dense vLLM jobs with the one-row panel and the fused launches above
 # 16 rows, the linear kernels' tests and escha on trellis_mma (kernel tests and vLLM): the whole
 # Nemotron-3.5-Super-VL pack, the core writer's and the converter's; the vLLM MoE jobs and the 30B-A3B harness with
-# the decode profile of its batch 1; the stack's escha line and where the escha Triton kernel's time goes; the twin's
-# compile modes; the last steps re-check what passed before)
-all=(nemotron-vl e2e-moe profile-moe serve-moe serve-moe-mixed escha-kernel escha-times profile nemotron-twin
+# the decode profile of its batch 1; the escha kernel tests again (the Triton decode loop changed on 2026-12-04:
+# bit-identical on CPU, not yet compiled by the machine's Triton), then where its time goes and the stack's escha
+# line; the twin's compile modes; the last steps re-check what passed before)
+all=(nemotron-vl e2e-moe profile-moe serve-moe escha-gpu escha-times escha-kernel serve-moe-mixed profile nemotron-twin
   family-converter families qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated e2e-dense linear-kernels
-  escha-gpu escha-vllm serve-8b kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel)
+  escha-vllm serve-8b kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel)
 # the tiny models of the given families (of spark, nemotron-h, nemotron-vl) through exllamav3's own converter, each
 # once per machine
 family_convert() {
