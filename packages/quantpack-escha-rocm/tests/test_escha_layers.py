@@ -216,3 +216,82 @@ def test_layer_meta_must_match_the_coded_tensors(fixtures_dir, tmp_path):
         r"model\.layers\.9\.self_attn\.q_proj\.escha_code",
     ):
         EschaConfig.from_config(dict(qc, layer_meta=extra)).maybe_update_config(str(pack))
+    wrong_k = dict(qc["layer_meta"], **{"model.layers.0.mlp.up_proj": {"K": 3}})
+    with pytest.raises(
+        LayerLoadError,
+        match=r"model\.layers\.0\.mlp\.up_proj: \.escha_code holds K=4 \(16\*K words per tile\), layer_meta says K=3",
+    ):
+        EschaConfig.from_config(dict(qc, layer_meta=wrong_k)).maybe_update_config(str(pack))
+
+
+def _damaged(src, dst, config=None, tensors=None):
+    """A copy of an escha pack with its quantization config edited (``config(qc)``) or its tensor dict edited in
+    place (``tensors(t)``)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    if config is not None:
+        config(cfg["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(src / "model.safetensors"))
+    if tensors is not None:
+        tensors(t)
+    save_file(t, str(dst / "model.safetensors"), {"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize(
+    "case, expect",
+    [
+        ("unlisted", "model.layers.0.self_attn.k_proj: config.json: the pack stores .escha_code for it"),
+        ("no_meta", "the pack stores .escha_code for it (and 27 more modules)"),
+        ("meta_not_dict", "layer_meta must map module names to entries, got str"),
+        ("k_string", "has K='4'; escha codes need an integer K from 1 to 8"),
+        ("extra_layer", "model.layers.9.mlp.up_proj: config.json: quantization_config.layer_meta lists it"),
+        ("k_mismatch", "up_proj: config.json: .escha_code holds K=4 (16*K words per tile), layer_meta says K=3"),
+        ("code_width", "model.layers.0.mlp.up_proj.escha_code: width 50"),
+        ("rin_short", "model.layers.0.mlp.up_proj.escha_rin: float16 [100]"),
+        ("s_out_gone", "model.layers.0.mlp.up_proj.escha_s_out: missing"),
+        ("nan_scale", "model.layers.0.mlp.up_proj.escha_rout: "),
+        ("unpaired_scale", "model.embed_tokens.weight_scale: missing: the module stores .weight_int8"),
+        ("short_scale", "model.embed_tokens.weight_scale: float16 [10]; the int8 rows"),
+    ],
+)
+def test_inspect_finds_what_the_escha_config_refuses(fixtures_dir, tmp_path_factory, case, expect):
+    """``quantpack inspect``'s checks (``Pack.problems``) on an escha pack: the ``layer_meta`` checks the escha
+    config makes when vLLM builds it (the same functions), and the layout of each coded module and int8 table;
+    the pack as converted has no problem. Nothing is written into the pack."""
+    from quantpack_core.pack import Pack
+    from quantpack_escha.convert import escha_from_exl3
+
+    root = tmp_path_factory.getbasetemp() / "escha_inspect"
+    src = root / "escha"
+    if not src.exists():
+        escha_from_exl3(fixtures_dir / "llama-tiny-exl3-4.0bpw-mcg", src)
+        assert Pack(src).problems(require_exl3=False) == []
+    up, scale = "model.layers.0.mlp.up_proj", "model.embed_tokens.weight_scale"
+    edits = {
+        "unlisted": {"config": lambda qc: qc["layer_meta"].pop("model.layers.0.self_attn.k_proj")},
+        "no_meta": {"config": lambda qc: qc.pop("layer_meta")},
+        "meta_not_dict": {"config": lambda qc: qc.update(layer_meta="x")},
+        "k_string": {"config": lambda qc: qc["layer_meta"][up].update(K="4")},
+        "extra_layer": {"config": lambda qc: qc["layer_meta"].update({"model.layers.9.mlp.up_proj": {"K": 4}})},
+        "k_mismatch": {"config": lambda qc: qc["layer_meta"][up].update(K=3)},
+        "code_width": {"tensors": lambda t: t.update({f"{up}.escha_code": t[f"{up}.escha_code"][:, :, :50].clone()})},
+        "rin_short": {"tensors": lambda t: t.update({f"{up}.escha_rin": t[f"{up}.escha_rin"][:100].clone()})},
+        "s_out_gone": {"tensors": lambda t: t.pop(f"{up}.escha_s_out")},
+        "nan_scale": {"tensors": lambda t: t[f"{up}.escha_rout"].__setitem__(3, float("nan"))},
+        "unpaired_scale": {"tensors": lambda t: t.pop(scale)},
+        "short_scale": {"tensors": lambda t: t.update({scale: t[scale][:10].clone()})},
+    }
+    pack = _damaged(src, root / case, **edits[case])
+    before = {f.name: f.read_bytes() for f in pack.iterdir()}
+    found = [str(p) for p in Pack(pack).problems(require_exl3=False)]
+    assert any(expect in p for p in found), found
+    assert {f.name: f.read_bytes() for f in pack.iterdir()} == before

@@ -30,8 +30,8 @@ from .codec import Exl3Tensors, check_marker, unpack_signs
 from .codec.codebook import Codebook
 from .codec.hadamard import HAD_BLOCK
 from .codec.trellis import HALF_K, TILE, k_from_width
-from .errors import CodecError, PackError, Problem
-from .names import split_tensor_name
+from .errors import CodecError, LayerLoadError, PackError, Problem
+from .names import normalize_prefix, split_tensor_name
 from .ngram import NGRAM_FILE, RECOPY
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -63,11 +63,102 @@ FIX_REQUANTIZE = "re-quantize this module with exllamav3, or re-download the pac
 _EXPERT_MODULE = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
 
 
-#: an escha-coded module's code tensor (docs/escha-format.md; quantpack-escha-rocm reads the format, the pack only
-#: names the module's storage kind and K for ``inspect``)
+#: an escha-coded module's code tensor (docs/escha-format.md; quantpack-escha-rocm reads the format, the pack checks
+#: its layout and ``layer_meta`` for ``inspect`` and for the escha config, one implementation)
 ESCHA_CODE = "escha_code"
+#: escha's scale vectors: input side (``(in,)``), then output side (``(out,)``)
+ESCHA_IN_SCALES = ("escha_rin", "escha_s_in")
+ESCHA_OUT_SCALES = ("escha_rout", "escha_s_out")
 #: storage kinds holding a trellis (K and codebook known)
 CODED_FORMATS = ("exl3", "escha")
+FIX_ESCHA_META = "re-download or re-convert the pack"
+
+
+def escha_meta_key(name: str) -> str:
+    """The key an escha module is matched by in ``layer_meta``: its tail from ``layers.`` when it has one (the
+    checkpoint's and vLLM's namespaces agree there), else its canonical name
+    (:func:`quantpack_core.names.normalize_prefix`). Source: docs/escha-format.md."""
+    i = name.find("layers.")
+    if i == 0 or (i > 0 and name[i - 1] == "."):
+        return name[i:]
+    return normalize_prefix(name)
+
+
+def escha_layer_ks(layer_meta: object) -> dict[str, tuple[str, int]]:
+    """``quantization_config.layer_meta`` of an escha pack as ``{match key: (module as listed, K)}``.
+
+    Raises:
+        LayerLoadError: ``layer_meta`` is not a mapping, or an entry has no integer K in 1..8 (the entry named).
+    """
+    meta = layer_meta or {}
+    if not isinstance(meta, dict):
+        raise LayerLoadError(
+            f"quantization_config.layer_meta must map module names to entries, got {type(meta).__name__} - the "
+            "pack's config.json is damaged"
+        )
+    ks: dict[str, tuple[str, int]] = {}
+    for name, entry in meta.items():
+        k = entry.get("K") if isinstance(entry, dict) else None
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8:
+            raise LayerLoadError(
+                f"quantization_config.layer_meta[{name!r}] has K={k!r}; escha codes need an integer K from 1 to 8 "
+                "- the pack's config.json is damaged"
+            )
+        ks[escha_meta_key(name)] = (name, k)
+    return ks
+
+
+def escha_meta_mismatches(ks: dict[str, tuple[str, int]], widths: dict[str, int]) -> list[tuple[str, str, str]]:
+    """Where ``layer_meta`` and the stored codes disagree, as ``(module, what, fix)``, at most one per kind with
+    the count of the others: a module storing ``.escha_code`` that ``layer_meta`` does not list (vLLM would build it
+    dense and fail deep in its loader), a listed module storing none (``layer_meta`` describes another model), and a
+    K that is not the code's (16*K words per tile).
+
+    Args:
+        ks: :func:`escha_layer_ks` of the pack's ``layer_meta``.
+        widths: every module storing ``.escha_code`` -> that tensor's last dimension (16*K; an illegal width is the
+            layout check's to report, not compared here).
+    """
+    out: list[tuple[str, str, str]] = []
+    coded = {m: w // TILE if w % TILE == 0 and 1 <= w // TILE <= 8 else None for m, w in widths.items()}
+    stored = {escha_meta_key(m): m for m in coded}
+
+    def more(n: int, what: str = "modules") -> str:
+        return f" (and {n - 1} more {what})" if n > 1 else ""
+
+    unlisted = [stored[k] for k in stored if k not in ks]
+    if unlisted:
+        out.append(
+            (
+                unlisted[0],
+                f"the pack stores .{ESCHA_CODE} for it{more(len(unlisted))} but quantization_config.layer_meta does "
+                "not list it, so vLLM would build it as a dense layer",
+                "add it to layer_meta with its K, or re-convert the pack",
+            )
+        )
+    absent = [ks[k][0] for k in ks if k not in stored]
+    if absent:
+        out.append(
+            (
+                absent[0],
+                f"quantization_config.layer_meta lists it{more(len(absent), '')} but the pack stores no "
+                f"{absent[0]}.{ESCHA_CODE} - config.json does not describe these tensors",
+                FIX_ESCHA_META,
+            )
+        )
+    wrong = [(ks[k][0], ks[k][1], coded[stored[k]]) for k in stored if k in ks and coded[stored[k]] is not None]
+    wrong = [w for w in wrong if w[1] != w[2]]
+    if wrong:
+        name, want, have = wrong[0]
+        out.append(
+            (
+                name,
+                f".{ESCHA_CODE} holds K={have} (16*K words per tile), layer_meta says K={want}{more(len(wrong))} - "
+                "the pack's config.json does not match its tensors",
+                FIX_ESCHA_META,
+            )
+        )
+    return out
 
 
 @dataclass(frozen=True)
@@ -508,8 +599,13 @@ class Pack:
         for m in self.modules.values():
             if m.format == "exl3":
                 out.extend(self._exl3_problems(m, check_values))
-            elif check_values and m.format in ("dense", "int8-rows"):
-                out.extend(self._vector_problems(m))
+            elif m.format == "escha":
+                out.extend(self._escha_problems(m, check_values))
+            else:
+                out.extend(self._int8_pair_problems(m))
+                if check_values and m.format in ("dense", "int8-rows"):
+                    out.extend(self._vector_problems(m))
+        out.extend(self._escha_meta_problems())
         out.extend(self._moe_problems())
         out.extend(self._manifest_problems())
         out.extend(self._unindexed_problems())
@@ -877,6 +973,101 @@ class Pack:
             )
         if check_values and not out and not any(i.file in self._bad_files for i in t.values()):
             out.extend(self._value_problems(key, t))
+        return out
+
+    def _escha_problems(self, m: ModuleInfo, check_values: bool) -> list[Problem]:
+        """The layout of one escha-coded module (docs/escha-format.md): an int16 ``(in/16, out/16, 16*K)`` code of
+        an integer K and whole 128-feature blocks, its four scale vectors present, floating, of the code's widths
+        (and finite, when ``check_values``), no dense ``.weight`` beside it, a bias that fits."""
+        key, t = m.key, m.tensors
+        out: list[Problem] = []
+
+        def bad(suffix: str, what: str, fix: str = FIX_ESCHA_META) -> None:
+            out.append(Problem(key, f"{key}.{suffix}", what, fix))
+
+        code = t[ESCHA_CODE]
+        if code.dtype != torch.int16:
+            bad(ESCHA_CODE, f"dtype {_dtype_name(code.dtype)}, an escha code is int16")
+        width = code.shape[-1]
+        if width % TILE or not 1 <= width // TILE <= 8:
+            bad(ESCHA_CODE, f"width {width} (shape {list(code.shape)}) is not 16*K for an integer K in 1..8")
+        kp, np_ = m.padded_shape or (0, 0)
+        if kp % HAD_BLOCK or np_ % HAD_BLOCK:
+            bad(ESCHA_CODE, f"shape {list(code.shape)} gives {kp}x{np_} features, not multiples of {HAD_BLOCK}")
+        for names, length, side in ((ESCHA_IN_SCALES, kp, "input"), (ESCHA_OUT_SCALES, np_, "output")):
+            for suffix in names:
+                v = t.get(suffix)
+                if v is None:
+                    bad(suffix, f"missing (the .{ESCHA_CODE} is there)", f"the pack is incomplete: {FIX_ESCHA_META}")
+                elif not v.dtype.is_floating_point or v.shape != (length,):
+                    bad(
+                        suffix,
+                        f"{_dtype_name(v.dtype)} {list(v.shape)}; the code's {side} side needs a float vector of "
+                        f"[{length}]",
+                    )
+        if "bias" in t and (len(t["bias"].shape) != 1 or t["bias"].shape[0] > np_):
+            bad("bias", f"shape {list(t['bias'].shape)} does not fit the {np_} output features")
+        if "weight" in t:
+            bad(
+                "weight",
+                f"a dense .weight stored beside the module's .{ESCHA_CODE}: the pack holds two versions of this layer",
+                "remove the one that does not belong, or re-download / re-convert the pack",
+            )
+        if check_values and not out and not any(i.file in self._bad_files for i in t.values()):
+            for suffix in (*ESCHA_IN_SCALES, *ESCHA_OUT_SCALES):
+                name = f"{key}.{suffix}"
+                v = self._read_value(key, name, out)
+                if v is not None:
+                    self._check_finite(key, name, v, out)
+        return out
+
+    def _escha_meta_problems(self) -> list[Problem]:
+        """For a pack whose config.json says ``quant_method: "escha"``: ``layer_meta`` against the stored codes
+        (:func:`escha_layer_ks`, :func:`escha_meta_mismatches`: the checks the escha config makes when vLLM
+        builds it)."""
+        if self._config_method != "escha":
+            return []
+        qc = self.config.get("quantization_config")
+        try:
+            ks = escha_layer_ks(qc.get("layer_meta") if isinstance(qc, dict) else None)
+        except LayerLoadError as e:
+            return [Problem("", "config.json", str(e).split(" - ")[0], "re-download the pack's config.json")]
+        widths = {m.key: m.tensors[ESCHA_CODE].shape[-1] for m in self.modules.values() if m.format == "escha"}
+        return [Problem(module, "config.json", what, fix) for module, what, fix in escha_meta_mismatches(ks, widths)]
+
+    def _int8_pair_problems(self, m: ModuleInfo) -> list[Problem]:
+        """An int8 table's rows without their per-row scales or the reverse (either naming of
+        :data:`INT8_ROW_NAMES`), and scales that are not one float per row."""
+        out: list[Problem] = []
+        for rows, scales in self.INT8_ROW_NAMES:
+            r, sc = m.tensors.get(rows), m.tensors.get(scales)
+            if (r is None) == (sc is None):
+                if (
+                    r is not None
+                    and r.dtype == torch.int8
+                    and (len(r.shape) != 2 or sc.shape != (r.shape[0],) or not sc.dtype.is_floating_point)
+                ):
+                    out.append(
+                        Problem(
+                            m.key,
+                            f"{m.key}.{scales}",
+                            f"{_dtype_name(sc.dtype)} {list(sc.shape)}; the int8 rows {list(r.shape)} need one float "
+                            "scale per row",
+                            FIX_REDOWNLOAD,
+                        )
+                    )
+                continue
+            have, lack = (rows, scales) if r is not None else (scales, rows)
+            if have == scales and m.tensors.keys() & {"trellis", "weight"}:
+                continue  # a coded or dense module's own scales (an FP8 weight's ``weight_scale``), not an int8 table
+            out.append(
+                Problem(
+                    m.key,
+                    f"{m.key}.{lack}",
+                    f"missing: the module stores .{have} but no .{lack} (an int8 table needs both)",
+                    f"the pack is incomplete: {FIX_REDOWNLOAD}",
+                )
+            )
         return out
 
     def _value_problems(self, key: str, t: dict[str, TensorInfo]) -> list[Problem]:

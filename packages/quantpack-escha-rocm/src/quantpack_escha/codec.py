@@ -29,14 +29,13 @@ import torch
 
 from quantpack_core.codec import HAD_BLOCK, TILE, Codebook, decode_matrix, had128, k_from_width
 from quantpack_core.errors import CodecError
-from quantpack_core.pack import ESCHA_CODE
+from quantpack_core.pack import ESCHA_CODE, ESCHA_IN_SCALES, ESCHA_OUT_SCALES
 from quantpack_core.tp import TpCut
 
 #: the codebook every escha code is decoded with
 CODEBOOK = Codebook.MCG
-#: the scales' suffixes, input side then output side
-IN_SCALES = ("escha_rin", "escha_s_in")
-OUT_SCALES = ("escha_rout", "escha_s_out")
+#: the scales' suffixes, input side then output side (the pack reader checks them by the same names)
+IN_SCALES, OUT_SCALES = ESCHA_IN_SCALES, ESCHA_OUT_SCALES
 CODE = ESCHA_CODE  # the pack reader names escha modules by it too
 #: unnormalized transforms on both sides: sqrt(128) each relative to EXL3's normalized ones
 HAD_GAIN = math.sqrt(HAD_BLOCK)

@@ -23,6 +23,7 @@ import torch
 
 from quantpack_core.errors import LayerLoadError
 from quantpack_core.names import expand_fused, normalize_prefix
+from quantpack_core.pack import escha_layer_ks, escha_meta_key, escha_meta_mismatches
 from quantpack_core.vllm.config import INT8_ROWS, QuantpackConfig, untie_if_head_stored
 from quantpack_core.vllm.embedding import Int8RowsEmbeddingMethod
 
@@ -40,13 +41,8 @@ DENSE_SUFFIX = "weight"
 INT8_TABLES = ("embed_tokens", "lm_head")
 
 
-def meta_key(name: str) -> str:
-    """The key a module is matched by: its tail from ``layers.`` when it has one (both namespaces agree there),
-    else its canonical name (:func:`quantpack_core.names.normalize_prefix`)."""
-    i = name.find("layers.")
-    if i == 0 or (i > 0 and name[i - 1] == "."):
-        return name[i:]
-    return normalize_prefix(name)
+#: the key a module is matched by in ``layer_meta`` (its tail from ``layers.``; the pack reader's)
+meta_key = escha_meta_key
 
 
 class EschaInt8Embedding(Int8RowsEmbeddingMethod):
@@ -87,21 +83,9 @@ class EschaConfig(QuantpackConfig):
 
     def __init__(self, quant_config: dict[str, Any]):
         super().__init__(quant_config)
-        meta = quant_config.get("layer_meta") or {}
-        if not isinstance(meta, dict):
-            raise LayerLoadError(
-                f"quantization_config.layer_meta must map module names to entries, got {type(meta).__name__}"
-            )
-        self.layer_meta = meta
-        self._k: dict[str, int] = {}
-        for name, entry in meta.items():
-            k = entry.get("K") if isinstance(entry, dict) else None
-            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8:
-                raise LayerLoadError(
-                    f"quantization_config.layer_meta[{name!r}] has K={k!r}; escha codes need an integer K from 1 to 8 "
-                    "- the pack's config.json is damaged"
-                )
-            self._k[meta_key(name)] = k
+        self.layer_meta = quant_config.get("layer_meta") or {}
+        self._meta = escha_layer_ks(self.layer_meta)
+        self._k = {key: k for key, (_, k) in self._meta.items()}
 
     def __repr__(self) -> str:
         hist: dict[int, int] = {}
@@ -178,7 +162,7 @@ class EschaConfig(QuantpackConfig):
                 self.routes.setdefault(table, INT8_ROWS)
             return
         names = tensor_names(Path(model_name))
-        self.check_layer_meta(names)
+        self.check_layer_meta(code_shapes(Path(model_name)))
         for name in names:
             module, _, suffix = name.rpartition(".")
             key = normalize_prefix(module)
@@ -191,34 +175,21 @@ class EschaConfig(QuantpackConfig):
         untie_if_head_stored([n.rpartition(".")[0] for n in names], hf_config, model_name)
         logger.info("quantpack-escha: %s: %r", model_name, self)
 
-    def check_layer_meta(self, names: list[str]) -> None:
-        """``layer_meta`` against the pack's tensors, in the user's process before any worker loads: every module
-        storing ``.escha_code`` must be listed (else vLLM would build it as a dense layer and fail deep in its loader),
-        and every listed module must store one (else ``layer_meta`` describes another model).
+    def check_layer_meta(self, codes: dict[str, tuple[int, ...]]) -> None:
+        """``layer_meta`` against the pack's codes, in the user's process before any worker loads
+        (:func:`quantpack_core.pack.escha_meta_mismatches`, the check ``quantpack inspect`` makes too): every module
+        storing ``.escha_code`` listed, every listed module storing one, each K the code's.
 
         Args:
-            names: every tensor name of the pack (:func:`tensor_names`).
+            codes: each module storing ``.escha_code`` -> that tensor's shape (:func:`code_shapes`).
 
         Raises:
-            LayerLoadError: naming the first such module, how many more there are, and the fix.
+            LayerLoadError: the first disagreement, how many more of its kind there are, and the fix.
         """
-        coded = [module for module, _, suffix in (n.rpartition(".") for n in names) if suffix == CODE]
-        stored = {meta_key(m): m for m in coded}
-        listed = {meta_key(m): m for m in self.layer_meta}
-        unlisted = [stored[k] for k in stored if k not in listed]
-        if unlisted:
-            more = f" (and {len(unlisted) - 1} more modules)" if len(unlisted) > 1 else ""
-            raise LayerLoadError(
-                f"{unlisted[0]}: the pack stores .{CODE} for it{more} but quantization_config.layer_meta does not list "
-                "it, so vLLM would build it as a dense layer - add it to layer_meta with its K, or re-convert the pack"
-            )
-        absent = [listed[k] for k in listed if k not in stored]
-        if absent:
-            more = f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""
-            raise LayerLoadError(
-                f"{absent[0]}: quantization_config.layer_meta lists it{more} but the pack stores no {absent[0]}.{CODE} "
-                "- config.json does not describe these tensors; re-download or re-convert the pack"
-            )
+        found = escha_meta_mismatches(self._meta, {m: shape[-1] if shape else 0 for m, shape in codes.items()})
+        if found:
+            module, what, fix = found[0]
+            raise LayerLoadError(f"{module}: {what} - {fix}")
 
 
 def tensor_names(pack: Path) -> list[str]:
@@ -230,3 +201,17 @@ def tensor_names(pack: Path) -> list[str]:
         with safe_open(str(f), "pt") as st:
             names.extend(st.keys())
     return names
+
+
+def code_shapes(pack: Path) -> dict[str, tuple[int, ...]]:
+    """Each module of a local pack storing ``.escha_code`` -> that tensor's shape (headers only)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(pack.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                module, _, suffix = name.rpartition(".")
+                if suffix == CODE:
+                    shapes[module] = tuple(st.get_slice(name).get_shape())
+    return shapes
