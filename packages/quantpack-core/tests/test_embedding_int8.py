@@ -86,7 +86,7 @@ def test_cli(fixtures_dir, tmp_path):
     assert embed and embed[0][1:3] == ["int8-rows", "-"] and "int8" in embed[0], embed
     (tmp_path / "a-file").write_text("")
     res = runner.invoke(main, ["embed-int8", str(fixtures_dir / MAIN), "--out", str(tmp_path / "a-file")])
-    assert res.exit_code == 2 and "Not a directory" in res.output and res.exception.__class__ is SystemExit
+    assert res.exit_code == 2 and "is a file; --out names" in res.output and res.exception.__class__ is SystemExit
     # written files get the usual permissions, not tempfile's 0600
     import os
 
@@ -116,3 +116,27 @@ def test_version_lists_the_installed_packages():
         assert "quantpack-exl3" not in lines or lines["exllamav3"].startswith("not installed")
     else:
         assert lines["exllamav3"] == exllamav3
+
+
+def test_an_output_inside_the_input_or_through_a_link_is_refused(fixtures_dir, tmp_path):
+    """``--out`` inside the pack (or the pack itself), a file, a symbolic link or a non-empty folder: refused before
+    anything is written, the input pack unchanged (the check ``quantpack escha-from-exl3`` makes too)."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(fixtures_dir / MAIN, src)
+    before = digest(src)
+    for out in (src / "sub", src, src / "a" / "b"):
+        with pytest.raises(FileExistsError, match="lies inside the source pack"):
+            convert_embedding_int8(src, out)
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep").write_text("mine")
+    for out, what in (("file", "is a file"), ("link", "is a symbolic link"), ("full", "never overwrites")):
+        with pytest.raises(FileExistsError, match=what):
+            convert_embedding_int8(src, tmp_path / out)
+    assert digest(src) == before and sorted(p.name for p in src.iterdir()) == sorted(
+        p.name for p in (fixtures_dir / MAIN).iterdir()
+    )
+    assert (tmp_path / "file").read_text() == "mine" and not (tmp_path / "nowhere").exists()

@@ -170,3 +170,47 @@ def test_inspect_names_escha_modules_and_their_tensor_parallel_cuts(converted):
     assert res.exit_code == 1, res.output
     assert "model.layers.0.mlp.down_proj" in res.output and "20 refused" in res.output
     assert "not whole 128-feature blocks" in res.output
+
+
+def _as_mcg(src, dst):
+    """A copy of a mul1 EXL3 pack with every ``.mul1`` marker replaced by an mcg one and the configs saying mcg: a
+    pack the converter takes as mcg-coded (the decoded values are not the source's; only the layout matters here)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from quantpack_core.codec import Codebook
+
+    dst.mkdir()
+    m = Codebook.MCG.multiplier
+    marker = torch.tensor(m - (1 << 32) if m >= 1 << 31 else m, dtype=torch.int32)
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            t = load_file(str(f))
+            for name in [n for n in t if n.endswith(".mul1")]:
+                del t[name]
+                t[name.removesuffix(".mul1") + ".mcg"] = marker.clone()
+            save_file(t, str(dst / f.name), {"format": "pt"})
+        elif f.name in ("config.json", "quantization_config.json"):
+            text = f.read_text().replace('"mul1"', '"mcg"').replace(".mul1", ".mcg")
+            (dst / f.name).write_text(text)
+            json.loads(text)
+        elif f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_moe_packs_and_int8_tables_are_refused_before_anything_is_written(fixtures_dir, tmp_path):
+    """Coded experts: the escha config refuses expert banks at load, so the converter refuses them first, naming an
+    expert; a table that ``quantpack embed-int8`` already turned into int8 rows is named as such, with the fix."""
+    from quantpack_core.embedding import convert_embedding_int8
+
+    moe = _as_mcg(fixtures_dir / "qwen3moe-tiny-exl3-4.0bpw-mul1", tmp_path / "moe")
+    with pytest.raises(ConversionError, match=r"layers\.\d+\.mlp\.experts\.\d+\.\w+: an expert of an MoE bank"):
+        escha_from_exl3(moe, tmp_path / "out-moe")
+    assert not (tmp_path / "out-moe").exists()
+    int8 = tmp_path / "int8"
+    convert_embedding_int8(fixtures_dir / SOURCE, int8)
+    with pytest.raises(ConversionError, match=r"embed_tokens: already int8 rows \(quantpack embed-int8\); convert"):
+        escha_from_exl3(int8, tmp_path / "out-int8")
+    assert not (tmp_path / "out-int8").exists()

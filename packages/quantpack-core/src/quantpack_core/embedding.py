@@ -131,7 +131,7 @@ def convert_embedding_int8(
 
     Raises:
         PackError: an unsound pack, no or an already converted embedding.
-        FileExistsError: ``out`` exists and is not empty.
+        FileExistsError: ``out`` is not a new or empty folder outside ``src`` (:func:`check_output_folder`).
         ValueError: neither ``out`` nor ``in_place``, or both.
     """
     if (out is None) == (not in_place):
@@ -141,8 +141,7 @@ def convert_embedding_int8(
     info = pack.modules[key].tensors["weight"]
     dst = Path(src) if in_place else Path(out)
     if not in_place:
-        if dst.exists() and any(dst.iterdir()):
-            raise FileExistsError(f"{dst} exists and is not empty; the converter never overwrites")
+        check_output_folder(Path(src), dst)
         dst.mkdir(parents=True, exist_ok=True)
         for f in Path(src).iterdir():
             if f.is_file() and f.name != info.file:
@@ -202,6 +201,25 @@ def _atomic_write_text(path: Path, text: str) -> None:
         f.write(text)
     default_file_mode(tmp)
     os.replace(tmp, path)
+
+
+def check_output_folder(src: Path, dst: Path) -> None:
+    """Refuse a converter's output folder that would overwrite, or nest in, what the user gave (``quantpack
+    embed-int8 --out``, ``quantpack escha-from-exl3 --out``).
+
+    Raises:
+        FileExistsError: ``dst`` is a file, a symbolic link (dangling or not), a folder that is not empty, or is (or
+            lies inside) the source pack ``src``.
+    """
+    source, target = src.resolve(), dst.resolve()
+    if target == source or source in target.parents:
+        raise FileExistsError(f"{dst} lies inside the source pack {src}; write the converted pack outside it")
+    if dst.is_symlink():
+        raise FileExistsError(f"{dst} is a symbolic link; --out names a new folder for the converted pack")
+    if dst.exists() and not dst.is_dir():
+        raise FileExistsError(f"{dst} is a file; --out names the folder the converted pack is written to")
+    if dst.exists() and any(dst.iterdir()):
+        raise FileExistsError(f"{dst} exists and is not empty; the converter never overwrites")
 
 
 def default_file_mode(path: str | os.PathLike) -> None:

@@ -60,7 +60,8 @@ FIX_REDOWNLOAD = "re-download the pack (or re-run exllamav3's converter); the fi
 FIX_REQUANTIZE = "re-quantize this module with exllamav3, or re-download the pack"
 
 
-_EXPERT_MODULE = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
+#: one expert's projection of an MoE bank: ``<layer>.experts.<e>.<proj>``
+EXPERT_MODULE = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
 
 
 #: an escha-coded module's code tensor (docs/escha-format.md; quantpack-escha-rocm reads the format, the pack checks
@@ -826,7 +827,7 @@ class Pack:
         Source: docs/moe-bank.md (the bank's rules); quantpack_core.moe.plan_moe_layer enforces the same at load."""
         layers: dict[str, dict[int, dict[str, ModuleInfo]]] = {}
         for m in self.modules.values():
-            hit = _EXPERT_MODULE.match(m.key)
+            hit = EXPERT_MODULE.match(m.key)
             if hit and m.format == "exl3":
                 layers.setdefault(hit["layer"], {}).setdefault(int(hit["e"]), {})[hit["proj"]] = m
         out: list[Problem] = []

@@ -25,10 +25,10 @@ import torch
 from safetensors.torch import save_file
 
 from quantpack_core.codec import HAD_BLOCK, Codebook, dequantize
-from quantpack_core.embedding import default_file_mode, quantize_rows
+from quantpack_core.embedding import check_output_folder, default_file_mode, quantize_rows
 from quantpack_core.errors import QuantpackError
 from quantpack_core.names import normalize_prefix
-from quantpack_core.pack import INDEX_FILE, MANIFEST_FILE, Pack
+from quantpack_core.pack import EXPERT_MODULE, INDEX_FILE, MANIFEST_FILE, Pack
 
 from .codec import CODE
 
@@ -80,7 +80,8 @@ def escha_from_exl3(src: str | Path, out: str | Path, *, seed: int = 0, biases: 
 
     Raises:
         PackError: an unsound source pack.
-        ConversionError: a module coded with another codebook than mcg, or a pack without a token embedding.
+        ConversionError: a module coded with another codebook than mcg, coded experts (escha expert banks are not
+            served), a table already in int8 rows, or a pack without a token embedding.
         FileExistsError: ``out`` exists and is not empty.
     """
     src, dst = Path(src), Path(out)
@@ -92,7 +93,14 @@ def escha_from_exl3(src: str | Path, out: str | Path, *, seed: int = 0, biases: 
             f"{k}: coded with the {cb.value} codebook ({len(other)} modules are not mcg); escha decodes mcg codes only "
             "- quantize the model with exllamav3's --codebook mcg and convert that pack"
         )
-    check_output(src, dst)
+    experts = [k for k, m in pack.modules.items() if m.format == "exl3" and EXPERT_MODULE.match(k)]
+    if experts:
+        raise ConversionError(
+            f"{experts[0]}: an expert of an MoE bank ({len(experts)} expert projections are coded); this version of "
+            "quantpack-escha-rocm serves no escha expert banks, so the pack it would write could not load - serve "
+            "the EXL3 pack with quantpack-exl3"
+        )
+    check_output_folder(src, dst)
     g = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     coded: dict[str, int] = {}
@@ -110,6 +118,11 @@ def escha_from_exl3(src: str | Path, out: str | Path, *, seed: int = 0, biases: 
                 w = w[:vocab, :hidden]
             elif "weight" in m.tensors:
                 w = pack.get_tensor(m.tensors["weight"].name)
+            elif m.format == "int8-rows":
+                raise ConversionError(
+                    f"{key}: already int8 rows (quantpack embed-int8); convert the pack from before embed-int8, whose "
+                    "table the converter quantizes itself"
+                )
             else:
                 raise ConversionError(f"{key}: neither an EXL3 nor a dense table; cannot store it as int8 rows")
             q, s = quantize_rows(w)
@@ -164,24 +177,6 @@ def escha_from_exl3(src: str | Path, out: str | Path, *, seed: int = 0, biases: 
         default_file_mode(work / "model.safetensors")
         (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if dst.is_dir():
-            dst.rmdir()  # the empty folder check_output accepted
+            dst.rmdir()  # the empty folder check_output_folder accepted
         work.rename(dst)
     return ConversionReport(dst, coded, tuple(tables), biases)
-
-
-def check_output(src: Path, dst: Path) -> None:
-    """Refuse an output folder that would overwrite or nest in what the user gave.
-
-    Raises:
-        FileExistsError: ``dst`` is a file, a symbolic link (dangling or not), a folder that is not empty, or lies
-            inside the source pack ``src`` (or is it).
-    """
-    if dst.is_symlink():
-        raise FileExistsError(f"{dst} is a symbolic link; --out names a new folder for the escha pack")
-    if dst.exists() and not dst.is_dir():
-        raise FileExistsError(f"{dst} is a file; --out names the folder the escha pack is written to")
-    if dst.exists() and any(dst.iterdir()):
-        raise FileExistsError(f"{dst} exists and is not empty; the converter never overwrites")
-    source, target = src.resolve(), dst.resolve()
-    if target == source or source in target.parents:
-        raise FileExistsError(f"{dst} lies inside the source pack {src}; write the escha pack outside it")
