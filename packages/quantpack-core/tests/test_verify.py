@@ -72,3 +72,24 @@ def test_bad_references_and_bounds_are_named_errors(fixtures_dir, tmp_path):
     for args, needle in cases:
         out = runner.invoke(main, ["verify", pack, *args])
         assert out.exit_code == 2 and needle in out.output, (args, out.output)
+
+
+def test_a_tied_config_with_a_stored_head_verifies_the_stored_head(fixtures_dir, tmp_path):
+    """``tie_word_embeddings: true`` beside a stored ``lm_head`` (as exllamav3 1.4 wrote some packs): vLLM serves the
+    stored head (``untie_if_head_stored``), so the reference model must too; tied, transformers overwrote one table
+    with the other (KL 6.6 nats)."""
+    import json
+
+    tied = tmp_path / "tied"
+    shutil.copytree(fixtures_dir / PACK, tied)
+    cfg = json.loads((tied / "config.json").read_text())
+    cfg["tie_word_embeddings"] = True
+    (tied / "config.json").write_text(json.dumps(cfg))
+    got, own = verify_pack(tied), verify_pack(fixtures_dir / PACK)
+    assert got.ok and abs(got.agreement.kl - own.agreement.kl) < 1e-9, (got, own)
+
+
+def test_tokens_sets_the_positions_against_a_model(fixtures_dir):
+    """``--tokens`` wins over the pack's own reference ids when given; without it those ids are used."""
+    source = fixtures_dir / "llama-tiny-bf16"
+    assert verify_pack(fixtures_dir / PACK, source, tokens=32).agreement.positions == 32

@@ -181,13 +181,12 @@ def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool, kv_cache_dt
 @click.option(
     "--tokens",
     type=click.IntRange(1, 1 << 20),
-    default=64,
-    show_default=True,
-    help="Positions compared against a model (--against a folder); a reference_logits.pt sets its own positions.",
+    help="Positions compared against a model (--against a folder), random ids [default: the ids of the pack's own "
+    "reference_logits.pt, else 64]; a reference_logits.pt given as --against sets its own positions.",
 )
 @click.option("--max-kl", type=float, help="Largest mean KL in nats/token (default 1e-2 against logits, 1.0 a model).")
 @click.option("--min-top1", type=float, help="Smallest top-1 agreement (default 0.95 against logits, 0.5 a model).")
-def verify(pack: Path, against: Path | None, tokens: int, max_kl: float | None, min_top1: float | None) -> None:
+def verify(pack: Path, against: Path | None, tokens: int | None, max_kl: float | None, min_top1: float | None) -> None:
     """Decode PACK on the CPU, run it through transformers and compare its next-token logits with a reference: KL and
     top-1 printed; exit status 1 beyond the bounds, 2 when it cannot run."""
     from .verify import verify_pack

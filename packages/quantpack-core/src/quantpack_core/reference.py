@@ -75,6 +75,12 @@ def dense_transformers_model(
     cfg = transformers.AutoConfig.from_pretrained(pack_dir)
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
+    if any(k.rsplit(".", 1)[-1] == "lm_head" for k in pack.modules):
+        # a pack that stores its head is served with it even where the config ties it (vLLM's side:
+        # quantpack_core.vllm.config.untie_if_head_stored); tied, transformers would overwrite one table with the other
+        for c in (cfg, getattr(cfg, "text_config", None)):
+            if c is not None and getattr(c, "tie_word_embeddings", False):
+                c.tie_word_embeddings = False
     cls = getattr(transformers, cls_name or cfg.architectures[0])
     model = cls(cfg).to(dtype).eval()
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -139,11 +139,15 @@ def _reference_logits(source: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.long(), logits
 
 
+#: positions compared against a model when neither ``tokens`` nor the pack's own reference ids say otherwise
+DEFAULT_TOKENS = 64
+
+
 def verify_pack(
     pack: str | Path,
     against: str | Path | None = None,
     *,
-    tokens: int = 64,
+    tokens: int | None = None,
     max_kl: float | None = None,
     min_top1: float | None = None,
 ) -> Verdict:
@@ -152,9 +156,9 @@ def verify_pack(
     Args:
         pack: the pack folder.
         against: a ``reference_logits.pt`` file or a model folder; default the pack's own ``reference_logits.pt``.
-        tokens: positions to compare when the reference is a model and the pack has no ``reference_logits.pt``
-            whose ids (text) are used instead (ids drawn with a fixed seed below the vocabulary size, at most the
-            model's ``max_position_embeddings``); a logits file brings its own ids.
+        tokens: positions to compare when the reference is a model: ids drawn with a fixed seed below the vocabulary
+            size, at most the model's ``max_position_embeddings``. None: the ids (text) of the pack's own
+            ``reference_logits.pt`` when it has one, else :data:`DEFAULT_TOKENS`. A logits file brings its own ids.
         max_kl, min_top1: bounds (default :data:`BOUNDS` for the reference's kind): KL >= 0 in nats per token,
             top-1 a fraction in [0, 1].
 
@@ -201,9 +205,10 @@ def verify_pack(
             shown = ", ".join(f"{k} {cfg[k]!r} vs {other.get(k)!r}" for k in differ)
             raise VerifyError(f"{source} is another model than the pack ({shown}): give the pack's bf16 source")
         own = pack / REFERENCE_FILE
-        if own.is_file():
+        if tokens is None and own.is_file():
             ids = _reference_logits(own)[0]
         else:
+            tokens = DEFAULT_TOKENS if tokens is None else tokens
             longest = cfg.get("max_position_embeddings")
             n = min(tokens, longest) if isinstance(longest, int) and longest > 0 else tokens
             ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
