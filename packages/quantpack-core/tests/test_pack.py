@@ -534,3 +534,20 @@ def test_logical_shapes_come_from_the_config_where_its_sizes_fix_them(fixtures_d
     moe = Pack.open(fixtures_dir / "qwen3moe-tiny-exl3-4.0bpw-mul1")
     width = moe.config["moe_intermediate_size"]
     assert {r[0]: r for r in moe.summary_rows()}["model.layers.0.mlp.experts.0.down_proj"][5].startswith(f"{width}x")
+
+
+def test_one_missing_file_is_one_line_of_the_error_not_one_per_tensor(fixtures_dir, tmp_path):
+    """A pack whose only safetensors file is gone: every tensor the manifest lists is absent, which the error says in
+    one line (the first tensor, the next three and how many more), beside the file-level line; the problem list
+    itself keeps every one."""
+    import shutil
+
+    pack = tmp_path / "p"
+    shutil.copytree(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1", pack)
+    (pack / "model.safetensors").unlink()
+    with pytest.raises(PackError) as e:
+        Pack.open(pack)
+    lines = [line for line in str(e.value).splitlines() if line.startswith("  - ")]
+    assert len(e.value.problems) == 127 and len(lines) == 2, str(e.value)[:2000]
+    assert "no safetensors file" in lines[0]
+    assert "listed in quantization_config.json but absent" in lines[1] and "(the same for 125 more: " in lines[1]

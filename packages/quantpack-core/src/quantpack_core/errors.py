@@ -51,11 +51,39 @@ class PackError(QuantpackError):
     def __init__(self, path: str, problems: list[Problem]):
         self.path = str(path)
         self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
+        lines = "\n".join(f"  - {line}" for line in collapse(self.problems))
         n = len(self.problems)
         # a path that is no directory has no pack to leave untouched
         tail = "\nNothing in the pack directory was modified." if os.path.isdir(self.path) else ""
         super().__init__(f"{self.path}: {n} problem{'s' if n != 1 else ''} found in this pack:\n{lines}{tail}")
+
+
+#: tensors named after a collapsed problem before "and N more"
+COLLAPSE_NAMES = 3
+
+
+def collapse(problems: list[Problem]) -> list[str]:
+    """The problems as lines, one per kind: problems that say the same thing of different tensors (their ``what``
+    equal once each one's own module and tensor names are taken out, and the same ``fix``) become the first one's
+    line, followed by the next tensors' names and how many more there are (one missing file makes every tensor of
+    it absent: one line, not a hundred). Order of first appearance is kept."""
+    groups: dict[tuple[str, str], list[Problem]] = {}
+    for p in problems:
+        what = p.what
+        for name in sorted({p.tensor, p.module} - {""}, key=len, reverse=True):
+            what = what.replace(name, "<name>")
+        groups.setdefault((what, p.fix), []).append(p)
+    lines = []
+    for same in groups.values():
+        first = same[0]
+        if len(same) == 1:
+            lines.append(str(first))
+            continue
+        others = [p.tensor for p in same[1:]]
+        shown = ", ".join(others[:COLLAPSE_NAMES])
+        rest = f" and {len(others) - COLLAPSE_NAMES} more" if len(others) > COLLAPSE_NAMES else ""
+        lines.append(f"{first} (the same for {len(others)} more: {shown}{rest})")
+    return lines
 
 
 class CodecError(QuantpackError):
