@@ -73,6 +73,9 @@ def test_cli_lists_fallbacks_and_exits_1_on_refusals(fixtures_dir):
     assert "model.layers.0.mlp.gate_proj" in ok.output and "fallback" in ok.output
     assert "0 refused" in ok.output and "KV cache per rank: 1.00 KiB per token (4 attention layers" in ok.output
     assert "bytes per storage kind: dense 0.5 MiB, exl3 1.5 MiB" in ok.output
+    assert "note: --max-model-len" not in ok.output  # 1024 is the model's own length
+    long = runner.invoke(main, ["inspect", str(fixtures_dir / LLAMA), "--max-model-len", "32768"])
+    assert long.exit_code == 0 and "beyond the model's max_position_embeddings 1024" in long.output, long.output
     bad = runner.invoke(main, ["inspect", str(fixtures_dir / LLAMA), "--tp", "3"])
     assert bad.exit_code == 1
     assert "640 features do not split evenly over 3 ranks" in bad.output

@@ -147,7 +147,7 @@ def test_the_quantpack_cli_runs_the_converter(fixtures_dir, tmp_path):
     assert "28 coded modules (K 4)" in res.output and (tmp_path / "p" / "config.json").exists()
     res = CliRunner().invoke(main, ["escha-from-exl3", str(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1"),
                                     "--out", str(tmp_path / "q")])  # fmt: skip
-    assert res.exit_code == 1 and "error:" in res.output and "mcg" in res.output
+    assert res.exit_code == 2 and "error:" in res.output and "mcg" in res.output
 
 
 def test_inspect_names_escha_modules_and_their_tensor_parallel_cuts(converted):

@@ -158,11 +158,19 @@ def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool, kv_cache_dt
     )
     if r.kv_bytes_per_token is not None:
         per_token = r.kv_bytes_per_token
-        layers = f"{r.attention_layers} attention layers, {r.kv_element_bytes}-byte elements"
+        plural = "s" if r.attention_layers != 1 else ""
+        layers = f"{r.attention_layers} attention layer{plural}, {r.kv_element_bytes}-byte elements"
         line = f"KV cache per rank: {per_token / 2**10:.2f} KiB per token ({layers})"
         if max_model_len:
             line += f", {per_token * max_model_len / 2**30:.3f} GiB for one sequence of {max_model_len} tokens"
         click.echo(line)
+    text = p.config.get("text_config") if isinstance(p.config.get("text_config"), dict) else p.config
+    longest = text.get("max_position_embeddings")
+    if max_model_len and isinstance(longest, int) and 0 < longest < max_model_len:
+        click.echo(
+            f"note: --max-model-len {max_model_len} is beyond the model's max_position_embeddings {longest}; vLLM "
+            "refuses that length unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (or the config's rope scaling allows it)"
+        )
     for why in r.model_refusals:
         click.echo(f"refused: {why}")
     if r.refused or r.model_refusals:

@@ -15,7 +15,8 @@ import click
 @click.option("--biases", is_flag=True, help="Write a random nonzero bias per coded module (escha never applies it).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the scale split and the biases.")
 def escha_from_exl3(pack: Path, out: Path, biases: bool, seed: int) -> None:
-    """Rewrite an mcg-coded EXL3 PACK as an escha pack in OUT (docs/escha-format.md)."""
+    """Rewrite an mcg-coded EXL3 PACK as an escha pack in OUT (docs/escha-format.md). Bad input exits with status 2,
+    as the other ``quantpack`` commands do."""
     from quantpack_core.errors import QuantpackError
 
     from .convert import escha_from_exl3 as convert
@@ -24,7 +25,7 @@ def escha_from_exl3(pack: Path, out: Path, biases: bool, seed: int) -> None:
         r = convert(pack, out, seed=seed, biases=biases)
     except (QuantpackError, OSError) as e:
         click.echo(f"error: {e}", err=True)
-        sys.exit(1)
+        sys.exit(2)
     ks = sorted(set(r.coded.values()))
     click.echo(
         f"{len(r.coded)} coded modules (K {', '.join(map(str, ks))}), int8 tables {', '.join(r.int8_tables)}"

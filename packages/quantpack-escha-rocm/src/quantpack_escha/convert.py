@@ -166,8 +166,12 @@ def escha_from_exl3(src: str | Path, out: str | Path, *, seed: int = 0, biases: 
         config["attention_bias"] = config["mlp_bias"] = True
     # written into a hidden folder beside OUT and moved into place whole: a conversion that fails (a full disk) leaves
     # no partial pack where OUT was asked for
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.partial-") as tmp:
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.partial-")
+    except OSError as e:
+        raise ConversionError(f"{dst}: cannot write there ({e.strerror or e})") from e
+    with staging as tmp:
         work = Path(tmp) / "pack"
         work.mkdir()
         for f in src.iterdir():
