@@ -189,7 +189,10 @@ def verify_pack(
     try:
         import transformers  # noqa: F401
     except ImportError:
-        raise VerifyError("quantpack verify runs the pack through transformers: pip install transformers") from None
+        raise VerifyError(
+            'quantpack verify runs the pack through transformers: pip install "transformers>=5.17,<5.20" (the '
+            "releases tested; docs/install.md)"
+        ) from None
     cfg = _config(pack)
     vocab = cfg.get("vocab_size")
     if source.is_file():
