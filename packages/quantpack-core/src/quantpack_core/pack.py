@@ -842,7 +842,8 @@ class Pack:
                         f"{layer}.{max(experts)}.{projs[0]}.trellis",
                         f"the pack has EXL3 experts 0..{max(experts)} in this layer, config.json says {configured} "
                         "experts",
-                        "use the config.json the pack was made with",
+                        "re-download the pack if experts are missing from it (a file or tensor lost), else use the "
+                        "config.json the pack was made with",
                     )
                 )
             for e in range(count):
