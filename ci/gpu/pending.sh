@@ -18,6 +18,11 @@ if [ "${1:-}" = "--collect" ]; then
   tar czf "${OUT:-/tmp}/pending.tgz" -C /tmp pending -C "$(dirname "$matrix")" "$(basename "$matrix")"
   exit 0
 fi
+# the bundled packs every test step reads (ci/gpu/snapshot.sh copies them whole, or not at all)
+if [ ! -f fixtures/README.md ] || [ ! -d fixtures/tools ]; then
+  echo "pending.sh: no fixtures/ beside the code in $root: make the copy with ci/gpu/snapshot.sh DEST" >&2
+  exit 2
+fi
 T=(python3 -m pytest -rA -p no:cacheprovider --durations=5 -m gpu -q)  # -rA: passing tests' figures too
 step() {
   local name=$1
