@@ -25,6 +25,19 @@ def test_kl_and_top1_match_a_direct_computation():
     assert a.ties == 0 and a.top1_decided == a.top1
 
 
+def test_the_worst_position_is_named():
+    # one position far off among close ones: the mean hides it, kl_max / kl_worst name it
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(6, 9, generator=g)
+    cand = ref + 1e-3 * torch.randn(6, 9, generator=g)
+    cand[4] = ref[4].flip(0)
+    a = agreement(ref, cand)
+    p, q = torch.log_softmax(ref[4].double(), -1), torch.log_softmax(cand[4].double(), -1)
+    assert a.kl_worst == 4
+    assert a.kl_max == pytest.approx(float((p.exp() * (p - q)).sum()), rel=1e-12)
+    assert a.kl_max > 5 * a.kl
+
+
 def test_a_flip_at_a_near_tie_is_left_out_of_the_decided_top1_only():
     # position 0: the reference's top two 0.01 nats apart, the candidate picks the other; position 1: 1 nat apart,
     # the candidate agrees; position 2: 0.2 nats apart, the candidate flips
@@ -44,3 +57,24 @@ def test_bad_input_is_refused():
         agreement(torch.zeros(2, 3), torch.zeros(2, 4))
     with pytest.raises(ValueError, match="tie must be >= 0"):
         agreement(torch.zeros(2, 3), torch.zeros(2, 3), tie=-1.0)
+
+
+def test_the_near_tie_of_a_kl_bound_is_the_spread_of_a_top2_gap_at_that_kl():
+    # e2e_runner.near_tie(k) = 2 sqrt(k): logits moved by noise whose mean KL (agreement's, float64) is k move the gap
+    # between two tokens by at least that much (one standard deviation; more where the distributions are peaked,
+    # since the KL weighs each logit's shift by its probability), measured here over 20,000 positions
+    from e2e_runner import NEAR_TIE, near_tie
+
+    g = torch.Generator().manual_seed(2)
+    ref = 3.0 * torch.randn(20_000, 64, generator=g, dtype=torch.float64)
+    noise = torch.randn(20_000, 64, generator=g, dtype=torch.float64)
+    for bound in (5e-4, 3e-3):
+        # scale the noise so that the candidate's mean KL is the bound
+        lo, hi = 0.0, 1.0
+        for _ in range(40):
+            s = (lo + hi) / 2
+            lo, hi = (s, hi) if agreement(ref, ref + s * noise).kl < bound else (lo, s)
+        gap_shift = s * (noise[:, 0] - noise[:, 1])
+        assert agreement(ref, ref + s * noise).kl == pytest.approx(bound, rel=1e-3)
+        assert 2 * bound**0.5 <= float(gap_shift.std()) <= 1.5 * 2 * bound**0.5
+    assert near_tie(3e-3) == pytest.approx(2 * 3e-3**0.5) and near_tie(5e-4) == NEAR_TIE  # 0.045 -> the floor

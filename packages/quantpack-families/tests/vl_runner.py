@@ -112,18 +112,23 @@ def reference_agreement(ref: dict, got: list[int], tie: float) -> str:
     return f"identical up to step {i} of {len(want)}, where the reference's top-2 tie within {gap:.2g} nats"
 
 
-def vl_failures(name: str, key: str, res: dict, ref: dict, kl_bound: float, top1_bound: float = 0.0) -> list[str]:
+def vl_failures(
+    name: str, key: str, res: dict, ref: dict, kl_bound: float, top1_bound: float = 0.0, tie: float | None = None
+) -> list[str]:
     """The checks every ``vl`` job shares, its figures printed (``name``: the model, for the lines): the text
-    prompt's KL (and top-1 over the decided positions) within the bounds, the image prompt expanded as the
-    reference's, the greedy tokens the reference's (:func:`reference_agreement`). Returns the failures; a job with no
-    result is one."""
+    prompt's KL (and top-1 over the positions not within ``tie`` nats of a tie, the job's own ``tie``) within the
+    bounds, the image prompt expanded as the reference's, the greedy tokens the reference's or parting at a tie
+    within ``tie`` (:func:`reference_agreement`; default ``e2e_runner.NEAR_TIE``). Returns the failures; a job with
+    no result is one."""
     from e2e_runner import NEAR_TIE
 
+    tie = NEAR_TIE if tie is None else tie
     if "kl" not in res:
         return [f"{key}: {res.get('failed', 'no result')}"]
+    worst = f" (worst position {res['kl_worst']}: {res['kl_max']:.2e})" if "kl_max" in res else ""
     print(
-        f"GPU {name} {key}: text KL {res['kl']:.2e}, top-1 {res['top1_decided']:.3f} over the "
-        f"{res['positions'] - res['ties']} positions not within {NEAR_TIE} nats of a tie; load {res['load_s']:.0f} s"
+        f"GPU {name} {key}: text KL {res['kl']:.2e}{worst}, top-1 {res['top1_decided']:.3f} over the "
+        f"{res['positions'] - res['ties']} positions not within {tie:.3g} nats of a tie; load {res['load_s']:.0f} s"
     )
     failures = []
     if not (res["kl"] <= kl_bound and res["top1_decided"] >= top1_bound):
@@ -131,16 +136,17 @@ def vl_failures(name: str, key: str, res: dict, ref: dict, kl_bound: float, top1
     if res["prompt_ids"] != ref["image_ids"]:
         failures.append(f"{key}: vLLM's image prompt {res['prompt_ids']} != the reference's {ref['image_ids']}")
     try:
-        print(f"GPU {name} {key} image greedy vs reference: {reference_agreement(ref, res['greedy'], NEAR_TIE)}")
+        print(f"GPU {name} {key} image greedy vs reference: {reference_agreement(ref, res['greedy'], tie)}")
     except AssertionError as e:
         failures.append(f"{key}: {e}")
     return failures
 
 
-def graphs_vs_eager(name: str, jobs: dict, results: dict) -> None:
+def graphs_vs_eager(name: str, jobs: dict, results: dict, tie: float | None = None) -> None:
     """For every ``.../graphs`` job whose ``.../eager`` twin ran: compile + CUDA graphs give eager's greedy tokens on
-    the image prompt, or part only at an eager near-tie (``e2e_runner.greedy_agreement``, which raises otherwise);
-    each pair's line printed. Skips the test where no pair was selected."""
+    the image prompt, or part only at an eager near-tie within ``tie`` nats (``e2e_runner.greedy_agreement``, which
+    raises otherwise; default ``e2e_runner.NEAR_TIE``); each pair's line printed. Skips the test where no pair was
+    selected."""
     import pytest
     from e2e_runner import get, greedy_agreement
 
@@ -149,7 +155,8 @@ def graphs_vs_eager(name: str, jobs: dict, results: dict) -> None:
         pytest.skip("eager and graphs of one pack not both selected")
     for key in pairs:
         eager, graphs = get(results, key.replace("/graphs", "/eager")), get(results, key)
-        print(f"GPU {name} {key} image greedy vs eager: {greedy_agreement(eager, graphs)}")
+        agreement = greedy_agreement(eager, graphs) if tie is None else greedy_agreement(eager, graphs, tie)
+        print(f"GPU {name} {key} image greedy vs eager: {agreement}")
 
 
 if __name__ == "__main__":  # the runner script: vllm_e2e.py with the "vl" kind

@@ -23,6 +23,9 @@ class Agreement:
             (0 with the default, unless two are exactly equal).
         top1_decided: top-1 agreement over the other positions (1.0 when there are none): an argmax flip at a
             near-tie says nothing about the candidate when the tie is within its precision's noise.
+        kl_max: the largest KL of one position, nats (0.0 with no positions): beside ``kl``, whether a mean above
+            a bound is one broken position or noise spread over all.
+        kl_worst: that position's index in the flattened positions (-1 with none).
     """
 
     kl: float
@@ -30,6 +33,8 @@ class Agreement:
     positions: int
     ties: int = 0
     top1_decided: float = 1.0
+    kl_max: float = 0.0
+    kl_worst: int = -1
 
     def __str__(self) -> str:
         return f"KL {self.kl:.3g} nats/token, top-1 {100 * self.top1:.2f}% over {self.positions} positions"
@@ -60,7 +65,9 @@ def agreement(reference: torch.Tensor, candidate: torch.Tensor, tie: float = 0.0
         decided = torch.ones_like(top1, dtype=torch.bool)
     ties = int((~decided).sum())
     top1_decided = float(top1[decided].mean()) if bool(decided.any()) else 1.0
-    return Agreement(float(kl.mean()), float(top1.mean()), int(kl.numel()), ties, top1_decided)
+    worst = int(kl.argmax()) if kl.numel() else -1
+    kl_max = float(kl[worst]) if kl.numel() else 0.0
+    return Agreement(float(kl.mean()), float(top1.mean()), int(kl.numel()), ties, top1_decided, kl_max, worst)
 
 
 def mean_nll(logits: torch.Tensor, tokens: torch.Tensor) -> float:
