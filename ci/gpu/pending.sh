@@ -46,15 +46,15 @@ try:
     import torchvision; print('torchvision', torchvision.__version__)
 except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
-# (owed first after 2026-12-04, which passed the dense vLLM jobs with the one-row panel and the fused launches above
-# 16 rows, the linear kernels' tests and escha on trellis_mma (kernel tests and vLLM): the whole
-# Nemotron-3.5-Super-VL pack, the core writer's and the converter's; the vLLM MoE jobs and the 30B-A3B harness with
-# the decode profile of its batch 1; the escha kernel tests again (the Triton decode loop changed on 2026-12-04:
-# bit-identical on CPU, not yet compiled by the machine's Triton), then where its time goes and the stack's escha
-# line; the twin's compile modes; the last steps re-check what passed before)
-all=(nemotron-vl e2e-moe profile-moe serve-moe escha-gpu escha-times escha-kernel serve-moe-mixed profile nemotron-twin
-  family-converter families qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated e2e-dense linear-kernels
-  escha-vllm serve-8b kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel)
+# (owed first after the later 2026-12-04 session, which served the whole Nemotron-3.5-Super-VL model, profiled the
+# 30B-A3B decode step and passed the escha kernel tests with the new Triton loop: the vLLM MoE jobs (not run since the
+# expert kernel's shared-memory fix and ungated banks); the VL pack again with its bfloat16 near-tie and the worst
+# position recorded (the converter's pack with graphs was above its bound); the 30B-A3B harness; the escha Triton
+# kernel's time; the twin's compile modes (the same compile + graphs question as the VL pack's); the last steps
+# re-check what passed before)
+all=(e2e-moe nemotron-vl serve-moe escha-times escha-kernel nemotron-twin serve-moe-mixed profile-moe profile
+  family-converter families qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated escha-gpu e2e-dense
+  linear-kernels escha-vllm serve-8b kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel)
 # the tiny models of the given families (of spark, nemotron-h, nemotron-vl) through exllamav3's own converter, each
 # once per machine
 family_convert() {
