@@ -461,6 +461,33 @@ def test_a_layer_past_the_configured_count_is_refused(tmp_path):
     expect_problem(write_pack(tmp_path / "q", tensors, sound), "layer(s) 1 (")
 
 
+def test_a_layer_without_the_norm_the_others_hold_is_refused(tmp_path):
+    """vLLM checks that every weight was loaded only for unquantized models: a layer lacking the norm its stack's
+    other layers hold (from the files and the manifest alike) would serve with the norm's initial ones. The check
+    names the layer and the tensor; a norm only some layers hold (at most half: MTP-style extras, layer kinds of a
+    hybrid) passes, and so does a DeciLM config, whose no-op blocks store no norms."""
+    sound = {**CONFIG, "num_hidden_layers": 4, "vocab_size": 1024}
+
+    def tensors(norms):
+        t = base_tensors()
+        for i in range(4):
+            t[f"model.layers.{i}.mlp.up.weight"] = torch.ones(4, 4, dtype=torch.bfloat16)
+            for norm in norms.get(i, ("input_layernorm", "post_attention_layernorm")):
+                t[f"model.layers.{i}.{norm}.weight"] = torch.ones(256, dtype=torch.bfloat16)
+        return t
+
+    Pack.open(write_pack(tmp_path / "ok", tensors({}), sound)).close()
+    lacking = tensors({2: ("input_layernorm",)})
+    path = write_pack(tmp_path / "p", lacking, sound)
+    tensor = "model.layers.2.post_attention_layernorm.weight"
+    expect_problem(path, tensor, "layer(s) 2 hold no post_attention_layernorm")
+    # held by two of four layers (half): not evidence that the others lost it
+    half = tensors({0: ("input_layernorm", "extra_norm"), 1: ("input_layernorm", "extra_norm")})
+    Pack.open(write_pack(tmp_path / "half", half, sound)).close()
+    deci = {**sound, "block_configs": [{"attention": {"no_op": False}, "ffn": {"no_op": False}}] * 4}
+    Pack.open(write_pack(tmp_path / "deci", lacking, deci)).close()
+
+
 def test_a_header_naming_a_tensor_twice_is_corrupt(tmp_path):
     """JSON readers keep one of two equal keys without a word; the header is refused, naming the tensor."""
     path = write_pack(tmp_path / "p", base_tensors(), CONFIG)

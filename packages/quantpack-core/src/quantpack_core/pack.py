@@ -692,6 +692,8 @@ class Pack:
                 shown = ", ".join(map(str, missing)) + (f" ... ({count} in all)" if count > len(missing) else "")
                 what = f"num_hidden_layers is {layers}, but the pack holds no tensor of layer(s) {shown}"
                 out.append(Problem("", "config.json", what, "the pack is incomplete (re-download it), or " + fix))
+        if layers is not None and not isinstance(blocks, list):
+            out.extend(self._layer_norm_problems(layers))
         # a layer past the config's count (vLLM's loader finds no module for it and stops in the worker); DeepSeek's
         # multi-token-prediction layers follow the decoder's as model.layers.<num_hidden_layers + i>
         nextn = cfg.get("num_nextn_predict_layers")
@@ -742,6 +744,34 @@ class Pack:
                 if isinstance(arch, str) and arch.startswith(prefix):
                     return rows
         return 0
+
+    def _layer_norm_problems(self, layers: int) -> list[Problem]:
+        """A decoder layer without a norm (``layers.N.<...norm...>``, a dense module directly under the layer) that
+        more than half of the stack's first ``layers`` layers hold: vLLM checks that every weight was loaded only for
+        unquantized models (``DefaultModelLoader.load_weights``), so such a layer would serve with the norm's
+        initial ones, silently wrong. DeciLM (``block_configs``, whose no-op blocks lack norms) is not checked here."""
+        held: dict[tuple[str, str], set[int]] = {}
+        stack_layers: dict[str, set[int]] = {}
+        for key, m in self.modules.items():
+            found = re.search(r"(?:^|\.)layers\.(\d+)\.(?:([^.]*norm[^.]*)$)?", key)
+            if not found or self.OTHER_STACKS.search(key[: found.start() + 1]) or int(found.group(1)) >= layers:
+                continue
+            stack = key[: found.start(1)]
+            stack_layers.setdefault(stack, set()).add(int(found.group(1)))
+            if found.group(2) and m.format == "dense":
+                held.setdefault((stack, found.group(2)), set()).add(int(found.group(1)))
+        out = []
+        for (stack, norm), have in sorted(held.items()):
+            lack = sorted(stack_layers[stack] - have)
+            if lack and 2 * len(have) > len(stack_layers[stack]):
+                shown = ", ".join(map(str, lack[:8])) + (f" ... ({len(lack)} in all)" if len(lack) > 8 else "")
+                tensor = f"{stack}{lack[0]}.{norm}.weight"
+                what = (
+                    f"layer(s) {shown} hold no {norm} while {len(have)} of the stack's {len(stack_layers[stack])} "
+                    "layers do: vLLM would serve them with the norm's initial ones, without a word"
+                )
+                out.append(Problem(f"{stack}{lack[0]}.{norm}", tensor, what, "the pack is incomplete: re-download it"))
+        return out
 
     def _unindexed_problems(self) -> list[Problem]:
         """Files a model needs that the pack's index does not list, so copies of a pack often lack them: the hashed
