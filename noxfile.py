@@ -430,9 +430,9 @@ def gpu_tests(session: nox.Session, vllm: str) -> None:
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != nox_site]
     env = {"PYTHONPATH": os.pathsep.join(path)}
     found = subprocess.run(
-        ["python3", "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+        ["python3", str(ROOT / "ci" / "gpu" / "matrix_table.py"), "--release"],
         capture_output=True, text=True, env={**os.environ, **env},
-    ).stdout.strip().split("+")[0]  # fmt: skip
+    ).stdout.strip().replace("none", "")  # fmt: skip
     if found not in GPU_VLLM_VERSIONS:  # no parameter would run: an error, not three skips
         session.error(
             f"vLLM {found or '(none)'} is unpacked here, none of the matrix's {', '.join(GPU_VLLM_VERSIONS)}: stage "

@@ -21,6 +21,6 @@ gpu_matrix_dir() {
 # the report path of one pytest run there: vllm-<release>-<time>[-<step>].xml
 gpu_report() {
   local release
-  release=$(python3 -c "import importlib.metadata as m; print(m.version('vllm').split('+')[0])" 2>/dev/null || echo none)
+  release=$(python3 "$_qp_root/ci/gpu/matrix_table.py" --release 2>/dev/null || echo none)
   echo "$(gpu_matrix_dir)/vllm-$release-$(date +%Y%m%d-%H%M%S)${1:+-$1}.xml"
 }

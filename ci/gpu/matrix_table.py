@@ -95,12 +95,28 @@ def table(results: dict[str, dict[str, dict[str, str]]], versions: list[str]) ->
     return "\n".join(lines)
 
 
+def installed_release() -> str:
+    """The vLLM release this interpreter imports (``0.25.1``; a local version's ``+...`` dropped), ``none`` without
+    vLLM: the release the GPU tier's reports are named by (``noxfile.py``'s ``gpu-tests``, ``ci/gpu/env.sh``)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm").split("+")[0]
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print the table; exit 1 when any test failed in any release."""
+    """Print the table; exit 1 when any test failed in any release. ``--release`` prints :func:`installed_release`
+    instead."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folders", nargs="*", type=Path)
     ap.add_argument("--versions", default="0.22.1,0.25.1,0.26.0")
+    ap.add_argument("--release", action="store_true", help="print the vLLM release installed here and exit")
     args = ap.parse_args(argv)
+    if args.release:
+        print(installed_release())
+        return 0
     folders = args.folders or [Path(os.environ.get("QUANTPACK_GPU_RESULTS", "/tmp/gpu-matrix"))]
     results = collect(folders)
     print(table(results, args.versions.split(",")))
