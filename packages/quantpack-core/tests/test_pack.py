@@ -549,6 +549,7 @@ def test_logical_shapes_come_from_the_config_where_its_sizes_fix_them(fixtures_d
     assert rows["model.layers.0.mlp.down_proj"][5] == f"{inter}x{hidden}"
     assert rows["model.layers.0.self_attn.k_proj"][5] == f"{hidden}x{kv}"
     assert rows["lm_head"][5] == f"{hidden}x{vocab}"
+    assert rows["model.embed_tokens"][4] == rows["model.embed_tokens"][5] == f"{vocab}x{hidden}"  # a token in
     # a width inside the last 128-feature block is the logical one; one that pads elsewhere is not believed
     p.config = dict(cfg, intermediate_size=inter - 40)
     assert p.config_logical_shape(p.modules["model.layers.0.mlp.gate_proj"]) == (hidden, inter - 40)
@@ -558,6 +559,14 @@ def test_logical_shapes_come_from_the_config_where_its_sizes_fix_them(fixtures_d
     rows = {r[0]: r for r in q.summary_rows()}
     assert rows["model.language_model.layers.3.self_attn.q_proj"][5] == "-"
     assert rows["model.language_model.layers.3.self_attn.o_proj"][5] != "-"
+    nxt = Pack.open(fixtures_dir / "qwen3next-tiny-exl3-4.0bpw-mul1")  # the gated delta net's projections
+    c, rows = nxt.config, {r[0]: r for r in nxt.summary_rows()}
+    kd, vd = (
+        c["linear_num_key_heads"] * c["linear_key_head_dim"],
+        c["linear_num_value_heads"] * c["linear_value_head_dim"],
+    )
+    assert rows["model.layers.0.linear_attn.in_proj_qkvz"][5] == f"{c['hidden_size']}x{2 * kd + 2 * vd}"
+    assert rows["model.layers.0.linear_attn.out_proj"][5] == f"{vd}x{c['hidden_size']}"
     moe = Pack.open(fixtures_dir / "qwen3moe-tiny-exl3-4.0bpw-mul1")
     width = moe.config["moe_intermediate_size"]
     assert {r[0]: r for r in moe.summary_rows()}["model.layers.0.mlp.experts.0.down_proj"][5].startswith(f"{width}x")

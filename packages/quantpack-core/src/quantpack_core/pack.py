@@ -1343,9 +1343,9 @@ class Pack:
 
     def config_logical_shape(self, m: ModuleInfo) -> tuple[int, int] | None:
         """The logical (unpadded) ``(in, out)`` of a trellis-coded module as config.json's sizes give it (hidden,
-        intermediate, expert and shared-expert widths, heads x head width, vocabulary), for the projections whose
-        widths those sizes fix; None for other modules, or where the sizes do not pad (to whole 128-feature blocks)
-        to the stored shape."""
+        intermediate, expert and shared-expert widths, heads x head width, vocabulary, the gated delta net's key and
+        value heads), for the projections whose widths those sizes fix; None for other modules, or where the sizes
+        do not pad (to whole 128-feature blocks) to the stored shape."""
         if m.format not in CODED_FORMATS or m.padded_shape is None:
             return None
         cfg = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else self.config
@@ -1373,6 +1373,11 @@ class Pack:
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
             "lm_head": (hidden, size("vocab_size")),
         }  # fmt: skip
+        if ".linear_attn." in m.key:  # Qwen3-Next / Qwen3.5 gated delta net: q, k of the key heads, v, z of the value
+            keys, values = size("linear_num_key_heads"), size("linear_num_value_heads")
+            kd = keys * size("linear_key_head_dim") if keys and size("linear_key_head_dim") else None
+            vd = values * size("linear_value_head_dim") if values and size("linear_value_head_dim") else None
+            shapes = {"in_proj_qkvz": (hidden, 2 * (kd + vd) if kd and vd else None), "out_proj": (vd, hidden)}
         shape = shapes.get(leaf)
         if shape is None or None in shape:
             return None
@@ -1380,14 +1385,23 @@ class Pack:
             return None
         return shape[0], shape[1]
 
+    #: module-name endings of input embedding tables (the token's row out of the vocabulary): their summary shapes
+    #: read vocabulary x width, where a linear layer's stored (out, in) weight reads in x out
+    INPUT_EMBEDDINGS = ("embed_tokens", "embedding", "wte", "word_embeddings", "embed_in")
+
     def summary_rows(self) -> list[tuple[str, ...]]:
         """One row of strings per module: key, format, K, codebook, padded (in x out), logical (stored, or from
-        config.json: :meth:`config_logical_shape`), dtype, bytes."""
+        config.json: :meth:`config_logical_shape`), dtype, bytes. An input embedding's in is its vocabulary (a
+        token id in, a row of the width out: ``1024x256``), the head's the width (``256x1024``)."""
+
+        def shape(s, table: bool) -> str:
+            if s is not None and table:
+                s = tuple(reversed(s))
+            return "-" if s is None else "x".join("?" if d is None else str(d) for d in s)
+
         rows = []
         for m in self.modules.values():
-
-            def shape(s):
-                return "-" if s is None else "x".join("?" if d is None else str(d) for d in s)
+            table = m.key.rsplit(".", 1)[-1] in self.INPUT_EMBEDDINGS
 
             rows.append(
                 (
@@ -1395,8 +1409,8 @@ class Pack:
                     m.format,
                     "-" if m.k_bits is None else f"{m.k_bits:g}",
                     m.codebook.value if m.codebook else "-",
-                    shape(m.padded_shape),
-                    shape(m.logical_shape or self.config_logical_shape(m)),
+                    shape(m.padded_shape, table),
+                    shape(m.logical_shape or self.config_logical_shape(m), table),
                     _dtype_name(m.dtype),
                     str(m.nbytes),
                 )
