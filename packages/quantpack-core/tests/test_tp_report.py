@@ -79,6 +79,9 @@ def test_cli_lists_fallbacks_and_exits_1_on_refusals(fixtures_dir):
     bad = runner.invoke(main, ["inspect", str(fixtures_dir / LLAMA), "--tp", "3"])
     assert bad.exit_code == 1
     assert "640 features do not split evenly over 3 ranks" in bad.output
+    # no per-rank weight figure for a model no rank can hold; the servable one states it
+    assert "not servable" in bad.output and "weights per rank" not in bad.output
+    assert "weights per rank about" in ok.output
 
 
 def test_kv_cache_element_follows_the_kv_cache_dtype(fixtures_dir):

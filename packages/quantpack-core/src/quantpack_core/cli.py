@@ -152,9 +152,11 @@ def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool, kv_cache_dt
         rows = [(c.key, c.kind, c.features, c.share, c.kept, c.outcome, c.why) for c in shown]
         _table(("module", "cut", "features", "rank share", "kept", "outcome", "why"), rows)
     exact = sum(c.outcome == EXACT for c in r.cuts)
+    servable = not (r.refused or r.model_refusals)  # else no rank holds anything: a per-rank size would mislead
     click.echo(
         f"{exact} modules cut exactly, {len(r.fallbacks)} through the block fallback (more memory and work per rank), "
-        f"{len(r.refused)} refused; weights per rank about {r.weights_bytes / 2**20:,.2f} MiB"
+        f"{len(r.refused)} refused"
+        + (f"; weights per rank about {r.weights_bytes / 2**20:,.2f} MiB" if servable else "; not servable, see below")
     )
     if r.kv_bytes_per_token is not None:
         per_token = r.kv_bytes_per_token
