@@ -133,7 +133,12 @@ def test_an_output_inside_the_input_or_through_a_link_is_refused(fixtures_dir, t
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep").write_text("mine")
-    for out, what in (("file", "is a file"), ("link", "is a symbolic link"), ("full", "never overwrites")):
+    for out, what in (
+        ("file", "is a file"),
+        ("link", "is a symbolic link"),
+        ("full", "never overwrites"),
+        ("file/sub", r"lies below .*file, which is a file, not a folder"),
+    ):
         with pytest.raises(FileExistsError, match=what):
             convert_embedding_int8(src, tmp_path / out)
     assert digest(src) == before and sorted(p.name for p in src.iterdir()) == sorted(

@@ -84,6 +84,8 @@ def test_other_codebooks_and_non_empty_outputs_are_refused(fixtures_dir, tmp_pat
     (tmp_path / "c").write_text("mine too")
     with pytest.raises(FileExistsError, match="is a file; --out names the folder"):
         escha_from_exl3(fixtures_dir / SOURCE, tmp_path / "c")
+    with pytest.raises(FileExistsError, match=r"lies below .*c, which is a file, not a folder"):
+        escha_from_exl3(fixtures_dir / SOURCE, tmp_path / "c" / "d")
     assert (tmp_path / "c").read_text() == "mine too"
 
 
@@ -148,6 +150,10 @@ def test_the_quantpack_cli_runs_the_converter(fixtures_dir, tmp_path):
     res = CliRunner().invoke(main, ["escha-from-exl3", str(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1"),
                                     "--out", str(tmp_path / "q")])  # fmt: skip
     assert res.exit_code == 2 and "error:" in res.output and "mcg" in res.output
+    for seed in ("99999999999999999999", "-1"):  # torch's generator takes 0 .. 2**63 - 1
+        res = CliRunner().invoke(main, ["escha-from-exl3", str(fixtures_dir / SOURCE), "--out", str(tmp_path / "s"),
+                                        "--seed", seed])  # fmt: skip
+        assert res.exit_code == 2 and "--seed" in res.output and not (tmp_path / "s").exists(), res.output
 
 
 def test_inspect_names_escha_modules_and_their_tensor_parallel_cuts(converted):

@@ -208,9 +208,12 @@ def check_output_folder(src: Path, dst: Path) -> None:
     embed-int8 --out``, ``quantpack escha-from-exl3 --out``).
 
     Raises:
-        FileExistsError: ``dst`` is a file, a symbolic link (dangling or not), a folder that is not empty, or is (or
-            lies inside) the source pack ``src``.
+        FileExistsError: ``dst`` is a file, a symbolic link (dangling or not), a folder that is not empty, is (or
+            lies inside) the source pack ``src``, or lies below a file.
     """
+    above = next((a for a in Path(os.path.abspath(dst)).parents if a.exists() or a.is_symlink()), None)
+    if above is not None and not above.is_dir():
+        raise FileExistsError(f"{dst} lies below {above}, which is a file, not a folder")
     source, target = src.resolve(), dst.resolve()
     if target == source or source in target.parents:
         raise FileExistsError(f"{dst} lies inside the source pack {src}; write the converted pack outside it")

@@ -13,7 +13,13 @@ import click
 @click.argument("pack", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory for the escha pack (new).")
 @click.option("--biases", is_flag=True, help="Write a random nonzero bias per coded module (escha never applies it).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the scale split and the biases.")
+@click.option(
+    "--seed",
+    type=click.IntRange(0, 2**63 - 1),
+    default=0,
+    show_default=True,
+    help="Seed of the scale split and the biases (0 to 2**63 - 1, torch's generator seed).",
+)
 def escha_from_exl3(pack: Path, out: Path, biases: bool, seed: int) -> None:
     """Rewrite an mcg-coded EXL3 PACK as an escha pack in OUT (docs/escha-format.md). Bad input exits with status 2,
     as the other ``quantpack`` commands do."""
