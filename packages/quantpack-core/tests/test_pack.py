@@ -488,6 +488,32 @@ def test_a_layer_without_the_norm_the_others_hold_is_refused(tmp_path):
     Pack.open(write_pack(tmp_path / "deci", lacking, deci)).close()
 
 
+def test_a_bias_must_pad_to_its_layers_outputs(tmp_path):
+    """An EXL3 layer's bias is its logical output width: within the last 128-feature block of the stored outputs (a
+    bias of 7 for 256 stored outputs would otherwise pass, and show as the layer's logical width)."""
+    for n in (256, 200, 129):
+        tensors = base_tensors()
+        tensors["model.layers.0.mlp.down_proj.bias"] = torch.zeros(n, dtype=torch.float16)
+        Pack.open(write_pack(tmp_path / f"ok{n}", tensors, CONFIG)).close()
+    for n in (7, 128, 300):
+        tensors = base_tensors()
+        tensors["model.layers.0.mlp.down_proj.bias"] = torch.zeros(n, dtype=torch.float16)
+        path = write_pack(tmp_path / f"bad{n}", tensors, CONFIG)
+        expect_problem(path, "model.layers.0.mlp.down_proj.bias", f"shape [{n}] does not fit the 256 output features")
+
+
+@pytest.mark.parametrize("rows,scales", Pack.INT8_ROW_NAMES)
+def test_int8_table_rows_of_another_dtype_are_refused(tmp_path, rows, scales):
+    """An int8 table's rows (either naming) stored as another dtype beside their per-row scales are named: read as
+    'other', the table would otherwise pass with its scales ignored."""
+    tensors = base_tensors()
+    table = tensors.pop("model.embed_tokens.weight")
+    tensors[f"model.embed_tokens.{rows}"] = table.float()
+    tensors[f"model.embed_tokens.{scales}"] = torch.ones(table.shape[0], dtype=torch.float16)
+    path = write_pack(tmp_path / "p", tensors, CONFIG)
+    expect_problem(path, f"model.embed_tokens.{rows}", "float32 [1024, 256], not int8")
+
+
 def test_a_header_naming_a_tensor_twice_is_corrupt(tmp_path):
     """JSON readers keep one of two equal keys without a word; the header is refused, naming the tensor."""
     path = write_pack(tmp_path / "p", base_tensors(), CONFIG)

@@ -995,8 +995,8 @@ class Pack:
                     "missing (the trellis is there)",
                     f"the pack is incomplete: re-download the shard that should hold {key}.{side}",
                 )
-        if "bias" in t and (len(t["bias"].shape) != 1 or t["bias"].shape[0] > np_):
-            bad("bias", f"shape {list(t['bias'].shape)} does not fit the {np_} output features")
+        if "bias" in t and (len(t["bias"].shape) != 1 or not np_ - 128 < t["bias"].shape[0] <= np_):
+            bad("bias", f"shape {list(t['bias'].shape)} does not fit the {np_} output features (padded to 128)")
         if "weight" in t:
             bad(
                 "weight",
@@ -1037,8 +1037,8 @@ class Pack:
                         f"{_dtype_name(v.dtype)} {list(v.shape)}; the code's {side} side needs a float vector of "
                         f"[{length}]",
                     )
-        if "bias" in t and (len(t["bias"].shape) != 1 or t["bias"].shape[0] > np_):
-            bad("bias", f"shape {list(t['bias'].shape)} does not fit the {np_} output features")
+        if "bias" in t and (len(t["bias"].shape) != 1 or not np_ - 128 < t["bias"].shape[0] <= np_):
+            bad("bias", f"shape {list(t['bias'].shape)} does not fit the {np_} output features (padded to 128)")
         if "weight" in t:
             bad(
                 "weight",
@@ -1069,10 +1069,14 @@ class Pack:
 
     def _int8_pair_problems(self, m: ModuleInfo) -> list[Problem]:
         """An int8 table's rows without their per-row scales or the reverse (either naming of
-        :data:`INT8_ROW_NAMES`), and scales that are not one float per row."""
+        :data:`INT8_ROW_NAMES`), rows that are not int8, and scales that are not one float per row."""
         out: list[Problem] = []
         for rows, scales in self.INT8_ROW_NAMES:
             r, sc = m.tensors.get(rows), m.tensors.get(scales)
+            if r is not None and sc is not None and r.dtype != torch.int8:
+                what = f"{_dtype_name(r.dtype)} {list(r.shape)}, not int8: the rows of an int8 table with .{scales}"
+                out.append(Problem(m.key, f"{m.key}.{rows}", what, FIX_REDOWNLOAD))
+                continue
             if (r is None) == (sc is None):
                 if (
                     r is not None
