@@ -99,10 +99,16 @@ def escha_layer_ks(layer_meta: object) -> dict[str, tuple[str, int]]:
         )
     ks: dict[str, tuple[str, int]] = {}
     for name, entry in meta.items():
+        if not isinstance(entry, dict):
+            said = f"is {entry!r}, not an entry with its K"
+        elif "K" not in entry:
+            said = "has no K"
+        else:
+            said = f"has K={entry['K']!r}"
         k = entry.get("K") if isinstance(entry, dict) else None
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8:
             raise LayerLoadError(
-                f"quantization_config.layer_meta[{name!r}] has K={k!r}; escha codes need an integer K from 1 to 8 "
+                f"quantization_config.layer_meta[{name!r}] {said}; escha codes need an integer K from 1 to 8 "
                 "- the pack's config.json is damaged"
             )
         ks[escha_meta_key(name)] = (name, k)
@@ -125,7 +131,7 @@ def escha_meta_mismatches(ks: dict[str, tuple[str, int]], widths: dict[str, int]
     stored = {escha_meta_key(m): m for m in coded}
 
     def more(n: int, what: str = "modules") -> str:
-        return f" (and {n - 1} more {what})" if n > 1 else ""
+        return f" (and {n - 1} more{' ' + what if what else ''})" if n > 1 else ""
 
     unlisted = [stored[k] for k in stored if k not in ks]
     if unlisted:
