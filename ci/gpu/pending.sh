@@ -151,7 +151,7 @@ for s in "${@:-${all[@]}}"; do
       QUANTPACK_QWEN_VL_CONVERTED=/tmp/qwen-vl-exl3 QUANTPACK_GPU_JOBS=converter \
         step qwen-vl-converter "${T[@]}" packages/quantpack-families/tests/test_qwen_vl_gpu.py ;;
     # the whole tiny Nemotron-3.5-Super-VL pack (EXL3 language tower, RADIO tower with its final LayerNorm) served by
-    # vLLM in bfloat16, eager and graphs: text KL and an image + text request's greedy tokens (first run owed)
+    # vLLM in bfloat16, eager and graphs: text KL and an image + text request's greedy tokens (first run 2026-12-04)
     # (with the converter's pack of the same model beside it, converted first)
     nemotron-vl)
       family_convert nemotron-vl
