@@ -215,20 +215,14 @@ def greedy(llm, ids: list[int], n: int) -> tuple[list[int], list[dict[int, float
 
 def logit_agreement(ref: dict, lp, tie: float) -> dict:
     """vLLM's prompt logprobs ``lp`` ``(positions, vocab)`` against the reference's ``logits`` ``(1, T, vocab)``
-    (``quantpack_core.compare.agreement``, near-ties within ``tie`` nats set apart) as a result record's fields:
-    ``kl``, ``top1``, ``positions``, ``ties``, ``top1_decided``, ``kl_max`` and ``kl_worst`` (the worst position)."""
+    (``quantpack_core.compare.agreement``, near-ties within ``tie`` nats set apart) as a result record:
+    the fields of ``quantpack_core.compare.Agreement`` (``kl``, ``top1``, ``positions``, ``ties``, ``top1_decided``,
+    ``kl_max`` and ``kl_worst``, the worst position)."""
+    from dataclasses import asdict
+
     from quantpack_core.compare import agreement
 
-    a = agreement(ref["logits"][0, : lp.shape[0]], lp, tie=tie)
-    return {
-        "kl": a.kl,
-        "top1": a.top1,
-        "positions": a.positions,
-        "ties": a.ties,
-        "top1_decided": a.top1_decided,
-        "kl_max": a.kl_max,
-        "kl_worst": a.kl_worst,
-    }
+    return asdict(agreement(ref["logits"][0, : lp.shape[0]], lp, tie=tie))
 
 
 def run_logits(job: dict) -> dict:

@@ -148,14 +148,14 @@ def graphs_vs_eager(name: str, jobs: dict, results: dict, tie: float | None = No
     raises otherwise; default ``e2e_runner.NEAR_TIE``); each pair's line printed. Skips the test where no pair was
     selected."""
     import pytest
-    from e2e_runner import get, greedy_agreement
+    from e2e_runner import NEAR_TIE, get, greedy_agreement
 
     pairs = [k for k in jobs if k.endswith("/graphs") and k.replace("/graphs", "/eager") in jobs]
     if not pairs:
         pytest.skip("eager and graphs of one pack not both selected")
     for key in pairs:
         eager, graphs = get(results, key.replace("/graphs", "/eager")), get(results, key)
-        agreement = greedy_agreement(eager, graphs) if tie is None else greedy_agreement(eager, graphs, tie)
+        agreement = greedy_agreement(eager, graphs, NEAR_TIE if tie is None else tie)
         print(f"GPU {name} {key} image greedy vs eager: {agreement}")
 
 

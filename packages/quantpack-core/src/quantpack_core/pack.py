@@ -99,14 +99,12 @@ def escha_layer_ks(layer_meta: object) -> dict[str, tuple[str, int]]:
         )
     ks: dict[str, tuple[str, int]] = {}
     for name, entry in meta.items():
-        if not isinstance(entry, dict):
-            said = f"is {entry!r}, not an entry with its K"
-        elif "K" not in entry:
-            said = "has no K"
-        else:
-            said = f"has K={entry['K']!r}"
         k = entry.get("K") if isinstance(entry, dict) else None
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8:
+            if not isinstance(entry, dict):
+                said = f"is {entry!r}, not an entry with its K"
+            else:
+                said = f"has K={k!r}" if "K" in entry else "has no K"
             raise LayerLoadError(
                 f"quantization_config.layer_meta[{name!r}] {said}; escha codes need an integer K from 1 to 8 "
                 "- the pack's config.json is damaged"
@@ -261,6 +259,14 @@ def _read_header(path: Path) -> tuple[dict, int]:
         raise ValueError("header is not a JSON object: the file is corrupt")
     header.pop("__metadata__", None)
     return header, 8 + n
+
+
+def _bias_misfit(bias: TensorInfo, outputs: int) -> str | None:
+    """Why a trellis-coded layer's stored ``bias`` cannot be its logical output width (a 1-D tensor within the last
+    128-feature block of the ``outputs`` the code stores: the padding never spans a whole block), else None."""
+    if len(bias.shape) == 1 and outputs - 128 < bias.shape[0] <= outputs:
+        return None
+    return f"shape {list(bias.shape)} does not fit the {outputs} output features (padded to 128)"
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -1001,8 +1007,8 @@ class Pack:
                     "missing (the trellis is there)",
                     f"the pack is incomplete: re-download the shard that should hold {key}.{side}",
                 )
-        if "bias" in t and (len(t["bias"].shape) != 1 or not np_ - 128 < t["bias"].shape[0] <= np_):
-            bad("bias", f"shape {list(t['bias'].shape)} does not fit the {np_} output features (padded to 128)")
+        if "bias" in t and (misfit := _bias_misfit(t["bias"], np_)):
+            bad("bias", misfit)
         if "weight" in t:
             bad(
                 "weight",
@@ -1043,8 +1049,8 @@ class Pack:
                         f"{_dtype_name(v.dtype)} {list(v.shape)}; the code's {side} side needs a float vector of "
                         f"[{length}]",
                     )
-        if "bias" in t and (len(t["bias"].shape) != 1 or not np_ - 128 < t["bias"].shape[0] <= np_):
-            bad("bias", f"shape {list(t['bias'].shape)} does not fit the {np_} output features (padded to 128)")
+        if "bias" in t and (misfit := _bias_misfit(t["bias"], np_)):
+            bad("bias", misfit)
         if "weight" in t:
             bad(
                 "weight",
