@@ -2,10 +2,12 @@
 
 Reads the JUnit XML reports ``nox -s gpu-tests`` and ``ci/gpu/pending.sh``'s steps write
 (``vllm-<release>-<time>[-<step>].xml``, in ``$QUANTPACK_GPU_RESULTS``, default ``/tmp/gpu-matrix``, or the folders
-given). For each release and test file the newest report that ran the file counts; a release with no report of a
-file is "not run" there; a module that failed to import counts as one failed test of its file. A cell whose report
-came from a ``pending.sh`` step names the step (``(step linear-kernels)``): a step may run a selection of the file
-(``-k``, ``QUANTPACK_GPU_JOBS``), which ci/gpu/pending.sh states per step. Usage (the reports
+given). For each release and test file the newest report that ran the file counts, except that a test it skipped
+keeps an older report's outcome (a step that selects jobs by ``QUANTPACK_GPU_JOBS`` skips the others: ``e2e-moe``
+after ``e2e-dense`` gives both halves of ``test_exl3_gpu_vllm.py``); a release with no report of a file is "not run"
+there; a module that failed to import counts as one failed test of its file. A cell names the ``pending.sh`` steps
+its outcomes came from (``(step linear-kernels)``): a step may run a selection of the file (``-k``,
+``QUANTPACK_GPU_JOBS``), which ci/gpu/pending.sh states per step. Usage (the reports
 kept in ``ci/gpu/results/``): ``python3 ci/gpu/matrix_table.py ci/gpu/results [--versions 0.22.1,0.25.1,0.26.0]``.
 """
 
@@ -45,8 +47,9 @@ def outcome(case: ET.Element) -> str:
 
 def collect(folders: list[Path]) -> dict[str, dict[str, dict[str, str]]]:
     """``{release: {test file: {test id: outcome}}}``: for each release and test file, the outcomes of the newest
-    report that ran that file (so a test renamed or removed since drops out); the pending step that wrote that report,
-    if one did, under the test id ``STEP`` (:data:`STEP`).
+    report that ran that file (so a test renamed or removed since drops out), where it skipped a test that an older
+    report ran, the older outcome; the pending steps those outcomes came from (comma-separated, in test order) under
+    the test id ``STEP`` (:data:`STEP`).
 
     Raises:
         SystemExit: a report that is not JUnit XML (its path named).
@@ -57,20 +60,30 @@ def collect(folders: list[Path]) -> dict[str, dict[str, dict[str, str]]]:
         for f in d.glob("vllm-*.xml")
         if (m := REPORT.search(f.name))
     )
-    out: dict[str, dict[str, dict[str, str]]] = {}
+    sources: dict[str, dict[str, dict[str, tuple[str, str | None]]]] = {}  # release -> file -> id -> (outcome, step)
     for version, _, step, path in reports:  # oldest first: a newer report's files replace the older ones'
         try:
             root = ET.parse(path).getroot()
         except ET.ParseError as e:
             raise SystemExit(f"{path}: not a JUnit XML report ({e})") from e
-        ran: dict[str, dict[str, str]] = {}
+        ran: dict[str, dict[str, tuple[str, str | None]]] = {}
         for case in root.iter("testcase"):
             key = f"{case.get('classname', '')}::{case.get('name')}"
-            ran.setdefault(test_file(case), {})[key] = outcome(case)
-        if step:
-            for cases in ran.values():
-                cases[STEP] = step
-        out.setdefault(version, {}).update(ran)
+            ran.setdefault(test_file(case), {})[key] = (outcome(case), step)
+        files = sources.setdefault(version, {})
+        for name, cases in ran.items():
+            before = files.get(name, {})
+            for key, (result, _) in cases.items():
+                if result == "skipped" and before.get(key, ("skipped",))[0] != "skipped":
+                    cases[key] = before[key]  # not selected this time: the run that selected it counts
+            files[name] = cases
+    out: dict[str, dict[str, dict[str, str]]] = {}
+    for version, files in sources.items():
+        for name, cases in files.items():
+            cell = out.setdefault(version, {}).setdefault(name, {k: o for k, (o, _) in cases.items()})
+            steps = list(dict.fromkeys(s for _, s in cases.values() if s))
+            if steps:
+                cell[STEP] = ", ".join(steps)
     return out
 
 

@@ -1,4 +1,5 @@
-"""ci/gpu/matrix_table.py on reports pytest itself writes: per-release cells, the newest report winning, "not run"."""
+"""ci/gpu/matrix_table.py on reports pytest itself writes: per-release cells, the newest report winning but for the
+tests it skipped (a job selection), "not run"."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ def load_tool():
 
 
 def report(tmp: Path, out: Path, body: str, name: str = "test_gpu_demo.py") -> None:
-    """Run pytest on a module ``name`` holding ``body`` (alone in its folder) and write its JUnit XML to ``out``."""
+    """Run pytest on a module ``name`` holding ``body`` (alone in its folder) and write its JUnit XML to ``out``; the
+    test ids (``pkg.tests.<module>``) are the same for every report, as a checkout's are."""
     mod = tmp / out.stem / "pkg" / "tests"
     mod.mkdir(parents=True, exist_ok=True)
     (mod / name).write_text(body)
     subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={out}", str(mod)],
-        cwd=tmp,
+        cwd=tmp / out.stem,
         env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
         capture_output=True,
         check=False,
@@ -49,9 +51,13 @@ class TestTwo:
 #: test_b fixed, test_c removed
 SKIPPED_C = '@pytest.mark.skip(reason="no GPU of that kind")\ndef test_c(): pass\n'
 LATER = FIRST.replace("assert False", "pass", 1).replace(SKIPPED_C, "")
+#: a step that selects other jobs: test_a and test_b skipped (as QUANTPACK_GPU_JOBS skips the jobs it leaves out)
+SELECTED = LATER.replace("def test_a", '@pytest.mark.skip(reason="not selected")\ndef test_a').replace(
+    "def test_b", '@pytest.mark.skip(reason="not selected")\ndef test_b'
+)
 
 
-def test_cells_count_outcomes_per_release_and_newest_report_wins(tmp_path):
+def test_cells_count_outcomes_per_release_and_newest_report_wins_but_for_its_skips(tmp_path):
     tool = load_tool()
     reports = tmp_path / "reports"
     reports.mkdir()
@@ -59,6 +65,8 @@ def test_cells_count_outcomes_per_release_and_newest_report_wins(tmp_path):
     report(tmp_path, reports / "vllm-0.25.1-20261203-100000.xml", FIRST)
     # run again by a pending.sh step (its name after the time), test_b fixed and test_c removed since
     report(tmp_path, reports / "vllm-0.25.1-20261203-120000-e2e-dense.xml", LATER)
+    # then a step that selected the other tests: test_a and test_b keep e2e-dense's outcomes
+    report(tmp_path, reports / "vllm-0.25.1-20261203-130000-e2e-moe.xml", SELECTED)
     # a module that does not import on 0.26.0
     report(tmp_path, reports / "vllm-0.26.0-20261203-100000.xml", "import no_such_module_here\n", "test_gpu_other.py")
     results = tool.collect([reports])
@@ -68,7 +76,7 @@ def test_cells_count_outcomes_per_release_and_newest_report_wins(tmp_path):
     # the two classes' test_same count twice; test_d is an expected failure
     assert rows["`test_gpu_demo.py`"] == [
         "3 passed, 1 failed, 1 xfailed, 1 skipped",
-        "4 passed, 1 xfailed (step e2e-dense)",
+        "4 passed, 1 xfailed (step e2e-dense, e2e-moe)",
         "not run",
     ]
     assert rows["`test_gpu_other.py`"] == ["not run", "not run", "1 failed"]
