@@ -128,11 +128,28 @@ def attention(x, w, cfg, layer):
     return torch.einsum("hts,shd->thd", probs, v).reshape(t, h * hd) @ w[f"{p}.o_proj.weight"].T
 
 
+def router(x, w, cfg, layer):
+    """The sigmoid router of MoE layer ``layer``: ``(scores, choice)``, each ``(T, experts)``; ``choice`` (the
+    scores plus the correction bias) picks the experts, ``scores`` weigh them."""
+    p = f"backbone.layers.{layer}.mixer"
+    scores = (x @ w[f"{p}.gate.weight"].T).sigmoid()
+    return scores, scores + (w[f"{p}.gate.e_score_correction_bias"] if cfg.get("correction_bias", True) else 0)
+
+
+def router_margin(choice: torch.Tensor, top_k: int, other: torch.Tensor | None = None) -> torch.Tensor:
+    """Per token ``(T,)`` of a router's ``choice`` scores ``(T, experts)``: how far the ``top_k``-th expert's score
+    lies above the next one's. With ``other`` (another forward's choice scores of the same tokens), the same two
+    experts' difference there instead: how far that forward moved the margin. A margin below what a forward moves
+    it lets that forward pick the other expert."""
+    pair = choice.topk(top_k + 1, dim=-1).indices[:, -2:]
+    top = (choice if other is None else other).gather(1, pair)
+    return top[:, 0] - top[:, 1]
+
+
 def moe(x, w, cfg, layer):
     """The latent MoE of layer ``layer``: routed relu^2 experts in the latent space plus the shared expert."""
     p = f"backbone.layers.{layer}.mixer"
-    scores = (x @ w[f"{p}.gate.weight"].T).sigmoid()
-    choice = scores + (w[f"{p}.gate.e_score_correction_bias"] if cfg.get("correction_bias", True) else 0)
+    scores, choice = router(x, w, cfg, layer)
     top_i = choice.topk(cfg["num_experts_per_tok"], dim=-1).indices
     top_w = scores.gather(1, top_i)  # the bias only chooses; the weights are the scores
     if cfg["norm_topk_prob"]:
@@ -158,16 +175,25 @@ MIXERS = {"linear_attention": mamba2, "full_attention": attention, "moe": moe, "
 
 
 def forward(
-    w: dict[str, torch.Tensor], cfg: dict, input_ids: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+    w: dict[str, torch.Tensor],
+    cfg: dict,
+    input_ids: torch.Tensor,
+    inputs_embeds: torch.Tensor | None = None,
+    routers: list | None = None,
+    dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
-    """Logits ``(T, vocab)`` float64 of one sequence ``input_ids`` ``(T,)`` from dense weights ``w`` (checkpoint
-    names, ``backbone.*`` and ``lm_head.weight``); ``inputs_embeds`` ``(T, hidden)``, where given, replaces the
-    embedding rows (a vision-language model's image positions)."""
-    w = {k: v.double() for k, v in w.items()}
-    x = w["backbone.embeddings.weight"][input_ids] if inputs_embeds is None else inputs_embeds.double()
+    """Logits ``(T, vocab)`` of one sequence ``input_ids`` ``(T,)`` from dense weights ``w`` (checkpoint names,
+    ``backbone.*`` and ``lm_head.weight``), computed in ``dtype`` (float64: the reference; bfloat16: every weight,
+    activation and state rounded, a forward noisier than vLLM's); ``inputs_embeds`` ``(T, hidden)``, where given,
+    replaces the embedding rows (a vision-language model's image positions); ``routers``, where given, gets each MoE
+    layer's choice scores ``(T, experts)`` (:func:`router`) appended in layer order."""
+    w = {k: v.to(dtype) for k, v in w.items()}
+    x = w["backbone.embeddings.weight"][input_ids] if inputs_embeds is None else inputs_embeds.to(dtype)
     eps = cfg["layer_norm_epsilon"]
     for layer, kind in enumerate(cfg["layers_block_type"]):
         h = rms_norm(x, w[f"backbone.layers.{layer}.norm.weight"], eps)
+        if kind == "moe" and routers is not None:
+            routers.append(router(h, w, cfg, layer)[1])
         x = x + MIXERS[kind](h, w, cfg, layer)
     return rms_norm(x, w["backbone.norm_f.weight"], eps) @ w["lm_head.weight"].T
 

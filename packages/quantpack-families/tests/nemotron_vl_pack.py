@@ -34,7 +34,7 @@ import math
 from pathlib import Path
 
 import torch
-from nemotron_h_reference import SUPER, config_json, forward, tiny_nemotron_h
+from nemotron_h_reference import SUPER, config_json, forward, router_margin, tiny_nemotron_h
 
 VISION = dict(hidden=128, blocks=2, heads=2, mlp=256, patch=16, image=64, registers=3)
 #: class tokens (one teacher) + registers prepended to the patches
@@ -362,13 +362,20 @@ def dense_weights(seed: int = 0) -> tuple[dict, dict]:
 def reference(seed: int = 0, image=None, weights: tuple[dict, dict] | None = None) -> dict:
     """The float64 reference of the pack: ``input_ids`` ``(1, TEXT_LENGTH)`` and ``logits`` of a text-only prompt
     (words only), ``image_ids`` (the image prompt as expanded), ``greedy`` (GREEDY_TOKENS ids) and ``greedy_top2``
-    (per step ``{str(id): logprob}`` of the two best) of the image prompt, and ``image_tokens`` (the projected rows).
+    (per step ``{str(id): logprob}`` of the two best) of the image prompt, ``image_tokens`` (the projected rows), and
+    ``router_margin`` ``(TEXT_LENGTH,)``, per text position the smallest router margin over the MoE layers
+    (``nemotron_h_reference.router_margin``), and ``router_noise``, the most an all-bfloat16 forward moves one of
+    those margins on the text prompt (1.5e-2, at KL 1.4e-3 from this one on the core writer's pack: within the
+    served pack's 3e-3 bound): a position whose margin is below it is a router near-tie, where a bfloat16 forward
+    within the bound may pick another expert.
     ``weights``: ``(language, vision)`` dense weights in :func:`dense_weights`' names (default: the pack's own; a
     converter-made pack's decoded ones)."""
     language, vision = weights if weights is not None else dense_weights(seed)
     g = torch.Generator().manual_seed(seed + 3)
     text_ids = torch.randint(3, min(SPECIAL.values()), (TEXT_LENGTH,), generator=g)
-    text_logits = forward(language, SUPER, text_ids)
+    routers, rounded, top_k = [], [], SUPER["num_experts_per_tok"]
+    text_logits = forward(language, SUPER, text_ids, routers=routers)
+    forward(language, SUPER, text_ids, routers=rounded, dtype=torch.bfloat16)
     pixels = pixels_of(image if image is not None else sample_image()).to(torch.bfloat16)  # as vLLM's processor casts
     image_rows = project(vision, pixels)
     ids = expand(IMAGE_PROMPT)
@@ -389,4 +396,9 @@ def reference(seed: int = 0, image=None, weights: tuple[dict, dict] | None = Non
         "greedy": greedy,
         "greedy_top2": top2,
         "image_tokens": image_rows,
+        "router_margin": torch.stack([router_margin(c, top_k) for c in routers]).min(0).values,
+        "router_noise": max(
+            float((router_margin(a, top_k) - router_margin(a, top_k, b.double())).abs().max())
+            for a, b in zip(routers, rounded, strict=True)
+        ),
     }
