@@ -49,17 +49,22 @@ def collect(folders: list[Path]) -> dict[str, dict[str, dict[str, str]]]:
     """``{release: {test file: {test id: outcome}}}``: for each release and test file, the outcomes of the newest
     report that ran that file (so a test renamed or removed since drops out), where it skipped a test that an older
     report ran, the older outcome; the pending steps those outcomes came from (comma-separated, in test order) under
-    the test id ``STEP`` (:data:`STEP`).
+    the test id ``STEP`` (:data:`STEP`); where the newest report of a file skipped every test of it (a run that could
+    not select any, e.g. without a visible GPU), that report under :data:`RAN_NONE`. A file named ``vllm-*.xml``
+    that is not named as a report is reported on stderr and left out.
 
     Raises:
-        SystemExit: a report that is not JUnit XML (its path named).
+        SystemExit: a folder that does not exist, or a report that is not JUnit XML (its path named).
     """
-    reports = sorted(
-        (m["version"], m["stamp"], m["step"], f)
-        for d in folders
-        for f in d.glob("vllm-*.xml")
-        if (m := REPORT.search(f.name))
-    )
+    for d in folders:
+        if not d.is_dir():
+            raise SystemExit(f"{d}: no such folder of GPU test reports")
+    found = [f for d in folders for f in d.glob("vllm-*.xml") if f.is_file()]
+    for f in found:
+        if not REPORT.search(f.name):
+            print(f"{f}: not named vllm-<release>-<YYYYMMDD-HHMMSS>[-<step>].xml, left out", file=sys.stderr)
+    reports = sorted((m["version"], m["stamp"], m["step"], f) for f in found if (m := REPORT.search(f.name)))
+    ran_none: dict[str, dict[str, str]] = {}  # release -> file -> the newest report that skipped all of it
     sources: dict[str, dict[str, dict[str, tuple[str, str | None]]]] = {}  # release -> file -> id -> (outcome, step)
     for version, _, step, path in reports:  # oldest first: a newer report's files replace the older ones'
         try:
@@ -73,6 +78,10 @@ def collect(folders: list[Path]) -> dict[str, dict[str, dict[str, str]]]:
         files = sources.setdefault(version, {})
         for name, cases in ran.items():
             before = files.get(name, {})
+            if all(result == "skipped" for result, _ in cases.values()):
+                ran_none.setdefault(version, {})[name] = step or path.name
+            else:
+                ran_none.get(version, {}).pop(name, None)
             for key, (result, _) in cases.items():
                 if result == "skipped" and before.get(key, ("skipped",))[0] != "skipped":
                     cases[key] = before[key]  # not selected this time: the run that selected it counts
@@ -84,12 +93,16 @@ def collect(folders: list[Path]) -> dict[str, dict[str, dict[str, str]]]:
             steps = list(dict.fromkeys(s for _, s in cases.values() if s))
             if steps:
                 cell[STEP] = ", ".join(steps)
+            if name in ran_none.get(version, {}):
+                cell[RAN_NONE] = ran_none[version][name]
     return out
 
 
 OUTCOMES = ("passed", "failed", "xfailed", "skipped")
 #: the key under which :func:`collect` keeps the pending step a file's report came from (not a test id: no ``::``)
 STEP = "step"
+#: the key under which :func:`collect` names a file's newest report when that report skipped all of the file's tests
+RAN_NONE = "ran none"
 
 
 def table(results: dict[str, dict[str, dict[str, str]]], versions: list[str]) -> str:
@@ -100,10 +113,11 @@ def table(results: dict[str, dict[str, dict[str, str]]], versions: list[str]) ->
         cells = []
         for v in versions:
             cases = dict(results.get(v, {}).get(f, {}))
-            step = cases.pop(STEP, None)
+            step, none = cases.pop(STEP, None), cases.pop(RAN_NONE, None)
             counts = Counter(cases.values())
             cell = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o])
-            cells.append(f"{cell} (step {step})" if cell and step else cell or "not run")
+            cell = f"{cell} (step {step})" if cell and step else cell or "not run"
+            cells.append(f"{cell}; the newest run ({none}) skipped all" if none else cell)
         lines.append(f"| `{f}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -132,8 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     folders = args.folders or [Path(os.environ.get("QUANTPACK_GPU_RESULTS", "/tmp/gpu-matrix"))]
     results = collect(folders)
-    print(table(results, args.versions.split(",")))
-    return int(any(o == "failed" for r in results.values() for f in r.values() for k, o in f.items() if k != STEP))
+    versions = args.versions.split(",")
+    print(table(results, versions))
+    failed = sorted({v for v, r in results.items() for f in r.values() for k, o in f.items() if _is_failure(k, o)})
+    hidden = [v for v in failed if v not in versions]
+    if hidden:
+        print(f"failures in releases not in --versions: {', '.join(hidden)}", file=sys.stderr)
+    return int(bool(failed))
+
+
+def _is_failure(key: str, result: str) -> bool:
+    """Whether a :func:`collect` entry is a failed test (not the step or ran-none note)."""
+    return key not in (STEP, RAN_NONE) and result == "failed"
 
 
 if __name__ == "__main__":

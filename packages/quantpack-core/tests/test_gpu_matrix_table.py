@@ -92,3 +92,33 @@ def test_a_broken_report_is_named(tmp_path):
         assert "vllm-0.26.0-20261203-100000.xml" in str(e) and "not a JUnit XML report" in str(e)
     else:
         raise AssertionError("a truncated report was accepted")
+
+
+def test_a_run_that_skipped_everything_is_flagged_and_odd_files_named(tmp_path, capsys):
+    """A newest report that skipped all of a file's tests (no GPU visible, say) keeps the older outcomes but says so;
+    a folder or a misnamed file among the reports is left out with a line on stderr (not a traceback); failures of
+    a release outside ``--versions`` set the exit code and are named; a missing folder is named."""
+    tool = load_tool()
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    report(tmp_path, reports / "vllm-0.25.1-20261203-100000.xml", LATER)
+    every = 'import pytest\npytestmark = pytest.mark.skip(reason="no CUDA")\n' + LATER
+    report(tmp_path, reports / "vllm-0.25.1-20261203-110000-e2e-dense.xml", every)
+    report(tmp_path, reports / "vllm-0.24.0-20261203-100000.xml", FIRST)  # test_b fails there
+    (reports / "vllm-0.25.1-20261203-120000.xml.d").mkdir()
+    (reports / "vllm-0.25.1-20261203-130000-x.xml").mkdir()  # a folder named as a report
+    (reports / "vllm-0.26.0rc1-20261203-100000.xml").write_text("<testsuites/>")
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
+        for line in tool.table(tool.collect([reports]), ["0.25.1"]).splitlines()
+    }
+    assert rows["`test_gpu_demo.py`"] == ["4 passed, 1 xfailed; the newest run (e2e-dense) skipped all"]
+    assert "vllm-0.26.0rc1-20261203-100000.xml: not named" in capsys.readouterr().err
+    assert tool.main([str(reports), "--versions", "0.25.1"]) == 1
+    assert "failures in releases not in --versions: 0.24.0" in capsys.readouterr().err
+    try:
+        tool.collect([tmp_path / "absent"])
+    except SystemExit as e:
+        assert "absent: no such folder" in str(e)
+    else:
+        raise AssertionError("a missing folder was read as an empty one")

@@ -130,10 +130,17 @@ def attention(x, w, cfg, layer):
 
 def router(x, w, cfg, layer):
     """The sigmoid router of MoE layer ``layer``: ``(scores, choice)``, each ``(T, experts)``; ``choice`` (the
-    scores plus the correction bias) picks the experts, ``scores`` weigh them."""
+    scores plus the correction bias) picks the experts, ``scores`` weigh them. Where ``cfg["swap"]`` is ``(layer,
+    token)`` (:func:`forward`'s ``swap``), that token takes its ``(k+1)``-th expert instead of its ``k``-th there."""
     p = f"backbone.layers.{layer}.mixer"
     scores = (x @ w[f"{p}.gate.weight"].T).sigmoid()
-    return scores, scores + (w[f"{p}.gate.e_score_correction_bias"] if cfg.get("correction_bias", True) else 0)
+    choice = scores + (w[f"{p}.gate.e_score_correction_bias"] if cfg.get("correction_bias", True) else 0)
+    if cfg.get("swap") is not None and cfg["swap"][0] == layer:
+        t, k = cfg["swap"][1], cfg["num_experts_per_tok"]
+        kth, next_ = choice[t].argsort(descending=True)[k - 1 : k + 1].tolist()
+        choice = choice.clone()
+        choice[t, [kth, next_]] = choice[t, [next_, kth]]
+    return scores, choice
 
 
 def router_margin(choice: torch.Tensor, top_k: int, other: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,13 +188,17 @@ def forward(
     inputs_embeds: torch.Tensor | None = None,
     routers: list | None = None,
     dtype: torch.dtype = torch.float64,
+    swap: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Logits ``(T, vocab)`` of one sequence ``input_ids`` ``(T,)`` from dense weights ``w`` (checkpoint names,
     ``backbone.*`` and ``lm_head.weight``), computed in ``dtype`` (float64: the reference; bfloat16: every weight,
     activation and state rounded, a forward noisier than vLLM's); ``inputs_embeds`` ``(T, hidden)``, where given,
     replaces the embedding rows (a vision-language model's image positions); ``routers``, where given, gets each MoE
-    layer's choice scores ``(T, experts)`` (:func:`router`) appended in layer order."""
+    layer's choice scores ``(T, experts)`` (:func:`router`) appended in layer order; ``swap``, where given, is
+    ``(layer, token)``: that token routed to its ``(k+1)``-th expert instead of its ``k``-th at that MoE layer (what
+    a forward that rounds differently does at a router near-tie)."""
     w = {k: v.to(dtype) for k, v in w.items()}
+    cfg = {**cfg, "swap": swap}
     x = w["backbone.embeddings.weight"][input_ids] if inputs_embeds is None else inputs_embeds.to(dtype)
     eps = cfg["layer_norm_epsilon"]
     for layer, kind in enumerate(cfg["layers_block_type"]):

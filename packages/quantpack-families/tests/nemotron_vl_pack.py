@@ -363,11 +363,10 @@ def reference(seed: int = 0, image=None, weights: tuple[dict, dict] | None = Non
     """The float64 reference of the pack: ``input_ids`` ``(1, TEXT_LENGTH)`` and ``logits`` of a text-only prompt
     (words only), ``image_ids`` (the image prompt as expanded), ``greedy`` (GREEDY_TOKENS ids) and ``greedy_top2``
     (per step ``{str(id): logprob}`` of the two best) of the image prompt, ``image_tokens`` (the projected rows), and
-    ``router_margin`` ``(TEXT_LENGTH,)``, per text position the smallest router margin over the MoE layers
-    (``nemotron_h_reference.router_margin``), and ``router_noise``, the most an all-bfloat16 forward moves one of
-    those margins on the text prompt (1.5e-2, at KL 1.4e-3 from this one on the core writer's pack: within the
-    served pack's 3e-3 bound): a position whose margin is below it is a router near-tie, where a bfloat16 forward
-    within the bound may pick another expert.
+    ``router_margin`` / ``router_noise`` / ``router_swaps`` of the text prompt (:func:`router_near_ties`, against
+    an all-bfloat16 forward: KL 1.4e-3 from this one on the core writer's pack, within the served pack's 3e-3
+    bound, which moves a margin by up to 1.0e-2 / 1.5e-2 in the two MoE layers; it flips no route itself, so this
+    is a worst-case allowance, not an observed flip).
     ``weights``: ``(language, vision)`` dense weights in :func:`dense_weights`' names (default: the pack's own; a
     converter-made pack's decoded ones)."""
     language, vision = weights if weights is not None else dense_weights(seed)
@@ -396,9 +395,36 @@ def reference(seed: int = 0, image=None, weights: tuple[dict, dict] | None = Non
         "greedy": greedy,
         "greedy_top2": top2,
         "image_tokens": image_rows,
-        "router_margin": torch.stack([router_margin(c, top_k) for c in routers]).min(0).values,
-        "router_noise": max(
-            float((router_margin(a, top_k) - router_margin(a, top_k, b.double())).abs().max())
-            for a, b in zip(routers, rounded, strict=True)
-        ),
+        **router_near_ties(routers, rounded, top_k, lambda swap: forward(language, SUPER, text_ids, swap=swap)),
+    }
+
+
+def router_near_ties(routers: list, rounded: list, top_k: int, swapped) -> dict:
+    """A prompt's router near-ties, from the float64 forward's choice scores ``routers`` (a list of ``(T,
+    experts)``, one per MoE layer) and a forward's that rounds (``rounded``, the same layout):
+
+    - ``router_margin`` ``(layers, T)`` float64, each layer's :func:`nemotron_h_reference.router_margin`;
+    - ``router_noise`` ``(layers,)``, the most ``rounded`` moved one of that layer's margins. A token whose margin at
+      some layer is below that layer's noise is a router near-tie: a forward that rounds as much may take the
+      other expert there;
+    - ``router_swaps`` ``{token: (n, vocab) float32}``, per near-tie token its logits row with the token routed to
+      its ``(k+1)``-th expert, one row per layer where it is a near-tie (``swapped((moe_layer, token))`` gives the
+      logits ``(T, vocab)`` of the forward with that swap).
+
+    Raises:
+        ValueError: a margin or a noise that is not finite (a broken reference, which would set positions apart
+            unseen)."""
+    margin = torch.stack([router_margin(c, top_k) for c in routers])
+    moved = torch.stack([router_margin(a, top_k, b.double()) for a, b in zip(routers, rounded, strict=True)])
+    noise = (margin - moved).abs().amax(-1)
+    if not (margin.isfinite().all() and noise.isfinite().all()):
+        raise ValueError("router margins of the reference are not finite: its forward is broken")
+    moe_layers = [i for i, kind in enumerate(SUPER["layers_block_type"]) if kind == "moe"]
+    swaps: dict[int, list] = {}
+    for layer, token in (margin < noise[:, None]).nonzero().tolist():
+        swaps.setdefault(token, []).append(swapped((moe_layers[layer], token))[token].float())
+    return {
+        "router_margin": margin,
+        "router_noise": noise,
+        "router_swaps": {t: torch.stack(rows) for t, rows in sorted(swaps.items())},
     }

@@ -11,7 +11,8 @@ lacks):
 * the pack is a valid pack: its language tower EXL3 under ``language_model.``, the tower and projector dense;
 * the final LayerNorm and the image both move the reference's greedy tokens: a vLLM that drops the norm, or never
   places the image rows, cannot give the reference's tokens;
-* the router near-ties the GPU test sets apart come from a bfloat16 forward within its bound, and only they are.
+* the router near-ties the GPU test sets apart come from a bfloat16 forward within its bound, and only they are; at
+  each the reference keeps the row with the other expert too.
 """
 
 import json
@@ -154,30 +155,59 @@ def test_final_layernorm_and_image_move_the_greedy_tokens(reference):
     assert greedy(None) != reference["greedy"]
 
 
-def test_router_near_ties_are_what_a_bfloat16_forward_within_the_bound_moves(reference):
-    """The reference's router near-ties (``router_margin`` below ``router_noise``) come from an all-bfloat16 forward
-    whose text KL is within the GPU test's bound, so a served pack within it may route those tokens either way; they
-    are a minority of the prompt; ``vl_runner.router_decided`` sets exactly them apart and holds the rest to the
-    reference: a wrong row at a decided position counts, at a near-tie it does not."""
+def test_router_near_ties_and_their_swapped_rows(reference):
+    """The GPU test's router near-ties (``router_margin`` below its layer's ``router_noise``) come from an
+    all-bfloat16 forward whose text KL is within that test's bound; a token is one exactly where moving its k-th and
+    (k+1)-th expert scores by that noise changes the chosen set (checked through ``topk``, not the margin formula);
+    they are a minority. Routing the closest one to its other expert moves its row far beyond the bound (so the
+    reference keeps that row too, ``router_swaps``) and the rows after it little; ``router_decided`` takes a run
+    that swapped it, and refuses unrelated logits at a near-tie and a wrong row at a decided position. (The rows:
+    vLLM's prompt logprobs row i follows token i, as the reference's logits row i, the convention of every
+    end-to-end test's ``logit_agreement``.)"""
     from nemotron_h_reference import SUPER, forward
     from nemotron_vl_pack import dense_weights
     from test_nemotron_vl_gpu import KL_BOUND
-    from vl_runner import router_decided
+    from vl_runner import TIE_ROW_FACTOR, router_decided
 
-    ids = reference["input_ids"][0]
-    rounded = forward(dense_weights()[0], SUPER, ids, dtype=torch.bfloat16).double().log_softmax(-1)
+    language, ids, k = dense_weights()[0], reference["input_ids"][0], SUPER["num_experts_per_tok"]
     lp = reference["logits"][0].double().log_softmax(-1)
-    kl = (lp.exp() * (lp - rounded)).sum(-1).mean()
-    assert 1e-5 < kl <= KL_BOUND, kl  # a forward the bound accepts, and one that rounds (not float64 again)
-    ties = (reference["router_margin"] < reference["router_noise"]).nonzero().flatten().tolist()
+
+    def kl_rows(logits):
+        lq = logits.double().log_softmax(-1)
+        return (lp.exp() * (lp - lq)).sum(-1)
+
+    assert 1e-5 < kl_rows(forward(language, SUPER, ids, dtype=torch.bfloat16)).mean() <= KL_BOUND
+    routers = []
+    forward(language, SUPER, ids, routers=routers)
+    noise = reference["router_noise"]
+    ties = set()
+    for layer, choice in enumerate(routers):
+        for t in range(ids.numel()):
+            order = choice[t].argsort(descending=True)
+            pushed = choice[t].clone()
+            pushed[order[k - 1]] -= noise[layer] / 2
+            pushed[order[k]] += noise[layer] / 2
+            if set(pushed.topk(k).indices.tolist()) != set(order[:k].tolist()):
+                ties.add(t)
+    got = router_decided(reference, lp[:-1].clone())
+    assert got["router_ties"] == sorted(t for t in ties if t < ids.numel() - 1)
+    assert sorted(reference["router_swaps"]) == sorted(ties)
     assert 0 < len(ties) < ids.numel() // 4, ties
+    assert got["kl_router_decided"] == pytest.approx(0, abs=1e-9) and got["kl_router_tie_max"] < 1e-9
+
+    layer, t = divmod(int(reference["router_margin"].argmin()), ids.numel())
+    moe_layers = [i for i, kind in enumerate(SUPER["layers_block_type"]) if kind == "moe"]
+    swapped = forward(language, SUPER, ids, swap=(moe_layers[layer], t))
+    moved = kl_rows(swapped)
+    assert moved[t] > TIE_ROW_FACTOR * KL_BOUND, float(moved[t])
+    assert any(torch.allclose(row, swapped[t].float()) for row in reference["router_swaps"][t])
+    run = router_decided(reference, swapped.log_softmax(-1)[:-1])
+    print(f"token {t} swapped at MoE layer {layer}: {float(moved[t]):.3g} nats there, {run}")
+    assert run["kl_router_tie_max"] <= TIE_ROW_FACTOR * KL_BOUND and run["kl_router_decided"] <= KL_BOUND
+
+    rows = lp[:-1].clone()
+    rows[t] = rows[t].roll(1)  # unrelated logits at a near-tie
+    assert router_decided(reference, rows)["kl_router_tie_max"] > TIE_ROW_FACTOR * KL_BOUND
     decided = next(i for i in range(ids.numel() - 1) if i not in ties)
-    got = lp[:-1].clone()  # vLLM's rows: one per position but the last
-    assert router_decided(reference, got) == {
-        "kl_router_decided": pytest.approx(0, abs=1e-9),
-        "router_ties": [t for t in ties if t < got.shape[0]],
-    }
-    got[ties[0]] = got[ties[0]].roll(1)  # another expert's logits, say: set apart
-    assert router_decided(reference, got)["kl_router_decided"] == pytest.approx(0, abs=1e-9)
-    got[decided] = got[decided].roll(1)
-    assert router_decided(reference, got)["kl_router_decided"] > 10 * KL_BOUND
+    rows[decided] = rows[decided].roll(1)
+    assert router_decided(reference, rows)["kl_router_decided"] > 10 * KL_BOUND
