@@ -50,7 +50,7 @@ except Exception as e:
 # found the VL converter pack's excess at one router near-tie and the twin's fault under cudagraph_mode NONE: the VL
 # pack again, its test now bounding the KL outside router near-ties; the escha Triton kernel's time; the twin's
 # FULL_AND_PIECEWISE mode; the last steps re-check what passed before)
-all=(nemotron-vl escha-times nemotron-twin escha-kernel e2e-moe serve-moe serve-moe-mixed profile-moe profile
+all=(nemotron-vl escha-times nemotron-twin escha-kernel matrix e2e-moe serve-moe serve-moe-mixed profile-moe profile
   family-converter families qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated escha-gpu e2e-dense
   linear-kernels escha-vllm serve-8b kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel)
 # the tiny models of the given families (of spark, nemotron-h, nemotron-vl) through exllamav3's own converter, each
@@ -221,6 +221,15 @@ for s in "${@:-${all[@]}}"; do
             --json "$res/profile_30b_a3b_${e}_b$b.json"
         done
       done ;;
+    # one vLLM release's column of the GPU matrix (issue: 0.22.1 and 0.26.0 after 0.25.1) in one device session:
+    # the kernel files first (vLLM-free, about 7 minutes at 0.25.1's times), then the end-to-end files, eager and
+    # graphs (about 16 minutes); each report named by the bundle's release (ci/gpu/matrix_table.py)
+    matrix)
+      step matrix-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py
+      step matrix-moe-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_moe.py
+      step matrix-escha-gpu "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu.py
+      step matrix-e2e "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py
+      step matrix-escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py ;;
     *) echo "unknown step $s (of: ${all[*]})" >&2 ;;
   esac
 done
