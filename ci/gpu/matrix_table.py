@@ -89,7 +89,7 @@ def collect(folders: list[Path]) -> dict[str, dict[str, dict[str, str]]]:
     out: dict[str, dict[str, dict[str, str]]] = {}
     for version, files in sources.items():
         for name, cases in files.items():
-            cell = out.setdefault(version, {}).setdefault(name, {k: o for k, (o, _) in cases.items()})
+            cell = out.setdefault(version, {})[name] = {k: o for k, (o, _) in cases.items()}
             steps = list(dict.fromkeys(s for _, s in cases.values() if s))
             if steps:
                 cell[STEP] = ", ".join(steps)

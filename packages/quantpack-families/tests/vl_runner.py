@@ -108,14 +108,14 @@ def router_decided(ref: dict, lp: torch.Tensor) -> dict:
         return {}
     n = lp.shape[0]
     tie = (ref["router_margin"][:, :n] < ref["router_noise"][:, None]).any(0)
+    ties = tie.nonzero().flatten().tolist()
     ref_rows = ref["logits"][0, :n]
     nearest = [
-        min(agreement(row[None], lp[t][None]).kl for row in (ref_rows[t], *ref["router_swaps"][t]))
-        for t in tie.nonzero().flatten().tolist()
+        min(agreement(row[None], lp[t][None]).kl for row in (ref_rows[t], *ref["router_swaps"][t])) for t in ties
     ]
     return {
         "kl_router_decided": agreement(ref_rows[~tie], lp[~tie]).kl,
-        "router_ties": tie.nonzero().flatten().tolist(),
+        "router_ties": ties,
         "kl_router_tie_max": max(nearest, default=0.0),
     }
 
