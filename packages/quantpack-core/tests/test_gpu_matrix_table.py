@@ -21,13 +21,29 @@ def load_tool():
 
 def report(tmp: Path, out: Path, body: str, name: str = "test_gpu_demo.py") -> None:
     """Run pytest on a module ``name`` holding ``body`` (alone in its folder) and write its JUnit XML to ``out``; the
-    test ids (``pkg.tests.<module>``) are the same for every report, as a checkout's are."""
-    mod = tmp / out.stem / "pkg" / "tests"
+    test ids (``pkg.tests.<module>``) are the same for every report, as a checkout's are. The folder has its own
+    ini file so that pytest's rootdir is that folder even when ``tmp`` lies inside a checkout (CI's basetemp under
+    ``.nox/``), whose pyproject.toml would otherwise make the ids carry the temporary path."""
+    root = tmp / out.stem
+    mod = root / "pkg" / "tests"
     mod.mkdir(parents=True, exist_ok=True)
     (mod / name).write_text(body)
+    (root / "pytest.ini").write_text("[pytest]\n")
     subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={out}", str(mod)],
-        cwd=tmp / out.stem,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            str(root / "pytest.ini"),
+            f"--rootdir={root}",
+            f"--junitxml={out}",
+            str(mod),
+        ],
+        cwd=root,
         env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
         capture_output=True,
         check=False,
