@@ -31,6 +31,7 @@ from .codec.codebook import Codebook
 from .codec.hadamard import HAD_BLOCK
 from .codec.trellis import HALF_K, TILE, k_from_width
 from .errors import CodecError, LayerLoadError, PackError, Problem
+from .layout import decoder_layers, sibling_problems, sublayer_problems
 from .names import normalize_prefix, split_tensor_name
 from .ngram import NGRAM_FILE, RECOPY
 
@@ -623,6 +624,21 @@ class Pack:
         out.extend(self._manifest_problems())
         out.extend(self._unindexed_problems())
         out.extend(self._config_problems())
+        named = {p.module for p in out}
+        out.extend(p for p in self._layout_problems() if p.module not in named)
+        return out
+
+    def _layout_problems(self) -> list[Problem]:
+        """Modules of the decoder layers that cannot be absent given those present (:mod:`quantpack_core.layout`):
+        a gated MLP's or an attention block's missing member, a layer short of a sublayer its stack's other layers
+        hold (not for DeciLM's ``block_configs``, whose no-op blocks hold fewer by design)."""
+        cfg = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else self.config
+        layers = cfg.get("num_hidden_layers") if isinstance(cfg, dict) else None
+        layers = layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
+        stacks = decoder_layers(self.modules, self.OTHER_STACKS, layers)
+        out = sibling_problems(stacks)
+        if not (isinstance(cfg, dict) and isinstance(cfg.get("block_configs"), list)):
+            out.extend(sublayer_problems(stacks))
         return out
 
     #: config.json sizes that must be positive integers where they are given (num_experts may be 0: a dense model)

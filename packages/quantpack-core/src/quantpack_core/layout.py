@@ -1,0 +1,158 @@
+"""The module layout of a pack's decoder layers: modules that cannot be absent given the modules present.
+
+For a quantized model vLLM does not check that every parameter was loaded (``DefaultModelLoader.load_weights``
+checks only unquantized models), so a module missing from a pack reaches the worker process: quantpack's linear
+method refuses it there (``LayerLoadError``: "no tensor of this layer was loaded", "a shard missing"), behind vLLM's
+"Engine core initialization failed". The pack check (:meth:`quantpack_core.pack.Pack.problems`) reports the same
+absence in the user's process first, through the two rules here. Both only state what holds for every architecture
+the project knows (docs/families.md, and vLLM's model files for the others), so a sound pack is never refused:
+
+- :func:`sibling_problems`: modules that come together under one parent (a gated MLP's gate / up / down, the q / k
+  / v projections and the attention output), and modules that the other instances of the same parent hold beside
+  the same modules (a gate projection beside up / down, Mamba's out projection beside in_proj).
+- :func:`sublayer_problems`: a decoder layer holding fewer sublayers (``self_attn``, ``mlp``, ``mixer``, ...) than
+  at least three quarters of its stack's layers hold. Hybrid stacks (Qwen3-Next's ``linear_attn`` / ``self_attn``,
+  Jamba's ``mamba`` / ``self_attn``, Nemotron-H's one ``mixer``) hold as many sublayers in every layer, only
+  differently named, so only a layer that lost one has fewer.
+
+Whole layers missing and per-layer norms are checked by :class:`~quantpack_core.pack.Pack` itself; experts of an
+expert bank by its MoE rules (docs/moe-bank.md).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable
+
+from .errors import Problem
+
+#: the names an attention block's output projection has across vLLM's decoder models (Llama's o_proj, OPT's and
+#: Spark's out_proj, Phi-2's and Falcon's dense, GPT-2's c_proj, InternLM2's wo, ...)
+ATTENTION_OUT = ("o_proj", "out_proj", "dense", "c_proj", "wo", "o", "proj")
+
+#: ``(leaves, needed)``: a parent holding every leaf of ``leaves`` must hold one leaf of each tuple in ``needed`` -
+#: the layout itself shows the module was lost (a gated MLP with gate and up has a down projection; attention with
+#: q and k has an output projection). Left out on purpose: a lone q_proj (DeepSeek-V2-Lite's MLA without q LoRA
+#: keeps q_proj beside kv_a_proj_with_mqa) and q_proj with k_proj but no v_proj (attention whose value is its key).
+SIBLINGS: tuple[tuple[tuple[str, ...], tuple[tuple[str, ...], ...]], ...] = (
+    (("gate_proj", "up_proj"), (("down_proj",),)),
+    (("gate_proj", "down_proj"), (("up_proj",),)),
+    (("w1", "w3"), (("w2",),)),
+    (("q_proj", "v_proj"), (("k_proj",),)),
+    (("k_proj", "v_proj"), (("q_proj", "q_a_proj", "q_b_proj"),)),
+    (("q_proj", "k_proj"), (ATTENTION_OUT,)),
+)
+#: the same form, for layouts that do not show the loss on their own (up and down without gate is a GELU or relu^2
+#: MLP; a lone down_proj is a test pack's): reported only where another instance of the same parent
+#: (``layers.#.mlp``, ``layers.#.mlp.experts.#``) holds the leaves and the module
+EVIDENCED: tuple[tuple[tuple[str, ...], tuple[tuple[str, ...], ...]], ...] = (
+    (("up_proj", "down_proj"), (("gate_proj",),)),
+    (("up_proj",), (("down_proj",),)),
+    (("down_proj",), (("up_proj", "gate_up_proj"),)),
+    (("gate_up_proj",), (("down_proj",),)),
+    (("w2",), (("w1",),)),
+    (("qkv_proj",), (ATTENTION_OUT,)),
+    (("in_proj",), (("out_proj",),)),
+)
+
+#: ``<stack>layers.<i>.<rest>`` of a decoder layer's module key
+LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+FIX = "the pack is incomplete (a file or tensor lost): re-download it"
+
+
+def decoder_layers(keys: Iterable[str], other_stacks: re.Pattern, layers: int | None) -> dict[str, dict[int, list]]:
+    """Module keys of decoder layers, grouped: ``{stack: {layer index: [module path inside the layer, ...]}}``.
+
+    Args:
+        keys: module keys (``model.layers.3.self_attn.q_proj``).
+        other_stacks: a pattern that matches the part of a key before ``layers.`` when the layers belong to another
+            stack than the decoder's (a vision tower, an MTP head, a draft); such keys are left out.
+        layers: config.json's ``num_hidden_layers``; layers at or past it (DeepSeek's MTP layers) are left out.
+            None keeps every layer.
+    """
+    out: dict[str, dict[int, list]] = {}
+    for key in keys:
+        found = LAYER_KEY.search(key)
+        if not found or other_stacks.search(key[: found.start() + 1]):
+            continue
+        i = int(found.group(1))
+        if layers is not None and i >= layers:
+            continue
+        stack = key[: found.start(1)]
+        out.setdefault(stack, {}).setdefault(i, []).append(key[found.end() :])
+    return out
+
+
+def sibling_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
+    """Modules missing beside the modules present under the same parent (:data:`SIBLINGS`, :data:`EVIDENCED`).
+
+    Args:
+        stacks: :func:`decoder_layers`'s grouping.
+
+    Returns:
+        One :class:`Problem` per missing module, naming the module, the tensor vLLM would look for and the modules
+        present that imply it.
+    """
+    parents: dict[str, set[str]] = {}  # full parent key -> its leaves
+    shape_of: dict[str, str] = {}  # full parent key -> the parent's path with every index as '#'
+    for stack, layers in stacks.items():
+        for i, paths in layers.items():
+            for path in paths:
+                parent, _, leaf = f"{stack}{i}.{path}".rpartition(".")
+                parents.setdefault(parent, set()).add(leaf)
+                shape_of[parent] = re.sub(r"(^|\.)\d+(?=\.|$)", r"\1#", parent)
+    by_shape: dict[str, list[set[str]]] = {}
+    for parent, leaves in parents.items():
+        by_shape.setdefault(shape_of[parent], []).append(leaves)
+    out: list[Problem] = []
+    reported: set[str] = set()
+    for parent, leaves in sorted(parents.items()):
+        for rules, evidenced in ((SIBLINGS, False), (EVIDENCED, True)):
+            for when, needed in rules:
+                if not leaves.issuperset(when):
+                    continue
+                for names in needed:
+                    missing = f"{parent}.{names[0]}"
+                    if leaves & set(names) or missing in reported:
+                        continue
+                    if evidenced and not any(o.issuperset(when) and o & set(names) for o in by_shape[shape_of[parent]]):
+                        continue
+                    reported.add(missing)
+                    what = f"holds {' and '.join(when)} but no {' / '.join(names)}"
+                    what += f", which the other {shape_of[parent]} hold" if evidenced else ": vLLM's layer needs it"
+                    out.append(Problem(missing, f"{missing}.*", what, FIX))
+    return out
+
+
+def sublayer_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
+    """Decoder layers holding fewer sublayers than at least three quarters of their stack's layers.
+
+    A sublayer is the first name inside a layer that has modules below it (``self_attn`` of
+    ``layers.3.self_attn.q_proj``); modules directly in the layer (norms) are not sublayers.
+
+    Args:
+        stacks: :func:`decoder_layers`'s grouping.
+
+    Returns:
+        One :class:`Problem` per short layer, naming the sublayers that more than half of the stack's layers hold
+        and this one lacks.
+    """
+    out: list[Problem] = []
+    for stack, layers in sorted(stacks.items()):
+        subs = {i: {p.split(".", 1)[0] for p in paths if "." in p} for i, paths in layers.items()}
+        counts = Counter(len(s) for s in subs.values())
+        usual = next((c for c, n in counts.items() if 4 * n >= 3 * len(subs)), None)
+        if usual is None:
+            continue
+        held = Counter(name for s in subs.values() for name in s)
+        common = sorted(name for name, n in held.items() if 2 * n > len(subs))
+        for i, s in sorted(subs.items()):
+            lost = [name for name in common if name not in s]
+            if len(s) < usual and lost:
+                what = (
+                    f"layer {i} holds no {' / '.join(lost)} (its sublayers: {', '.join(sorted(s)) or 'none'}), "
+                    f"while {held[lost[0]]} of the stack's {len(subs)} layers do"
+                )
+                out.append(Problem(f"{stack}{i}.{lost[0]}", f"{stack}{i}.{lost[0]}.*", what, FIX))
+    return out

@@ -1,0 +1,207 @@
+"""Modules missing from a decoder layer (quantpack_core.layout): reported by the pack check in the user's process,
+where vLLM would only fail in its worker; and the layouts of the architectures the project knows are never refused.
+"""
+
+import json
+import re
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+from test_pack import expect_problem
+
+from quantpack_core import Pack
+from quantpack_core.layout import decoder_layers, sibling_problems, sublayer_problems
+from quantpack_core.pack import MANIFEST_FILE
+
+PACK = "llama-tiny-exl3-4.0bpw-mul1"
+
+
+def without(src, dst, prefix, manifest=False):
+    """A copy of pack ``src`` without the tensors under ``prefix``; its manifest's tensor list dropped too unless
+    ``manifest`` (a pack whose quantization_config.json does not list its tensors, as hand-made packs' do not)."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        save_file({k: v for k, v in load_file(f).items() if not k.startswith(prefix)}, f, metadata={"format": "pt"})
+    index = dst / "model.safetensors.index.json"
+    if index.exists():
+        j = json.loads(index.read_text())
+        j["weight_map"] = {k: v for k, v in j["weight_map"].items() if not k.startswith(prefix)}
+        index.write_text(json.dumps(j))
+    if not manifest:
+        j = json.loads((dst / MANIFEST_FILE).read_text())
+        j.pop("tensor_storage", None)
+        (dst / MANIFEST_FILE).write_text(json.dumps(j))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("drop", "needles"),
+    [
+        (
+            "model.layers.1.self_attn.k_proj.",
+            ["model.layers.1.self_attn.k_proj", "holds q_proj and v_proj but no k_proj"],
+        ),
+        (
+            "model.layers.1.self_attn.q_proj.",
+            ["model.layers.1.self_attn.q_proj", "holds k_proj and v_proj but no q_proj"],
+        ),
+        (
+            "model.layers.1.self_attn.o_proj.",
+            ["model.layers.1.self_attn.o_proj", "holds q_proj and k_proj but no o_proj"],
+        ),
+        (
+            "model.layers.3.mlp.down_proj.",
+            ["model.layers.3.mlp.down_proj", "holds gate_proj and up_proj but no down_proj"],
+        ),
+        ("model.layers.0.mlp.up_proj.", ["model.layers.0.mlp.up_proj", "holds gate_proj and down_proj but no up_proj"]),
+        (
+            "model.layers.1.mlp.gate_proj.",
+            ["holds up_proj and down_proj but no gate_proj, which the other model.layers.#.mlp hold"],
+        ),
+        (
+            "model.layers.2.self_attn.",
+            ["model.layers.2.self_attn", "layer 2 holds no self_attn (its sublayers: mlp), while 3 of"],
+        ),
+        ("model.layers.0.mlp.", ["model.layers.0.mlp", "layer 0 holds no mlp"]),
+    ],
+)
+def test_a_module_missing_from_a_layer_is_named(tmp_path, fixtures_dir, drop, needles):
+    pack = without(fixtures_dir / PACK, tmp_path / "p", drop)
+    error = expect_problem(pack, *needles, "re-download it")
+    assert len(error.problems) == 1, error.problems
+
+
+def test_the_manifest_names_it_first(tmp_path, fixtures_dir):
+    """With a manifest that lists the tensors, its own problem names the module, and the layout adds no twin."""
+    pack = without(fixtures_dir / PACK, tmp_path / "p", "model.layers.1.self_attn.k_proj.", manifest=True)
+    error = expect_problem(pack, "model.layers.1.self_attn.k_proj.trellis", "listed in quantization_config.json")
+    assert {p.module for p in error.problems} == {"model.layers.1.self_attn.k_proj"}
+    assert not any("no k_proj" in p.what for p in error.problems)
+
+
+def test_the_sound_pack_and_its_layers(fixtures_dir):
+    pack = Pack.open(fixtures_dir / PACK)
+    stacks = decoder_layers(pack.modules, Pack.OTHER_STACKS, 4)
+    assert sorted(stacks) == ["model.layers."] and sorted(stacks["model.layers."]) == [0, 1, 2, 3]
+    assert sorted(stacks["model.layers."][0]) == [
+        "input_layernorm", "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "post_attention_layernorm",
+        "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj",
+    ]  # fmt: skip
+    # layers past num_hidden_layers (DeepSeek's MTP layers) and other stacks are left out
+    assert decoder_layers(pack.modules, Pack.OTHER_STACKS, 2)["model.layers."].keys() == {0, 1}
+    assert decoder_layers(["model.visual.layers.0.attn.qkv", "x"], Pack.OTHER_STACKS, None) == {}
+
+
+def keys(layers: dict[int, list[str]], stack: str = "model.layers.") -> list[str]:
+    return [f"{stack}{i}.{p}" for i, paths in layers.items() for p in paths]
+
+
+ATTN = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
+NORMS = ["input_layernorm", "post_attention_layernorm"]
+
+
+GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+UP_DOWN = ("up_proj", "down_proj")
+SHARED = ["mixer.shared_experts.up_proj", "mixer.shared_experts.down_proj"]
+
+
+def experts(parent: str, n: int, projs=GATE_UP_DOWN) -> list[str]:
+    return [f"{parent}.experts.{e}.{p}" for e in range(n) for p in projs]
+
+
+#: decoder layouts of architectures the project serves or knows (docs/families.md, vLLM's model files): sound
+SOUND = {
+    # Qwen3-Next: three linear-attention layers to one full-attention layer, MoE with a gated shared expert
+    "qwen3-next": {
+        i: (["linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "linear_attn.out_proj"] if i % 4 != 3 else ATTN)
+        + ["mlp.gate", "mlp.shared_expert_gate", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"]
+        + ["mlp.shared_expert.down_proj", *experts("mlp", 4), *NORMS]
+        for i in range(8)
+    },
+    # Nemotron-H: one mixer per layer, Mamba2 / attention / relu^2 MLP / latent MoE with ungated experts
+    "nemotron-h": {
+        i: ["norm"]
+        + [
+            ["mixer.in_proj", "mixer.out_proj"],
+            ["mixer.q_proj", "mixer.k_proj", "mixer.v_proj", "mixer.o_proj"],
+            ["mixer.up_proj", "mixer.down_proj"],
+            ["mixer.gate", "mixer.fc1_latent_proj", "mixer.fc2_latent_proj", *experts("mixer", 4, UP_DOWN), *SHARED],
+        ][i % 4]
+        for i in range(8)
+    },
+    # DeepSeek-V2-Lite: MLA without q LoRA (a lone q_proj), a dense first layer, then experts and shared experts
+    "deepseek-v2-lite": {
+        i: ["self_attn.q_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj"]
+        + ["self_attn.kv_a_layernorm", *NORMS]
+        + (
+            ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+            if i == 0
+            else ["mlp.gate", *experts("mlp", 4), *(f"mlp.shared_experts.{p}" for p in GATE_UP_DOWN)]
+        )
+        for i in range(6)
+    },
+    # attention whose value is its key on the full layers (no v_proj), GELU MLP without gate
+    "k-eq-v-gelu": {
+        i: ["self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj"]
+        + ([] if i % 6 == 5 else ["self_attn.v_proj"])
+        + ["mlp.up_proj", "mlp.down_proj", *NORMS]
+        for i in range(12)
+    },
+    # Jamba-like: Mamba or attention, dense or expert MLP under one name
+    "jamba": {
+        i: (["mamba.in_proj", "mamba.x_proj", "mamba.dt_proj", "mamba.out_proj"] if i % 8 != 4 else ATTN)
+        + (["feed_forward.gate_proj", "feed_forward.up_proj", "feed_forward.down_proj"] if i % 2 == 0 else [])
+        + (["feed_forward.router", *experts("feed_forward", 4)] if i % 2 else [])
+        + NORMS
+        for i in range(8)
+    },
+    # Phi-3: fused qkv_proj and gate_up_proj; GPT-J: q/k/v with out_proj, fc_in / fc_out
+    "phi3": {
+        i: ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj", *NORMS] for i in range(4)
+    },
+    "gpt-j": {
+        i: ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "mlp.fc_in", "mlp.fc_out", "ln_1"]
+        for i in range(4)
+    },
+    # Mixtral's experts (w1 gate, w3 up, w2 down)
+    "mixtral": {
+        i: [*ATTN, "block_sparse_moe.gate", *experts("block_sparse_moe", 4, ("w1", "w2", "w3"))] for i in range(4)
+    },
+}
+
+
+@pytest.mark.parametrize("arch", sorted(SOUND))
+def test_known_layouts_are_not_refused(arch):
+    stacks = decoder_layers(keys(SOUND[arch]), Pack.OTHER_STACKS, None)
+    assert sibling_problems(stacks) == [] and sublayer_problems(stacks) == []
+
+
+@pytest.mark.parametrize("arch", sorted(SOUND))
+def test_every_known_layout_loses_a_sublayer_visibly(arch):
+    """The same layouts with one layer's first sublayer removed: reported, naming that sublayer (the rule is not
+    silent on hybrids, where it could only see the layer's count)."""
+    layers = {i: list(p) for i, p in SOUND[arch].items()}
+    first = next(p for p in layers[1] if "." in p).split(".", 1)[0]
+    layers[1] = [p for p in layers[1] if not p.startswith(first + ".")]
+    problems = sublayer_problems(decoder_layers(keys(layers), Pack.OTHER_STACKS, None))
+    assert [p.module for p in problems] == [f"model.layers.1.{first}"], problems
+    assert re.search(rf"layer 1 holds no {first}\b", problems[0].what)
+
+
+def test_expert_pieces_and_the_mamba_pair():
+    layers = {i: ["mixer.in_proj", "mixer.out_proj", *experts("mlp", 3)] for i in range(4)}
+    layers[2].remove("mixer.out_proj")
+    layers[3].remove("mlp.experts.1.gate_proj")
+    problems = sibling_problems(decoder_layers(keys(layers), Pack.OTHER_STACKS, None))
+    # lone down_proj and in_proj, or up / down pairs, are no evidence on their own (a test pack's, a GELU MLP's)
+    gelu = ["mlp.up_proj", "mlp.down_proj"]
+    for lone in ({0: ["mlp.down_proj", "mixer.in_proj"], 1: ["mlp.down_proj"]}, {0: gelu, 1: gelu}):
+        assert sibling_problems(decoder_layers(keys(lone), Pack.OTHER_STACKS, None)) == []
+    assert [(p.module, p.what) for p in problems] == [
+        ("model.layers.2.mixer.out_proj", "holds in_proj but no out_proj, which the other model.layers.#.mixer hold"),
+        (
+            "model.layers.3.mlp.experts.1.gate_proj",
+            "holds up_proj and down_proj but no gate_proj, which the other model.layers.#.mlp.experts.# hold",
+        ),
+    ]
