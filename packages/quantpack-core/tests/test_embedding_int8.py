@@ -79,6 +79,9 @@ def test_cli(fixtures_dir, tmp_path):
     assert res.exit_code == 2 and "not empty" in res.output
     res = runner.invoke(main, ["embed-int8", str(fixtures_dir / MAIN)])
     assert res.exit_code == 2 and "--out DIR, or --in-place" in res.output
+    # an empty --out (an unset shell variable) is not read as the current directory
+    res = runner.invoke(main, ["embed-int8", str(fixtures_dir / MAIN), "--out", ""])
+    assert res.exit_code == 2 and "'--out': is empty" in res.output
     res = runner.invoke(main, ["inspect", str(tmp_path / "o")])
     assert res.exit_code == 0 and "lm_head" in res.output and "K=4: 28" in res.output
     # the int8 table is named as what it is (it used to print as "other float32")

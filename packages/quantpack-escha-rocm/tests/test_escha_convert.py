@@ -154,6 +154,8 @@ def test_the_quantpack_cli_runs_the_converter(fixtures_dir, tmp_path):
         res = CliRunner().invoke(main, ["escha-from-exl3", str(fixtures_dir / SOURCE), "--out", str(tmp_path / "s"),
                                         "--seed", seed])  # fmt: skip
         assert res.exit_code == 2 and "--seed" in res.output and not (tmp_path / "s").exists(), res.output
+    res = CliRunner().invoke(main, ["escha-from-exl3", str(fixtures_dir / SOURCE), "--out", ""])
+    assert res.exit_code == 2 and "'--out': is empty" in res.output, res.output
 
 
 def test_inspect_names_escha_modules_and_their_tensor_parallel_cuts(converted):

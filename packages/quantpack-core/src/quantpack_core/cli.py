@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from .cli_options import output_dir
 from .errors import QuantpackError
 
 
@@ -216,7 +217,7 @@ def verify(pack: Path, against: Path | None, tokens: int | None, max_kl: float |
 
 @main.command("embed-int8")
 @click.argument("pack", type=click.Path(path_type=Path))
-@click.option("--out", type=click.Path(path_type=Path), help="Directory for the converted pack (new or empty).")
+@click.option("--out", type=click.Path(), callback=output_dir, help="Directory for the converted pack (new or empty).")
 @click.option("--in-place", is_flag=True, help="Rewrite PACK itself instead (each file replaced atomically).")
 def embed_int8(pack: Path, out: Path | None, in_place: bool) -> None:
     """Store PACK's embed_tokens table as int8 rows with one scale per row (quarter of fp32, half of bf16)."""

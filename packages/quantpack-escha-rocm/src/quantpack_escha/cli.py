@@ -8,10 +8,14 @@ from pathlib import Path
 
 import click
 
+from quantpack_core.cli_options import output_dir
+
 
 @click.command("escha-from-exl3")
 @click.argument("pack", type=click.Path(path_type=Path))
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Directory for the escha pack (new).")
+@click.option(
+    "--out", type=click.Path(), callback=output_dir, required=True, help="Directory for the escha pack (new)."
+)
 @click.option("--biases", is_flag=True, help="Write a random nonzero bias per coded module (escha never applies it).")
 @click.option(
     "--seed",
