@@ -259,6 +259,10 @@ def _damaged(src, dst, config=None, tensors=None):
         ("k_mismatch", "up_proj: config.json: .escha_code holds K=4 (16*K words per tile), layer_meta says K=3"),
         ("code_width", "model.layers.0.mlp.up_proj.escha_code: width 50"),
         ("rin_short", "model.layers.0.mlp.up_proj.escha_rin: float16 [100]"),
+        (
+            "code_rows",
+            "up_proj.escha_code: shape [8, 40, 64] gives 128 input features, but .escha_rin and .escha_s_in both",
+        ),
         ("s_out_gone", "model.layers.0.mlp.up_proj.escha_s_out: missing"),
         ("nan_scale", "model.layers.0.mlp.up_proj.escha_rout: "),
         ("unpaired_scale", "model.embed_tokens.weight_scale: missing: the module stores .weight_int8"),
@@ -289,6 +293,7 @@ def test_inspect_finds_what_the_escha_config_refuses(fixtures_dir, tmp_path_fact
         "k_mismatch": {"config": lambda qc: qc["layer_meta"][up].update(K=3)},
         "code_width": {"tensors": lambda t: t.update({f"{up}.escha_code": t[f"{up}.escha_code"][:, :, :50].clone()})},
         "rin_short": {"tensors": lambda t: t.update({f"{up}.escha_rin": t[f"{up}.escha_rin"][:100].clone()})},
+        "code_rows": {"tensors": lambda t: t.update({f"{up}.escha_code": t[f"{up}.escha_code"][:8].clone()})},
         "s_out_gone": {"tensors": lambda t: t.pop(f"{up}.escha_s_out")},
         "nan_scale": {"tensors": lambda t: t[f"{up}.escha_rout"].__setitem__(3, float("nan"))},
         "unpaired_scale": {"tensors": lambda t: t.pop(scale)},

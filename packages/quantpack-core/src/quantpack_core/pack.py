@@ -1055,6 +1055,17 @@ class Pack:
         if kp % HAD_BLOCK or np_ % HAD_BLOCK:
             bad(ESCHA_CODE, f"shape {list(code.shape)} gives {kp}x{np_} features, not multiples of {HAD_BLOCK}")
         for names, length, side in ((ESCHA_IN_SCALES, kp, "input"), (ESCHA_OUT_SCALES, np_, "output")):
+            vectors = [t[s] for s in names if s in t]
+            lengths = {v.shape for v in vectors if v.dtype.is_floating_point}
+            if len(vectors) == len(names) and len(lengths) == 1 and (only := lengths.pop()) != (length,):
+                # both scale vectors of the side agree: the code is the tensor that does not fit
+                held = " and ".join(f".{s}" for s in names)
+                bad(
+                    ESCHA_CODE,
+                    f"shape {list(code.shape)} gives {length} {side} features, but {held} both hold {list(only)}: "
+                    "the code does not belong to its scales (cut short, or another module's)",
+                )
+                continue
             for suffix in names:
                 v = t.get(suffix)
                 if v is None:
