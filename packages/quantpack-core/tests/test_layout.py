@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from test_pack import expect_problem
 
 from quantpack_core import Pack
-from quantpack_core.layout import decoder_layers, sibling_problems, sublayer_problems
+from quantpack_core.layout import decoder_layers, sibling_problems, stack_problems, sublayer_problems
 from quantpack_core.pack import MANIFEST_FILE
 
 PACK = "llama-tiny-exl3-4.0bpw-mul1"
@@ -64,6 +64,10 @@ def without(src, dst, prefix, manifest=False):
             ["model.layers.2.self_attn", "layer 2 holds no self_attn (its sublayers: mlp), while 3 of"],
         ),
         ("model.layers.0.mlp.", ["model.layers.0.mlp", "layer 0 holds no mlp"]),
+        ("model.layers.2.self_attn.v_proj.", ["holds q_proj and k_proj but no v_proj, which the other model.layers.#"]),
+        ("model.embed_tokens.", ["model.embed_tokens.weight: no token embedding for the decoder stack model.layers.*"]),
+        ("model.norm.", ["model.norm.weight: no final norm after the decoder stack model.layers.*"]),
+        ("lm_head.", ["lm_head.*: missing: config.json says tie_word_embeddings false"]),
     ],
 )
 def test_a_module_missing_from_a_layer_is_named(tmp_path, fixtures_dir, drop, needles):
@@ -205,3 +209,59 @@ def test_expert_pieces_and_the_mamba_pair():
             "holds up_proj and down_proj but no gate_proj, which the other model.layers.#.mlp.experts.# hold",
         ),
     ]
+
+
+#: the modules besides the layers of some of :data:`SOUND`'s architectures, and of others with unusual places
+BESIDE = {
+    "qwen3-next": ["model.embed_tokens", "model.norm", "lm_head"],
+    "nemotron-h": ["backbone.embeddings", "backbone.norm_f", "lm_head"],
+    "gpt-j": ["transformer.wte", "transformer.ln_f", "lm_head"],
+    # ChatGLM: the embedding below another parent than the layers
+    "chatglm": [
+        "transformer.embedding.word_embeddings",
+        "transformer.encoder.final_layernorm",
+        "transformer.output_layer",
+    ],
+}
+
+
+@pytest.mark.parametrize("arch", sorted(BESIDE))
+def test_a_stack_with_its_embedding_norm_and_head_is_sound(arch):
+    layers = SOUND.get(arch, SOUND["phi3"])
+    stack = {"nemotron-h": "backbone.layers.", "gpt-j": "transformer.layers.", "chatglm": "transformer.encoder.layers."}
+    prefix = stack.get(arch, "model.layers.")
+    if arch == "gpt-j":  # GPT-J's own transformer.h.N is no layers. stack: the rules see none and say nothing
+        assert decoder_layers(keys(layers, "transformer.h."), Pack.OTHER_STACKS, None) == {}
+    all_keys = keys(layers, prefix) + BESIDE[arch]
+    stacks = decoder_layers(all_keys, Pack.OTHER_STACKS, None)
+    config = {"tie_word_embeddings": False}
+    if arch == "chatglm":
+        config["tie_word_embeddings"] = True  # its head is output_layer, which the head rule does not know
+    assert stack_problems(stacks, all_keys, Pack.OTHER_STACKS, config) == []
+    # without each of them
+    for lost in BESIDE[arch][:2]:
+        problems = stack_problems(stacks, [k for k in all_keys if k != lost], Pack.OTHER_STACKS, config)
+        assert len(problems) == 1 and ("embedding" in problems[0].what) == (lost == BESIDE[arch][0]), problems
+
+
+def test_what_the_stack_rule_leaves_alone():
+    layers = keys({i: [*ATTN, *NORMS] for i in range(2)})
+    stacks = decoder_layers(layers, Pack.OTHER_STACKS, None)
+    vision = ["model.visual.patch_embed.proj", "model.visual.merger.norm"]
+    # a vision tower's patch embedding and norm do not stand in for the decoder's
+    problems = stack_problems(stacks, layers + vision, Pack.OTHER_STACKS, {})
+    assert [p.module for p in problems] == ["model.embed_tokens", "model.norm"]
+    # a draft takes all three from its target; OPT without pre-norm has no final norm; a tied head needs no head
+    assert stack_problems(stacks, layers, Pack.OTHER_STACKS, {"architectures": ["EagleLlamaForCausalLM"]}) == []
+    text = {"text_config": {"do_layer_norm_before": False, "tie_word_embeddings": True}}
+    assert stack_problems(stacks, [*layers, "model.embed_tokens"], Pack.OTHER_STACKS, text) == []
+    # text_config's word on tying wins over the top level's
+    text = {"tie_word_embeddings": True, "text_config": {"tie_word_embeddings": False}}
+    problems = stack_problems(stacks, [*layers, "model.embed_tokens", "model.norm"], Pack.OTHER_STACKS, text)
+    assert [p.module for p in problems] == ["lm_head"]
+
+
+def test_the_eagle_draft_fixture_is_sound(fixtures_dir):
+    """The bundled EAGLE draft holds layers and fc only (its target lends embedding, final norm and head)."""
+    pack = Pack.open(fixtures_dir / "llama-tiny-eagle-draft", require_exl3=False)
+    assert "model.embed_tokens" not in pack.modules and "lm_head" not in pack.modules

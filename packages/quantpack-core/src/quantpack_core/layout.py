@@ -4,12 +4,13 @@ For a quantized model vLLM does not check that every parameter was loaded (``Def
 checks only unquantized models), so a module missing from a pack reaches the worker process: quantpack's linear
 method refuses it there (``LayerLoadError``: "no tensor of this layer was loaded", "a shard missing"), behind vLLM's
 "Engine core initialization failed". The pack check (:meth:`quantpack_core.pack.Pack.problems`) reports the same
-absence in the user's process first, through the two rules here. Both only state what holds for every architecture
+absence in the user's process first, through the rules here. They only state what holds for every architecture
 the project knows (docs/families.md, and vLLM's model files for the others), so a sound pack is never refused:
 
 - :func:`sibling_problems`: modules that come together under one parent (a gated MLP's gate / up / down, the q / k
   / v projections and the attention output), and modules that the other instances of the same parent hold beside
   the same modules (a gate projection beside up / down, Mamba's out projection beside in_proj).
+- :func:`stack_problems`: the token embedding, the final norm and an untied output head beside the layers.
 - :func:`sublayer_problems`: a decoder layer holding fewer sublayers (``self_attn``, ``mlp``, ``mixer``, ...) than
   at least three quarters of its stack's layers hold. Hybrid stacks (Qwen3-Next's ``linear_attn`` / ``self_attn``,
   Jamba's ``mamba`` / ``self_attn``, Nemotron-H's one ``mixer``) hold as many sublayers in every layer, only
@@ -55,6 +56,11 @@ EVIDENCED: tuple[tuple[tuple[str, ...], tuple[tuple[str, ...], ...]], ...] = (
     (("qkv_proj",), (ATTENTION_OUT,)),
     (("in_proj",), (("out_proj",),)),
 )
+#: the same form, for a module some architectures leave out of a few layers on purpose (the value projection of
+#: attention whose value is its key, on Gemma 4's full-attention layers): reported only where exactly one instance of
+#: the parent lacks it and at least :data:`LONE_HOLDERS` others hold it
+LONE: tuple[tuple[tuple[str, ...], tuple[tuple[str, ...], ...]], ...] = ((("q_proj", "k_proj"), (("v_proj",),)),)
+LONE_HOLDERS = 3
 
 #: ``<stack>layers.<i>.<rest>`` of a decoder layer's module key
 LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -85,7 +91,8 @@ def decoder_layers(keys: Iterable[str], other_stacks: re.Pattern, layers: int | 
 
 
 def sibling_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
-    """Modules missing beside the modules present under the same parent (:data:`SIBLINGS`, :data:`EVIDENCED`).
+    """Modules missing beside the modules present under the same parent (:data:`SIBLINGS`, :data:`EVIDENCED`,
+    :data:`LONE`).
 
     Args:
         stacks: :func:`decoder_layers`'s grouping.
@@ -108,7 +115,7 @@ def sibling_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
     out: list[Problem] = []
     reported: set[str] = set()
     for parent, leaves in sorted(parents.items()):
-        for rules, evidenced in ((SIBLINGS, False), (EVIDENCED, True)):
+        for rules, evidence in ((SIBLINGS, 0), (EVIDENCED, 1), (LONE, LONE_HOLDERS)):
             for when, needed in rules:
                 if not leaves.issuperset(when):
                     continue
@@ -116,11 +123,13 @@ def sibling_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
                     missing = f"{parent}.{names[0]}"
                     if leaves & set(names) or missing in reported:
                         continue
-                    if evidenced and not any(o.issuperset(when) and o & set(names) for o in by_shape[shape_of[parent]]):
+                    same = [o for o in by_shape[shape_of[parent]] if o.issuperset(when)]
+                    holders = sum(1 for o in same if o & set(names))
+                    if holders < evidence or (rules is LONE and len(same) - holders > 1):
                         continue
                     reported.add(missing)
                     what = f"holds {' and '.join(when)} but no {' / '.join(names)}"
-                    what += f", which the other {shape_of[parent]} hold" if evidenced else ": vLLM's layer needs it"
+                    what += f", which the other {shape_of[parent]} hold" if evidence else ": vLLM's layer needs it"
                     out.append(Problem(missing, f"{missing}.*", what, FIX))
     return out
 
@@ -155,4 +164,71 @@ def sublayer_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
                     f"while {held[lost[0]]} of the stack's {len(subs)} layers do"
                 )
                 out.append(Problem(f"{stack}{i}.{lost[0]}", f"{stack}{i}.{lost[0]}.*", what, FIX))
+    return out
+
+
+#: architectures whose packs hold layers only, taking the embedding, final norm and head from their target model
+DRAFTS = re.compile(r"eagle|medusa|mtp|draft|speculator", re.IGNORECASE)
+#: a module directly beside the decoder stack that is its token embedding (embed_tokens, embeddings, tok_embeddings,
+#: embed_in, word_embeddings, Spark's bf16 embedding, GPT-2's wte) or its final norm (norm, norm_f, final_layernorm,
+#: final_layer_norm, ln_f)
+EMBEDDING = re.compile(r"emb|^wte$")
+FINAL_NORM = re.compile(r"norm|^ln_")
+#: names of an untied output head (lm_head; InternLM2's and Mistral's consolidated output; GPT-NeoX's embed_out)
+HEADS = ("lm_head", "output", "embed_out")
+
+
+def stack_problems(
+    stacks: dict[str, dict[int, list]], keys: Iterable[str], other_stacks: re.Pattern, config: dict
+) -> list[Problem]:
+    """What a decoder stack needs besides its layers: the token embedding and, where its layers hold norms, the final
+    norm (dense modules vLLM does not check for a quantized model: it would serve an uninitialized table or the
+    norm's initial ones, without a word), and an output head where config.json unties it
+    (``tie_word_embeddings: false``; the head method refuses a missing head only at the first forward). Not for
+    drafts (:data:`DRAFTS`: their target lends them all three), nor a final norm where OPT's
+    ``do_layer_norm_before: false`` leaves it out.
+
+    The embedding may sit anywhere outside the layers and the other stacks (ChatGLM's
+    ``transformer.embedding.word_embeddings`` beside ``transformer.encoder.layers``); the final norm below the
+    stack's parent (``model.norm`` of ``model.layers``, ``backbone.norm_f`` of ``backbone.layers``).
+
+    Args:
+        stacks: :func:`decoder_layers`'s grouping.
+        keys: every module key of the pack.
+        other_stacks: the pattern :func:`decoder_layers` takes; modules of those stacks (a vision tower's patch
+            embedding) do not stand in for the decoder's.
+        config: config.json (its ``text_config`` first, where it has one).
+
+    Returns:
+        One :class:`Problem` per missing module.
+    """
+    arch = config.get("architectures")
+    if not stacks or (isinstance(arch, list) and any(isinstance(a, str) and DRAFTS.search(a) for a in arch)):
+        return []
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+
+    def said(key: str) -> object:
+        return text.get(key, config.get(key))
+
+    outside = [k for k in keys if not LAYER_KEY.search(k) and not other_stacks.search(k + ".")]
+    out: list[Problem] = []
+    first = min(stacks)
+    if not any(EMBEDDING.search(k.rsplit(".", 1)[-1]) for k in outside):
+        parent = first[: -len("layers.")]
+        what = f"no token embedding for the decoder stack {first}* (embed_tokens, embeddings, ...): vLLM would serve "
+        what += "an uninitialized table"
+        out.append(Problem(f"{parent}embed_tokens", f"{parent}embed_tokens.weight", what, FIX))
+    for stack, layers in sorted(stacks.items()):
+        parent = stack[: -len("layers.")]
+        norms = any(FINAL_NORM.search(p.rsplit(".", 1)[-1]) for paths in layers.values() for p in paths)
+        finals = [k for k in outside if k.startswith(parent) and FINAL_NORM.search(k.rsplit(".", 1)[-1])]
+        if norms and said("do_layer_norm_before") is not False and not finals:
+            what = (
+                f"no final norm after the decoder stack {stack}* (norm, norm_f, final_layernorm, ...) while its "
+                "layers hold norms: vLLM would serve with the norm's initial ones"
+            )
+            out.append(Problem(f"{parent}norm", f"{parent}norm.weight", what, FIX))
+    if said("tie_word_embeddings") is False and not any(k.rsplit(".", 1)[-1] in HEADS for k in outside):
+        what = "missing: config.json says tie_word_embeddings false, so the model needs its own output head"
+        out.append(Problem("lm_head", "lm_head.*", what, FIX))
     return out

@@ -31,7 +31,7 @@ from .codec.codebook import Codebook
 from .codec.hadamard import HAD_BLOCK
 from .codec.trellis import HALF_K, TILE, k_from_width
 from .errors import CodecError, LayerLoadError, PackError, Problem
-from .layout import decoder_layers, sibling_problems, sublayer_problems
+from .layout import decoder_layers, sibling_problems, stack_problems, sublayer_problems
 from .names import normalize_prefix, split_tensor_name
 from .ngram import NGRAM_FILE, RECOPY
 
@@ -636,7 +636,7 @@ class Pack:
         layers = cfg.get("num_hidden_layers") if isinstance(cfg, dict) else None
         layers = layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
         stacks = decoder_layers(self.modules, self.OTHER_STACKS, layers)
-        out = sibling_problems(stacks)
+        out = sibling_problems(stacks) + stack_problems(stacks, self.modules, self.OTHER_STACKS, self.config)
         if not (isinstance(cfg, dict) and isinstance(cfg.get("block_configs"), list)):
             out.extend(sublayer_problems(stacks))
         return out
