@@ -10,7 +10,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from test_pack import expect_problem
 
-from quantpack_core import Pack
+from quantpack_core import Pack, PackError
 from quantpack_core.layout import decoder_layers, sibling_problems, stack_problems, sublayer_problems
 from quantpack_core.pack import MANIFEST_FILE
 
@@ -265,3 +265,22 @@ def test_the_eagle_draft_fixture_is_sound(fixtures_dir):
     """The bundled EAGLE draft holds layers and fc only (its target lends embedding, final norm and head)."""
     pack = Pack.open(fixtures_dir / "llama-tiny-eagle-draft", require_exl3=False)
     assert "model.embed_tokens" not in pack.modules and "lm_head" not in pack.modules
+
+
+def test_every_module_of_the_bundled_pack_is_missed(tmp_path, fixtures_dir):
+    """Each module of the dense bundled pack removed in turn (its manifest listing no tensors): every one is
+    reported, by a problem naming that module or its layer's sublayer."""
+    modules = sorted(Pack.open(fixtures_dir / PACK).modules)
+    assert len(modules) == 39
+    unseen = []
+    for i, module in enumerate(modules):
+        pack = without(fixtures_dir / PACK, tmp_path / str(i), module + ".")
+        try:
+            Pack.open(pack)
+        except PackError as e:
+            if not any(module.startswith(p.module) for p in e.problems):
+                unseen.append((module, [p.module for p in e.problems]))
+        else:
+            unseen.append((module, "accepted"))
+        shutil.rmtree(pack)
+    assert unseen == []
