@@ -34,6 +34,15 @@ def test_file(case: ET.Element) -> str:
     return f"{mods[-1]}.py" if mods else where or "?"
 
 
+def test_id(case: ET.Element) -> str:
+    """A ``testcase``'s id from its test module on (``test_x.TestClass::test_y``): the folders above the module in
+    ``classname`` depend on where pytest's rootdir was, so reports of one test from two checkouts (or from a
+    temporary folder inside one) name it alike."""
+    parts = case.get("classname", "").split(".")
+    mods = [i for i, p in enumerate(parts) if p.startswith("test_")]
+    return f"{'.'.join(parts[mods[-1] :] if mods else parts)}::{case.get('name')}"
+
+
 def outcome(case: ET.Element) -> str:
     """``passed``, ``failed`` (a failure or an error, a collection error included), ``xfailed`` or ``skipped``
     (a non-strict unexpected pass counts as passed)."""
@@ -73,8 +82,7 @@ def collect(folders: list[Path]) -> dict[str, dict[str, dict[str, str]]]:
             raise SystemExit(f"{path}: not a JUnit XML report ({e})") from e
         ran: dict[str, dict[str, tuple[str, str | None]]] = {}
         for case in root.iter("testcase"):
-            key = f"{case.get('classname', '')}::{case.get('name')}"
-            ran.setdefault(test_file(case), {})[key] = (outcome(case), step)
+            ran.setdefault(test_file(case), {})[test_id(case)] = (outcome(case), step)
         files = sources.setdefault(version, {})
         for name, cases in ran.items():
             before = files.get(name, {})

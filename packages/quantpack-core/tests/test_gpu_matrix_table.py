@@ -138,3 +138,24 @@ def test_a_run_that_skipped_everything_is_flagged_and_odd_files_named(tmp_path, 
         assert "absent: no such folder" in str(e)
     else:
         raise AssertionError("a missing folder was read as an empty one")
+
+
+def test_a_test_is_named_alike_from_any_rootdir():
+    """The folders above the test module in a report's classname depend on pytest's rootdir (a checkout, or a
+    temporary folder inside one): the test id starts at the module."""
+    import xml.etree.ElementTree as ET
+
+    tool = load_tool()
+    ids = {
+        tool.test_id(ET.fromstring(f'<testcase classname="{c}" name="test_y[a.b]"/>'))
+        for c in (
+            "packages.quantpack-exl3.tests.test_x.TestC",
+            "tmp.test_run0.packages.quantpack-exl3.tests.test_x.TestC",
+        )
+    }
+    assert ids == {"test_x.TestC::test_y[a.b]"}
+    # a module that failed to import: empty classname, the module as the name
+    assert (
+        tool.test_id(ET.fromstring('<testcase classname="" name="packages.tests.test_x"/>'))
+        == "::packages.tests.test_x"
+    )
