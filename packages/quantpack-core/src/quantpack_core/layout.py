@@ -114,6 +114,7 @@ def sibling_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
         by_shape.setdefault(shape_of[parent], []).append(leaves)
     out: list[Problem] = []
     reported: set[str] = set()
+    counts: dict[tuple, tuple[int, int]] = {}
     for parent, leaves in sorted(parents.items()):
         for rules, evidence in ((SIBLINGS, 0), (EVIDENCED, 1), (LONE, LONE_HOLDERS)):
             for when, needed in rules:
@@ -123,10 +124,14 @@ def sibling_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
                     missing = f"{parent}.{names[0]}"
                     if leaves & set(names) or missing in reported:
                         continue
-                    same = [o for o in by_shape[shape_of[parent]] if o.issuperset(when)]
-                    holders = sum(1 for o in same if o & set(names))
-                    if holders < evidence or (rules is LONE and len(same) - holders > 1):
-                        continue
+                    if evidence:  # instances of the parent holding ``when``, and those of them holding ``names``
+                        key = (shape_of[parent], when, names)
+                        if key not in counts:  # once per parent shape and rule: a bank has thousands of experts
+                            same = [o for o in by_shape[shape_of[parent]] if o.issuperset(when)]
+                            counts[key] = (len(same), sum(1 for o in same if o & set(names)))
+                        same_n, holders = counts[key]
+                        if holders < evidence or (rules is LONE and same_n - holders > 1):
+                            continue
                     reported.add(missing)
                     what = f"holds {' and '.join(when)} but no {' / '.join(names)}"
                     what += f", which the other {shape_of[parent]} hold" if evidence else ": vLLM's layer needs it"
