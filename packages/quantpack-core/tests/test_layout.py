@@ -234,9 +234,7 @@ def test_a_stack_with_its_embedding_norm_and_head_is_sound(arch):
         assert decoder_layers(keys(layers, "transformer.h."), Pack.OTHER_STACKS, None) == {}
     all_keys = keys(layers, prefix) + BESIDE[arch]
     stacks = decoder_layers(all_keys, Pack.OTHER_STACKS, None)
-    config = {"tie_word_embeddings": False}
-    if arch == "chatglm":
-        config["tie_word_embeddings"] = True  # its head is output_layer, which the head rule does not know
+    config = {"architectures": ["XForCausalLM"], "tie_word_embeddings": False}
     assert stack_problems(stacks, all_keys, Pack.OTHER_STACKS, config) == []
     # without each of them
     for lost in BESIDE[arch][:2]:
@@ -247,18 +245,75 @@ def test_a_stack_with_its_embedding_norm_and_head_is_sound(arch):
 def test_what_the_stack_rule_leaves_alone():
     layers = keys({i: [*ATTN, *NORMS] for i in range(2)})
     stacks = decoder_layers(layers, Pack.OTHER_STACKS, None)
+    llama = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2}
     vision = ["model.visual.patch_embed.proj", "model.visual.merger.norm"]
     # a vision tower's patch embedding and norm do not stand in for the decoder's
-    problems = stack_problems(stacks, layers + vision, Pack.OTHER_STACKS, {})
+    problems = stack_problems(stacks, layers + vision, Pack.OTHER_STACKS, llama)
     assert [p.module for p in problems] == ["model.embed_tokens", "model.norm"]
-    # a draft takes all three from its target; OPT without pre-norm has no final norm; a tied head needs no head
-    assert stack_problems(stacks, layers, Pack.OTHER_STACKS, {"architectures": ["EagleLlamaForCausalLM"]}) == []
+    # drafts take all three from their target: by name, or (EAGLE-1 published as LlamaForCausalLM) by their fc
+    for arch in ("EagleLlamaForCausalLM", "Eagle3LlamaForCausalLM", "DeepSeekMTPModel", "Qwen3DSparkModel"):
+        assert stack_problems(stacks, layers, Pack.OTHER_STACKS, {**llama, "architectures": [arch]}) == [], arch
+    assert stack_problems(stacks, [*layers, "fc", "embed_tokens"], Pack.OTHER_STACKS, llama) == []
+    # ... but Eagle 2.5 VL is a whole vision-language model
+    eagle_vl = {**llama, "architectures": ["Eagle2_5_VLForConditionalGeneration"]}
+    assert len(stack_problems(stacks, layers, Pack.OTHER_STACKS, eagle_vl)) == 2
+    # OPT without pre-norm has no final norm; a tied head needs no head
     text = {"text_config": {"do_layer_norm_before": False, "tie_word_embeddings": True}}
-    assert stack_problems(stacks, [*layers, "model.embed_tokens"], Pack.OTHER_STACKS, text) == []
-    # text_config's word on tying wins over the top level's
+    assert stack_problems(stacks, [*layers, "model.embed_tokens"], Pack.OTHER_STACKS, {**llama, **text}) == []
+    # text_config's word on tying wins over the top level's; pooling and reward models have no head
     text = {"tie_word_embeddings": True, "text_config": {"tie_word_embeddings": False}}
-    problems = stack_problems(stacks, [*layers, "model.embed_tokens", "model.norm"], Pack.OTHER_STACKS, text)
+    sound = [*layers, "model.embed_tokens", "model.norm"]
+    problems = stack_problems(stacks, sound, Pack.OTHER_STACKS, {**llama, **text})
     assert [p.module for p in problems] == ["lm_head"]
+    for arch in ("Qwen3Model", "LlamaForSequenceClassification"):
+        assert stack_problems(stacks, sound, Pack.OTHER_STACKS, {**llama, **text, "architectures": [arch]}) == []
+    # BART's layernorm_embedding is a norm, not the embedding
+    problems = stack_problems(stacks, [*layers, "model.layernorm_embedding", "model.norm"], Pack.OTHER_STACKS, llama)
+    assert [p.module for p in problems] == ["model.embed_tokens"]
+
+
+def test_towers_and_nested_stacks():
+    """Only the language model's stack: a tower of another depth (MiniCPM-V's vpm, whose embedding must not stand
+    in for the language model's), or of the same depth but named as a tower, is left alone; PLaMo's final norm
+    sits above its nested stack."""
+    lm = keys({i: [*ATTN, *NORMS] for i in range(4)}, "llm.model.layers.")
+    vpm = keys({i: ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "layer_norm1"]
+                for i in range(3)}, "vpm.encoder.layers.")  # fmt: skip
+    config = {"architectures": ["MiniCPMV"], "num_hidden_layers": 4}
+    stacks = decoder_layers(lm + vpm, Pack.OTHER_STACKS, None)
+    problems = stack_problems(
+        stacks, [*lm, *vpm, "vpm.embeddings.patch_embedding", "llm.model.norm"], Pack.OTHER_STACKS, config
+    )
+    assert [p.module for p in problems] == ["llm.model.embed_tokens"]
+    # a speech encoder of the language model's depth, without a final norm of its own
+    speech = keys(
+        {i: ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "norm1"] for i in range(4)}, "encoder.layers."
+    )
+    beside = ["llm.model.embed_tokens", "llm.model.norm", "encoder.input_linear"]
+    stacks = decoder_layers(lm + speech, Pack.OTHER_STACKS, None)
+    assert sorted(stacks) == ["encoder.layers.", "llm.model.layers."]
+    assert stack_problems(stacks, [*lm, *speech, *beside], Pack.OTHER_STACKS, config) == []
+    # PLaMo 2: model.layers.layers.N, the final norm model.norm
+    plamo = keys({i: ["mixer.in_proj", "mixer.out_proj", "mlp.gate_up_proj", "mlp.down_proj", "pre_mixer_norm"]
+                  for i in range(4)}, "model.layers.layers.")  # fmt: skip
+    stacks = decoder_layers(plamo, Pack.OTHER_STACKS, None)
+    config = {"architectures": ["Plamo2ForCausalLM"], "num_hidden_layers": 4}
+    assert stack_problems(stacks, [*plamo, "model.embed_tokens", "model.norm"], Pack.OTHER_STACKS, config) == []
+
+
+def test_a_layer_of_another_kind_is_not_a_layer_short():
+    """Step3: its MoE layers hold self_attn, moe and share_expert, its dense layers self_attn and mlp."""
+    step3 = {
+        i: [*ATTN, *(["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"] if i < 4 or i == 60 else
+                     ["moe.gate", *experts("moe", 4), "share_expert.gate_proj", "share_expert.up_proj",
+                      "share_expert.down_proj"])]
+        for i in range(61)
+    }  # fmt: skip
+    assert sublayer_problems(decoder_layers(keys(step3), Pack.OTHER_STACKS, None)) == []
+    # a MoE layer that lost its shared expert still holds only what most layers hold: reported
+    step3[10] = [p for p in step3[10] if not p.startswith("share_expert.")]
+    problems = sublayer_problems(decoder_layers(keys(step3), Pack.OTHER_STACKS, None))
+    assert [p.module for p in problems] == ["model.layers.10.share_expert"]
 
 
 def test_the_eagle_draft_fixture_is_sound(fixtures_dir):

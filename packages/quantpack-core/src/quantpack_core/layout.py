@@ -140,7 +140,8 @@ def sibling_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
 
 
 def sublayer_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
-    """Decoder layers holding fewer sublayers than at least three quarters of their stack's layers.
+    """Decoder layers holding fewer sublayers than at least three quarters of their stack's layers, and only
+    sublayers that more than half of them hold.
 
     A sublayer is the first name inside a layer that has modules below it (``self_attn`` of
     ``layers.3.self_attn.q_proj``); modules directly in the layer (norms) are not sublayers.
@@ -163,7 +164,9 @@ def sublayer_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
         common = sorted(name for name, n in held.items() if 2 * n > len(subs))
         for i, s in sorted(subs.items()):
             lost = [name for name in common if name not in s]
-            if len(s) < usual and lost:
+            # a layer holding a sublayer most layers lack is another kind of layer (Step3's dense layers hold mlp
+            # where its MoE layers hold moe and share_expert), not one that lost a sublayer
+            if len(s) < usual and lost and s <= set(common):
                 what = (
                     f"layer {i} holds no {' / '.join(lost)} (its sublayers: {', '.join(sorted(s)) or 'none'}), "
                     f"while {held[lost[0]]} of the stack's {len(subs)} layers do"
@@ -173,67 +176,94 @@ def sublayer_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
 
 
 #: architectures whose packs hold layers only, taking the embedding, final norm and head from their target model
-DRAFTS = re.compile(r"eagle|medusa|mtp|draft|speculator", re.IGNORECASE)
-#: a module directly beside the decoder stack that is its token embedding (embed_tokens, embeddings, tok_embeddings,
-#: embed_in, word_embeddings, Spark's bf16 embedding, GPT-2's wte) or its final norm (norm, norm_f, final_layernorm,
+#: (EAGLE, EAGLE-3, MTP, Medusa, DSpark drafts); not Eagle 2.5 VL, a whole vision-language model
+DRAFTS = re.compile(r"eagle(?!2_5_vl)|medusa|mtp|draft|speculator|dspark", re.IGNORECASE)
+#: EAGLE's fusion layer, outside the layers: a pack holding it is a draft whatever its config names (EAGLE-1 drafts
+#: published with ``architectures: ["LlamaForCausalLM"]``, renamed by vLLM only when loaded as a draft)
+DRAFT_FUSION = "fc"
+#: the token embedding (embed_tokens, embeddings, tok_embeddings, embed_in, word_embeddings, Spark's bf16 embedding,
+#: GPT-2's wte; not a norm of it: BART's layernorm_embedding) and the final norm (norm, norm_f, final_layernorm,
 #: final_layer_norm, ln_f)
-EMBEDDING = re.compile(r"emb|^wte$")
+EMBEDDING = re.compile(r"^(?!.*norm).*emb|^wte$")
 FINAL_NORM = re.compile(r"norm|^ln_")
-#: names of an untied output head (lm_head; InternLM2's and Mistral's consolidated output; GPT-NeoX's embed_out)
-HEADS = ("lm_head", "output", "embed_out")
+#: names of an untied output head (lm_head; InternLM2's and Mistral's consolidated output; GPT-NeoX's embed_out;
+#: ChatGLM's output_layer), and the architectures that have one (pooling and reward models have none)
+HEADS = ("lm_head", "output", "embed_out", "output_layer")
+GENERATIVE = re.compile(r"ForCausalLM|ForConditionalGeneration|LMHeadModel")
+#: stack names of towers beside a language model (vision, audio, speech encoders) that share its layer count
+TOWERS = re.compile(r"encoder|vision|visual|vit|vpm|img|image|audio|sound|speech|whisper", re.IGNORECASE)
+
+
+def language_stacks(stacks: dict[str, dict[int, list]], config: dict) -> list[str]:
+    """The decoder stacks of the language model among ``stacks``: those whose last layer index is config.json's
+    ``num_hidden_layers`` - 1 (``text_config``'s first; towers of another depth drop out), and of several such, those
+    not named like a tower (:data:`TOWERS`) where any is. Without a layer count, the same choice among all stacks.
+
+    Args:
+        stacks: :func:`decoder_layers`'s grouping.
+        config: config.json.
+    """
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    count = text.get("num_hidden_layers", config.get("num_hidden_layers"))
+    known = isinstance(count, int) and not isinstance(count, bool)
+    found = [s for s, layers in stacks.items() if not known or max(layers) + 1 == count]
+    plain = [s for s in found if not TOWERS.search(s)]
+    return sorted(plain if plain and len(found) > 1 else found)
 
 
 def stack_problems(
     stacks: dict[str, dict[int, list]], keys: Iterable[str], other_stacks: re.Pattern, config: dict
 ) -> list[Problem]:
-    """What a decoder stack needs besides its layers: the token embedding and, where its layers hold norms, the final
-    norm (dense modules vLLM does not check for a quantized model: it would serve an uninitialized table or the
-    norm's initial ones, without a word), and an output head where config.json unties it
-    (``tie_word_embeddings: false``; the head method refuses a missing head only at the first forward). Not for
-    drafts (:data:`DRAFTS`: their target lends them all three), nor a final norm where OPT's
-    ``do_layer_norm_before: false`` leaves it out.
+    """What the language model's decoder stack (:func:`language_stacks`) needs besides its layers: the token
+    embedding and, where its layers hold norms, the final norm (dense modules vLLM does not check for a quantized
+    model: it would serve an uninitialized table or the norm's initial ones, without a word), and an output head
+    where config.json unties it (``tie_word_embeddings: false``, for a generative architecture; the head method
+    refuses a missing head only at the first forward). Not for drafts (:data:`DRAFTS`, :data:`DRAFT_FUSION`: their
+    target lends them all three), nor a final norm where OPT's ``do_layer_norm_before: false`` leaves it out.
 
-    The embedding may sit anywhere outside the layers and the other stacks (ChatGLM's
-    ``transformer.embedding.word_embeddings`` beside ``transformer.encoder.layers``); the final norm below the
-    stack's parent (``model.norm`` of ``model.layers``, ``backbone.norm_f`` of ``backbone.layers``).
+    Both are looked for outside the layers and the other stacks, below the stack's first name (``model.norm`` of
+    ``model.layers``, PLaMo's ``model.norm`` of ``model.layers.layers``, ChatGLM's
+    ``transformer.embedding.word_embeddings`` of ``transformer.encoder.layers``; a vision tower's patch embedding
+    elsewhere does not stand in for the language model's).
 
     Args:
         stacks: :func:`decoder_layers`'s grouping.
         keys: every module key of the pack.
-        other_stacks: the pattern :func:`decoder_layers` takes; modules of those stacks (a vision tower's patch
-            embedding) do not stand in for the decoder's.
+        other_stacks: the pattern :func:`decoder_layers` takes; modules of those stacks are not looked at.
         config: config.json (its ``text_config`` first, where it has one).
 
     Returns:
         One :class:`Problem` per missing module.
     """
     arch = config.get("architectures")
-    if not stacks or (isinstance(arch, list) and any(isinstance(a, str) and DRAFTS.search(a) for a in arch)):
+    names = [a for a in arch if isinstance(a, str)] if isinstance(arch, list) else []
+    outside = [k for k in keys if not LAYER_KEY.search(k) and not other_stacks.search(k + ".")]
+    if any(DRAFTS.search(a) for a in names) or any(k.rsplit(".", 1)[-1] == DRAFT_FUSION for k in outside):
         return []
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
 
     def said(key: str) -> object:
         return text.get(key, config.get(key))
 
-    outside = [k for k in keys if not LAYER_KEY.search(k) and not other_stacks.search(k + ".")]
     out: list[Problem] = []
-    first = min(stacks)
-    if not any(EMBEDDING.search(k.rsplit(".", 1)[-1]) for k in outside):
-        parent = first[: -len("layers.")]
-        what = f"no token embedding for the decoder stack {first}* (embed_tokens, embeddings, ...): vLLM would serve "
-        what += "an uninitialized table"
-        out.append(Problem(f"{parent}embed_tokens", f"{parent}embed_tokens.weight", what, FIX))
-    for stack, layers in sorted(stacks.items()):
+    for stack in language_stacks(stacks, config):
         parent = stack[: -len("layers.")]
-        norms = any(FINAL_NORM.search(p.rsplit(".", 1)[-1]) for paths in layers.values() for p in paths)
-        finals = [k for k in outside if k.startswith(parent) and FINAL_NORM.search(k.rsplit(".", 1)[-1])]
-        if norms and said("do_layer_norm_before") is not False and not finals:
-            what = (
-                f"no final norm after the decoder stack {stack}* (norm, norm_f, final_layernorm, ...) while its "
-                "layers hold norms: vLLM would serve with the norm's initial ones"
-            )
-            out.append(Problem(f"{parent}norm", f"{parent}norm.weight", what, FIX))
-    if said("tie_word_embeddings") is False and not any(k.rsplit(".", 1)[-1] in HEADS for k in outside):
+        top = stack.split(".", 1)[0] + "." if stack.count(".") > 1 else ""
+        near = [k for k in outside if k.startswith(top)]
+        if not any(EMBEDDING.search(k.rsplit(".", 1)[-1]) for k in near):
+            what = f"no token embedding for the decoder stack {stack}* (embed_tokens, embeddings, ...): vLLM would "
+            what += "serve an uninitialized table"
+            out.append(Problem(f"{parent}embed_tokens", f"{parent}embed_tokens.weight", what, FIX))
+        norms = any(FINAL_NORM.search(p.rsplit(".", 1)[-1]) for paths in stacks[stack].values() for p in paths)
+        if norms and said("do_layer_norm_before") is not False:
+            if not any(FINAL_NORM.search(k.rsplit(".", 1)[-1]) for k in near):
+                what = (
+                    f"no final norm after the decoder stack {stack}* (norm, norm_f, final_layernorm, ...) while its "
+                    "layers hold norms: vLLM would serve with the norm's initial ones"
+                )
+                out.append(Problem(f"{parent}norm", f"{parent}norm.weight", what, FIX))
+    generative = any(GENERATIVE.search(a) for a in names)
+    if generative and said("tie_word_embeddings") is False and not any(k.rsplit(".", 1)[-1] in HEADS for k in outside):
         what = "missing: config.json says tie_word_embeddings false, so the model needs its own output head"
         out.append(Problem("lm_head", "lm_head.*", what, FIX))
     return out
