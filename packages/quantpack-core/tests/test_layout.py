@@ -64,7 +64,7 @@ def without(src, dst, prefix, manifest=False):
             ["model.layers.2.self_attn", "layer 2 holds no self_attn (its sublayers: mlp), while 3 of"],
         ),
         ("model.layers.0.mlp.", ["model.layers.0.mlp", "layer 0 holds no mlp"]),
-        ("model.layers.2.self_attn.v_proj.", ["holds q_proj and k_proj but no v_proj, which the other model.layers.#"]),
+        ("model.layers.2.self_attn.v_proj.", ["holds no v_proj, which the other 3 model.layers.#.self_attn hold"]),
         ("model.embed_tokens.", ["model.embed_tokens.weight: no token embedding for the decoder stack model.layers.*"]),
         ("model.norm.", ["model.norm.weight: no final norm after the decoder stack model.layers.*"]),
         ("lm_head.", ["lm_head.*: missing: config.json says tie_word_embeddings false"]),
@@ -267,6 +267,16 @@ def test_what_the_stack_rule_leaves_alone():
     assert [p.module for p in problems] == ["lm_head"]
     for arch in ("Qwen3Model", "LlamaForSequenceClassification"):
         assert stack_problems(stacks, sound, Pack.OTHER_STACKS, {**llama, **text, "architectures": [arch]}) == []
+    # Qwen3-Embedding: Qwen3ForCausalLM's config over Qwen3Model's weights (layers at the top, no head); encoders
+    top = keys({i: [*ATTN, *NORMS] for i in range(2)}, "layers.")
+    tops = decoder_layers(top, Pack.OTHER_STACKS, None)
+    assert stack_problems(tops, [*top, "embed_tokens", "norm"], Pack.OTHER_STACKS, {**llama, **text}) == []
+    encoder = keys(
+        {i: ["attn.Wqkv", "attn.out_proj", "mlp.fc11", "mlp.fc2", "norm1", "norm2"] for i in range(2)},
+        "encoder.layers.",
+    )
+    nomic = {"architectures": ["NomicBertModel"], "num_hidden_layers": 2}
+    assert stack_problems(decoder_layers(encoder, Pack.OTHER_STACKS, None), encoder, Pack.OTHER_STACKS, nomic) == []
     # BART's layernorm_embedding is a norm, not the embedding
     problems = stack_problems(stacks, [*layers, "model.layernorm_embedding", "model.norm"], Pack.OTHER_STACKS, llama)
     assert [p.module for p in problems] == ["model.embed_tokens"]
@@ -339,3 +349,31 @@ def test_every_module_of_the_bundled_pack_is_missed(tmp_path, fixtures_dir):
             unseen.append((module, "accepted"))
         shutil.rmtree(pack)
     assert unseen == []
+
+
+def test_a_module_every_other_layer_holds(tmp_path, fixtures_dir):
+    """Qwen3-Next's dense shared_expert_gate lost from one of its two layers (vLLM would serve its initial weights,
+    without a word), or its router; a q_norm lost from one of six layers; not DeepSeek's dense first layer, whose mlp
+    holds no router (in :data:`SOUND`)."""
+    source = fixtures_dir / "qwen3next-tiny-exl3-4.0bpw-mul1"
+    pack = without(source, tmp_path / "p", "model.layers.0.mlp.shared_expert_gate.")
+    error = expect_problem(
+        pack, "model.layers.0.mlp.shared_expert_gate", "holds shared_expert but no shared_expert_gate, which the other"
+    )
+    assert len(error.problems) == 1
+    pack = without(source, tmp_path / "q", "model.layers.1.mlp.gate.")
+    expect_problem(pack, "model.layers.1.mlp.gate", "holds experts but no gate / router, which the other")
+    layers = {i: [*ATTN, "self_attn.q_norm", "mlp.gate", *experts("mlp", 2)] for i in range(6)}
+    layers[4].remove("self_attn.q_norm")
+    problems = sibling_problems(decoder_layers(keys(layers), Pack.OTHER_STACKS, None))
+    assert [(p.module, p.what) for p in problems] == [
+        ("model.layers.4.self_attn.q_norm", "holds no q_norm, which the other 5 model.layers.#.self_attn hold")
+    ]
+
+
+def test_an_unreadable_file_is_not_a_list_of_missing_modules(tmp_path, fixtures_dir):
+    pack = tmp_path / "p"
+    shutil.copytree(fixtures_dir / PACK, pack)
+    (pack / "model.safetensors").write_bytes((pack / "model.safetensors").read_bytes()[:200])
+    error = expect_problem(pack, "model.safetensors")
+    assert not any("embedding" in p.what or "tie_word_embeddings" in p.what for p in error.problems), error

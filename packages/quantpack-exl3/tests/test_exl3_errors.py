@@ -191,3 +191,23 @@ def test_kernel_list_errors_name_the_way_out(monkeypatch):
         BackendUnavailableError, match=r"needs a CUDA device .*Choose another that runs here \(reference\), or unset"
     ):
         Exl3Config.resolve_kernels(Platform("cpu"))
+
+
+def test_bit_counts_that_are_not_numbers_reach_the_pack_check(vllm_layers, fixtures_dir, tmp_path):
+    """``bits: "four"`` in config.json: the config vLLM builds keeps it as unknown (it only informs the log), and
+    the pack check that follows names the field, instead of a bare conversion error inside vLLM's config."""
+    import json
+    import shutil
+
+    from quantpack_core.errors import PackError
+
+    cfg = vllm_layers.from_config({"quant_method": "exl3", "bits": "four", "head_bits": True})
+    assert cfg.bits is None and cfg.head_bits is None
+    assert vllm_layers.from_config({"quant_method": "exl3", "bits": 4, "head_bits": 6}).head_bits == 6.0
+    pack = tmp_path / "p"
+    shutil.copytree(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1", pack)
+    config = json.loads((pack / "config.json").read_text())
+    config["quantization_config"]["bits"] = "four"
+    (pack / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PackError, match=r"config.json: quantization_config: bits is 'four', not a bit count in"):
+        cfg.maybe_update_config(str(pack))

@@ -8,8 +8,9 @@ absence in the user's process first, through the rules here. They only state wha
 the project knows (docs/families.md, and vLLM's model files for the others), so a sound pack is never refused:
 
 - :func:`sibling_problems`: modules that come together under one parent (a gated MLP's gate / up / down, the q / k
-  / v projections and the attention output), and modules that the other instances of the same parent hold beside
-  the same modules (a gate projection beside up / down, Mamba's out projection beside in_proj).
+  / v projections and the attention output); modules that the other instances of the same parent hold beside the
+  same modules (a gate projection beside up / down, Mamba's out projection beside in_proj, a router beside the
+  experts); a module every other instance of a parent holds (a dense shared-expert gate lost from one layer).
 - :func:`stack_problems`: the token embedding, the final norm and an untied output head beside the layers.
 - :func:`sublayer_problems`: a decoder layer holding fewer sublayers (``self_attn``, ``mlp``, ``mixer``, ...) than
   at least three quarters of its stack's layers hold. Hybrid stacks (Qwen3-Next's ``linear_attn`` / ``self_attn``,
@@ -45,8 +46,9 @@ SIBLINGS: tuple[tuple[tuple[str, ...], tuple[tuple[str, ...], ...]], ...] = (
     (("q_proj", "k_proj"), (ATTENTION_OUT,)),
 )
 #: the same form, for layouts that do not show the loss on their own (up and down without gate is a GELU or relu^2
-#: MLP; a lone down_proj is a test pack's): reported only where another instance of the same parent
-#: (``layers.#.mlp``, ``layers.#.mlp.experts.#``) holds the leaves and the module
+#: MLP; a lone down_proj is a test pack's; not every shared expert is gated, the router's name varies): reported
+#: only where another instance of the same parent (``layers.#.mlp``, ``layers.#.mlp.experts.#``) holds both. The
+#: names below a parent are its modules and the parents of its modules (``experts`` of ``layers.3.mlp``).
 EVIDENCED: tuple[tuple[tuple[str, ...], tuple[tuple[str, ...], ...]], ...] = (
     (("up_proj", "down_proj"), (("gate_proj",),)),
     (("up_proj",), (("down_proj",),)),
@@ -55,11 +57,13 @@ EVIDENCED: tuple[tuple[tuple[str, ...], tuple[tuple[str, ...], ...]], ...] = (
     (("w2",), (("w1",),)),
     (("qkv_proj",), (ATTENTION_OUT,)),
     (("in_proj",), (("out_proj",),)),
+    (("shared_expert",), (("shared_expert_gate",),)),
+    (("experts",), (("gate", "router"),)),
 )
-#: the same form, for a module some architectures leave out of a few layers on purpose (the value projection of
-#: attention whose value is its key, on Gemma 4's full-attention layers): reported only where exactly one instance of
-#: the parent lacks it and at least :data:`LONE_HOLDERS` others hold it
-LONE: tuple[tuple[tuple[str, ...], tuple[tuple[str, ...], ...]], ...] = ((("q_proj", "k_proj"), (("v_proj",),)),)
+#: a module held by every instance of a parent but one (at least this many holding it) is missing from that one,
+#: where it holds nothing most instances lack (Qwen3-Next's shared_expert_gate or a router lost from one layer's
+#: mlp; not DeepSeek's dense first layer, whose mlp holds gate_proj / up_proj / down_proj instead of a router). Two
+#: or more instances lacking it are a design (value-equals-key attention's full layers hold no v_proj).
 LONE_HOLDERS = 3
 
 #: ``<stack>layers.<i>.<rest>`` of a decoder layer's module key
@@ -90,25 +94,29 @@ def decoder_layers(keys: Iterable[str], other_stacks: re.Pattern, layers: int | 
     return out
 
 
-def sibling_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
-    """Modules missing beside the modules present under the same parent (:data:`SIBLINGS`, :data:`EVIDENCED`,
-    :data:`LONE`).
+def sibling_problems(stacks: dict[str, dict[int, list]], lone: bool = True) -> list[Problem]:
+    """Modules missing beside the modules present under the same parent (:data:`SIBLINGS`, :data:`EVIDENCED`), and
+    modules every other instance of the parent holds (:data:`LONE_HOLDERS`).
 
     Args:
         stacks: :func:`decoder_layers`'s grouping.
+        lone: also report modules every other instance holds (off for DeciLM's ``block_configs``, whose blocks
+            differ by design).
 
     Returns:
         One :class:`Problem` per missing module, naming the module, the tensor vLLM would look for and the modules
         present that imply it.
     """
-    parents: dict[str, set[str]] = {}  # full parent key -> its leaves
+    parents: dict[str, set[str]] = {}  # full parent key -> the names below it (modules and parents of modules)
     shape_of: dict[str, str] = {}  # full parent key -> the parent's path with every index as '#'
     for stack, layers in stacks.items():
         for i, paths in layers.items():
             for path in paths:
-                parent, _, leaf = f"{stack}{i}.{path}".rpartition(".")
-                parents.setdefault(parent, set()).add(leaf)
-                shape_of[parent] = re.sub(r"(^|\.)\d+(?=\.|$)", r"\1#", parent)
+                parent = f"{stack}{i}"
+                for name in path.split("."):
+                    parents.setdefault(parent, set()).add(name)
+                    shape_of.setdefault(parent, re.sub(r"(^|\.)\d+(?=\.|$)", r"\1#", parent))
+                    parent = f"{parent}.{name}"
     by_shape: dict[str, list[set[str]]] = {}
     for parent, leaves in parents.items():
         by_shape.setdefault(shape_of[parent], []).append(leaves)
@@ -116,7 +124,7 @@ def sibling_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
     reported: set[str] = set()
     counts: dict[tuple, tuple[int, int]] = {}
     for parent, leaves in sorted(parents.items()):
-        for rules, evidence in ((SIBLINGS, 0), (EVIDENCED, 1), (LONE, LONE_HOLDERS)):
+        for rules, evidence in ((SIBLINGS, 0), (EVIDENCED, 1)):
             for when, needed in rules:
                 if not leaves.issuperset(when):
                     continue
@@ -129,12 +137,29 @@ def sibling_problems(stacks: dict[str, dict[int, list]]) -> list[Problem]:
                         if key not in counts:  # once per parent shape and rule: a bank has thousands of experts
                             same = [o for o in by_shape[shape_of[parent]] if o.issuperset(when)]
                             counts[key] = (len(same), sum(1 for o in same if o & set(names)))
-                        same_n, holders = counts[key]
-                        if holders < evidence or (rules is LONE and same_n - holders > 1):
+                        holders = counts[key][1]
+                        if holders < evidence:
                             continue
                     reported.add(missing)
                     what = f"holds {' and '.join(when)} but no {' / '.join(names)}"
                     what += f", which the other {shape_of[parent]} hold" if evidence else ": vLLM's layer needs it"
+                    out.append(Problem(missing, f"{missing}.*", what, FIX))
+    members: dict[str, list[str]] = {}
+    for parent in parents:
+        members.setdefault(shape_of[parent], []).append(parent)
+    for shape, group in sorted(members.items()):
+        if not lone or len(group) <= LONE_HOLDERS:
+            continue
+        held = Counter(leaf for parent in group for leaf in parents[parent])
+        usual = {leaf for leaf, n in held.items() if 2 * n > len(group)}
+        for parent in sorted(group):
+            if not parents[parent] <= usual:
+                continue
+            for leaf in sorted(usual - parents[parent]):
+                missing = f"{parent}.{leaf}"
+                if held[leaf] == len(group) - 1 and missing not in reported:
+                    reported.add(missing)
+                    what = f"holds no {leaf}, which the other {held[leaf]} {shape} hold"
                     out.append(Problem(missing, f"{missing}.*", what, FIX))
     return out
 
@@ -190,6 +215,9 @@ FINAL_NORM = re.compile(r"norm|^ln_")
 #: ChatGLM's output_layer), and the architectures that have one (pooling and reward models have none)
 HEADS = ("lm_head", "output", "embed_out", "output_layer")
 GENERATIVE = re.compile(r"ForCausalLM|ForConditionalGeneration|LMHeadModel")
+#: architectures of encoders, pooling and reward models, and base models saved without their head (Qwen3Model for
+#: Qwen3-Embedding, ChatGLMModel): their layouts vary beyond what the stack rules know, so those rules leave them
+NOT_DECODERS = re.compile(r"Model$|Bert|ForSequenceClassification|ForTokenClassification|ForMaskedLM|Reward|Embed")
 #: stack names of towers beside a language model (vision, audio, speech encoders) that share its layer count
 TOWERS = re.compile(r"encoder|vision|visual|vit|vpm|img|image|audio|sound|speech|whisper", re.IGNORECASE)
 
@@ -217,9 +245,10 @@ def stack_problems(
     """What the language model's decoder stack (:func:`language_stacks`) needs besides its layers: the token
     embedding and, where its layers hold norms, the final norm (dense modules vLLM does not check for a quantized
     model: it would serve an uninitialized table or the norm's initial ones, without a word), and an output head
-    where config.json unties it (``tie_word_embeddings: false``, for a generative architecture; the head method
-    refuses a missing head only at the first forward). Not for drafts (:data:`DRAFTS`, :data:`DRAFT_FUSION`: their
-    target lends them all three), nor a final norm where OPT's ``do_layer_norm_before: false`` leaves it out.
+    where config.json unties it (``tie_word_embeddings: false``, for a generative architecture whose layers are not
+    at the top of the pack; the head method refuses a missing head only at the first forward). Not for drafts
+    (:data:`DRAFTS`, :data:`DRAFT_FUSION`: their target lends them all three) nor :data:`NOT_DECODERS`, nor a final
+    norm where OPT's ``do_layer_norm_before: false`` leaves it out.
 
     Both are looked for outside the layers and the other stacks, below the stack's first name (``model.norm`` of
     ``model.layers``, PLaMo's ``model.norm`` of ``model.layers.layers``, ChatGLM's
@@ -238,7 +267,9 @@ def stack_problems(
     arch = config.get("architectures")
     names = [a for a in arch if isinstance(a, str)] if isinstance(arch, list) else []
     outside = [k for k in keys if not LAYER_KEY.search(k) and not other_stacks.search(k + ".")]
-    if any(DRAFTS.search(a) for a in names) or any(k.rsplit(".", 1)[-1] == DRAFT_FUSION for k in outside):
+    if any(DRAFTS.search(a) or NOT_DECODERS.search(a) for a in names):
+        return []
+    if any(k.rsplit(".", 1)[-1] == DRAFT_FUSION for k in outside):
         return []
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
 
@@ -246,11 +277,14 @@ def stack_problems(
         return text.get(key, config.get(key))
 
     out: list[Problem] = []
-    for stack in language_stacks(stacks, config):
+    lm = language_stacks(stacks, config)
+    for stack in lm:
         parent = stack[: -len("layers.")]
         top = stack.split(".", 1)[0] + "." if stack.count(".") > 1 else ""
         near = [k for k in outside if k.startswith(top)]
-        if not any(EMBEDDING.search(k.rsplit(".", 1)[-1]) for k in near):
+        # the embedding below the stack's first name, or anywhere outside a tower (an encoder's root embeddings)
+        embeddings = [*near, *(k for k in outside if not TOWERS.search(k.rpartition(".")[0]))]
+        if not any(EMBEDDING.search(k.rsplit(".", 1)[-1]) for k in embeddings):
             what = f"no token embedding for the decoder stack {stack}* (embed_tokens, embeddings, ...): vLLM would "
             what += "serve an uninitialized table"
             out.append(Problem(f"{parent}embed_tokens", f"{parent}embed_tokens.weight", what, FIX))
@@ -262,7 +296,8 @@ def stack_problems(
                     "layers hold norms: vLLM would serve with the norm's initial ones"
                 )
                 out.append(Problem(f"{parent}norm", f"{parent}norm.weight", what, FIX))
-    generative = any(GENERATIVE.search(a) for a in names)
+    # a stack at the top of the pack (layers.N) is a base model saved without its head (Qwen3-Embedding's weights)
+    generative = any(GENERATIVE.search(a) for a in names) and "layers." not in lm
     if generative and said("tie_word_embeddings") is False and not any(k.rsplit(".", 1)[-1] in HEADS for k in outside):
         what = "missing: config.json says tie_word_embeddings false, so the model needs its own output head"
         out.append(Problem("lm_head", "lm_head.*", what, FIX))

@@ -376,6 +376,13 @@ class Pack:
         )
         self.quant_config = dict(qc)
         self._config_method = str(qc.get("quant_method", "")).lower()
+        for key in ("bits", "head_bits"):  # exllamav3 writes numbers; vLLM's config would stop at another value
+            v = qc.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 16):
+                what = f"{key} is {repr(v)[:40]}, not a bit count in (0, 16]"
+                self._problem(
+                    "", "config.json: quantization_config", what, "use the config.json the pack was made with"
+                )
         mf = self.path / MANIFEST_FILE
         if mf.is_file():
             try:
@@ -630,16 +637,21 @@ class Pack:
 
     def _layout_problems(self) -> list[Problem]:
         """Modules of the decoder layers that cannot be absent given those present (:mod:`quantpack_core.layout`):
-        a gated MLP's or an attention block's missing member, a layer short of a sublayer its stack's other layers
-        hold (not for DeciLM's ``block_configs``, whose no-op blocks hold fewer by design)."""
+        a gated MLP's or an attention block's missing member, a module every other instance of its parent holds, a
+        layer short of a sublayer its stack's other layers hold (the last two not for DeciLM's ``block_configs``,
+        whose no-op blocks hold fewer by design). Nothing where a shard file could not be read: its modules are
+        reported through the file, not one by one as missing."""
+        if self._bad_files:
+            return []
         cfg = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else self.config
         layers = cfg.get("num_hidden_layers") if isinstance(cfg, dict) else None
         layers = layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
         stacks = decoder_layers(self.modules, self.OTHER_STACKS, layers)
-        out = sibling_problems(stacks) + stack_problems(stacks, self.modules, self.OTHER_STACKS, self.config)
-        if not (isinstance(cfg, dict) and isinstance(cfg.get("block_configs"), list)):
-            out.extend(sublayer_problems(stacks))
-        return out
+        blocks = isinstance(cfg, dict) and isinstance(cfg.get("block_configs"), list)
+        out = [] if blocks else sublayer_problems(stacks)
+        out += sibling_problems(stacks, lone=not blocks)
+        out += stack_problems(stacks, self.modules, self.OTHER_STACKS, self.config)
+        return list({p.module: p for p in reversed(out)}.values())[::-1]  # one problem per module, the first
 
     #: config.json sizes that must be positive integers where they are given (num_experts may be 0: a dense model)
     CONFIG_SIZES = (

@@ -20,6 +20,17 @@ from .format import EXL3
 from .kernels import BACKEND_ENV, EXPERT_KERNELS, LINEAR_KERNELS
 from .methods import Exl3LinearMethod, Exl3MoEMethod
 
+
+def _bits(value: object, default: float) -> float | None:
+    """A bit count of the quantization config: ``default`` where absent or 0, the number where it is one, else None
+    (the pack check names the field)."""
+    if value is None or value == 0:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
 logger = logging.getLogger("vllm.quantpack.exl3")
 
 
@@ -56,14 +67,16 @@ class Exl3Config(QuantpackConfig):
 
     def __init__(self, quant_config: dict[str, Any]):
         super().__init__(quant_config)
-        self.bits = float(quant_config.get("bits", 0.0) or 0.0)
-        self.head_bits = float(quant_config.get("head_bits", 16) or 16)
+        # informative only; a value that is no number is reported with the pack's other problems when vLLM calls
+        # maybe_update_config (Pack.open), not as a bare conversion error while vLLM validates its config
+        self.bits = _bits(quant_config.get("bits"), 0.0)
+        self.head_bits = _bits(quant_config.get("head_bits"), 16.0)
         self.codebook = str(quant_config.get("codebook", Codebook.INST3.value))
 
     def __repr__(self) -> str:
         kernels = ", ".join(k.name for k in self.linear_kernels)
         return (
-            f"Exl3Config(bits={self.bits:g}, head_bits={self.head_bits:g}, codebook={self.codebook}, "
+            f"Exl3Config(bits={self.bits}, head_bits={self.head_bits}, codebook={self.codebook}, "
             f"platform={self.platform}, kernels=[{kernels}], manifest_modules={len(self.routes)})"
         )
 

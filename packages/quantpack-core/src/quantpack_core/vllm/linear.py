@@ -379,7 +379,7 @@ class QuantLinearMethod(LinearMethodBase):
                 return
             raise LayerLoadError(
                 f"{self.prefix}: no tensor of this layer was loaded (neither .{self.format.main_suffix} nor .weight); "
-                "the pack lacks it - check that the pack matches config.json's architecture"
+                "the pack lacks it - re-download the pack, or check that it matches config.json's architecture"
             )
         device = captured[self.format.main_suffix].device  # the placeholders live on the layer's target device
         prepared, selects, row_pad = [], [], None
