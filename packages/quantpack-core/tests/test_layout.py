@@ -377,3 +377,9 @@ def test_an_unreadable_file_is_not_a_list_of_missing_modules(tmp_path, fixtures_
     (pack / "model.safetensors").write_bytes((pack / "model.safetensors").read_bytes()[:200])
     error = expect_problem(pack, "model.safetensors")
     assert not any("embedding" in p.what or "tie_word_embeddings" in p.what for p in error.problems), error
+
+
+def test_an_expert_lost_from_one_bank_is_left_to_the_moe_rules():
+    layers = {i: [*ATTN, "mlp.gate", *experts("mlp", 4)] for i in range(5)}
+    layers[2] = [p for p in layers[2] if not p.startswith("mlp.experts.3.")]
+    assert sibling_problems(decoder_layers(keys(layers), Pack.OTHER_STACKS, None)) == []
