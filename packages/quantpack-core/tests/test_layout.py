@@ -11,7 +11,13 @@ from safetensors.torch import load_file, save_file
 from test_pack import expect_problem
 
 from quantpack_core import Pack, PackError
-from quantpack_core.layout import decoder_layers, sibling_problems, stack_problems, sublayer_problems
+from quantpack_core.layout import (
+    decoder_layers,
+    sibling_problems,
+    stack_problems,
+    sublayer_problems,
+    tensor_problems,
+)
 from quantpack_core.pack import MANIFEST_FILE
 
 PACK = "llama-tiny-exl3-4.0bpw-mul1"
@@ -383,3 +389,28 @@ def test_an_expert_lost_from_one_bank_is_left_to_the_moe_rules():
     layers = {i: [*ATTN, "mlp.gate", *experts("mlp", 4)] for i in range(5)}
     layers[2] = [p for p in layers[2] if not p.startswith("mlp.experts.3.")]
     assert sibling_problems(decoder_layers(keys(layers), Pack.OTHER_STACKS, None)) == []
+
+
+def test_a_plain_modules_tensor_every_other_layer_has():
+    """The Gated DeltaNet's own A_log / dt_bias (beside its child projections) and a norm's bias, lost from one of six
+    layers; a module whose own tensors are all gone still shows as its children's parent."""
+    own, module_keys = {}, []
+    for i in range(6):
+        gdn, norm = f"model.layers.{i}.linear_attn", f"model.layers.{i}.input_layernorm"
+        own[gdn], own[norm] = {"A_log", "dt_bias"}, {"weight", "bias"}
+        module_keys += [gdn, f"{gdn}.in_proj_qkvz", f"{gdn}.out_proj", norm]
+    assert tensor_problems(own, module_keys, Pack.OTHER_STACKS, None) == []
+    own["model.layers.2.input_layernorm"] = {"weight"}
+    del own["model.layers.4.linear_attn"]
+    module_keys.remove("model.layers.4.linear_attn")
+    problems = tensor_problems(own, module_keys, Pack.OTHER_STACKS, None)
+    assert [(p.tensor, p.what) for p in problems] == [
+        ("model.layers.2.input_layernorm.bias", "has no .bias, which the other 5 model.layers.#.input_layernorm have"),
+        ("model.layers.4.linear_attn.A_log", "has no .A_log, which the other 5 model.layers.#.linear_attn have"),
+        ("model.layers.4.linear_attn.dt_bias", "has no .dt_bias, which the other 5 model.layers.#.linear_attn have"),
+    ]
+    # two layers without it are a design; coded modules among the instances are left to their own checks
+    own["model.layers.3.input_layernorm"] = {"weight"}
+    assert all("input_layernorm" not in p.tensor for p in tensor_problems(own, module_keys, Pack.OTHER_STACKS, None))
+    del own["model.layers.0.linear_attn"]  # now a coded module of that name, say
+    assert tensor_problems(own, [*module_keys, "model.layers.4.linear_attn"], Pack.OTHER_STACKS, None) == []

@@ -11,6 +11,8 @@ the project knows (docs/families.md, and vLLM's model files for the others), so 
   / v projections and the attention output); modules that the other instances of the same parent hold beside the
   same modules (a gate projection beside up / down, Mamba's out projection beside in_proj, a router beside the
   experts); a module every other instance of a parent holds (a dense shared-expert gate lost from one layer).
+- :func:`tensor_problems`: a plain module's own tensor that every other layer's instance has (a norm's bias, the
+  Gated DeltaNet's ``A_log``).
 - :func:`stack_problems`: the token embedding, the final norm and an untied output head beside the layers.
 - :func:`sublayer_problems`: a decoder layer holding fewer sublayers (``self_attn``, ``mlp``, ``mixer``, ...) than
   at least three quarters of its stack's layers hold. Hybrid stacks (Qwen3-Next's ``linear_attn`` / ``self_attn``,
@@ -303,4 +305,52 @@ def stack_problems(
     if generative and said("tie_word_embeddings") is False and not any(k.rsplit(".", 1)[-1] in HEADS for k in outside):
         what = "missing: config.json says tie_word_embeddings false, so the model needs its own output head"
         out.append(Problem("lm_head", "lm_head.*", what, FIX))
+    return out
+
+
+def tensor_problems(
+    own: dict[str, set[str]], keys: Iterable[str], other_stacks: re.Pattern, layers: int | None
+) -> list[Problem]:
+    """Tensors of a plain (dense) module of the decoder layers that every other instance of it has: a norm's bias, or
+    the Gated DeltaNet's / Mamba's own ``A_log`` and ``dt_bias`` beside its child projections, lost from one layer
+    (vLLM would serve their initial values, without a word). A module whose own tensors are all gone still shows as
+    the parent of its child modules, holding none. Reported only as :data:`LONE_HOLDERS` says: at least that many
+    others have the tensor, one instance lacks it, and that instance has no tensor most others lack.
+
+    Args:
+        own: plain modules' own tensor names (``{"model.layers.0.linear_attn": {"A_log", "dt_bias"}}``); coded
+            modules are left out (their own checks know their tensors).
+        keys: every module key of the pack (for the parents of child modules).
+        other_stacks: as for :func:`decoder_layers`.
+        layers: as for :func:`decoder_layers`.
+
+    Returns:
+        One :class:`Problem` per missing tensor.
+    """
+    instances: dict[str, set[str]] = {}
+    for stack, by_layer in decoder_layers(keys, other_stacks, layers).items():
+        for i, paths in by_layer.items():
+            for path in paths:
+                key = f"{stack}{i}"
+                for name in path.split("."):
+                    key = f"{key}.{name}"
+                    instances.setdefault(key, set())
+    for key in instances:
+        instances[key] = set(own.get(key, ()))
+    groups: dict[str, list[str]] = {}
+    for key in instances:
+        groups.setdefault(re.sub(r"(^|\.)\d+(?=\.|$)", r"\1#", key), []).append(key)
+    out: list[Problem] = []
+    for shape, group in sorted(groups.items()):
+        if len(group) <= LONE_HOLDERS or any(k in keys and k not in own for k in group):
+            continue  # too few to tell, or coded modules among them
+        held = Counter(t for k in group for t in instances[k])
+        usual = {t for t, n in held.items() if 2 * n > len(group)}
+        for key in sorted(group):
+            if not instances[key] <= usual:
+                continue
+            for tensor in sorted(usual - instances[key]):
+                if held[tensor] == len(group) - 1:
+                    what = f"has no .{tensor}, which the other {held[tensor]} {shape} have"
+                    out.append(Problem(key, f"{key}.{tensor}", what, FIX))
     return out

@@ -31,7 +31,7 @@ from .codec.codebook import Codebook
 from .codec.hadamard import HAD_BLOCK
 from .codec.trellis import HALF_K, TILE, k_from_width
 from .errors import CodecError, LayerLoadError, PackError, Problem
-from .layout import decoder_layers, sibling_problems, stack_problems, sublayer_problems
+from .layout import decoder_layers, sibling_problems, stack_problems, sublayer_problems, tensor_problems
 from .names import normalize_prefix, split_tensor_name
 from .ngram import NGRAM_FILE, RECOPY
 
@@ -638,9 +638,9 @@ class Pack:
     def _layout_problems(self) -> list[Problem]:
         """Modules of the decoder layers that cannot be absent given those present (:mod:`quantpack_core.layout`):
         a gated MLP's or an attention block's missing member, a module every other instance of its parent holds, a
-        layer short of a sublayer its stack's other layers hold (the last two not for DeciLM's ``block_configs``,
-        whose no-op blocks hold fewer by design). Nothing where a shard file could not be read: its modules are
-        reported through the file, not one by one as missing."""
+        layer short of a sublayer its stack's other layers hold, a plain module's tensor every other layer's has
+        (the last three not for DeciLM's ``block_configs``, whose no-op blocks hold fewer by design). Nothing where
+        a shard file could not be read: its modules are reported through the file, not one by one as missing."""
         if self._bad_files:
             return []
         cfg = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else self.config
@@ -651,6 +651,9 @@ class Pack:
         out = [] if blocks else sublayer_problems(stacks)
         out += sibling_problems(stacks, lone=not blocks)
         out += stack_problems(stacks, self.modules, self.OTHER_STACKS, self.config)
+        if not blocks:
+            own = {k: set(m.tensors) for k, m in self.modules.items() if m.format in ("dense", "other")}
+            out += tensor_problems(own, self.modules, self.OTHER_STACKS, layers)
         return list({p.module: p for p in reversed(out)}.values())[::-1]  # one problem per module, the first
 
     #: config.json sizes that must be positive integers where they are given (num_experts may be 0: a dense model)
