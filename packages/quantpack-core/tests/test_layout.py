@@ -399,11 +399,11 @@ def test_a_plain_modules_tensor_every_other_layer_has():
         gdn, norm = f"model.layers.{i}.linear_attn", f"model.layers.{i}.input_layernorm"
         own[gdn], own[norm] = {"A_log", "dt_bias"}, {"weight", "bias"}
         module_keys += [gdn, f"{gdn}.in_proj_qkvz", f"{gdn}.out_proj", norm]
-    assert tensor_problems(own, module_keys, Pack.OTHER_STACKS, None) == []
+    assert tensor_problems(decoder_layers(module_keys, Pack.OTHER_STACKS, None), own, module_keys) == []
     own["model.layers.2.input_layernorm"] = {"weight"}
     del own["model.layers.4.linear_attn"]
     module_keys.remove("model.layers.4.linear_attn")
-    problems = tensor_problems(own, module_keys, Pack.OTHER_STACKS, None)
+    problems = tensor_problems(decoder_layers(module_keys, Pack.OTHER_STACKS, None), own, module_keys)
     assert [(p.tensor, p.what) for p in problems] == [
         ("model.layers.2.input_layernorm.bias", "has no .bias, which the other 5 model.layers.#.input_layernorm have"),
         ("model.layers.4.linear_attn.A_log", "has no .A_log, which the other 5 model.layers.#.linear_attn have"),
@@ -411,6 +411,14 @@ def test_a_plain_modules_tensor_every_other_layer_has():
     ]
     # two layers without it are a design; coded modules among the instances are left to their own checks
     own["model.layers.3.input_layernorm"] = {"weight"}
-    assert all("input_layernorm" not in p.tensor for p in tensor_problems(own, module_keys, Pack.OTHER_STACKS, None))
+    assert all(
+        "input_layernorm" not in p.tensor
+        for p in tensor_problems(decoder_layers(module_keys, Pack.OTHER_STACKS, None), own, module_keys)
+    )
     del own["model.layers.0.linear_attn"]  # now a coded module of that name, say
-    assert tensor_problems(own, [*module_keys, "model.layers.4.linear_attn"], Pack.OTHER_STACKS, None) == []
+    assert (
+        tensor_problems(
+            decoder_layers(module_keys, Pack.OTHER_STACKS, None), own, [*module_keys, "model.layers.4.linear_attn"]
+        )
+        == []
+    )

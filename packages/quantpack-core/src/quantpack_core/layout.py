@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from .errors import Problem
 
@@ -96,6 +96,51 @@ def decoder_layers(keys: Iterable[str], other_stacks: re.Pattern, layers: int | 
     return out
 
 
+def shape(key: str) -> str:
+    """``key`` with every index as ``#`` (``model.layers.#.mlp.experts.#``): the instances of one module or parent."""
+    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1#", key)
+
+
+def layer_tree(stacks: dict[str, dict[int, list]]) -> dict[str, set[str]]:
+    """Every node of the decoder layers, from each layer down to its modules, with the names directly below it:
+    ``{"model.layers.3": {"self_attn", "mlp", ...}, "model.layers.3.mlp": {"gate", "experts"}, ...,
+    "model.layers.3.mlp.gate": set()}``.
+
+    Args:
+        stacks: :func:`decoder_layers`'s grouping.
+    """
+    tree: dict[str, set[str]] = {}
+    for stack, layers in stacks.items():
+        for i, paths in layers.items():
+            for path in paths:
+                node = f"{stack}{i}"
+                for name in path.split("."):
+                    tree.setdefault(node, set()).add(name)
+                    node = f"{node}.{name}"
+                tree.setdefault(node, set())
+    return tree
+
+
+def lone_gaps(group: dict[str, set[str]]) -> list[tuple[str, str, int]]:
+    """``(instance, name, holders)`` for each name every instance of ``group`` but one holds, at least
+    :data:`LONE_HOLDERS` of them, where that instance holds nothing most instances lack (:data:`LONE_HOLDERS`).
+
+    Args:
+        group: the instances of one module or parent, each with its names (children or tensors).
+    """
+    if len(group) <= LONE_HOLDERS:
+        return []
+    held = Counter(name for names in group.values() for name in names)
+    usual = {name for name, n in held.items() if 2 * n > len(group)}
+    return [
+        (key, name, held[name])
+        for key, names in sorted(group.items())
+        if names <= usual
+        for name in sorted(usual - names)
+        if held[name] == len(group) - 1
+    ]
+
+
 def sibling_problems(stacks: dict[str, dict[int, list]], lone: bool = True) -> list[Problem]:
     """Modules missing beside the modules present under the same parent (:data:`SIBLINGS`, :data:`EVIDENCED`), and
     modules every other instance of the parent holds (:data:`LONE_HOLDERS`).
@@ -109,19 +154,11 @@ def sibling_problems(stacks: dict[str, dict[int, list]], lone: bool = True) -> l
         One :class:`Problem` per missing module, naming the module, the tensor vLLM would look for and the modules
         present that imply it.
     """
-    parents: dict[str, set[str]] = {}  # full parent key -> the names below it (modules and parents of modules)
-    shape_of: dict[str, str] = {}  # full parent key -> the parent's path with every index as '#'
-    for stack, layers in stacks.items():
-        for i, paths in layers.items():
-            for path in paths:
-                parent = f"{stack}{i}"
-                for name in path.split("."):
-                    parents.setdefault(parent, set()).add(name)
-                    shape_of.setdefault(parent, re.sub(r"(^|\.)\d+(?=\.|$)", r"\1#", parent))
-                    parent = f"{parent}.{name}"
-    by_shape: dict[str, list[set[str]]] = {}
-    for parent, leaves in parents.items():
-        by_shape.setdefault(shape_of[parent], []).append(leaves)
+    parents = {node: names for node, names in layer_tree(stacks).items() if names}
+    shape_of = {node: shape(node) for node in parents}
+    members: dict[str, dict[str, set[str]]] = {}  # shape -> its instances, each with the names below it
+    for parent, names in parents.items():
+        members.setdefault(shape_of[parent], {})[parent] = names
     out: list[Problem] = []
     reported: set[str] = set()
     counts: dict[tuple, tuple[int, int]] = {}
@@ -137,7 +174,7 @@ def sibling_problems(stacks: dict[str, dict[int, list]], lone: bool = True) -> l
                     if evidence:  # instances of the parent holding ``when``, and those of them holding ``names``
                         key = (shape_of[parent], when, names)
                         if key not in counts:  # once per parent shape and rule: a bank has thousands of experts
-                            same = [o for o in by_shape[shape_of[parent]] if o.issuperset(when)]
+                            same = [o for o in members[shape_of[parent]].values() if o.issuperset(when)]
                             counts[key] = (len(same), sum(1 for o in same if o & set(names)))
                         holders = counts[key][1]
                         if holders < evidence:
@@ -146,25 +183,14 @@ def sibling_problems(stacks: dict[str, dict[int, list]], lone: bool = True) -> l
                     what = f"holds {' and '.join(when)} but no {' / '.join(names)}"
                     what += f", which the other {shape_of[parent]} hold" if evidence else ": vLLM's layer needs it"
                     out.append(Problem(missing, f"{missing}.*", what, FIX))
-    members: dict[str, list[str]] = {}
-    for parent in parents:
-        members.setdefault(shape_of[parent], []).append(parent)
-    for shape, group in sorted(members.items()):
-        if not lone or len(group) <= LONE_HOLDERS:
-            continue
-        held = Counter(leaf for parent in group for leaf in parents[parent])
-        usual = {leaf for leaf, n in held.items() if 2 * n > len(group)}
-        for parent in sorted(group):
-            if not parents[parent] <= usual:
-                continue
-            for leaf in sorted(usual - parents[parent]):
-                if leaf.isdigit():  # an expert of a bank: the MoE rules name it with its projections
-                    continue
-                missing = f"{parent}.{leaf}"
-                if held[leaf] == len(group) - 1 and missing not in reported:
-                    reported.add(missing)
-                    what = f"holds no {leaf}, which the other {held[leaf]} {shape} hold"
-                    out.append(Problem(missing, f"{missing}.*", what, FIX))
+    for group_shape, group in sorted(members.items()) if lone else ():
+        for parent, leaf, holders in lone_gaps(group):
+            missing = f"{parent}.{leaf}"
+            # an index is an expert of a bank: the MoE rules name it with its projections
+            if not leaf.isdigit() and missing not in reported:
+                reported.add(missing)
+                what = f"holds no {leaf}, which the other {holders} {group_shape} hold"
+                out.append(Problem(missing, f"{missing}.*", what, FIX))
     return out
 
 
@@ -309,48 +335,31 @@ def stack_problems(
 
 
 def tensor_problems(
-    own: dict[str, set[str]], keys: Iterable[str], other_stacks: re.Pattern, layers: int | None
+    stacks: dict[str, dict[int, list]], own: dict[str, set[str]], keys: Container[str]
 ) -> list[Problem]:
     """Tensors of a plain (dense) module of the decoder layers that every other instance of it has: a norm's bias, or
     the Gated DeltaNet's / Mamba's own ``A_log`` and ``dt_bias`` beside its child projections, lost from one layer
     (vLLM would serve their initial values, without a word). A module whose own tensors are all gone still shows as
-    the parent of its child modules, holding none. Reported only as :data:`LONE_HOLDERS` says: at least that many
-    others have the tensor, one instance lacks it, and that instance has no tensor most others lack.
+    the parent of its child modules, holding none. Reported as :func:`lone_gaps` finds them.
 
     Args:
+        stacks: :func:`decoder_layers`'s grouping.
         own: plain modules' own tensor names (``{"model.layers.0.linear_attn": {"A_log", "dt_bias"}}``); coded
             modules are left out (their own checks know their tensors).
-        keys: every module key of the pack (for the parents of child modules).
-        other_stacks: as for :func:`decoder_layers`.
-        layers: as for :func:`decoder_layers`.
+        keys: every module key of the pack; a group with a coded module among its instances is left alone.
 
     Returns:
         One :class:`Problem` per missing tensor.
     """
-    instances: dict[str, set[str]] = {}
-    for stack, by_layer in decoder_layers(keys, other_stacks, layers).items():
-        for i, paths in by_layer.items():
-            for path in paths:
-                key = f"{stack}{i}"
-                for name in path.split("."):
-                    key = f"{key}.{name}"
-                    instances.setdefault(key, set())
-    for key in instances:
-        instances[key] = set(own.get(key, ()))
-    groups: dict[str, list[str]] = {}
-    for key in instances:
-        groups.setdefault(re.sub(r"(^|\.)\d+(?=\.|$)", r"\1#", key), []).append(key)
+    layers = {f"{stack}{i}" for stack, by_layer in stacks.items() for i in by_layer}
+    groups: dict[str, dict[str, set[str]]] = {}
+    for node in layer_tree(stacks).keys() - layers:  # the modules and parents inside the layers
+        groups.setdefault(shape(node), {})[node] = set(own.get(node, ()))
     out: list[Problem] = []
-    for shape, group in sorted(groups.items()):
-        if len(group) <= LONE_HOLDERS or any(k in keys and k not in own for k in group):
-            continue  # too few to tell, or coded modules among them
-        held = Counter(t for k in group for t in instances[k])
-        usual = {t for t, n in held.items() if 2 * n > len(group)}
-        for key in sorted(group):
-            if not instances[key] <= usual:
-                continue
-            for tensor in sorted(usual - instances[key]):
-                if held[tensor] == len(group) - 1:
-                    what = f"has no .{tensor}, which the other {held[tensor]} {shape} have"
-                    out.append(Problem(key, f"{key}.{tensor}", what, FIX))
+    for group_shape, group in sorted(groups.items()):
+        if any(k in keys and k not in own for k in group):
+            continue  # coded modules among them
+        for key, tensor, holders in lone_gaps(group):
+            what = f"has no .{tensor}, which the other {holders} {group_shape} have"
+            out.append(Problem(key, f"{key}.{tensor}", what, FIX))
     return out

@@ -653,7 +653,7 @@ class Pack:
         out += stack_problems(stacks, self.modules, self.OTHER_STACKS, self.config)
         if not blocks:
             own = {k: set(m.tensors) for k, m in self.modules.items() if m.format in ("dense", "other")}
-            out += tensor_problems(own, self.modules, self.OTHER_STACKS, layers)
+            out += tensor_problems(stacks, own, self.modules)
         return list({p.module: p for p in reversed(out)}.values())[::-1]  # one problem per module, the first
 
     #: config.json sizes that must be positive integers where they are given (num_experts may be 0: a dense model)
