@@ -373,3 +373,66 @@ def test_the_family_wraps_vllms_nemotron_h_moe_layer():
     x = torch.randn(3, 8)
     assert torch.equal(layer.forward(x.half()), (x.half() + 1) * SUPER["routed_scaling_factor"])
     assert torch.equal(layer.forward(x), x + 1)
+
+
+def _config(dtype, mode: int, graphs: str, largest: int):
+    """A stand-in for vLLM's ``VllmConfig`` with the fields :func:`compiled_float16_risk` reads."""
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    return SimpleNamespace(
+        model_config=SimpleNamespace(dtype=dtype),
+        compilation_config=SimpleNamespace(
+            mode=CompilationMode(mode), cudagraph_mode=CUDAGraphMode[graphs], max_cudagraph_capture_size=largest
+        ),
+    )
+
+
+def test_compiled_float16_risk_names_the_steps_outside_cuda_graphs():
+    """The warning for the fault measured on the H200 (vLLM 0.25.1, the float16 twin at KL 4.6 wherever compiled code
+    ran outside CUDA graphs): given for float16 + torch.compile on CUDA, naming which steps run outside graphs and the
+    way out; not given for bfloat16, eager (``--enforce-eager`` sets compilation mode 0), or another platform."""
+    from quantpack_families.families.nemotron_h import compiled_float16_risk
+
+    default = compiled_float16_risk(_config(torch.float16, 3, "FULL_AND_PIECEWISE", 512), on_cuda=True)
+    assert "more than 512 tokens" in default and "--enforce-eager" in default
+    none = compiled_float16_risk(_config(torch.float16, 3, "NONE", 0), on_cuda=True)
+    assert "every step (compiled without CUDA graphs)" in none
+    assert compiled_float16_risk(_config(torch.bfloat16, 3, "FULL_AND_PIECEWISE", 512), on_cuda=True) is None
+    assert compiled_float16_risk(_config(torch.float16, 0, "NONE", 0), on_cuda=True) is None
+    assert compiled_float16_risk(_config(torch.float16, 3, "FULL_AND_PIECEWISE", 512), on_cuda=False) is None
+    assert compiled_float16_risk(None, on_cuda=True) is None
+
+
+def test_the_family_warns_when_vllm_builds_nemotron_h(monkeypatch, caplog):
+    """With the plugins loaded, vLLM's ``NemotronHForCausalLM`` carries the family's build wrapper, once; a class so
+    wrapped logs the warning once per process when built for float16 + torch.compile on CUDA, and not otherwise."""
+    import logging
+
+    import quantpack_families.plugin as plugin
+    from quantpack_families.families import nemotron_h as family
+
+    plugin.register()
+    from vllm.model_executor.models import nemotron_h
+    from vllm.platforms import current_platform
+
+    assert getattr(nemotron_h.NemotronHForCausalLM.__init__, family._MARK, False)
+    assert not family.wrap_model(nemotron_h.NemotronHForCausalLM)  # idempotent
+
+    class Model:
+        def __init__(self, *, vllm_config, prefix: str = ""):
+            self.prefix = prefix
+
+    assert family.wrap_model(Model)
+    monkeypatch.setattr(family, "_warned", [])
+    caplog.set_level(logging.WARNING, logger="vllm.quantpack.families")
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: False)
+    Model(vllm_config=_config(torch.float16, 3, "FULL_AND_PIECEWISE", 512))
+    assert "Nemotron-H in float16" not in caplog.text
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    Model(vllm_config=_config(torch.bfloat16, 3, "FULL_AND_PIECEWISE", 512))
+    assert "Nemotron-H in float16" not in caplog.text
+    for _ in range(2):
+        Model(vllm_config=_config(torch.float16, 3, "FULL_AND_PIECEWISE", 512), prefix="language_model")
+    assert caplog.text.count("Nemotron-H in float16") == 1 and "more than 512 tokens" in caplog.text

@@ -30,6 +30,12 @@ same KL). The family wraps ``NemotronHMoE``: at build it asks the runner's own f
 unit pair (:func:`float16_output_scale`) and, where the result is that division, multiplies the layer's float16 output
 by ``s``. Other dtypes, layers without a shared expert and a runner that scales correctly are left alone.
 
+A warning, not a fix: on CUDA, vLLM 0.25.1 served the tiny Nemotron-H bf16 twin in float16 at KL 4.6 (top-1 7%)
+wherever its torch.compile'd code ran outside CUDA graphs - ``cudagraph_mode: NONE``, or a step of more tokens than
+the largest capture size - while eager, and the same compiled code replayed in graphs, were right (H200,
+2026-12-04; docs/families.md, Nemotron-H). The step at fault was not found, so the family names the risk when such
+a model is built (:func:`compiled_float16_risk`) and leaves the serving to vLLM.
+
 Not a fix here (docs/families.md): the routed experts of the MoE layers are ungated (relu^2); quantpack's expert
 banks serve them (``quantpack_core.vllm.moe``), while vLLM's CPU builds refuse that layer kind for any method, so an
 EXL3 pack with Nemotron's MoE layers is served on CUDA only.
@@ -42,9 +48,12 @@ Source: vLLM 0.29 - 0.32 ``vllm/model_executor/layers/mamba/mamba_mixer2.py`` (`
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from ..registry import Family, class_patch, wrap_attribute
+
+logger = logging.getLogger("vllm.quantpack.families")
 
 _MARK = "_quantpack_nemotron_h"
 
@@ -249,8 +258,68 @@ def wrap_moe(cls) -> bool:
     return wrap_attribute(cls, "forward", _MARK, make_forward) or wrapped
 
 
-#: :func:`wrap_moe` applied to the ``NemotronHMoE`` vLLM's Nemotron-H model module defines
-patch_model = class_patch({"NemotronHMoE": wrap_moe})
+def compiled_float16_risk(vllm_config, on_cuda: bool) -> str | None:
+    """The warning for a Nemotron-H model that vLLM is about to serve in float16 with torch.compile on CUDA, or None.
+
+    ``vllm_config`` is vLLM's ``VllmConfig`` (its ``model_config.dtype``, ``compilation_config.mode`` and
+    ``max_cudagraph_capture_size`` are read; a missing field reads as "not at risk"); ``on_cuda`` whether the
+    platform is CUDA. The message names the steps that run compiled code outside CUDA graphs (every step under
+    ``cudagraph_mode: NONE``, else those of more tokens than the largest capture size), where it was measured
+    (docs/families.md, Nemotron-H) and the way out, ``--enforce-eager``. Raises nothing.
+    """
+    import torch
+
+    model = getattr(vllm_config, "model_config", None)
+    compilation = getattr(vllm_config, "compilation_config", None)
+    if not on_cuda or model is None or compilation is None or getattr(model, "dtype", None) != torch.float16:
+        return None
+    mode = getattr(compilation, "mode", None)
+    if mode is None or int(mode) == 0:  # CompilationMode.NONE: eager, as --enforce-eager sets it
+        return None
+    graphs = getattr(compilation, "cudagraph_mode", None)
+    largest = int(getattr(compilation, "max_cudagraph_capture_size", 0) or 0)
+    if graphs is None or getattr(graphs, "name", str(graphs)) == "NONE" or largest <= 0:
+        where = "every step (compiled without CUDA graphs)"
+    else:
+        where = f"every step of more than {largest} tokens (beyond the largest CUDA graph capture size)"
+    return (
+        "Nemotron-H in float16 with torch.compile on CUDA: vLLM 0.25.1 served a test model of this architecture "
+        f"wrongly (KL 4.6 against its reference) where compiled code ran outside CUDA graphs, here {where}; eager "
+        "and graph replays were right, other vLLM releases are not checked. Serve with --enforce-eager to rule it "
+        "out (quantpack docs/troubleshooting.md)"
+    )
+
+
+_warned: list[str] = []
+
+
+def wrap_model(cls) -> bool:
+    """Make ``cls.__init__`` (vLLM's ``NemotronHForCausalLM``, also the language model of Nemotron VL) log
+    :func:`compiled_float16_risk`'s warning once per process when it applies. Idempotent.
+
+    Returns:
+        True when this call wrapped it.
+    """
+
+    def make(init):
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            if _warned:
+                return
+            from vllm.platforms import current_platform
+
+            message = compiled_float16_risk(kwargs.get("vllm_config"), current_platform.is_cuda())
+            if message:
+                _warned.append(message)
+                logger.warning("quantpack-families: %s", message)
+
+        return __init__
+
+    return wrap_attribute(cls, "__init__", _MARK, make)
+
+
+#: :func:`wrap_moe` and :func:`wrap_model` applied to the classes vLLM's Nemotron-H model module defines
+patch_model = class_patch({"NemotronHMoE": wrap_moe, "NemotronHForCausalLM": wrap_model})
 
 
 FAMILY = Family(
