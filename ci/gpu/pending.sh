@@ -46,11 +46,10 @@ try:
     import torchvision; print('torchvision', torchvision.__version__)
 except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
-# (owed first after the evening session of 2026-12-04, which passed the vLLM MoE jobs, ran the 30B-A3B harness and
-# found the VL converter pack's excess at one router near-tie and the twin's fault under cudagraph_mode NONE: the VL
-# pack again, its test now bounding the KL outside router near-ties; the escha Triton kernel's time; the twin's
-# FULL_AND_PIECEWISE mode; the last steps re-check what passed before)
-all=(nemotron-vl escha-times nemotron-twin escha-kernel matrix e2e-moe serve-moe serve-moe-mixed profile-moe profile
+# (owed first after the last session of 2026-12-04, which passed the Nemotron VL packs and placed the twin's fault:
+# the GPU matrix's columns, one a session with that release's bundle staged (`matrix`); then the escha Triton
+# kernel's time; the last steps re-check what passed before)
+all=(matrix escha-times escha-kernel nemotron-vl nemotron-twin e2e-moe serve-moe serve-moe-mixed profile-moe profile
   family-converter families qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated escha-gpu e2e-dense
   linear-kernels escha-vllm serve-8b kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel)
 # the tiny models of the given families (of spark, nemotron-h, nemotron-vl) through exllamav3's own converter, each
