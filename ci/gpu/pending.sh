@@ -218,15 +218,20 @@ for s in "${@:-${all[@]}}"; do
             --json "$res/profile_30b_a3b_${e}_b$b.json"
         done
       done ;;
-    # one vLLM release's column of the GPU matrix (issue: 0.22.1 and 0.26.0 after 0.25.1) in one device session:
-    # the kernel files first (vLLM-free, about 7 minutes at 0.25.1's times), then the end-to-end files, eager and
-    # graphs (about 16 minutes); each report named by the bundle's release (ci/gpu/matrix_table.py)
+    # one vLLM release's column of the GPU matrix (issue: 0.22.1 and 0.26.0 after 0.25.1) in one device session,
+    # two lanes side by side: the end-to-end files, eager and graphs (about 16 minutes at 0.25.1's times), and the
+    # vLLM-free kernel files (about 7 minutes); the engines take 15% of the GPU's memory each, and the kernel tests'
+    # contention only slows them (the load-time row routing may then choose other kernels, each tested correct).
+    # Each report is named by the bundle's release (ci/gpu/matrix_table.py)
     matrix)
-      step matrix-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py
-      step matrix-moe-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_moe.py
-      step matrix-escha-gpu "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu.py
+      (
+        step matrix-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py
+        step matrix-moe-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_moe.py
+        step matrix-escha-gpu "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu.py
+      ) &
       step matrix-e2e "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py
-      step matrix-escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py ;;
+      step matrix-escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py
+      wait ;;
     *) echo "unknown step $s (of: ${all[*]})" >&2 ;;
   esac
 done
