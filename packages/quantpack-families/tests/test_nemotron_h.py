@@ -375,7 +375,7 @@ def test_the_family_wraps_vllms_nemotron_h_moe_layer():
     assert torch.equal(layer.forward(x), x + 1)
 
 
-def _config(dtype, mode: int, graphs: str, largest: int):
+def _config(dtype, mode: int, graphs: str, largest, budget: int = 8192):
     """A stand-in for vLLM's ``VllmConfig`` with the fields :func:`compiled_float16_risk` reads."""
     from types import SimpleNamespace
 
@@ -386,23 +386,33 @@ def _config(dtype, mode: int, graphs: str, largest: int):
         compilation_config=SimpleNamespace(
             mode=CompilationMode(mode), cudagraph_mode=CUDAGraphMode[graphs], max_cudagraph_capture_size=largest
         ),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=budget),
     )
 
 
 def test_compiled_float16_risk_names_the_steps_outside_cuda_graphs():
     """The warning for the fault measured on the H200 (vLLM 0.25.1, the float16 twin at KL 4.6 wherever compiled code
-    ran outside CUDA graphs): given for float16 + torch.compile on CUDA, naming which steps run outside graphs and the
-    way out; not given for bfloat16, eager (``--enforce-eager`` sets compilation mode 0), or another platform."""
+    ran outside CUDA graphs): given for float16 + torch.compile on CUDA, naming which steps run outside graphs (all
+    without graphs; all but decodes where mixed batches have none; beyond the largest capture size) and the way
+    out; not given for bfloat16, eager (``--enforce-eager`` sets compilation mode 0), another platform, or where the
+    largest capture size covers the step budget; a config of unknown kinds gives none rather than an error."""
     from quantpack_families.families.nemotron_h import compiled_float16_risk
 
     default = compiled_float16_risk(_config(torch.float16, 3, "FULL_AND_PIECEWISE", 512), on_cuda=True)
     assert "more than 512 tokens" in default and "--enforce-eager" in default
+    assert "more than 512 tokens" in compiled_float16_risk(_config(torch.float16, 3, "PIECEWISE", 512), on_cuda=True)
     none = compiled_float16_risk(_config(torch.float16, 3, "NONE", 0), on_cuda=True)
     assert "every step (compiled without CUDA graphs)" in none
+    assert "every step (compiled" in compiled_float16_risk(_config(torch.float16, 3, "PIECEWISE", None), on_cuda=True)
+    decode_only = compiled_float16_risk(_config(torch.float16, 1, "FULL_DECODE_ONLY", 512), on_cuda=True)
+    assert "every step but pure decodes" in decode_only
+    assert compiled_float16_risk(_config(torch.float16, 3, "FULL_AND_PIECEWISE", 256, budget=256), on_cuda=True) is None
     assert compiled_float16_risk(_config(torch.bfloat16, 3, "FULL_AND_PIECEWISE", 512), on_cuda=True) is None
     assert compiled_float16_risk(_config(torch.float16, 0, "NONE", 0), on_cuda=True) is None
     assert compiled_float16_risk(_config(torch.float16, 3, "FULL_AND_PIECEWISE", 512), on_cuda=False) is None
     assert compiled_float16_risk(None, on_cuda=True) is None
+    odd = _config(torch.float16, 3, "FULL_AND_PIECEWISE", "abc")
+    assert "every step (compiled" in compiled_float16_risk(odd, on_cuda=True)
 
 
 def test_the_family_warns_when_vllm_builds_nemotron_h(monkeypatch, caplog):
@@ -436,3 +446,14 @@ def test_the_family_warns_when_vllm_builds_nemotron_h(monkeypatch, caplog):
     for _ in range(2):
         Model(vllm_config=_config(torch.float16, 3, "FULL_AND_PIECEWISE", 512), prefix="language_model")
     assert caplog.text.count("Nemotron-H in float16") == 1 and "more than 512 tokens" in caplog.text
+    # the signature vLLM inspects is the original's, and a check that fails never fails the build
+    import inspect
+
+    assert {"vllm_config", "prefix"} <= set(inspect.signature(nemotron_h.NemotronHForCausalLM.__init__).parameters)
+    monkeypatch.setattr(family, "_warned", [])
+
+    def broken(*args, **kwargs):
+        raise TypeError("a config this check does not know")
+
+    monkeypatch.setattr(family, "compiled_float16_risk", broken)
+    assert Model(vllm_config=_config(torch.float16, 3, "FULL_AND_PIECEWISE", 512), prefix="p").prefix == "p"

@@ -258,14 +258,26 @@ def wrap_moe(cls) -> bool:
     return wrap_attribute(cls, "forward", _MARK, make_forward) or wrapped
 
 
+def _name(value) -> str:
+    """An enum member's name (vLLM's ``CompilationMode`` / ``CUDAGraphMode``), or the value as text."""
+    return str(getattr(value, "name", value))
+
+
 def compiled_float16_risk(vllm_config, on_cuda: bool) -> str | None:
     """The warning for a Nemotron-H model that vLLM is about to serve in float16 with torch.compile on CUDA, or None.
 
-    ``vllm_config`` is vLLM's ``VllmConfig`` (its ``model_config.dtype``, ``compilation_config.mode`` and
-    ``max_cudagraph_capture_size`` are read; a missing field reads as "not at risk"); ``on_cuda`` whether the
-    platform is CUDA. The message names the steps that run compiled code outside CUDA graphs (every step under
-    ``cudagraph_mode: NONE``, else those of more tokens than the largest capture size), where it was measured
-    (docs/families.md, Nemotron-H) and the way out, ``--enforce-eager``. Raises nothing.
+    ``vllm_config`` is vLLM's ``VllmConfig``; read: ``model_config.dtype``, ``compilation_config.mode`` /
+    ``cudagraph_mode`` / ``max_cudagraph_capture_size`` and ``scheduler_config.max_num_batched_tokens``. ``on_cuda``:
+    whether the platform is CUDA (ROCm and CPU were not measured: None). The message names the steps that run
+    compiled code outside CUDA graphs as configured when the model is built: every step without graphs
+    (``cudagraph_mode: NONE``), every step but pure decodes where mixed batches have none (``FULL_DECODE_ONLY``),
+    else the steps of more tokens than the largest capture size (none, and no warning, where that size covers
+    ``max_num_batched_tokens``). vLLM may still lower the graph mode after the build (when it resolves what the
+    attention backend supports), so more steps may run outside graphs than named. Also the measurement
+    (docs/families.md, Nemotron-H) and the way out, ``--enforce-eager``. None as well where a field is missing or
+    of a kind this does not know (an older vLLM's config), so it never stands in the way of a build.
+
+    Source: vLLM 0.22 - 0.32 ``vllm/config/compilation.py`` (``CompilationMode``, ``CUDAGraphMode.mixed_mode``).
     """
     import torch
 
@@ -274,19 +286,25 @@ def compiled_float16_risk(vllm_config, on_cuda: bool) -> str | None:
     if not on_cuda or model is None or compilation is None or getattr(model, "dtype", None) != torch.float16:
         return None
     mode = getattr(compilation, "mode", None)
-    if mode is None or int(mode) == 0:  # CompilationMode.NONE: eager, as --enforce-eager sets it
+    if mode is None or _name(mode) in ("NONE", "0"):  # CompilationMode.NONE: eager, as --enforce-eager sets it
         return None
     graphs = getattr(compilation, "cudagraph_mode", None)
-    largest = int(getattr(compilation, "max_cudagraph_capture_size", 0) or 0)
-    if graphs is None or getattr(graphs, "name", str(graphs)) == "NONE" or largest <= 0:
+    mixed = graphs.mixed_mode() if hasattr(graphs, "mixed_mode") else graphs
+    largest = getattr(compilation, "max_cudagraph_capture_size", None)
+    budget = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+    if graphs is None or _name(graphs) == "NONE" or not isinstance(largest, int) or largest <= 0:
         where = "every step (compiled without CUDA graphs)"
+    elif _name(mixed) == "NONE":
+        where = f"every step but pure decodes (cudagraph_mode {_name(graphs)} captures no prefill)"
+    elif isinstance(budget, int) and largest >= budget:
+        return None  # every step fits a captured size
     else:
         where = f"every step of more than {largest} tokens (beyond the largest CUDA graph capture size)"
     return (
         "Nemotron-H in float16 with torch.compile on CUDA: vLLM 0.25.1 served a test model of this architecture "
-        f"wrongly (KL 4.6 against its reference) where compiled code ran outside CUDA graphs, here {where}; eager "
-        "and graph replays were right, other vLLM releases are not checked. Serve with --enforce-eager to rule it "
-        "out (quantpack docs/troubleshooting.md)"
+        f"wrongly (KL 4.6 against its reference) where compiled code ran outside CUDA graphs, here at least {where}; "
+        "eager and graph replays were right, other vLLM releases are not checked. Serve with --enforce-eager to rule "
+        "it out (quantpack docs/troubleshooting.md)"
     )
 
 
@@ -295,7 +313,9 @@ _warned: list[str] = []
 
 def wrap_model(cls) -> bool:
     """Make ``cls.__init__`` (vLLM's ``NemotronHForCausalLM``, also the language model of Nemotron VL) log
-    :func:`compiled_float16_risk`'s warning once per process when it applies. Idempotent.
+    :func:`compiled_float16_risk`'s warning once per process when it applies. The check never fails the build: an
+    error in it is logged at debug level. Idempotent; the signature vLLM inspects stays the original's
+    (``functools.wraps``).
 
     Returns:
         True when this call wrapped it.
@@ -306,9 +326,13 @@ def wrap_model(cls) -> bool:
             init(self, *args, **kwargs)
             if _warned:
                 return
-            from vllm.platforms import current_platform
+            try:
+                from vllm.platforms import current_platform
 
-            message = compiled_float16_risk(kwargs.get("vllm_config"), current_platform.is_cuda())
+                message = compiled_float16_risk(kwargs.get("vllm_config"), current_platform.is_cuda())
+            except Exception:  # a warning must not stop the model's build
+                logger.debug("quantpack-families: Nemotron-H compile check skipped", exc_info=True)
+                return
             if message:
                 _warned.append(message)
                 logger.warning("quantpack-families: %s", message)
