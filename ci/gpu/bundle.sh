@@ -9,7 +9,10 @@
 #   VERSION   a vLLM release that pins torch==2.11.0 (0.20.0 - 0.26.0; 0.21.0 has no x86_64 wheel)
 #   --relock  resolve the dependency tree again and rewrite ci/gpu/locks/vllm-VERSION.txt (otherwise the lock is
 #             read when it exists, and written when it does not)
-# Writes .stage-bundles/vllm-slim-VERSION.tar.xz and its .sha256, then verifies it (ci/gpu/bundle_tools.py verify).
+# Writes .stage-bundles/vllm-slim-VERSION.tar.xz and its .sha256, then verifies it (ci/gpu/bundle_tools.py verify)
+# and compares the third-party imports on the tier's path with those of a bundle that ran the tier
+# (ci/gpu/import_reach.py; PROVEN_BUNDLE, default ../shared/gpu/vllm-slim-0.25.1.tar.xz, skipped when absent): a
+# package the new release imports there that neither bundle nor machine has fails the script, before any device time.
 # Stage it with `VLLM_BUNDLE=.stage-bundles/vllm-slim-VERSION.tar.xz ci/gpu/stage.sh` (see ci/gpu/README.md).
 # Environment: BUNDLE_OUT (output folder, default .stage-bundles), SOURCE_DATE_EPOCH (the archive's mtime, default
 # 2026-01-01), TARGET_PYTHON (bin/vllm's interpreter, default the GPU machine's /opt/torch/.venv/bin/python3),
@@ -126,3 +129,20 @@ cat "$bundle.sha256"
 
 # 5. verification
 python3 "$here/bundle_tools.py" verify "$bundle" "$version" "$lock"
+
+# 6. the imports on the tier's path against a bundle that ran it (a package left out would stop every engine)
+proven=${PROVEN_BUNDLE:-$root/../shared/gpu/vllm-slim-0.25.1.tar.xz}
+if [ -f "$proven" ]; then
+  sites=$(mktemp -d)
+  trap '[ "${KEEP_WORK:-0}" = 1 ] || rm -rf "$work"; rm -rf "$sites"' EXIT
+  mkdir -p "$sites/new" "$sites/proven"
+  tar -xJf "$bundle" -C "$sites/new"
+  tar -xJf "$proven" -C "$sites/proven"
+  if ! python3 "$here/import_reach.py" "$sites/new" "$sites/proven"; then
+    echo "bundle.sh: classify each package above under [bundle] in ci/gpu/bundle-deps.txt (then --relock), or say why" \
+      "the tier never reaches it" >&2
+    exit 1
+  fi
+else
+  echo "import check skipped: no proven bundle at $proven (set PROVEN_BUNDLE)"
+fi
