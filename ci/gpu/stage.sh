@@ -21,8 +21,9 @@ python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$stage/whl" exllamav3==1.6.5 marisa-trie
 # vLLM imports compressed-tensors (and its loguru) as soon as any quantization method is resolved: bundles built by
-# ci/gpu/bundle.sh carry the version their release pins; the shared 0.25.1 bundle lacks them
-if ! tar -tJf "$bundle" | grep -q '^\./compressed_tensors/$'; then
+# ci/gpu/bundle.sh carry the version their release pins (a staged 0.17.0 would replace 0.22.1's 0.15.0.1); the shared
+# 0.25.1 bundle lacks them. The listing is read whole: `tar | grep -q` under pipefail fails when grep stops early
+if ! grep -qx '\./compressed_tensors/' <<<"$(tar -tJf "$bundle")"; then
   python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$stage/whl" compressed-tensors==0.17.0 loguru
 fi
 # nox and its dependencies (travels with the second part; installed apart from /tmp/site so that its packaging /
