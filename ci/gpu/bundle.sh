@@ -93,13 +93,13 @@ drop xgrammar/lib xgrammar/include \
   tvm_ffi/3rdparty tvm_ffi/include tvm_ffi/src tvm_ffi/cython tvm_ffi/share tvm_ffi/CMakeLists.txt
 # device code: sm_90 only, in every vLLM library that has any
 find vllm -name '*.so' -type f -print0 | sort -z | while IFS= read -r -d '' so; do
-  if readelf -S --wide "$so" 2>/dev/null | grep -q '\.nv_fatbin'; then
+  if grep -q '\.nv_fatbin' <<<"$(readelf -S --wide "$so" 2>/dev/null)"; then
     python3 "$here/prune_fatbin.py" "$so"
   fi
 done
 # debug info, from the libraries that carry it
 find . -name '*.so*' -type f -print0 | sort -z | while IFS= read -r -d '' so; do
-  if readelf -S --wide "$so" 2>/dev/null | grep -q ' \.debug_info '; then
+  if grep -q ' \.debug_info ' <<<"$(readelf -S --wide "$so" 2>/dev/null)"; then
     before=$(stat -c %s "$so")
     strip --strip-debug "$so"
     echo "stripped $so: $before -> $(stat -c %s "$so") bytes"
