@@ -133,12 +133,11 @@ python3 "$here/bundle_tools.py" verify "$bundle" "$version" "$lock"
 # 6. the imports on the tier's path against a bundle that ran it (a package left out would stop every engine)
 proven=${PROVEN_BUNDLE:-$root/../shared/gpu/vllm-slim-0.25.1.tar.xz}
 if [ -f "$proven" ]; then
-  sites=$(mktemp -d)
-  trap '[ "${KEEP_WORK:-0}" = 1 ] || rm -rf "$work"; rm -rf "$sites"' EXIT
-  mkdir -p "$sites/new" "$sites/proven"
-  tar -xJf "$bundle" -C "$sites/new"
-  tar -xJf "$proven" -C "$sites/proven"
-  if ! python3 "$here/import_reach.py" "$sites/new" "$sites/proven"; then
+  # the new bundle's tree is still unpacked where it was packed from; only the proven one is unpacked here
+  proven_site=$(mktemp -d)
+  trap '[ "${KEEP_WORK:-0}" = 1 ] || rm -rf "$work"; rm -rf "$proven_site"' EXIT
+  tar -xJf "$proven" -C "$proven_site"
+  if ! python3 "$here/import_reach.py" "$work/site" "$proven_site"; then
     echo "bundle.sh: classify each package above under [bundle] in ci/gpu/bundle-deps.txt (then --relock), or say why" \
       "the tier never reaches it" >&2
     exit 1
