@@ -20,7 +20,9 @@ Usage: ``python vllm_e2e.py JOBS.json RESULTS.json``. Each job is a dict with ``
   and without, the draft's acceptance counts, and the quant methods of the draft's vocabulary modules after vLLM
   shared them with the target.
 
-Every job may add ``llm_kwargs`` (extra ``vllm.LLM`` arguments, e.g. the attention backend on a GPU),
+Every job may add ``llm_kwargs`` (extra ``vllm.LLM`` arguments, e.g. the attention backend on a GPU; the JSON object
+in ``QUANTPACK_GPU_LLM_KWARGS``, when set, goes over every job's, e.g. a fixed KV cache size where several engines
+share one GPU, see :func:`make_llm`),
 ``register`` (architecture -> ``module:Class`` to register with vLLM first, when vLLM lacks that name), ``tp``
 (tensor-parallel size: worker processes through vLLM's multiprocessing executor; the model is then not inspected
 in this process, so ``vocab_modules`` and ``routing`` are left out) and ``env`` (environment variables set while the
@@ -43,7 +45,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 def make_llm(job: dict, dtype: str, eager: bool, max_logprobs: int = 1024, **extra):
     """A ``vllm.LLM`` for ``job["pack"]`` (in-process engine, uni-process executor; with ``tp`` > 1, that many
-    worker processes); ``extra`` and the job's ``llm_kwargs`` go to ``vllm.LLM`` too, the latter last."""
+    worker processes); ``extra``, the job's ``llm_kwargs`` and :func:`env_llm_kwargs` go to ``vllm.LLM`` too, in
+    that order (a later one's key replaces an earlier one's whole)."""
     from vllm import LLM, ModelRegistry
 
     for arch, target in (job.get("register") or {}).items():
@@ -62,7 +65,28 @@ def make_llm(job: dict, dtype: str, eager: bool, max_logprobs: int = 1024, **ext
         kwargs.update(tensor_parallel_size=job["tp"], distributed_executor_backend="mp")
     kwargs.update(extra)
     kwargs.update(job.get("llm_kwargs") or {})
+    kwargs.update(env_llm_kwargs())
     return LLM(**kwargs)
+
+
+def env_llm_kwargs() -> dict:
+    """The ``vllm.LLM`` arguments of ``QUANTPACK_GPU_LLM_KWARGS`` (a JSON object; none when unset or empty), which
+    go over every job's: a diagnostic run's settings (``{"compilation_config": {"cudagraph_mode": "PIECEWISE"}}``),
+    or ``{"kv_cache_memory_bytes": N}`` where engines share a GPU with other processes (ci/gpu/pending.sh's
+    ``matrix``): with a fixed KV cache size vLLM skips its memory profiling, whose check fails when another
+    process frees GPU memory while an engine loads (vLLM's ``gpu_worker.determine_available_memory``).
+
+    Raises:
+        ValueError: the variable holds no JSON object (its text named).
+    """
+    text = os.environ.get("QUANTPACK_GPU_LLM_KWARGS") or "{}"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"QUANTPACK_GPU_LLM_KWARGS={text!r} is not JSON ({e}); give a JSON object") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"QUANTPACK_GPU_LLM_KWARGS={text!r} is not a JSON object of vllm.LLM arguments")
+    return value
 
 
 @contextlib.contextmanager

@@ -25,12 +25,12 @@ if [ ! -f fixtures/README.md ] || [ ! -d fixtures/tools ]; then
 fi
 T=(python3 -m pytest -rA -p no:cacheprovider --durations=5 -m gpu -q)  # -rA: passing tests' figures too
 step() {
-  local name=$1
+  local name=$1 dir=${logs:-$res}
   shift
   echo "=== $name $(date +%T)"
-  PYTEST_ADDOPTS="--junitxml=$(gpu_report "$name")" "$@" > "$res/$name.log" 2>&1
+  PYTEST_ADDOPTS="--junitxml=$(gpu_report "$name")" "$@" > "$dir/$name.log" 2>&1
   echo "=== $name rc=$? $(date +%T)"
-  tail -15 "$res/$name.log"
+  tail -15 "$dir/$name.log"
 }
 # one Nsight Compute report of one shard's kernel (KERNEL regex, SHAPE in,out, ROWS), with the stall reasons per
 # issued instruction (where the issue slots between a warp's instructions go)
@@ -218,20 +218,32 @@ for s in "${@:-${all[@]}}"; do
             --json "$res/profile_30b_a3b_${e}_b$b.json"
         done
       done ;;
-    # one vLLM release's column of the GPU matrix (issue: 0.22.1 and 0.26.0 after 0.25.1) in one device session,
-    # two lanes side by side: the end-to-end files, eager and graphs (about 16 minutes at 0.25.1's times), and the
-    # vLLM-free kernel files (about 7 minutes); the engines take 15% of the GPU's memory each, and the kernel tests'
-    # contention only slows them (the load-time row routing may then choose other kernels, each tested correct).
-    # Each report is named by the bundle's release (ci/gpu/matrix_table.py)
-    matrix)
+    # one vLLM release's column of the GPU matrix (issue: 0.22.1 and 0.26.0 after 0.25.1), three lanes side by side:
+    # the dense end-to-end jobs (about 6 minutes at 0.25.1's times), the MoE jobs then the escha packs (about 6.5),
+    # the vLLM-free kernel files (about 5). Each engine takes a fixed 2 GiB KV cache (QUANTPACK_GPU_LLM_KWARGS,
+    # tests/vllm_e2e.py), so vLLM skips its memory profiling, whose check fails an engine when another lane's process
+    # frees GPU memory while it loads; contention only slows the lanes (the load-time row routing may then choose
+    # other kernels, each tested correct). Each report is named by the bundle's release (ci/gpu/matrix_table.py),
+    # the logs go under matrix-<release>/, so a second release's column (setup.sh with VLLM_RELEASE) keeps the first's
+    matrix) (
+      release=$(python3 ci/gpu/matrix_table.py --release)
+      logs=$res/matrix-$release
+      mkdir -p "$logs"
+      export QUANTPACK_GPU_LLM_KWARGS=${QUANTPACK_GPU_LLM_KWARGS:-'{"kv_cache_memory_bytes": 2147483648}'}
+      E2E=packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py
       (
         step matrix-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py
         step matrix-moe-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_moe.py
         step matrix-escha-gpu "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu.py
-      ) &
-      step matrix-e2e "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py
-      step matrix-escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py
-      wait ;;
+      ) > "$logs/lane-kernels.log" 2>&1 &
+      (
+        QUANTPACK_GPU_JOBS=moe/ step matrix-e2e-moe "${T[@]}" "$E2E"
+        step matrix-escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py
+      ) > "$logs/lane-moe.log" 2>&1 &
+      QUANTPACK_GPU_JOBS=llama-tiny,qwen3_5,qwen-int8 step matrix-e2e-dense "${T[@]}" "$E2E"
+      wait
+      cat "$logs"/lane-*.log
+    ) ;;
     *) echo "unknown step $s (of: ${all[*]})" >&2 ;;
   esac
 done

@@ -1,27 +1,60 @@
 #!/usr/bin/env bash
-# Steps 2 and 3 (GPU machine, repo root): install what travelled in .stage/, unpack the vLLM bundle once all its
-# parts have arrived (replacing another bundle unpacked earlier), build exllamav3's extension once per machine.
-# Idempotent. Usage: [WAIT_BUILD=1] ci/gpu/setup.sh. See ci/gpu/README.md.
+# Steps 2 and 3 (GPU machine, repo root): install what travelled in .stage/, unpack a vLLM bundle once all its
+# parts have arrived (the first one complete; another release's only when VLLM_RELEASE names it, replacing the one
+# unpacked), build exllamav3's extension once per machine. Idempotent.
+# Usage: [WAIT_BUILD=1] [VLLM_RELEASE=0.26.0] ci/gpu/setup.sh. See ci/gpu/README.md.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 source ci/gpu/env.sh
 mkdir -p /tmp/site /tmp/vllm-parts
-# the vLLM bundle's parts (one a run); parts of another staging (another sha256) replace those kept so far
+# the vLLM bundles' parts (one a run, .stage/vllm-<release>-<letter>/ from stage.sh), kept per bundle (sha256) in
+# /tmp/vllm-parts/<sha256>/, so that a second release's parts can travel while the first release's tests run
 for d in .stage/vllm-*; do
   [ -f "$d/sha256" ] || continue
-  if [ "$(cat "$d/sha256")" != "$(cat /tmp/vllm-parts/sha256 2>/dev/null)" ]; then
-    rm -f /tmp/vllm-parts/*
-  fi
-  cp "$d"/part-* "$d"/sha256 "$d"/parts /tmp/vllm-parts/
+  sum=$(cat "$d/sha256")
+  mkdir -p "/tmp/vllm-parts/$sum"
+  cp "$d"/part-* "$d"/sha256 "$d"/parts "/tmp/vllm-parts/$sum/"
+  cp "$d/release" "/tmp/vllm-parts/$sum/" 2>/dev/null || true
 done
-parts=$(cat /tmp/vllm-parts/parts 2>/dev/null || echo 0)
-have=$(find /tmp/vllm-parts -name 'part-*' | wc -l)
-want=$(cat /tmp/vllm-parts/sha256 2>/dev/null || true)
-if [ -n "$want" ] && [ "$(cat /tmp/site/.vllm-bundle 2>/dev/null)" = "$want" ]; then
-  : # this bundle is unpacked already
-elif [ "$parts" -gt 0 ] && [ "$have" -eq "$parts" ]; then
-  cat /tmp/vllm-parts/part-* > /tmp/vllm-slim.tar.xz
+# each bundle here: "<sha256> <release> <parts here> <parts>"
+bundles() {
+  local d
+  for d in /tmp/vllm-parts/*/; do
+    [ -f "$d/sha256" ] || continue
+    echo "$(cat "$d/sha256") $(cat "$d/release" 2>/dev/null || echo '?') $(find "$d" -name 'part-*' | wc -l) $(cat "$d/parts")"
+  done
+}
+unpacked=$(cat /tmp/site/.vllm-bundle 2>/dev/null || true)
+# which complete bundle to unpack: the one of VLLM_RELEASE when it is not unpacked already; without VLLM_RELEASE
+# the only complete one when none is unpacked yet (a bundle unpacked stays until VLLM_RELEASE names another, so that
+# parts arriving while tests run never replace the vLLM under them)
+want=
+while read -r sum release have parts; do
+  [ -n "$sum" ] || continue
+  if [ "$have" -ne "$parts" ]; then
+    echo "vLLM $release bundle: $have of $parts parts here so far"
+  elif [ "$sum" = "$unpacked" ]; then
+    :
+  elif [ -n "${VLLM_RELEASE:-}" ] && [ "$release" = "$VLLM_RELEASE" ]; then
+    want=$sum
+  elif [ -z "${VLLM_RELEASE:-}" ] && [ -z "$unpacked" ]; then
+    if [ -n "$want" ]; then
+      echo "setup.sh: several complete vLLM bundles here ($(bundles | awk '$3 == $4 {print $2}' | tr '\n' ' '));" \
+        "name one with VLLM_RELEASE=<release>" >&2
+      exit 2
+    fi
+    want=$sum
+  else
+    echo "vLLM $release bundle: all $parts parts here (VLLM_RELEASE=$release ci/gpu/setup.sh unpacks it)"
+  fi
+done <<<"$(bundles)"
+if [ -n "${VLLM_RELEASE:-}" ] && [ -z "$want" ] && ! [ "$(python3 ci/gpu/matrix_table.py --release 2>/dev/null)" = "$VLLM_RELEASE" ]; then
+  echo "setup.sh: VLLM_RELEASE=$VLLM_RELEASE: no complete bundle of that release here (carry its .stage/vllm-$VLLM_RELEASE-* parts)" >&2
+  exit 2
+fi
+if [ -n "$want" ]; then
+  cat "/tmp/vllm-parts/$want"/part-* > /tmp/vllm-slim.tar.xz
   echo "$want  /tmp/vllm-slim.tar.xz" | sha256sum -c -
   # another bundle (another vLLM) may be unpacked: remove what it unpacked (listed when it was), and everything the
   # new one brings (bundles unpacked before that list existed), with any other version's dist-info of the same
@@ -42,16 +75,25 @@ elif [ "$parts" -gt 0 ] && [ "$have" -eq "$parts" ]; then
   rm -f /tmp/site/.quantpack-wheels  # the wheels go in again over it (the old bundle may have held some of them)
   rm -f /tmp/vllm-slim.tar.xz
   echo "vLLM bundle unpacked: $(python3 -c 'import vllm; print(vllm.__version__)')"
-else
-  echo "vLLM bundle: $have of $parts parts here so far"
 fi
 # the wheels, once per set of wheels (runs in parallel must not reinstall under each other)
+# (a wheel of a project the unpacked bundle carries is left out: the bundle holds its release's pin, e.g. 0.22.1's
+# compressed-tensors 0.15.0.1 where the shared 0.25.1 bundle, which has none, needs 0.17.0 staged)
 if compgen -G ".stage/whl/*.whl" >/dev/null; then
-  stamp=$(cat .stage/whl/*.whl | sha256sum | cut -d' ' -f1)
+  stamp=$( (cat .stage/whl/*.whl; cat /tmp/site/.vllm-bundle 2>/dev/null) | sha256sum | cut -d' ' -f1)
   if [ "$(cat /tmp/site/.quantpack-wheels 2>/dev/null)" != "$stamp" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .stage/whl/*.whl
+    wheels=()
+    for w in .stage/whl/*.whl; do
+      project=$(basename "$w" | cut -d- -f1)
+      if grep -qix "${project}-.*\.dist-info" /tmp/site/.vllm-bundle-entries 2>/dev/null; then
+        echo "left out $(basename "$w"): the vLLM bundle carries its own $project"
+      else
+        wheels+=("$w")
+      fi
+    done
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}"
     echo "$stamp" > /tmp/site/.quantpack-wheels
-    echo "installed: $(ls .stage/whl | tr '\n' ' ')"
+    echo "installed: $(for w in "${wheels[@]}"; do basename "$w"; done | tr '\n' ' ')"
   fi
 fi
 if compgen -G ".stage/nox/*.whl" >/dev/null && ! [ -d /tmp/nox-site/nox ]; then

@@ -23,7 +23,8 @@ python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3
 # vLLM imports compressed-tensors (and its loguru) as soon as any quantization method is resolved: bundles built by
 # ci/gpu/bundle.sh carry the version their release pins (a staged 0.17.0 would replace 0.22.1's 0.15.0.1); the shared
 # 0.25.1 bundle lacks them. The listing is read whole: `tar | grep -q` under pipefail fails when grep stops early
-if ! grep -qx '\./compressed_tensors/' <<<"$(tar -tJf "$bundle")"; then
+listing=$(tar -tJf "$bundle")
+if ! grep -qx '\./compressed_tensors/' <<<"$listing"; then
   python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$stage/whl" compressed-tensors==0.17.0 loguru
 fi
 # nox and its dependencies (travels with the second part; installed apart from /tmp/site so that its packaging /
@@ -53,8 +54,8 @@ spec.loader.exec_module(library)  # standard library only: no torch needed here
 print(library.build(90))")
   xz -T0 -c "$lib" > "$stage/ext/$(basename "$lib").xz"
 fi
-# the bundle in parts (.stage/vllm-a, -b, ...), each small enough to travel beside the checkout within the 64 MiB
-# of one run (the checkout's tracked and untracked-not-ignored files, about 48 MB, and 1 MiB to spare): four parts
+# the bundle in parts (.stage/vllm-<release>-a, -b, ...), each small enough to travel beside the checkout within the 64 MiB
+# of one run (the checkout's tracked and untracked-not-ignored files, about 50 MB, and 1 MiB to spare): four parts
 # of about 14 MB for a 56 MB bundle; VLLM_PARTS=N forces N
 checkout=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
 room=$((64 * 1024 * 1024 - checkout - 1024 * 1024))
@@ -64,19 +65,27 @@ if [ "$parts" -lt 1 ] || [ "$parts" -gt 26 ] || [ $(((size + parts - 1) / parts)
   echo "stage.sh: a $size-byte bundle in $parts parts does not fit beside a $checkout-byte checkout" >&2
   exit 2
 fi
-rm -rf "$stage"/vllm-? "$stage"/part-*
+# the parts of each release in its own folders (.stage/vllm-<release>-a, -b, ...): a second release staged beside
+# the first travels while the first one's tests run, setup.sh keeping the unpacked one until VLLM_RELEASE names it
+release=$(sed -n 's|^\./vllm-\([0-9][0-9.]*\)\.dist-info/$|\1|p' <<<"$listing" | head -n 1)
+if [ -z "$release" ]; then
+  echo "stage.sh: $bundle holds no vllm-<release>.dist-info: not a vLLM bundle" >&2
+  exit 2
+fi
+rm -rf "$stage"/vllm-? "$stage/vllm-$release"-? "$stage"/part-*
 split -n "$parts" -d -a 2 "$bundle" "$stage/part-"
 sum=$(sha256sum "$bundle" | cut -d' ' -f1)
 letters=abcdefghijklmnopqrstuvwxyz
 for ((i = 0; i < parts; i++)); do
-  d="$stage/vllm-${letters:i:1}"
+  d="$stage/vllm-$release-${letters:i:1}"
   mkdir -p "$d"
   mv "$stage/part-$(printf %02d "$i")" "$d/"
   echo "$sum" > "$d/sha256"
   echo "$parts" > "$d/parts"
+  echo "$release" > "$d/release"
 done
-echo "vLLM bundle $(basename "$bundle"): $size bytes in $parts parts of at most $room bytes" \
-  "(checkout: $checkout bytes): carry .stage/vllm-a .. .stage/vllm-${letters:parts-1:1}, one a run"
+echo "vLLM $release bundle $(basename "$bundle"): $size bytes in $parts parts of at most $room bytes" \
+  "(checkout: $checkout bytes): carry .stage/vllm-$release-a .. .stage/vllm-$release-${letters:parts-1:1}, one a run"
 du -sh "$stage"/*
 # .stage/ext travels with the checkout and the source snapshot (.stage/head, about 1 MB) in one run
 ext=$(du -sb "$stage/ext" 2>/dev/null | cut -f1)

@@ -38,12 +38,11 @@ KL_BOUND, TOP1_BOUND = 5e-4, 0.99
 #: prompt length of the GPU packs' references: 127 compared positions
 LENGTH = 128
 #: vLLM settings of the GPU tier (the slim bundle has no FlashAttention / FlashInfer; a small share of the GPU);
-#: ``QUANTPACK_GPU_LLM_KWARGS`` (a JSON object) adds to them for a diagnostic run, e.g.
+#: ``QUANTPACK_GPU_LLM_KWARGS`` (a JSON object) goes over them for a diagnostic run (tests/vllm_e2e.py), e.g.
 #: ``{"compilation_config": {"cudagraph_mode": "PIECEWISE"}}``
 LLM_KWARGS = {
     "attention_backend": "TRITON_ATTN",
     "gpu_memory_utilization": 0.15,
-    **json.loads(os.environ.get("QUANTPACK_GPU_LLM_KWARGS") or "{}"),
 }
 
 
