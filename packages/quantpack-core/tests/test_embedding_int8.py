@@ -58,7 +58,7 @@ def test_sharded_pack_in_place(tmp_path):
     tensors = {f"model.layers.0.mlp.up_proj.{k}": v for k, v in random_exl3_layer(128, 256, 4, generator=g).items()}
     tensors["model.embed_tokens.weight"] = torch.randn(512, 128, generator=g).bfloat16()
     tensors["model.norm.weight"] = torch.ones(128, dtype=torch.bfloat16)
-    path = write_pack(tmp_path / "p", tensors, {"architectures": ["LlamaForCausalLM"]}, shards=2)
+    path = write_pack(tmp_path / "p", tensors, {"architectures": ["SyntheticForCausalLM"]}, shards=2)
     convert_embedding_int8(path, in_place=True)
     pack = Pack.open(path)
     assert {"model.embed_tokens.qweight", "model.embed_tokens.scales"} <= set(pack.tensors)

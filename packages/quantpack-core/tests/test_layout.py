@@ -5,13 +5,16 @@ where vLLM would only fail in its worker; and the layouts of the architectures t
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from test_pack import expect_problem
 
 from quantpack_core import Pack, PackError
 from quantpack_core.layout import (
+    architecture_problems,
     decoder_layers,
     sibling_problems,
     stack_problems,
@@ -422,3 +425,137 @@ def test_a_plain_modules_tensor_every_other_layer_has():
         )
         == []
     )
+
+
+MOE_PACK = "qwen3moe-tiny-exl3-4.0bpw-mul1"
+BUNDLED = sorted(
+    p.name
+    for p in (Path(__file__).resolve().parents[3] / "fixtures").iterdir()
+    if (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+)
+
+
+def with_config(src, dst, **changes):
+    """A copy of pack ``src`` whose config.json has ``changes`` (a value of None removes the key)."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return dst
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_every_bundled_pack_is_sound(fixtures_dir, name):
+    """The layer rule of the bundled packs' classes (Llama, Qwen3-MoE) and the others' refuse none of them."""
+    Pack.open(fixtures_dir / name, require_exl3=False)
+
+
+def test_a_module_lost_from_one_of_two_layers(tmp_path, fixtures_dir):
+    """The two-layer Qwen3-MoE pack without one layer's q_norm: too few layers for the layout rules to see it (it
+    was accepted, and vLLM would serve the norm's initial ones); the layer vLLM builds for the class names it."""
+    pack = without(fixtures_dir / MOE_PACK, tmp_path / "p", "model.layers.1.self_attn.q_norm.")
+    error = expect_problem(
+        pack,
+        "model.layers.1.self_attn.q_norm",
+        "layer 1 holds no self_attn.q_norm, which every layer of vLLM's Qwen3MoeForCausalLM has",
+        "re-download it",
+    )
+    assert [p.module for p in error.problems] == ["model.layers.1.self_attn.q_norm"]
+
+
+def test_a_class_of_another_family_than_the_tensors(tmp_path, fixtures_dir):
+    """config.json naming a class whose layer differs from the tensors' family (same projection names): Llama
+    tensors named Qwen3 (no q_norm / k_norm anywhere: vLLM would serve initial norms), Qwen3-MoE tensors named Llama
+    (a q_norm vLLM's Llama has no place for: its loader stops in the worker; no dense MLP in any layer)."""
+    pack = with_config(fixtures_dir / PACK, tmp_path / "q3", architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    error = expect_problem(
+        pack,
+        "no decoder layer holds self_attn.q_norm, which every layer of vLLM's Qwen3ForCausalLM has",
+        "architectures names another model than the tensors are of",
+    )
+    assert [p.module for p in error.problems] == ["model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm"]
+    pack = with_config(fixtures_dir / MOE_PACK, tmp_path / "ll", architectures=["LlamaForCausalLM"], model_type="llama")
+    error = expect_problem(
+        pack,
+        "layer(s) 0, 1 hold self_attn.q_norm, which vLLM's LlamaForCausalLM has no place for",
+        "no decoder layer holds mlp.gate_proj, which every layer of vLLM's LlamaForCausalLM has",
+    )
+    assert {p.module for p in error.problems} >= {
+        "model.layers.0.self_attn.q_norm",
+        "model.layers.0.self_attn.k_norm",
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.0.mlp.up_proj",
+        "model.layers.0.mlp.down_proj",
+    }
+    # Mixtral's layer names its experts block_sparse_moe: Qwen3-MoE tensors under that class miss both its parts
+    pack = with_config(fixtures_dir / MOE_PACK, tmp_path / "mx", architectures=["MixtralForCausalLM"])
+    expect_problem(pack, "no decoder layer holds block_sparse_moe.experts", "has no place for")
+
+
+def test_biases_against_the_config(tmp_path, fixtures_dir):
+    """A config whose bias settings give the attention a bias the pack lacks (vLLM would serve an uninitialized
+    one), and a bias the config's class has no place for (vLLM would drop it without a word); Qwen2's q/k/v always
+    carry one."""
+    pack = with_config(fixtures_dir / PACK, tmp_path / "b", attention_bias=True)
+    error = expect_problem(
+        pack, "layer(s) 0, 1, 2, 3: self_attn.q_proj holds no bias, but vLLM's LlamaForCausalLM gives it one"
+    )
+    assert [p.tensor for p in error.problems] == [
+        f"model.layers.0.self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+    ]
+    pack = with_config(fixtures_dir / PACK, tmp_path / "q2", architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+    error = expect_problem(pack, "self_attn.v_proj holds no bias, but vLLM's Qwen2ForCausalLM gives it one")
+    assert len(error.problems) == 3  # q, k, v; o_proj has none in Qwen2 either
+    # a bias stored on layer 2's v_proj, which the config's Llama has none for
+    pack = without(fixtures_dir / PACK, tmp_path / "extra", "no tensor has this prefix")
+    shard = next(f for f in pack.glob("*.safetensors") if "model.layers.2.self_attn.v_proj.trellis" in load_file(f))
+    tensors = load_file(shard)
+    width = tensors["model.layers.2.self_attn.v_proj.svh"].shape[0]
+    tensors["model.layers.2.self_attn.v_proj.bias"] = torch.zeros(width, dtype=torch.float16)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = pack / "model.safetensors.index.json"
+    if index.exists():
+        j = json.loads(index.read_text())
+        j["weight_map"]["model.layers.2.self_attn.v_proj.bias"] = shard.name
+        index.write_text(json.dumps(j))
+    error = expect_problem(
+        pack,
+        "model.layers.2.self_attn.v_proj.bias",
+        "layer(s) 2: self_attn.v_proj holds a bias, but vLLM's LlamaForCausalLM gives it none",
+        "vLLM would drop it without a word",
+    )
+    assert len(error.problems) == 1
+    # the config that gives it one leaves that bias alone (and names the ones the other layers lack)
+    config = json.loads((pack / "config.json").read_text())
+    (pack / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    error = expect_problem(pack, "self_attn.v_proj holds no bias")
+    assert "model.layers.2.self_attn.v_proj.bias" not in {p.tensor for p in error.problems}
+
+
+def test_sound_layer_plans_of_every_known_class():
+    """Layouts as vLLM builds them (test_layer_rules_vllm.py checks the plans against vLLM itself): Qwen3-MoE with
+    dense layers among its sparse ones, Qwen2 with and without qk_norm, Mixtral; none refused."""
+    qwen3 = [*ATTN, "self_attn.q_norm", "self_attn.k_norm", *NORMS]
+    dense = [f"mlp.{p}" for p in GATE_UP_DOWN]
+    sparse = ["mlp.gate", *experts("mlp", 4)]
+    mixtral = ["block_sparse_moe.gate", *experts("block_sparse_moe", 4, ("w1", "w2", "w3"))]
+    moe = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "decoder_sparse_step": 2, "mlp_only_layers": [0]}
+    cases = [
+        (moe, {i: qwen3 + (sparse if i % 2 else dense) for i in range(4)}),
+        ({"architectures": ["Qwen2ForCausalLM"]}, {i: [*ATTN, *NORMS, *dense] for i in range(2)}),
+        ({"architectures": ["Qwen2ForCausalLM"], "qk_norm": True}, {i: qwen3 + dense for i in range(2)}),
+        ({"architectures": ["MixtralForCausalLM"]}, {i: [*ATTN, *NORMS, *mixtral] for i in range(2)}),
+    ]
+    for config, layers in cases:
+        module_keys = keys(layers)
+        biased = {
+            k: {"weight", "bias"} if k.endswith(("q_proj", "k_proj", "v_proj")) else {"weight"} for k in module_keys
+        }
+        qwen2 = config["architectures"] == ["Qwen2ForCausalLM"]
+        tensors = biased if qwen2 else {k: {"weight"} for k in module_keys}
+        stacks = decoder_layers(module_keys, Pack.OTHER_STACKS, None)
+        assert architecture_problems(stacks, tensors, config) == [], config
+    # a class the project states no layer for: nothing, whatever the layers hold
+    stacks = decoder_layers(["model.layers.0.mlp.up_proj"], Pack.OTHER_STACKS, None)
+    assert architecture_problems(stacks, {}, {"architectures": ["GPT2LMHeadModel"]}) == []
+    assert architecture_problems(stacks, {}, {"architectures": "LlamaForCausalLM"}) == []

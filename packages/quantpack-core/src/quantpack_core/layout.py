@@ -18,6 +18,10 @@ the project knows (docs/families.md, and vLLM's model files for the others), so 
   at least three quarters of its stack's layers hold. Hybrid stacks (Qwen3-Next's ``linear_attn`` / ``self_attn``,
   Jamba's ``mamba`` / ``self_attn``, Nemotron-H's one ``mixer``) hold as many sublayers in every layer, only
   differently named, so only a layer that lost one has fewer.
+- :func:`architecture_problems`: for the model classes whose layer is stated here (:data:`KNOWN_LAYERS`: Llama,
+  Qwen2, Qwen3, Qwen3-MoE, Mixtral; checked against the layers vLLM builds by quantpack-exl3's
+  ``test_layer_rules_vllm.py``), every layer against that layer, at any layer count (the rules above need four
+  instances to see a module lost from one): a module lost, another family's module, a bias the config does not give.
 
 Whole layers missing and per-layer norms are checked by :class:`~quantpack_core.pack.Pack` itself; experts of an
 expert bank by its MoE rules (docs/moe-bank.md).
@@ -362,4 +366,153 @@ def tensor_problems(
         for key, tensor, holders in lone_gaps(group):
             what = f"has no .{tensor}, which the other {holders} {group_shape} have"
             out.append(Problem(key, f"{key}.{tensor}", what, FIX))
+    return out
+
+
+#: the attention projections and norms of the decoder layers :func:`architecture_layer` knows
+_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+_GATED_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+#: the architectures whose decoder layer :func:`architecture_layer` states (vLLM's llama.py, qwen2.py, qwen3.py,
+#: qwen3_moe.py, mixtral.py)
+KNOWN_LAYERS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
+
+def _flag(config: dict, *keys: str) -> bool:
+    """The first of ``keys`` that config.json gives, as vLLM reads it (``getattr(config, key, False)``): true only
+    for ``True`` (a string or a number there is reported by the config checks, not read as a flag here)."""
+    return any(config.get(k) is True for k in keys)
+
+
+def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, bool]]:
+    """What vLLM's model class ``arch`` builds in decoder layer ``i``, for the architectures of :data:`KNOWN_LAYERS`
+    (their layers do not vary with the layer's place, but for Qwen3-MoE's dense layers).
+
+    Args:
+        arch: the model class config.json names.
+        config: config.json (its attention_bias / bias / qkv_bias, mlp_bias, qk_norm, num_experts,
+            decoder_sparse_step and mlp_only_layers are read as vLLM's model file reads them).
+        i: the layer's index.
+
+    Returns:
+        ``(required, absent, bias)``: module paths inside the layer that vLLM loads into and that a pack of that
+        model therefore holds (a parent such as ``mlp.experts`` holds its experts); module paths of other families'
+        layers that vLLM's class has no place for; and for each projection whether vLLM's layer has a bias there.
+        ``((), (), {})`` for an architecture not in :data:`KNOWN_LAYERS`.
+
+    Source: vLLM's model files (llama.py: ``attention_bias or bias`` for q/k/v/o, ``qkv_bias`` over it for q/k/v,
+    ``mlp_bias``; qwen2.py: q/k/v biased, ``qk_norm``; qwen3.py and qwen3_moe.py: q_norm / k_norm always, q/k/v
+    bias by ``attention_bias``, a layer sparse where ``num_experts`` > 0, ``(i + 1) % decoder_sparse_step == 0``
+    and ``i`` not in ``mlp_only_layers``; mixtral.py: no bias).
+    """
+    bias: dict[str, bool] = {}
+    if arch == "LlamaForCausalLM":
+        attn = _flag(config, "attention_bias", "bias")
+        qkv = config["qkv_bias"] is True if "qkv_bias" in config else attn
+        bias = {**dict.fromkeys(_ATTENTION[:3], qkv), _ATTENTION[3]: attn}
+        bias.update(dict.fromkeys(_GATED_MLP, _flag(config, "mlp_bias")))
+        return (*_ATTENTION, *_GATED_MLP, *_LAYER_NORMS), _QK_NORMS, bias
+    if arch == "Qwen2ForCausalLM":
+        bias = {**dict.fromkeys(_ATTENTION[:3], True), _ATTENTION[3]: False, **dict.fromkeys(_GATED_MLP, False)}
+        norms = _QK_NORMS if _flag(config, "qk_norm") else ()
+        return (*_ATTENTION, *norms, *_GATED_MLP, *_LAYER_NORMS), () if norms else _QK_NORMS, bias
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        bias = {**dict.fromkeys(_ATTENTION[:3], _flag(config, "attention_bias")), _ATTENTION[3]: False}
+        mlp = _GATED_MLP
+        if arch == "Qwen3MoeForCausalLM":
+            experts, step = config.get("num_experts"), config.get("decoder_sparse_step", 1)
+            only = config.get("mlp_only_layers") or []
+            if not (isinstance(experts, int) and isinstance(step, int) and step > 0 and isinstance(only, list)):
+                return (), (), {}  # sizes the config checks report; no layer plan from them
+            if experts > 0 and (i + 1) % step == 0 and i not in only:
+                mlp = ("mlp.gate", "mlp.experts")
+        if mlp == _GATED_MLP:
+            bias.update(dict.fromkeys(_GATED_MLP, False))
+        return (*_ATTENTION, *_QK_NORMS, *mlp, *_LAYER_NORMS), (), bias
+    if arch == "MixtralForCausalLM":
+        bias = dict.fromkeys(_ATTENTION, False)
+        return (*_ATTENTION, "block_sparse_moe.gate", "block_sparse_moe.experts", *_LAYER_NORMS), _QK_NORMS, bias
+    return (), (), {}
+
+
+#: the fix where config.json's model class and the tensors disagree in every layer
+WRONG_CLASS = (
+    "config.json's architectures names another model than the tensors are of: use the config.json the pack was made "
+    "with (or, where every other layer holds it, the pack is incomplete: re-download it)"
+)
+
+
+def architecture_problems(
+    stacks: dict[str, dict[int, list]], tensors: dict[str, set[str]], config: dict
+) -> list[Problem]:
+    """The decoder layers against the layer vLLM builds for config.json's model class (:func:`architecture_layer`,
+    :data:`KNOWN_LAYERS` only), whatever the layer count: a module it loads into missing from a layer (a Qwen3
+    layer's q_norm, vLLM would serve its initial ones without a word; the layout rules above need more layers to see
+    it), a module of another family's layer (a Qwen3 q_norm in a Llama pack: vLLM's loader stops in the worker), a
+    bias where vLLM's layer has none (dropped without a word) or none where it has one (served uninitialized). A
+    module missing from every layer, and a stray module or bias in any, mean the class does not match the tensors;
+    each is one problem naming the first layer and the count.
+
+    Args:
+        stacks: :func:`decoder_layers`'s grouping (its ``model.layers.`` stack is checked).
+        tensors: every module key of the pack with the names of its tensors (``{"...q_proj": {"trellis", "bias"}}``).
+        config: config.json.
+
+    Returns:
+        The problems, one per module (or per module path, where it is the class).
+    """
+    names = config.get("architectures")
+    arch = next((a for a in names if a in KNOWN_LAYERS), None) if isinstance(names, list) else None
+    layers = stacks.get("model.layers.")
+    if arch is None or not layers:
+        return []
+    out: list[Problem] = []
+    lacking: dict[str, list[int]] = {}
+    stray: dict[str, list[int]] = {}
+    biased: dict[tuple[str, bool], list[int]] = {}
+    for i, paths in sorted(layers.items()):
+        required, absent, bias = architecture_layer(arch, config, i)
+        for need in required:
+            if not any(p == need or p.startswith(need + ".") for p in paths):
+                lacking.setdefault(need, []).append(i)
+        for other in absent:
+            if any(p == other or p.startswith(other + ".") for p in paths):
+                stray.setdefault(other, []).append(i)
+        for path, has in bias.items():
+            held = tensors.get(f"model.layers.{i}.{path}")
+            if held is not None and ("bias" in held) != has:
+                biased.setdefault((path, has), []).append(i)
+
+    def shown(idx: list[int]) -> str:
+        return ", ".join(map(str, idx[:8])) + (f" ... ({len(idx)} in all)" if len(idx) > 8 else "")
+
+    for need, idx in lacking.items():
+        if len(idx) == len(layers) and len(layers) > 1:
+            what = f"no decoder layer holds {need}, which every layer of vLLM's {arch} has"
+            out.append(Problem(f"model.layers.{idx[0]}.{need}", f"model.layers.{idx[0]}.{need}.*", what, WRONG_CLASS))
+            continue
+        for i in idx:
+            what = f"layer {i} holds no {need}, which every layer of vLLM's {arch} has"
+            out.append(Problem(f"model.layers.{i}.{need}", f"model.layers.{i}.{need}.*", what, FIX))
+    for other, idx in stray.items():
+        what = (
+            f"layer(s) {shown(idx)} hold {other}, which vLLM's {arch} has no place for (another family's layer holds "
+            "one): vLLM's loader stops in the worker"
+        )
+        out.append(Problem(f"model.layers.{idx[0]}.{other}", f"model.layers.{idx[0]}.{other}.*", what, WRONG_CLASS))
+    for (path, has), idx in biased.items():
+        key = f"model.layers.{idx[0]}.{path}"
+        if has:
+            what = (
+                f"layer(s) {shown(idx)}: {path} holds no bias, but vLLM's {arch} gives it one (config.json's "
+                "attention / qkv bias settings): it would serve an uninitialized bias"
+            )
+        else:
+            what = (
+                f"layer(s) {shown(idx)}: {path} holds a bias, but vLLM's {arch} gives it none (config.json's attention "
+                "/ qkv / mlp bias settings): vLLM would drop it without a word"
+            )
+        fix = "use the config.json the pack was made with (its bias settings and architectures)"
+        out.append(Problem(key, f"{key}.bias", what, fix))
     return out

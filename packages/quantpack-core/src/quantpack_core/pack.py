@@ -31,7 +31,14 @@ from .codec.codebook import Codebook
 from .codec.hadamard import HAD_BLOCK
 from .codec.trellis import HALF_K, TILE, k_from_width
 from .errors import CodecError, LayerLoadError, PackError, Problem
-from .layout import decoder_layers, sibling_problems, stack_problems, sublayer_problems, tensor_problems
+from .layout import (
+    architecture_problems,
+    decoder_layers,
+    sibling_problems,
+    stack_problems,
+    sublayer_problems,
+    tensor_problems,
+)
 from .names import normalize_prefix, split_tensor_name
 from .ngram import NGRAM_FILE, RECOPY
 
@@ -639,8 +646,10 @@ class Pack:
         """Modules of the decoder layers that cannot be absent given those present (:mod:`quantpack_core.layout`):
         a gated MLP's or an attention block's missing member, a module every other instance of its parent holds, a
         layer short of a sublayer its stack's other layers hold, a plain module's tensor every other layer's has
-        (the last three not for DeciLM's ``block_configs``, whose no-op blocks hold fewer by design). Nothing where
-        a shard file could not be read: its modules are reported through the file, not one by one as missing."""
+        (the last three not for DeciLM's ``block_configs``, whose no-op blocks hold fewer by design); and for the
+        model classes whose layer the project states (:func:`~quantpack_core.layout.architecture_layer`), the layers
+        against it, at any layer count. Nothing where a shard file could not be read: its modules are reported
+        through the file, not one by one as missing."""
         if self._bad_files:
             return []
         cfg = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else self.config
@@ -654,6 +663,13 @@ class Pack:
         if not blocks:
             own = {k: set(m.tensors) for k, m in self.modules.items() if m.format in ("dense", "other")}
             out += tensor_problems(stacks, own, self.modules)
+        # the layer vLLM builds for the config's class, where the rules above did not name the module or its parent
+        named = {p.module for p in out}
+        out += [
+            p
+            for p in architecture_problems(stacks, {k: set(m.tensors) for k, m in self.modules.items()}, self.config)
+            if not any(p.module == n or p.module.startswith(n + ".") for n in named)
+        ]
         return list({p.module: p for p in reversed(out)}.values())[::-1]  # one problem per module, the first
 
     #: config.json sizes that must be positive integers where they are given (num_experts may be 0: a dense model)

@@ -1,0 +1,110 @@
+"""The decoder layers the pack check expects (quantpack_core.layout.architecture_layer) against the layers vLLM itself
+builds for the same config.json: each model class of KNOWN_LAYERS is built by the installed vLLM (on the meta
+device: no weights), and the modules it loads into, mapped back to the checkpoint's names (vLLM's qkv_proj is the
+pack's q/k/v_proj, gate_up_proj its gate/up_proj, a FusedMoE's parameters its experts), and the projections that
+carry a bias, must be exactly the rule's, layer by layer. A vLLM release that changes a layer fails here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from quantpack_core.layout import KNOWN_LAYERS, architecture_layer
+
+BASE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float32",
+}
+MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+#: config.json of each case: every class of KNOWN_LAYERS, with the settings its layer reads
+CASES = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
+    "llama-attention-bias": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": True,
+        "mlp_bias": True,
+    },
+    "llama-o-bias-only": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": True,
+        "qkv_bias": False,
+    },
+    "llama-legacy-bias": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": True},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
+    "qwen2-qk-norm": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "qk_norm": True},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True},
+    "qwen3-moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": 4,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [0],
+        **MOE,
+    },
+    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4, **MOE},
+}
+
+
+def test_every_known_class_has_a_case():
+    assert {c["architectures"][0] for c in CASES.values()} == set(KNOWN_LAYERS)
+
+
+def checkpoint_modules(names: list[str]) -> tuple[set[str], set[str]]:
+    """vLLM's parameter names inside one layer -> (the checkpoint's module paths they load, those with a bias)."""
+    modules: set[str] = set()
+    biased: set[str] = set()
+    for name in names:
+        path, _, leaf = name.rpartition(".")
+        if ".experts." in f".{path}.":  # a FusedMoE's w13 / w2: the pack's experts
+            path = path[: f".{path}.".index(".experts.") + len("experts")].lstrip(".")
+        parent, _, last = path.rpartition(".")
+        unpacked = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+        paths = [f"{parent}.{p}" for p in unpacked[last]] if last in unpacked else [path]
+        modules.update(paths)
+        if leaf == "bias":
+            biased.update(paths)
+    return modules, biased
+
+
+@pytest.fixture(scope="module")
+def built(vllm_layers, tmp_path_factory):
+    """``{case: [parameter names of each decoder layer]}`` from the installed vLLM's model classes."""
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    out = {}
+    for case, cfg in CASES.items():
+        folder = tmp_path_factory.mktemp(case)
+        (folder / "config.json").write_text(json.dumps({**BASE, **cfg}))
+        model_config = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=128)
+        vc = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"), load_config=LoadConfig())
+        with set_current_vllm_config(vc), torch.device("meta"):
+            model = initialize_model(vllm_config=vc)
+        out[case] = [[n for n, _ in layer.named_parameters()] for layer in model.model.layers]
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_rule_states_the_layer_vllm_builds(built, case):
+    config = {**BASE, **CASES[case]}
+    arch = config["architectures"][0]
+    assert len(built[case]) == BASE["num_hidden_layers"]
+    for i, names in enumerate(built[case]):
+        modules, biased = checkpoint_modules(names)
+        required, absent, bias = architecture_layer(arch, config, i)
+        assert set(required) == modules, (case, i, sorted(modules))
+        assert not set(absent) & modules, (case, i)
+        assert {p for p, has in bias.items() if has} == biased, (case, i, sorted(biased))
+        assert set(bias) <= modules, (case, i)  # the rule states the bias of modules the layer has
