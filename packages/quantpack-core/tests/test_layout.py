@@ -555,6 +555,14 @@ def test_sound_layer_plans_of_every_known_class():
         tensors = biased if qwen2 else {k: {"weight"} for k in module_keys}
         stacks = decoder_layers(module_keys, Pack.OTHER_STACKS, None)
         assert architecture_problems(stacks, tensors, config) == [], config
+    # an EAGLE-1 draft named LlamaForCausalLM (its fc outside the layers; no input_layernorm in its one layer)
+    draft = keys({0: [*ATTN, "post_attention_layernorm", *(f"mlp.{p}" for p in GATE_UP_DOWN)]})
+    llama = {"architectures": ["LlamaForCausalLM"]}
+    stacks = decoder_layers(draft, Pack.OTHER_STACKS, None)
+    assert architecture_problems(stacks, {key: {"weight"} for key in [*draft, "fc"]}, llama) == []
+    assert [p.module for p in architecture_problems(stacks, {key: {"weight"} for key in draft}, llama)] == [
+        "model.layers.0.input_layernorm"
+    ]
     # a class the project states no layer for: nothing, whatever the layers hold
     stacks = decoder_layers(["model.layers.0.mlp.up_proj"], Pack.OTHER_STACKS, None)
     assert architecture_problems(stacks, {}, {"architectures": ["GPT2LMHeadModel"]}) == []

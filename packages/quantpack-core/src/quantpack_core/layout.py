@@ -456,7 +456,8 @@ def architecture_problems(
 
     Args:
         stacks: :func:`decoder_layers`'s grouping (its ``model.layers.`` stack is checked).
-        tensors: every module key of the pack with the names of its tensors (``{"...q_proj": {"trellis", "bias"}}``).
+        tensors: every module key of the pack with the names of its tensors (``{"...q_proj": {"trellis", "bias"}}``);
+            a pack with EAGLE's ``fc`` outside its layers is a draft and left alone (:data:`DRAFT_FUSION`).
         config: config.json.
 
     Returns:
@@ -466,6 +467,10 @@ def architecture_problems(
     arch = next((a for a in names if a in KNOWN_LAYERS), None) if isinstance(names, list) else None
     layers = stacks.get("model.layers.")
     if arch is None or not layers:
+        return []
+    # an EAGLE-1 draft published as LlamaForCausalLM (its fc outside the layers): vLLM builds it as a draft, whose
+    # first layer has no input_layernorm
+    if any(not LAYER_KEY.search(k) and k.rsplit(".", 1)[-1] == DRAFT_FUSION for k in tensors):
         return []
     out: list[Problem] = []
     lacking: dict[str, list[int]] = {}
