@@ -219,14 +219,20 @@ for s in "${@:-${all[@]}}"; do
         done
       done ;;
     # one vLLM release's column of the GPU matrix (issue: 0.22.1 and 0.26.0 after 0.25.1), three lanes side by side:
-    # the dense end-to-end jobs (about 6 minutes at 0.25.1's times), the MoE jobs then the escha packs (about 6.5),
-    # the vLLM-free kernel files (about 5). Each engine takes a fixed 2 GiB KV cache (QUANTPACK_GPU_LLM_KWARGS,
-    # tests/vllm_e2e.py), so vLLM skips its memory profiling, whose check fails an engine when another lane's process
-    # frees GPU memory while it loads; contention only slows the lanes (the load-time row routing may then choose
-    # other kernels, each tested correct). Each report is named by the bundle's release (ci/gpu/matrix_table.py),
-    # the logs go under matrix-<release>/, so a second release's column (setup.sh with VLLM_RELEASE) keeps the first's
+    # the Llama end-to-end jobs; the MoE jobs, then the escha packs; the vLLM-free kernel files, then the Qwen3.5 jobs
+    # (whose Triton Gated DeltaNet kernels compile on first use). Each engine takes a fixed 2 GiB KV cache
+    # (QUANTPACK_GPU_LLM_KWARGS, tests/vllm_e2e.py), so vLLM skips its memory profiling, whose check fails an engine
+    # when another lane's process frees GPU memory while it loads; contention only slows the lanes (the load-time row
+    # routing may then choose other kernels, each tested correct). With MATRIX_RELEASE set, the step refuses to run
+    # on another release (a bundle switch that failed). Each report is named by the release (ci/gpu/matrix_table.py);
+    # the logs go under matrix-<release>/ (lane-*.log: each lane's steps and exit statuses), so a second release's
+    # column (setup.sh with VLLM_RELEASE) keeps the first's
     matrix) (
       release=$(python3 ci/gpu/matrix_table.py --release)
+      if [ -n "${MATRIX_RELEASE:-}" ] && [ "$release" != "$MATRIX_RELEASE" ]; then
+        echo "matrix: vLLM $release is unpacked, not MATRIX_RELEASE=$MATRIX_RELEASE: no column run" >&2
+        exit 2
+      fi
       logs=$res/matrix-$release
       mkdir -p "$logs"
       export QUANTPACK_GPU_LLM_KWARGS=${QUANTPACK_GPU_LLM_KWARGS:-'{"kv_cache_memory_bytes": 2147483648}'}
@@ -235,14 +241,16 @@ for s in "${@:-${all[@]}}"; do
         step matrix-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py
         step matrix-moe-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_moe.py
         step matrix-escha-gpu "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu.py
-      ) > "$logs/lane-kernels.log" 2>&1 &
+        QUANTPACK_GPU_JOBS=qwen3_5,qwen-int8 step matrix-e2e-qwen "${T[@]}" "$E2E"
+      ) > "$logs/lane-kernels-qwen.log" 2>&1 &
       (
         QUANTPACK_GPU_JOBS=moe/ step matrix-e2e-moe "${T[@]}" "$E2E"
         step matrix-escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py
-      ) > "$logs/lane-moe.log" 2>&1 &
-      QUANTPACK_GPU_JOBS=llama-tiny,qwen3_5,qwen-int8 step matrix-e2e-dense "${T[@]}" "$E2E"
+      ) > "$logs/lane-moe-escha.log" 2>&1 &
+      QUANTPACK_GPU_JOBS=llama-tiny step matrix-e2e-llama "${T[@]}" "$E2E" > "$logs/lane-llama.log" 2>&1
       wait
-      cat "$logs"/lane-*.log
+      echo "=== matrix $release: each step's exit status"
+      grep -h "^=== .* rc=" "$logs"/lane-*.log
     ) ;;
     *) echo "unknown step $s (of: ${all[*]})" >&2 ;;
   esac

@@ -53,6 +53,15 @@ if [ -n "${VLLM_RELEASE:-}" ] && [ -z "$want" ] && ! [ "$(python3 ci/gpu/matrix_
   echo "setup.sh: VLLM_RELEASE=$VLLM_RELEASE: no complete bundle of that release here (carry its .stage/vllm-$VLLM_RELEASE-* parts)" >&2
   exit 2
 fi
+# never under running steps (ci/gpu/bg.sh's: a pid without its exit status): their vLLM would go from under them
+for pid in /tmp/bg/*.pid; do
+  [ -n "$want" ] && [ -f "$pid" ] || continue
+  if ! [ -f "${pid%.pid}.rc" ] && kill -0 "$(cat "$pid")" 2>/dev/null; then
+    echo "setup.sh: $(basename "${pid%.pid}") still runs on the vLLM unpacked; wait for it (ci/gpu/bg.sh wait)" \
+      "before VLLM_RELEASE=${VLLM_RELEASE:-} replaces that vLLM" >&2
+    exit 2
+  fi
+done
 if [ -n "$want" ]; then
   cat "/tmp/vllm-parts/$want"/part-* > /tmp/vllm-slim.tar.xz
   echo "$want  /tmp/vllm-slim.tar.xz" | sha256sum -c -
@@ -80,7 +89,7 @@ fi
 # (a wheel of a project the unpacked bundle carries is left out: the bundle holds its release's pin, e.g. 0.22.1's
 # compressed-tensors 0.15.0.1 where the shared 0.25.1 bundle, which has none, needs 0.17.0 staged)
 if compgen -G ".stage/whl/*.whl" >/dev/null; then
-  stamp=$( (cat .stage/whl/*.whl; cat /tmp/site/.vllm-bundle 2>/dev/null) | sha256sum | cut -d' ' -f1)
+  stamp=$( (cat .stage/whl/*.whl; cat /tmp/site/.vllm-bundle 2>/dev/null || true) | sha256sum | cut -d' ' -f1)
   if [ "$(cat /tmp/site/.quantpack-wheels 2>/dev/null)" != "$stamp" ]; then
     wheels=()
     for w in .stage/whl/*.whl; do

@@ -11,6 +11,14 @@ if [ ! -f "$bundle" ]; then
     "ci/gpu/bundle.sh (see ci/gpu/README.md)" >&2
   exit 2
 fi
+# the bundle's release, read before anything is built (./vllm-<release>[+local].dist-info/ among its entries); each
+# release's parts go in their own folders (below), so a second release staged beside the first travels while the
+# first one's tests run, setup.sh keeping the unpacked one until VLLM_RELEASE names it
+release=$(tar -tJf "$bundle" | sed -nE 's|^(\./)?vllm-([0-9][0-9.]*[0-9])(\+[^/]*)?\.dist-info/.*|\2|p' | sort -u)
+if [ "$(wc -w <<<"$release")" != 1 ]; then
+  echo "stage.sh: $bundle holds no single vllm-<release>.dist-info (found: ${release:-none}): not a vLLM bundle" >&2
+  exit 2
+fi
 rm -rf "$stage/whl" "$stage/nox"
 mkdir -p "$stage/whl" "$stage/nox"
 uv=(uv); command -v uv >/dev/null 2>&1 || uv=(python3 -m uv)
@@ -20,13 +28,11 @@ done
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$stage/whl" exllamav3==1.6.5 marisa-trie
-# vLLM imports compressed-tensors (and its loguru) as soon as any quantization method is resolved: bundles built by
-# ci/gpu/bundle.sh carry the version their release pins (a staged 0.17.0 would replace 0.22.1's 0.15.0.1); the shared
-# 0.25.1 bundle lacks them. The listing is read whole: `tar | grep -q` under pipefail fails when grep stops early
-listing=$(tar -tJf "$bundle")
-if ! grep -qx '\./compressed_tensors/' <<<"$listing"; then
-  python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$stage/whl" compressed-tensors==0.17.0 loguru
-fi
+# vLLM imports compressed-tensors (and its loguru) as soon as any quantization method is resolved: the shared 0.25.1
+# bundle lacks them, bundles built by ci/gpu/bundle.sh carry the version their release pins; staged always, setup.sh
+# leaves out a wheel of a project the unpacked bundle carries (0.22.1's 0.15.0.1 stays), so the staged wheels serve
+# every release staged
+python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$stage/whl" compressed-tensors==0.17.0 loguru
 # nox and its dependencies (travels with the second part; installed apart from /tmp/site so that its packaging /
 # filelock never shadow the machine's own)
 python3 -m pip download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -63,13 +69,6 @@ size=$(stat -c %s "$bundle")
 parts=${VLLM_PARTS:-$(((size + room - 1) / room))}
 if [ "$parts" -lt 1 ] || [ "$parts" -gt 26 ] || [ $(((size + parts - 1) / parts)) -gt "$room" ]; then
   echo "stage.sh: a $size-byte bundle in $parts parts does not fit beside a $checkout-byte checkout" >&2
-  exit 2
-fi
-# the parts of each release in its own folders (.stage/vllm-<release>-a, -b, ...): a second release staged beside
-# the first travels while the first one's tests run, setup.sh keeping the unpacked one until VLLM_RELEASE names it
-release=$(sed -n 's|^\./vllm-\([0-9][0-9.]*\)\.dist-info/$|\1|p' <<<"$listing" | head -n 1)
-if [ -z "$release" ]; then
-  echo "stage.sh: $bundle holds no vllm-<release>.dist-info: not a vLLM bundle" >&2
   exit 2
 fi
 rm -rf "$stage"/vllm-? "$stage/vllm-$release"-? "$stage"/part-*
