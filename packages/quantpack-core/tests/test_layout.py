@@ -567,3 +567,79 @@ def test_sound_layer_plans_of_every_known_class():
     stacks = decoder_layers(["model.layers.0.mlp.up_proj"], Pack.OTHER_STACKS, None)
     assert architecture_problems(stacks, {}, {"architectures": ["GPT2LMHeadModel"]}) == []
     assert architecture_problems(stacks, {}, {"architectures": "LlamaForCausalLM"}) == []
+
+
+def test_moe_settings_as_transformers_writes_them_and_those_vllm_cannot_build(tmp_path, fixtures_dir):
+    """The Qwen3-MoE pack's config with num_local_experts alone (transformers 5 writes no num_experts): its layers are
+    still planned, so the lost q_norm is named; a sparse step of 0 (vLLM divides by it) and settings that leave no MoE
+    layer (vLLM stops in the worker) are named as config problems; a gated shared expert the config gives, which the
+    pack lacks, is named in every layer."""
+    src = without(fixtures_dir / MOE_PACK, tmp_path / "src", "model.layers.1.self_attn.q_norm.")
+    pack = with_config(src, tmp_path / "local", num_experts=None, num_local_experts=8)
+    expect_problem(pack, "layer 1 holds no self_attn.q_norm, which every layer of vLLM's Qwen3MoeForCausalLM has")
+    pack = with_config(fixtures_dir / MOE_PACK, tmp_path / "step0", decoder_sparse_step=0)
+    error = expect_problem(pack, "decoder_sparse_step 0", "cannot plan its layers from them")
+    assert [p.tensor for p in error.problems] == ["config.json"]
+    pack = with_config(fixtures_dir / MOE_PACK, tmp_path / "dense", mlp_only_layers=[0, 1])
+    expect_problem(pack, "no layer is an MoE layer", "stops in the worker without one")
+    pack = with_config(fixtures_dir / MOE_PACK, tmp_path / "shared", shared_expert_intermediate_size=32)
+    error = expect_problem(pack, "no decoder layer holds mlp.shared_expert.gate_proj", "mlp.shared_expert_gate")
+    assert {p.module for p in error.problems} == {
+        f"model.layers.0.mlp.shared_expert{s}" for s in (".gate_proj", ".up_proj", ".down_proj", "_gate")
+    }
+
+
+def test_flags_are_read_for_truth_as_vllm_reads_them(tmp_path, fixtures_dir):
+    """vLLM reads qkv_bias / qk_norm with getattr for truth, whatever their JSON type: a string "false" gives the
+    Llama layers' q/k/v a bias (which the pack lacks: named), and 1 counts as true."""
+    pack = with_config(fixtures_dir / PACK, tmp_path / "s", qkv_bias="false")
+    error = expect_problem(pack, "self_attn.q_proj holds no bias, but vLLM's LlamaForCausalLM gives it one")
+    assert [p.tensor.rsplit(".", 2)[-2] for p in error.problems] == ["q_proj", "k_proj", "v_proj"]
+    pack = with_config(fixtures_dir / PACK, tmp_path / "n", qkv_bias=0)
+    Pack.open(pack)
+
+
+def test_the_draft_exception_is_the_first_layers_input_norm_only(tmp_path, fixtures_dir):
+    """A module named fc outside the layers (EAGLE-1's fusion) excuses only the first layer's input_layernorm: the
+    Qwen3-MoE pack with an fc and a lost q_norm is still named."""
+    pack = without(fixtures_dir / MOE_PACK, tmp_path / "p", "model.layers.1.self_attn.q_norm.")
+    shard = sorted(pack.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    tensors["fc.weight"] = torch.zeros(8, 8, dtype=torch.float16)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = pack / "model.safetensors.index.json"
+    if index.exists():
+        j = json.loads(index.read_text())
+        j["weight_map"]["fc.weight"] = shard.name
+        index.write_text(json.dumps(j))
+    expect_problem(pack, "layer 1 holds no self_attn.q_norm")
+
+
+def test_a_bias_no_config_can_give(tmp_path, fixtures_dir):
+    """A Qwen3 o_proj bias (transformers' Qwen3 with attention_bias has one, vLLM's never): the fix says vLLM cannot
+    serve it, not to change the config."""
+    stacks = decoder_layers(keys({0: [*ATTN, "self_attn.q_norm", "self_attn.k_norm", *NORMS]}), Pack.OTHER_STACKS, 1)
+    held = {k: {"weight", "bias"} for k in keys({0: ATTN})} | {k: {"weight"} for k in keys({0: NORMS})}
+    held |= {f"model.layers.0.self_attn.{n}": {"weight"} for n in ("q_norm", "k_norm")}
+    config = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": True}
+    problems = [p for p in architecture_problems(stacks, held, config) if p.tensor.endswith(".bias")]
+    assert [(p.tensor, p.fix.split(" (")[0]) for p in problems] == [
+        ("model.layers.0.self_attn.o_proj.bias", "vLLM cannot serve this pack as it is")
+    ]
+    assert "has none there whatever config.json says" in problems[0].what
+
+
+def test_a_layer_index_of_thousands_of_digits(tmp_path, fixtures_dir):
+    """A tensor named with a 5,000-digit layer index: a named problem, not Python's int() limit error."""
+    pack = without(fixtures_dir / PACK, tmp_path / "p", "no tensor has this prefix")
+    shard = sorted(pack.glob("*.safetensors"))[0]
+    tensors = load_file(shard)
+    name = f"model.layers.{'7' * 5000}.mlp.up_proj.weight"
+    tensors[name] = torch.zeros(4, dtype=torch.float16)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = pack / "model.safetensors.index.json"
+    if index.exists():
+        j = json.loads(index.read_text())
+        j["weight_map"][name] = shard.name
+        index.write_text(json.dumps(j))
+    expect_problem(pack, "a layer index of 5000 digits: no model has that many layers")

@@ -42,8 +42,12 @@ CASES = {
         "qkv_bias": False,
     },
     "llama-legacy-bias": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "bias": True},
+    # flags vLLM reads for truth whatever their JSON type (transformers declares neither)
+    "llama-qkv-bias-1": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "qkv_bias": 1},
+    "llama-qkv-bias-string": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "qkv_bias": "false"},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"},
     "qwen2-qk-norm": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "qk_norm": True},
+    "qwen2-qk-norm-1": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "qk_norm": 1},
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True},
     "qwen3-moe": {
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -51,6 +55,14 @@ CASES = {
         "num_experts": 4,
         "decoder_sparse_step": 2,
         "mlp_only_layers": [0],
+        **MOE,
+    },
+    # the expert count as transformers 5 writes it (num_local_experts alone), and a gated shared expert
+    "qwen3-moe-local-experts": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_local_experts": 4,
+        "shared_expert_intermediate_size": 32,
         **MOE,
     },
     "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4, **MOE},

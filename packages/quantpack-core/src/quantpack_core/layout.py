@@ -73,7 +73,7 @@ EVIDENCED: tuple[tuple[tuple[str, ...], tuple[tuple[str, ...], ...]], ...] = (
 LONE_HOLDERS = 3
 
 #: ``<stack>layers.<i>.<rest>`` of a decoder layer's module key
-LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")
 FIX = "the pack is incomplete (a file or tensor lost): re-download it"
 
 
@@ -380,9 +380,30 @@ KNOWN_LAYERS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwe
 
 
 def _flag(config: dict, *keys: str) -> bool:
-    """The first of ``keys`` that config.json gives, as vLLM reads it (``getattr(config, key, False)``): true only
-    for ``True`` (a string or a number there is reported by the config checks, not read as a flag here)."""
-    return any(config.get(k) is True for k in keys)
+    """Whether any of ``keys`` is set in config.json as vLLM's model files read them (``getattr(config, key,
+    False)`` tested for truth: a string ``"false"`` or a ``1`` counts as set, as it does there)."""
+    return any(bool(config.get(k)) for k in keys)
+
+
+def _count(config: dict, *keys: str) -> int | None:
+    """The first of ``keys`` config.json gives as an integer (not a bool), None when none does."""
+    for k in keys:
+        v = config.get(k)
+        if v is not None:
+            return v if isinstance(v, int) and not isinstance(v, bool) else None
+    return None
+
+
+def qwen3_moe_plan(config: dict) -> tuple[int, int, list] | None:
+    """Qwen3-MoE's expert count, sparse step and dense layers as vLLM reads them (``config.num_experts``, which
+    transformers maps to ``num_local_experts``; ``decoder_sparse_step``, default 1; ``mlp_only_layers``, default
+    none), or None where they cannot build a model (a step below 1: vLLM divides by it; a count that is no integer)."""
+    experts = _count(config, "num_local_experts", "num_experts")
+    step = _count(config, "decoder_sparse_step") if "decoder_sparse_step" in config else 1
+    only = config.get("mlp_only_layers", [])
+    if experts is None or step is None or step < 1 or not isinstance(only, list):
+        return None
+    return experts, step, only
 
 
 def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, bool]]:
@@ -391,25 +412,28 @@ def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...]
 
     Args:
         arch: the model class config.json names.
-        config: config.json (its attention_bias / bias / qkv_bias, mlp_bias, qk_norm, num_experts,
-            decoder_sparse_step and mlp_only_layers are read as vLLM's model file reads them).
+        config: config.json (its attention_bias / bias / qkv_bias, mlp_bias, qk_norm, num_local_experts /
+            num_experts, decoder_sparse_step, mlp_only_layers and shared_expert_intermediate_size are read as vLLM's
+            model file reads them).
         i: the layer's index.
 
     Returns:
         ``(required, absent, bias)``: module paths inside the layer that vLLM loads into and that a pack of that
         model therefore holds (a parent such as ``mlp.experts`` holds its experts); module paths of other families'
         layers that vLLM's class has no place for; and for each projection whether vLLM's layer has a bias there.
-        ``((), (), {})`` for an architecture not in :data:`KNOWN_LAYERS`.
+        ``((), (), {})`` for an architecture not in :data:`KNOWN_LAYERS`; a Qwen3-MoE layer whose MLP the config
+        cannot plan (:func:`qwen3_moe_plan`) requires its attention and norms only.
 
     Source: vLLM's model files (llama.py: ``attention_bias or bias`` for q/k/v/o, ``qkv_bias`` over it for q/k/v,
     ``mlp_bias``; qwen2.py: q/k/v biased, ``qk_norm``; qwen3.py and qwen3_moe.py: q_norm / k_norm always, q/k/v
     bias by ``attention_bias``, a layer sparse where ``num_experts`` > 0, ``(i + 1) % decoder_sparse_step == 0``
-    and ``i`` not in ``mlp_only_layers``; mixtral.py: no bias).
+    and ``i`` not in ``mlp_only_layers``, a gated shared expert where ``shared_expert_intermediate_size`` > 0;
+    mixtral.py: no bias).
     """
     bias: dict[str, bool] = {}
     if arch == "LlamaForCausalLM":
         attn = _flag(config, "attention_bias", "bias")
-        qkv = config["qkv_bias"] is True if "qkv_bias" in config else attn
+        qkv = _flag(config, "qkv_bias") if "qkv_bias" in config else attn
         bias = {**dict.fromkeys(_ATTENTION[:3], qkv), _ATTENTION[3]: attn}
         bias.update(dict.fromkeys(_GATED_MLP, _flag(config, "mlp_bias")))
         return (*_ATTENTION, *_GATED_MLP, *_LAYER_NORMS), _QK_NORMS, bias
@@ -419,14 +443,18 @@ def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...]
         return (*_ATTENTION, *norms, *_GATED_MLP, *_LAYER_NORMS), () if norms else _QK_NORMS, bias
     if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         bias = {**dict.fromkeys(_ATTENTION[:3], _flag(config, "attention_bias")), _ATTENTION[3]: False}
-        mlp = _GATED_MLP
+        mlp: tuple[str, ...] = _GATED_MLP
         if arch == "Qwen3MoeForCausalLM":
-            experts, step = config.get("num_experts"), config.get("decoder_sparse_step", 1)
-            only = config.get("mlp_only_layers") or []
-            if not (isinstance(experts, int) and isinstance(step, int) and step > 0 and isinstance(only, list)):
-                return (), (), {}  # sizes the config checks report; no layer plan from them
-            if experts > 0 and (i + 1) % step == 0 and i not in only:
+            plan = qwen3_moe_plan(config)
+            if plan is None:
+                mlp = ()
+            elif plan[0] > 0 and (i + 1) % plan[1] == 0 and i not in plan[2]:
                 mlp = ("mlp.gate", "mlp.experts")
+                shared = _count(config, "shared_expert_intermediate_size") or 0
+                if shared > 0:
+                    projections = tuple(f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
+                    mlp += (*projections, "mlp.shared_expert_gate")
+                    bias.update(dict.fromkeys(projections, False))
         if mlp == _GATED_MLP:
             bias.update(dict.fromkeys(_GATED_MLP, False))
         return (*_ATTENTION, *_QK_NORMS, *mlp, *_LAYER_NORMS), (), bias
@@ -441,6 +469,8 @@ WRONG_CLASS = (
     "config.json's architectures names another model than the tensors are of: use the config.json the pack was made "
     "with (or, where every other layer holds it, the pack is incomplete: re-download it)"
 )
+#: config.json's settings that give vLLM's layers a bias or take it away (:func:`architecture_layer`), all set
+_ALL_BIAS = {"attention_bias": True, "bias": True, "qkv_bias": True, "mlp_bias": True}
 
 
 def architecture_problems(
@@ -452,12 +482,14 @@ def architecture_problems(
     it), a module of another family's layer (a Qwen3 q_norm in a Llama pack: vLLM's loader stops in the worker), a
     bias where vLLM's layer has none (dropped without a word) or none where it has one (served uninitialized). A
     module missing from every layer, and a stray module or bias in any, mean the class does not match the tensors;
-    each is one problem naming the first layer and the count.
+    each is one problem naming the first layer and the count. Also Qwen3-MoE settings vLLM cannot build a model from
+    (a sparse step below 1, no MoE layer at all).
 
     Args:
         stacks: :func:`decoder_layers`'s grouping (its ``model.layers.`` stack is checked).
         tensors: every module key of the pack with the names of its tensors (``{"...q_proj": {"trellis", "bias"}}``);
-            a pack with EAGLE's ``fc`` outside its layers is a draft and left alone (:data:`DRAFT_FUSION`).
+            with EAGLE's ``fc`` outside the layers (:data:`DRAFT_FUSION`: a draft, whose first layer vLLM builds
+            without ``input_layernorm``), that norm is not required of the first layer.
         config: config.json.
 
     Returns:
@@ -468,17 +500,35 @@ def architecture_problems(
     layers = stacks.get("model.layers.")
     if arch is None or not layers:
         return []
+    out: list[Problem] = []
+    if arch == "Qwen3MoeForCausalLM":
+        fix = "use the config.json the pack was made with"
+        plan = qwen3_moe_plan(config)
+        if plan is None:
+            what = (
+                f"num_local_experts / num_experts {config.get('num_local_experts', config.get('num_experts'))!r}, "
+                f"decoder_sparse_step {config.get('decoder_sparse_step')!r}, mlp_only_layers "
+                f"{config.get('mlp_only_layers')!r}: vLLM's Qwen3MoeForCausalLM cannot plan its layers from them "
+                "(integers, a step of at least 1, a list)"
+            )
+            out.append(Problem("", "config.json", what, fix))
+        elif not any(plan[0] > 0 and (i + 1) % plan[1] == 0 and i not in plan[2] for i in layers):
+            what = (
+                f"no layer is an MoE layer (num_local_experts / num_experts {plan[0]}, decoder_sparse_step {plan[1]}, "
+                f"mlp_only_layers {plan[2]}): vLLM's Qwen3MoeForCausalLM stops in the worker without one"
+            )
+            out.append(Problem("", "config.json", what, fix))
     # an EAGLE-1 draft published as LlamaForCausalLM (its fc outside the layers): vLLM builds it as a draft, whose
     # first layer has no input_layernorm
-    if any(not LAYER_KEY.search(k) and k.rsplit(".", 1)[-1] == DRAFT_FUSION for k in tensors):
-        return []
-    out: list[Problem] = []
+    draft = any(not LAYER_KEY.search(k) and k.rsplit(".", 1)[-1] == DRAFT_FUSION for k in tensors)
     lacking: dict[str, list[int]] = {}
     stray: dict[str, list[int]] = {}
     biased: dict[tuple[str, bool], list[int]] = {}
     for i, paths in sorted(layers.items()):
         required, absent, bias = architecture_layer(arch, config, i)
         for need in required:
+            if draft and i == min(layers) and need == "input_layernorm":
+                continue
             if not any(p == need or p.startswith(need + ".") for p in paths):
                 lacking.setdefault(need, []).append(i)
         for other in absent:
@@ -513,11 +563,20 @@ def architecture_problems(
                 f"layer(s) {shown(idx)}: {path} holds no bias, but vLLM's {arch} gives it one (config.json's "
                 "attention / qkv bias settings): it would serve an uninitialized bias"
             )
-        else:
+            fix = "use the config.json the pack was made with (its bias settings and architectures)"
+        elif architecture_layer(arch, {**config, **_ALL_BIAS}, idx[0])[2].get(path):
             what = (
                 f"layer(s) {shown(idx)}: {path} holds a bias, but vLLM's {arch} gives it none (config.json's attention "
                 "/ qkv / mlp bias settings): vLLM would drop it without a word"
             )
-        fix = "use the config.json the pack was made with (its bias settings and architectures)"
+            fix = "use the config.json the pack was made with (its bias settings and architectures)"
+        else:
+            what = (
+                f"layer(s) {shown(idx)}: {path} holds a bias, and vLLM's {arch} has none there whatever config.json "
+                "says: vLLM would drop it without a word"
+            )
+            fix = (
+                "vLLM cannot serve this pack as it is (a model of another class, or one whose bias vLLM's class lacks)"
+            )
         out.append(Problem(key, f"{key}.bias", what, fix))
     return out

@@ -69,7 +69,7 @@ FIX_REQUANTIZE = "re-quantize this module with exllamav3, or re-download the pac
 
 
 #: one expert's projection of an MoE bank: ``<layer>.experts.<e>.<proj>``
-EXPERT_MODULE = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
+EXPERT_MODULE = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d{1,9})\.(?P<proj>[A-Za-z0-9_]+)$")
 
 
 #: an escha-coded module's code tensor (docs/escha-format.md; quantpack-escha-rocm reads the format, the pack checks
@@ -728,7 +728,11 @@ class Pack:
         present = set()
         for key in self.modules:
             m = re.search(r"(?:^|\.)layers\.(\d+)\.", key)
-            if m and not self.OTHER_STACKS.search(key[: m.start() + 1]):
+            if m and len(m.group(1)) > 9:  # (an index of thousands of digits would not even convert to int)
+                what = f"a layer index of {len(m.group(1))} digits: no model has that many layers"
+                short = f"{key[:60]}..."
+                out.append(Problem(short, short, what, "the pack is damaged: re-download it"))
+            elif m and not self.OTHER_STACKS.search(key[: m.start() + 1]):
                 present.add(int(m.group(1)))
         # DeciLM (Nemotron Ultra / Super): a block whose attention and FFN are both no-ops stores no tensor
         blocks = cfg.get("block_configs")
@@ -812,7 +816,7 @@ class Pack:
         held: dict[tuple[str, str], set[int]] = {}
         stack_layers: dict[str, set[int]] = {}
         for key, m in self.modules.items():
-            found = re.search(r"(?:^|\.)layers\.(\d+)\.(?:([^.]*norm[^.]*)$)?", key)
+            found = re.search(r"(?:^|\.)layers\.(\d{1,9})\.(?:([^.]*norm[^.]*)$)?", key)
             if not found or self.OTHER_STACKS.search(key[: found.start() + 1]) or int(found.group(1)) >= layers:
                 continue
             stack = key[: found.start(1)]
