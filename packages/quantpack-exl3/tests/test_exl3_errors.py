@@ -211,3 +211,28 @@ def test_bit_counts_that_are_not_numbers_reach_the_pack_check(vllm_layers, fixtu
     (pack / "config.json").write_text(json.dumps(config))
     with pytest.raises(PackError, match=r"config.json: quantization_config: bits is 'four', not a bit count in"):
         cfg.maybe_update_config(str(pack))
+
+
+def test_the_pack_check_reads_the_config_the_server_built(vllm_layers, fixtures_dir, tmp_path):
+    """maybe_update_config holds the layers against vLLM's hf_config (config.json after --hf-overrides), not the
+    file alone: a config.json whose attention_bias the pack contradicts is refused as it stands, and passes with the
+    override that corrects it; a draft's class as vLLM renames it is not held against Llama's layer."""
+    import json
+    import shutil
+
+    from transformers import LlamaConfig
+
+    from quantpack_core.errors import PackError
+
+    pack = tmp_path / "p"
+    shutil.copytree(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1", pack)
+    config = json.loads((pack / "config.json").read_text())
+    (pack / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    cfg = vllm_layers.from_config(config["quantization_config"])
+    with pytest.raises(PackError, match="holds no bias, but vLLM's LlamaForCausalLM gives it one"):
+        cfg.maybe_update_config(str(pack))
+    with pytest.raises(PackError, match="holds no bias"):
+        cfg.maybe_update_config(str(pack), LlamaConfig(**{**config, "attention_bias": True}))
+    cfg.maybe_update_config(str(pack), LlamaConfig(**{**config, "attention_bias": False}))  # --hf-overrides
+    draft = LlamaConfig(**{**config, "attention_bias": True, "architectures": ["EagleLlamaForCausalLM"]})
+    cfg.maybe_update_config(str(pack), draft)

@@ -300,6 +300,8 @@ class Pack:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.config: dict = {}
+        #: the config the server built (:meth:`open`'s ``model_config``), None to read config.json's
+        self.model_config: dict | None = None
         self.quant_config: dict = {}
         self.manifest: dict = {}
         self.tensors: dict[str, TensorInfo] = {}
@@ -329,7 +331,14 @@ class Pack:
         self.close()
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, require_exl3: bool = True, check_values: bool = True) -> Pack:
+    def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        require_exl3: bool = True,
+        check_values: bool = True,
+        model_config: dict | None = None,
+    ) -> Pack:
         """Open and validate a pack.
 
         Args:
@@ -338,6 +347,9 @@ class Pack:
             check_values: also read every EXL3 module's small tensors (markers, suh, svh: a few KiB each) and the
                 other modules' 1-D floating tensors (norm weights, biases, int8 row scales), and check marker values
                 and that the vectors are finite.
+            model_config: the model's config as the server built it from config.json (vLLM's ``hf_config`` as a
+                dict: after ``--hf-overrides``, and with a draft's class renamed); the decoder layers are held against
+                the layer of its class (:func:`quantpack_core.layout.architecture_problems`) instead of config.json's.
 
         Returns:
             the Pack.
@@ -347,6 +359,7 @@ class Pack:
                 widths, mismatched suh/svh, marker clashes ...), each naming module, tensor and fix.
         """
         pack = cls(path)
+        pack.model_config = model_config
         problems = pack.problems(require_exl3=require_exl3, check_values=check_values)
         if problems:
             raise PackError(str(pack.path), problems)
@@ -664,10 +677,11 @@ class Pack:
             own = {k: set(m.tensors) for k, m in self.modules.items() if m.format in ("dense", "other")}
             out += tensor_problems(stacks, own, self.modules)
         # the layer vLLM builds for the config's class, where the rules above did not name the module or its parent
+        built = self.model_config if isinstance(self.model_config, dict) else self.config
         named = {p.module for p in out}
         out += [
             p
-            for p in architecture_problems(stacks, {k: set(m.tensors) for k, m in self.modules.items()}, self.config)
+            for p in architecture_problems(stacks, {k: set(m.tensors) for k, m in self.modules.items()}, built)
             if not any(p.module == n or p.module.startswith(n + ".") for n in named)
         ]
         return list({p.module: p for p in reversed(out)}.values())[::-1]  # one problem per module, the first

@@ -13,7 +13,7 @@ from typing import Any
 
 from quantpack_core.codec import Codebook
 from quantpack_core.pack import Pack
-from quantpack_core.vllm.config import QuantpackConfig, untie_if_head_stored
+from quantpack_core.vllm.config import QuantpackConfig, built_config, untie_if_head_stored
 from quantpack_core.vllm.ngram import NgramRingsEmbeddingMethod
 
 from .format import EXL3
@@ -96,7 +96,7 @@ class Exl3Config(QuantpackConfig):
         if not os.path.isdir(model_name):
             self.fetch_manifest(model_name, revision)
             return
-        pack = Pack.open(model_name)
+        pack = Pack.open(model_name, model_config=built_config(hf_config))
         if pack.manifest:
             self.read_manifest(pack.manifest)
         untie_if_head_stored(list(pack.modules), hf_config, str(pack.path))

@@ -98,6 +98,22 @@ def check_fused_routes(routes: Mapping[str, str]) -> None:
                     )
 
 
+def built_config(hf_config) -> dict | None:
+    """vLLM's model config as a dict for the pack check (:meth:`quantpack_core.pack.Pack.open`'s ``model_config``):
+    ``PretrainedConfig.to_dict()``, config.json as the server built it (after ``--hf-overrides``, a draft's class
+    renamed); None without one, or where it does not give a dict (the check then reads config.json).
+
+    Args:
+        hf_config: the ``hf_config`` vLLM hands to ``maybe_update_config`` (a transformers ``PretrainedConfig``), or
+            None.
+    """
+    try:
+        value = hf_config.to_dict() if hf_config is not None else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def untie_if_head_stored(modules: Sequence[str], hf_config, where: str) -> bool:
     """Packs can say ``tie_word_embeddings: true`` and still ship their own quantized ``lm_head`` (exllamav3 1.4 and
     older do); the head in the pack wins (vLLM would otherwise skip loading it and reuse the embedding). Sets
