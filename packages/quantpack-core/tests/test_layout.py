@@ -444,6 +444,20 @@ def with_config(src, dst, **changes):
     return dst
 
 
+def add_tensor(pack, name, tensor, beside=None):
+    """Store ``tensor`` as ``name`` in pack ``pack`` (in the shard holding ``beside``, else the first) and its
+    index."""
+    shard = next(f for f in sorted(pack.glob("*.safetensors")) if beside is None or beside in load_file(f))
+    tensors = load_file(shard)
+    tensors[name] = tensor
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = pack / "model.safetensors.index.json"
+    if index.exists():
+        j = json.loads(index.read_text())
+        j["weight_map"][name] = shard.name
+        index.write_text(json.dumps(j))
+
+
 @pytest.mark.parametrize("name", BUNDLED)
 def test_every_bundled_pack_is_sound(fixtures_dir, name):
     """The layer rule of the bundled packs' classes (Llama, Qwen3-MoE) and the others' refuse none of them."""
@@ -508,16 +522,9 @@ def test_biases_against_the_config(tmp_path, fixtures_dir):
     assert len(error.problems) == 3  # q, k, v; o_proj has none in Qwen2 either
     # a bias stored on layer 2's v_proj, which the config's Llama has none for
     pack = without(fixtures_dir / PACK, tmp_path / "extra", "no tensor has this prefix")
-    shard = next(f for f in pack.glob("*.safetensors") if "model.layers.2.self_attn.v_proj.trellis" in load_file(f))
-    tensors = load_file(shard)
-    width = tensors["model.layers.2.self_attn.v_proj.svh"].shape[0]
-    tensors["model.layers.2.self_attn.v_proj.bias"] = torch.zeros(width, dtype=torch.float16)
-    save_file(tensors, shard, metadata={"format": "pt"})
-    index = pack / "model.safetensors.index.json"
-    if index.exists():
-        j = json.loads(index.read_text())
-        j["weight_map"]["model.layers.2.self_attn.v_proj.bias"] = shard.name
-        index.write_text(json.dumps(j))
+    width = Pack(pack).modules["model.layers.2.self_attn.v_proj"].padded_shape[1]
+    bias = torch.zeros(width, dtype=torch.float16)
+    add_tensor(pack, "model.layers.2.self_attn.v_proj.bias", bias, beside="model.layers.2.self_attn.v_proj.trellis")
     error = expect_problem(
         pack,
         "model.layers.2.self_attn.v_proj.bias",
@@ -603,15 +610,7 @@ def test_the_draft_exception_is_the_first_layers_input_norm_only(tmp_path, fixtu
     """A module named fc outside the layers (EAGLE-1's fusion) excuses only the first layer's input_layernorm: the
     Qwen3-MoE pack with an fc and a lost q_norm is still named."""
     pack = without(fixtures_dir / MOE_PACK, tmp_path / "p", "model.layers.1.self_attn.q_norm.")
-    shard = sorted(pack.glob("*.safetensors"))[0]
-    tensors = load_file(shard)
-    tensors["fc.weight"] = torch.zeros(8, 8, dtype=torch.float16)
-    save_file(tensors, shard, metadata={"format": "pt"})
-    index = pack / "model.safetensors.index.json"
-    if index.exists():
-        j = json.loads(index.read_text())
-        j["weight_map"]["fc.weight"] = shard.name
-        index.write_text(json.dumps(j))
+    add_tensor(pack, "fc.weight", torch.zeros(8, 8, dtype=torch.float16))
     expect_problem(pack, "layer 1 holds no self_attn.q_norm")
 
 
@@ -632,14 +631,5 @@ def test_a_bias_no_config_can_give(tmp_path, fixtures_dir):
 def test_a_layer_index_of_thousands_of_digits(tmp_path, fixtures_dir):
     """A tensor named with a 5,000-digit layer index: a named problem, not Python's int() limit error."""
     pack = without(fixtures_dir / PACK, tmp_path / "p", "no tensor has this prefix")
-    shard = sorted(pack.glob("*.safetensors"))[0]
-    tensors = load_file(shard)
-    name = f"model.layers.{'7' * 5000}.mlp.up_proj.weight"
-    tensors[name] = torch.zeros(4, dtype=torch.float16)
-    save_file(tensors, shard, metadata={"format": "pt"})
-    index = pack / "model.safetensors.index.json"
-    if index.exists():
-        j = json.loads(index.read_text())
-        j["weight_map"][name] = shard.name
-        index.write_text(json.dumps(j))
+    add_tensor(pack, f"model.layers.{'7' * 5000}.mlp.up_proj.weight", torch.zeros(4, dtype=torch.float16))
     expect_problem(pack, "a layer index of 5000 digits: no model has that many layers")
