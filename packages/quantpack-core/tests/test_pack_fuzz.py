@@ -1,7 +1,8 @@
 """Fuzzing the pack check: random corruptions of a small two-shard pack (truncations, header bytes, header fields,
 deleted / duplicated / renamed tensors, NaN / Inf in vectors, malformed or emptied JSON files, shards replaced by
-directories or links, links out of the pack) must each end in either a sound pack or a :class:`PackError` - never
-another exception, never a hang (hypothesis' deadline), never a change to the pack's files.
+directories or links, links out of the pack, a model class whose layer the check states, with random settings)
+must each end in either a sound pack or a :class:`PackError` - never another exception, never a hang (hypothesis'
+deadline), never a change to the pack's files.
 
 A corruption that leaves a pack vLLM can serve (a trellis byte changed: every bit pattern is a legal trellis) may
 pass; the ones that cannot be right are asserted to fail (:data:`MUST_FAIL`, and the config fields whose new value
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from test_pack import CONFIG, base_tensors, snapshot
 
 from quantpack_core import Pack, PackError
+from quantpack_core.layout import KNOWN_LAYERS
 from quantpack_core.synthetic import write_pack
 
 EXAMPLES = int(os.environ.get("QUANTPACK_FUZZ_EXAMPLES", "300"))
@@ -40,6 +42,11 @@ JSON_VALUES = st.recursive(
     max_leaves=6,
 )
 CONFIG_KEYS = ("architectures", "hidden_size", "num_hidden_layers", "vocab_size", "text_config", "quantization_config")
+#: the settings the layer rule of a known class reads (quantpack_core.layout.architecture_layer)
+LAYER_KEYS = (
+    "attention_bias", "bias", "qkv_bias", "mlp_bias", "qk_norm", "num_experts", "num_local_experts",
+    "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +150,16 @@ def corrupt(pack: Path, kind: str, draw) -> bool:
             if key == "text_config":
                 return not isinstance(value, dict)
             return True
+    elif kind == "layer-class":
+        # a class whose layer the check states (the pack's one layer holds a q_proj and a down_proj: none of those
+        # layers), with random values for the settings its rule reads
+        file = pack / "config.json"
+        config = json.loads(file.read_text())
+        config["architectures"] = [draw(st.sampled_from(KNOWN_LAYERS))]
+        for key in draw(st.lists(st.sampled_from(LAYER_KEYS), max_size=4, unique=True)):
+            config[key] = draw(JSON_VALUES)
+        file.write_text(json.dumps(config))
+        return True
     elif kind == "shard-dir":
         shard.unlink()
         shard.mkdir()
@@ -169,7 +186,7 @@ def corrupt(pack: Path, kind: str, draw) -> bool:
     return kind in MUST_FAIL
 
 
-KINDS = sorted(MUST_FAIL | {"config-field", "header-bytes", "link-out", "trellis-bytes"})
+KINDS = sorted(MUST_FAIL | {"config-field", "header-bytes", "layer-class", "link-out", "trellis-bytes"})
 
 
 @settings(
