@@ -633,3 +633,22 @@ def test_a_layer_index_of_thousands_of_digits(tmp_path, fixtures_dir):
     pack = without(fixtures_dir / PACK, tmp_path / "p", "no tensor has this prefix")
     add_tensor(pack, f"model.layers.{'7' * 5000}.mlp.up_proj.weight", torch.zeros(4, dtype=torch.float16))
     expect_problem(pack, "a layer index of 5000 digits: no model has that many layers")
+
+
+def test_a_module_vllms_layer_does_not_have(tmp_path, fixtures_dir):
+    """Modules vLLM's layer for the class has no place for (its loader stops in the worker): the Qwen3-MoE pack's
+    layer 1 made dense by mlp_only_layers still holds a router and a bank (one problem each, not one per expert),
+    and lacks the dense MLP; rotary tables, which vLLM skips, are no problem."""
+    pack = with_config(fixtures_dir / MOE_PACK, tmp_path / "dense1", mlp_only_layers=[1])
+    error = expect_problem(pack, "layer(s) 1 hold mlp.experts, which vLLM's Qwen3MoeForCausalLM layer has no module")
+    assert {p.module for p in error.problems} == {
+        "model.layers.1.mlp.gate",
+        "model.layers.1.mlp.experts",
+        "model.layers.1.mlp.gate_proj",
+        "model.layers.1.mlp.up_proj",
+        "model.layers.1.mlp.down_proj",
+    }
+    pack = without(fixtures_dir / PACK, tmp_path / "rope", "no tensor has this prefix")
+    for i in range(4):
+        add_tensor(pack, f"model.layers.{i}.self_attn.rotary_emb.inv_freq", torch.ones(8))
+    Pack.open(pack)

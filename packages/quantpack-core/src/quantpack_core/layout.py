@@ -473,13 +473,26 @@ WRONG_CLASS = (
 _ALL_BIAS = {"attention_bias": True, "bias": True, "qkv_bias": True, "mlp_bias": True}
 
 
+def _uncovered_root(path: str, covered: tuple[str, ...]) -> str:
+    """The shortest leading part of module path ``path`` that is neither one of ``covered`` nor a parent of one
+    (``mlp.experts`` of ``mlp.experts.3.gate_proj`` where only ``mlp.gate_proj`` ... are covered): one problem for a
+    stray bank, not one per expert."""
+    parts = path.split(".")
+    for n in range(1, len(parts) + 1):
+        head = ".".join(parts[:n])
+        if not any(c == head or c.startswith(head + ".") for c in covered):
+            return head
+    return path
+
+
 def architecture_problems(
     stacks: dict[str, dict[int, list]], tensors: dict[str, set[str]], config: dict
 ) -> list[Problem]:
     """The decoder layers against the layer vLLM builds for config.json's model class (:func:`architecture_layer`,
     :data:`KNOWN_LAYERS` only), whatever the layer count: a module it loads into missing from a layer (a Qwen3
     layer's q_norm, vLLM would serve its initial ones without a word; the layout rules above need more layers to see
-    it), a module of another family's layer (a Qwen3 q_norm in a Llama pack: vLLM's loader stops in the worker), a
+    it), a module of another family's layer (a Qwen3 q_norm in a Llama pack) or any other module vLLM's layer does
+    not have (its loader stops in the worker; rotary tables excepted, which vLLM skips), a
     bias where vLLM's layer has none (dropped without a word) or none where it has one (served uninitialized). A
     module missing from every layer, and a stray module or bias in any, mean the class does not match the tensors;
     each is one problem naming the first layer and the count. Also Qwen3-MoE settings vLLM cannot build a model from
@@ -521,6 +534,8 @@ def architecture_problems(
     # an EAGLE-1 draft published as LlamaForCausalLM (its fc outside the layers): vLLM builds it as a draft, whose
     # first layer has no input_layernorm
     draft = any(not LAYER_KEY.search(k) and k.rsplit(".", 1)[-1] == DRAFT_FUSION for k in tensors)
+    unplanned = arch == "Qwen3MoeForCausalLM" and qwen3_moe_plan(config) is None
+    unknown: dict[str, list[int]] = {}
     lacking: dict[str, list[int]] = {}
     stray: dict[str, list[int]] = {}
     biased: dict[tuple[str, bool], list[int]] = {}
@@ -534,6 +549,14 @@ def architecture_problems(
         for other in absent:
             if any(p == other or p.startswith(other + ".") for p in paths):
                 stray.setdefault(other, []).append(i)
+        # anything else is a module vLLM's layer does not have (its loader raises "There is no module or parameter
+        # named ..."), but rotary tables, which vLLM's loaders skip, and an MLP whose plan the config cannot give
+        covered = (*required, *absent, *(("mlp",) if unplanned else ()))
+        for path in paths:
+            if "rotary_emb" not in path.split(".") and not any(path == c or path.startswith(c + ".") for c in covered):
+                held = unknown.setdefault(_uncovered_root(path, covered), [])
+                if i not in held:
+                    held.append(i)
         for path, has in bias.items():
             held = tensors.get(f"model.layers.{i}.{path}")
             if held is not None and ("bias" in held) != has:
@@ -556,6 +579,12 @@ def architecture_problems(
             "one): vLLM's loader stops in the worker"
         )
         out.append(Problem(f"model.layers.{idx[0]}.{other}", f"model.layers.{idx[0]}.{other}.*", what, WRONG_CLASS))
+    for path, idx in unknown.items():
+        what = (
+            f"layer(s) {shown(idx)} hold {path}, which vLLM's {arch} layer has no module for: its loader stops in the "
+            'worker ("There is no module or parameter named ...")'
+        )
+        out.append(Problem(f"model.layers.{idx[0]}.{path}", f"model.layers.{idx[0]}.{path}.*", what, WRONG_CLASS))
     for (path, has), idx in biased.items():
         key = f"model.layers.{idx[0]}.{path}"
         if has:
