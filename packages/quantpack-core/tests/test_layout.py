@@ -652,3 +652,10 @@ def test_a_module_vllms_layer_does_not_have(tmp_path, fixtures_dir):
     for i in range(4):
         add_tensor(pack, f"model.layers.{i}.self_attn.rotary_emb.inv_freq", torch.ones(8))
     Pack.open(pack)
+    # nor a parent of the layer's modules holding tensors of its own (KV-cache scales of the attention block)
+    stacks = decoder_layers(
+        keys({0: [*ATTN, "self_attn", *NORMS, *(f"mlp.{p}" for p in GATE_UP_DOWN)]}), Pack.OTHER_STACKS, 1
+    )
+    held = {k: {"weight"} for k in keys({0: [*ATTN, *NORMS, *(f"mlp.{p}" for p in GATE_UP_DOWN)]})}
+    held["model.layers.0.self_attn"] = {"k_scale", "v_scale"}
+    assert architecture_problems(stacks, held, {"architectures": ["LlamaForCausalLM"]}) == []

@@ -553,7 +553,10 @@ def architecture_problems(
         # named ..."), but rotary tables, which vLLM's loaders skip, and an MLP whose plan the config cannot give
         covered = (*required, *absent, *(("mlp",) if unplanned else ()))
         for path in paths:
-            if "rotary_emb" not in path.split(".") and not any(path == c or path.startswith(c + ".") for c in covered):
+            # (a parent of modules vLLM has, holding tensors of its own, is left to vLLM's loader: an attention
+            # block's KV-cache scales)
+            known = any(path == c or path.startswith(c + ".") or c.startswith(path + ".") for c in covered)
+            if "rotary_emb" not in path.split(".") and not known:
                 held = unknown.setdefault(_uncovered_root(path, covered), [])
                 if i not in held:
                     held.append(i)
