@@ -652,6 +652,18 @@ def test_a_module_vllms_layer_does_not_have(tmp_path, fixtures_dir):
     for i in range(4):
         add_tensor(pack, f"model.layers.{i}.self_attn.rotary_emb.inv_freq", torch.ones(8))
     Pack.open(pack)
+    # nor scales vLLM maps or ignores, under any of their spellings; a rotary module's other tensors, and a parent's
+    # own weight, are (vLLM's loader has no place for them)
+    dense = [*ATTN, *NORMS, *(f"mlp.{p}" for p in GATE_UP_DOWN)]
+    extra = {"self_attn.attn": {"k_scale"}, "self_attn.k_cache": {"scale"}, "self_attn.rotary_pos_emb": {"inv_freq"}}
+    base = {k: {"weight"} for k in keys({0: dense})}
+    stacks = decoder_layers(keys({0: [*dense, *extra]}), Pack.OTHER_STACKS, 1)
+    llama = {"architectures": ["LlamaForCausalLM"]}
+    assert architecture_problems(stacks, base | {f"model.layers.0.{k}": v for k, v in extra.items()}, llama) == []
+    for path, own in (("self_attn.rotary_emb", {"cos_sin_cache"}), ("self_attn", {"weight"})):
+        stacks = decoder_layers(keys({0: [*dense, path]}), Pack.OTHER_STACKS, 1)
+        problems = architecture_problems(stacks, base | {f"model.layers.0.{path}": own}, llama)
+        assert [p.module for p in problems] == [f"model.layers.0.{path}"], problems
     # nor a parent of the layer's modules holding tensors of its own (KV-cache scales of the attention block)
     stacks = decoder_layers(
         keys({0: [*ATTN, "self_attn", *NORMS, *(f"mlp.{p}" for p in GATE_UP_DOWN)]}), Pack.OTHER_STACKS, 1

@@ -473,6 +473,20 @@ WRONG_CLASS = (
 _ALL_BIAS = {"attention_bias": True, "bias": True, "qkv_bias": True, "mlp_bias": True}
 
 
+#: rotary tables vLLM's loaders skip (``AutoWeightsLoader.ROTARY_EMBEDS_UNUSED_WEIGHTS``, and a vision rotary's)
+_ROTARY_TABLES = frozenset({"inv_freq", "cos_cached", "sin_cached"})
+
+
+def _skipped_by_vllm(path: str, own: set[str]) -> bool:
+    """Whether vLLM's loaders pass over module ``path`` of a layer holding tensors ``own`` instead of failing on it:
+    a rotary embedding's cached tables (``rotary_emb`` / ``rotary_pos_emb``), and a module holding only scales (KV
+    cache and activation scales, which vLLM maps to its attention layer or ignores: ``self_attn.k_scale``,
+    ``self_attn.attn.k_scale``, ``self_attn.k_cache.scale``)."""
+    if path.rsplit(".", 1)[-1] in ("rotary_emb", "rotary_pos_emb"):
+        return bool(own) and own <= _ROTARY_TABLES
+    return bool(own) and all("scale" in t for t in own)
+
+
 def _uncovered_root(path: str, covered: tuple[str, ...]) -> str:
     """The shortest leading part of module path ``path`` that is neither one of ``covered`` nor a parent of one
     (``mlp.experts`` of ``mlp.experts.3.gate_proj`` where only ``mlp.gate_proj`` ... are covered): one problem for a
@@ -492,7 +506,7 @@ def architecture_problems(
     :data:`KNOWN_LAYERS` only), whatever the layer count: a module it loads into missing from a layer (a Qwen3
     layer's q_norm, vLLM would serve its initial ones without a word; the layout rules above need more layers to see
     it), a module of another family's layer (a Qwen3 q_norm in a Llama pack) or any other module vLLM's layer does
-    not have (its loader stops in the worker; rotary tables excepted, which vLLM skips), a
+    not have (its loader stops in the worker; rotary tables and scales excepted, which vLLM skips or maps), a
     bias where vLLM's layer has none (dropped without a word) or none where it has one (served uninitialized). A
     module missing from every layer, and a stray module or bias in any, mean the class does not match the tensors;
     each is one problem naming the first layer and the count. Also Qwen3-MoE settings vLLM cannot build a model from
@@ -553,13 +567,13 @@ def architecture_problems(
         # named ..."), but rotary tables, which vLLM's loaders skip, and an MLP whose plan the config cannot give
         covered = (*required, *absent, *(("mlp",) if unplanned else ()))
         for path in paths:
-            # (a parent of modules vLLM has, holding tensors of its own, is left to vLLM's loader: an attention
-            # block's KV-cache scales)
-            known = any(path == c or path.startswith(c + ".") or c.startswith(path + ".") for c in covered)
-            if "rotary_emb" not in path.split(".") and not known:
-                held = unknown.setdefault(_uncovered_root(path, covered), [])
-                if i not in held:
-                    held.append(i)
+            if any(path == c or path.startswith(c + ".") for c in covered):
+                continue
+            if _skipped_by_vllm(path, tensors.get(f"model.layers.{i}.{path}", set())):
+                continue
+            held = unknown.setdefault(_uncovered_root(path, covered), [])
+            if not held or held[-1] != i:  # layers come in order
+                held.append(i)
         for path, has in bias.items():
             held = tensors.get(f"model.layers.{i}.{path}")
             if held is not None and ("bias" in held) != has:
