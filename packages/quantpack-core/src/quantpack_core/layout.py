@@ -406,6 +406,17 @@ def qwen3_moe_plan(config: dict) -> tuple[int, int, list] | None:
     return experts, step, only
 
 
+def qwen3_moe_sparse(plan: tuple[int, int, list], i: int) -> bool:
+    """Whether vLLM's Qwen3-MoE makes layer ``i`` an MoE layer under ``plan`` (:func:`qwen3_moe_plan`)."""
+    experts, step, only = plan
+    return experts > 0 and (i + 1) % step == 0 and i not in only
+
+
+def _within(path: str, module: str) -> bool:
+    """Whether module path ``path`` is ``module`` or lies below it."""
+    return path == module or path.startswith(module + ".")
+
+
 def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, bool]]:
     """What vLLM's model class ``arch`` builds in decoder layer ``i``, for the architectures of :data:`KNOWN_LAYERS`
     (their layers do not vary with the layer's place, but for Qwen3-MoE's dense layers).
@@ -448,7 +459,7 @@ def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...]
             plan = qwen3_moe_plan(config)
             if plan is None:
                 mlp = ()
-            elif plan[0] > 0 and (i + 1) % plan[1] == 0 and i not in plan[2]:
+            elif qwen3_moe_sparse(plan, i):
                 mlp = ("mlp.gate", "mlp.experts")
                 shared = _count(config, "shared_expert_intermediate_size") or 0
                 if shared > 0:
@@ -494,7 +505,7 @@ def _uncovered_root(path: str, covered: tuple[str, ...]) -> str:
     parts = path.split(".")
     for n in range(1, len(parts) + 1):
         head = ".".join(parts[:n])
-        if not any(c == head or c.startswith(head + ".") for c in covered):
+        if not any(_within(c, head) for c in covered):
             return head
     return path
 
@@ -528,9 +539,10 @@ def architecture_problems(
     if arch is None or not layers:
         return []
     out: list[Problem] = []
+    plan = qwen3_moe_plan(config) if arch == "Qwen3MoeForCausalLM" else None
+    unplanned = arch == "Qwen3MoeForCausalLM" and plan is None
     if arch == "Qwen3MoeForCausalLM":
         fix = "use the config.json the pack was made with"
-        plan = qwen3_moe_plan(config)
         if plan is None:
             what = (
                 f"num_local_experts / num_experts {config.get('num_local_experts', config.get('num_experts'))!r}, "
@@ -539,7 +551,7 @@ def architecture_problems(
                 "(integers, a step of at least 1, a list)"
             )
             out.append(Problem("", "config.json", what, fix))
-        elif not any(plan[0] > 0 and (i + 1) % plan[1] == 0 and i not in plan[2] for i in layers):
+        elif not any(qwen3_moe_sparse(plan, i) for i in layers):
             what = (
                 f"no layer is an MoE layer (num_local_experts / num_experts {plan[0]}, decoder_sparse_step {plan[1]}, "
                 f"mlp_only_layers {plan[2]}): vLLM's Qwen3MoeForCausalLM stops in the worker without one"
@@ -548,7 +560,6 @@ def architecture_problems(
     # an EAGLE-1 draft published as LlamaForCausalLM (its fc outside the layers): vLLM builds it as a draft, whose
     # first layer has no input_layernorm
     draft = any(not LAYER_KEY.search(k) and k.rsplit(".", 1)[-1] == DRAFT_FUSION for k in tensors)
-    unplanned = arch == "Qwen3MoeForCausalLM" and qwen3_moe_plan(config) is None
     unknown: dict[str, list[int]] = {}
     lacking: dict[str, list[int]] = {}
     stray: dict[str, list[int]] = {}
@@ -558,16 +569,16 @@ def architecture_problems(
         for need in required:
             if draft and i == min(layers) and need == "input_layernorm":
                 continue
-            if not any(p == need or p.startswith(need + ".") for p in paths):
+            if not any(_within(p, need) for p in paths):
                 lacking.setdefault(need, []).append(i)
         for other in absent:
-            if any(p == other or p.startswith(other + ".") for p in paths):
+            if any(_within(p, other) for p in paths):
                 stray.setdefault(other, []).append(i)
         # anything else is a module vLLM's layer does not have (its loader raises "There is no module or parameter
         # named ..."), but rotary tables, which vLLM's loaders skip, and an MLP whose plan the config cannot give
         covered = (*required, *absent, *(("mlp",) if unplanned else ()))
         for path in paths:
-            if any(path == c or path.startswith(c + ".") for c in covered):
+            if any(_within(path, c) for c in covered):
                 continue
             if _skipped_by_vllm(path, tensors.get(f"model.layers.{i}.{path}", set())):
                 continue
