@@ -671,3 +671,72 @@ def test_a_module_vllms_layer_does_not_have(tmp_path, fixtures_dir):
     held = {k: {"weight"} for k in keys({0: [*ATTN, *NORMS, *(f"mlp.{p}" for p in GATE_UP_DOWN)]})}
     held["model.layers.0.self_attn"] = {"k_scale", "v_scale"}
     assert architecture_problems(stacks, held, {"architectures": ["LlamaForCausalLM"]}) == []
+
+
+def test_a_module_of_the_layer_holding_no_weight(tmp_path, fixtures_dir):
+    """A module present with a tensor vLLM has no place for but no weight (layer 1's q_norm holding only a bias, in
+    the two-layer Qwen3-MoE pack): it passed the presence test, and vLLM would serve the norm's initial ones. An
+    expert of a bank holding no trellis is named the same way."""
+    pack = without(fixtures_dir / MOE_PACK, tmp_path / "p", "model.layers.1.self_attn.q_norm.")
+    add_tensor(
+        pack, "model.layers.1.self_attn.q_norm.bias", torch.zeros(16), beside="model.layers.1.self_attn.q_proj.trellis"
+    )
+    error = expect_problem(
+        pack,
+        "model.layers.1.self_attn.q_norm.weight",
+        "layer(s) 1: self_attn.q_norm holds bias but no weight (nor a trellis)",
+        "re-download it",
+    )
+    assert [p.module for p in error.problems] == ["model.layers.1.self_attn.q_norm"]
+    layer = [*ATTN, "self_attn.q_norm", "self_attn.k_norm", *NORMS, "mlp.gate", *experts("mlp", 2)]
+    held = {k: {"weight"} for k in keys({0: layer})}
+    held["model.layers.0.mlp.experts.1.up_proj"] = {"input_scale"}
+    moe = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 2}
+    problems = architecture_problems(decoder_layers(held, Pack.OTHER_STACKS, 1), held, moe)
+    assert [(p.tensor, p.what.split(": ")[1]) for p in problems] == [
+        (
+            "model.layers.0.mlp.experts.1.up_proj.weight",
+            "mlp.experts.1.up_proj holds input_scale but no weight (nor a trellis)",
+        )
+    ]
+
+
+def test_a_bias_on_a_norm_a_router_or_an_expert(tmp_path, fixtures_dir):
+    """vLLM's loaders drop any bias its layer has no parameter for (AutoWeightsLoader ignores unexpected ``.bias``),
+    and none of the known classes has one on a norm, a router or an expert: each is named, the expert's at the expert
+    that holds it (one problem for the bank)."""
+    pack = without(fixtures_dir / MOE_PACK, tmp_path / "p", "no tensor has this prefix")
+    info = Pack(pack)
+    experts_out = info.modules["model.layers.1.mlp.experts.3.gate_proj"].padded_shape[1]
+    routes = info.modules["model.layers.0.mlp.gate"].tensors["weight"].shape[0]
+    add_tensor(pack, "model.layers.0.mlp.gate.bias", torch.zeros(routes), beside="model.layers.0.mlp.gate.weight")
+    for e in (3, 5):
+        name = f"model.layers.1.mlp.experts.{e}.gate_proj"
+        add_tensor(pack, f"{name}.bias", torch.zeros(experts_out, dtype=torch.float16), beside=f"{name}.trellis")
+    add_tensor(
+        pack, "model.layers.1.input_layernorm.bias", torch.zeros(64), beside="model.layers.1.input_layernorm.weight"
+    )
+    error = expect_problem(
+        pack,
+        "layer(s) 0: mlp.gate holds a bias, and vLLM's Qwen3MoeForCausalLM has none there whatever config.json says",
+        "layer(s) 1: mlp.experts holds a bias",
+        "layer(s) 1: input_layernorm holds a bias",
+        "vLLM cannot serve this pack as it is",
+    )
+    assert sorted(p.tensor for p in error.problems) == [
+        "model.layers.0.mlp.gate.bias",
+        "model.layers.1.input_layernorm.bias",
+        "model.layers.1.mlp.experts.3.gate_proj.bias",
+    ]
+
+
+def test_only_the_first_class_of_architectures_is_read(tmp_path, fixtures_dir):
+    """vLLM builds the first class of ``architectures`` it has: the Llama pack named first as a class the project
+    states no layer for (vLLM may build that one) is not held against Qwen3's layer named second; named first,
+    Qwen3's layer is the one vLLM builds, and the q_norm / k_norm it lacks are named."""
+    pack = with_config(fixtures_dir / PACK, tmp_path / "a", architectures=["SomeOtherForCausalLM", "Qwen3ForCausalLM"])
+    Pack.open(pack)
+    pack = with_config(fixtures_dir / PACK, tmp_path / "b", architectures=["LlamaForCausalLM", "Qwen3ForCausalLM"])
+    Pack.open(pack)
+    pack = with_config(fixtures_dir / PACK, tmp_path / "c", architectures=["Qwen3ForCausalLM", "LlamaForCausalLM"])
+    expect_problem(pack, "no decoder layer holds self_attn.q_norm, which every layer of vLLM's Qwen3ForCausalLM has")

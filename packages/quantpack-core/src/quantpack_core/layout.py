@@ -431,9 +431,10 @@ def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...]
     Returns:
         ``(required, absent, bias)``: module paths inside the layer that vLLM loads into and that a pack of that
         model therefore holds (a parent such as ``mlp.experts`` holds its experts); module paths of other families'
-        layers that vLLM's class has no place for; and for each projection whether vLLM's layer has a bias there.
-        ``((), (), {})`` for an architecture not in :data:`KNOWN_LAYERS`; a Qwen3-MoE layer whose MLP the config
-        cannot plan (:func:`qwen3_moe_plan`) requires its attention and norms only.
+        layers that vLLM's class has no place for; and for each required module whether vLLM's layer has a bias
+        there (none on norms, routers and experts in any of these classes). ``((), (), {})`` for an architecture
+        not in :data:`KNOWN_LAYERS`; a Qwen3-MoE layer whose MLP the config cannot plan (:func:`qwen3_moe_plan`)
+        requires its attention and norms only.
 
     Source: vLLM's model files (llama.py: ``attention_bias or bias`` for q/k/v/o, ``qkv_bias`` over it for q/k/v,
     ``mlp_bias``; qwen2.py: q/k/v biased, ``qk_norm``; qwen3.py and qwen3_moe.py: q_norm / k_norm always, q/k/v
@@ -441,6 +442,12 @@ def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...]
     and ``i`` not in ``mlp_only_layers``, a gated shared expert where ``shared_expert_intermediate_size`` > 0;
     mixtral.py: no bias).
     """
+    required, absent, bias = _layer_modules(arch, config, i)
+    return required, absent, {path: bias.get(path, False) for path in required}
+
+
+def _layer_modules(arch: str, config: dict, i: int) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, bool]]:
+    """:func:`architecture_layer` with the biases of the projections that may carry one only."""
     bias: dict[str, bool] = {}
     if arch == "LlamaForCausalLM":
         attn = _flag(config, "attention_bias", "bias")
@@ -449,11 +456,11 @@ def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...]
         bias.update(dict.fromkeys(_GATED_MLP, _flag(config, "mlp_bias")))
         return (*_ATTENTION, *_GATED_MLP, *_LAYER_NORMS), _QK_NORMS, bias
     if arch == "Qwen2ForCausalLM":
-        bias = {**dict.fromkeys(_ATTENTION[:3], True), _ATTENTION[3]: False, **dict.fromkeys(_GATED_MLP, False)}
+        bias = dict.fromkeys(_ATTENTION[:3], True)
         norms = _QK_NORMS if _flag(config, "qk_norm") else ()
         return (*_ATTENTION, *norms, *_GATED_MLP, *_LAYER_NORMS), () if norms else _QK_NORMS, bias
     if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-        bias = {**dict.fromkeys(_ATTENTION[:3], _flag(config, "attention_bias")), _ATTENTION[3]: False}
+        bias = dict.fromkeys(_ATTENTION[:3], _flag(config, "attention_bias"))
         mlp: tuple[str, ...] = _GATED_MLP
         if arch == "Qwen3MoeForCausalLM":
             plan = qwen3_moe_plan(config)
@@ -465,16 +472,14 @@ def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...]
                 if shared > 0:
                     projections = tuple(f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
                     mlp += (*projections, "mlp.shared_expert_gate")
-                    bias.update(dict.fromkeys(projections, False))
-        if mlp == _GATED_MLP:
-            bias.update(dict.fromkeys(_GATED_MLP, False))
         return (*_ATTENTION, *_QK_NORMS, *mlp, *_LAYER_NORMS), (), bias
     if arch == "MixtralForCausalLM":
-        bias = dict.fromkeys(_ATTENTION, False)
         return (*_ATTENTION, "block_sparse_moe.gate", "block_sparse_moe.experts", *_LAYER_NORMS), _QK_NORMS, bias
     return (), (), {}
 
 
+#: the tensors of a module that vLLM loads its weight from: a dense weight, an EXL3 or escha trellis, int8 rows
+WEIGHT_TENSORS = frozenset({"weight", "trellis", "escha_code", "qweight", "weight_int8"})
 #: the fix where config.json's model class and the tensors disagree in every layer
 WRONG_CLASS = (
     "config.json's architectures names another model than the tensors are of: use the config.json the pack was made "
@@ -518,10 +523,13 @@ def architecture_problems(
     layer's q_norm, vLLM would serve its initial ones without a word; the layout rules above need more layers to see
     it), a module of another family's layer (a Qwen3 q_norm in a Llama pack) or any other module vLLM's layer does
     not have (its loader stops in the worker; rotary tables and scales excepted, which vLLM skips or maps), a
-    bias where vLLM's layer has none (dropped without a word) or none where it has one (served uninitialized). A
-    module missing from every layer, and a stray module or bias in any, mean the class does not match the tensors;
-    each is one problem naming the first layer and the count. Also Qwen3-MoE settings vLLM cannot build a model from
-    (a sparse step below 1, no MoE layer at all).
+    module of the layer holding no weight (a q_norm with a bias only: vLLM loads nothing into it), a bias where
+    vLLM's layer has none (on a projection, a norm, a router or an expert: vLLM's loaders drop unexpected biases
+    without a word) or none where it has one (served uninitialized). A module missing from every layer, and a stray
+    module or bias in any, mean the class does not match the tensors; each is one problem naming the first layer
+    and the count. Also Qwen3-MoE settings vLLM cannot build a model from (a sparse step below 1, no MoE layer at
+    all). Only the first class of ``architectures`` is read: vLLM builds the first it has, and every class of
+    :data:`KNOWN_LAYERS` is vLLM's own.
 
     Args:
         stacks: :func:`decoder_layers`'s grouping (its ``model.layers.`` stack is checked).
@@ -534,7 +542,9 @@ def architecture_problems(
         The problems, one per module (or per module path, where it is the class).
     """
     names = config.get("architectures")
-    arch = next((a for a in names if a in KNOWN_LAYERS), None) if isinstance(names, list) else None
+    # vLLM builds the first class of the list it has (ModelRegistry.inspect_model_cls); every class of KNOWN_LAYERS is
+    # one of vLLM's own, so a known first class is the one it builds, and after another one it cannot be told here
+    arch = names[0] if isinstance(names, list) and names and names[0] in KNOWN_LAYERS else None
     layers = stacks.get("model.layers.")
     if arch is None or not layers:
         return []
@@ -564,13 +574,21 @@ def architecture_problems(
     lacking: dict[str, list[int]] = {}
     stray: dict[str, list[int]] = {}
     biased: dict[tuple[str, bool], list[int]] = {}
+    first_wrong: dict[tuple[str, bool], str] = {}  # the first module of each biased entry: an expert of a bank
+    weightless: dict[str, list[int]] = {}
     for i, paths in sorted(layers.items()):
         required, absent, bias = architecture_layer(arch, config, i)
+        parents = {path.rsplit(".", n)[0] for path in paths for n in range(1, path.count(".") + 1)}
         for need in required:
             if draft and i == min(layers) and need == "input_layernorm":
                 continue
-            if not any(_within(p, need) for p in paths):
+            held_here = [p for p in paths if _within(p, need)]
+            if not held_here:
                 lacking.setdefault(need, []).append(i)
+            for path in held_here:
+                own = tensors.get(f"model.layers.{i}.{path}")
+                if path not in parents and own is not None and not own & WEIGHT_TENSORS:
+                    weightless.setdefault(path, []).append(i)
         for other in absent:
             if any(_within(p, other) for p in paths):
                 stray.setdefault(other, []).append(i)
@@ -586,9 +604,12 @@ def architecture_problems(
             if not held or held[-1] != i:  # layers come in order
                 held.append(i)
         for path, has in bias.items():
-            held = tensors.get(f"model.layers.{i}.{path}")
-            if held is not None and ("bias" in held) != has:
+            # a parent's (the experts') own modules each: all biased where vLLM's has one, none where it has none
+            held = {p: tensors.get(f"model.layers.{i}.{p}", set()) for p in paths if _within(p, path)}
+            wrong = [p for p, t in held.items() if ("bias" in t) != has]
+            if wrong:
                 biased.setdefault((path, has), []).append(i)
+                first_wrong.setdefault((path, has), f"model.layers.{i}.{wrong[0]}")
 
     def shown(idx: list[int]) -> str:
         return ", ".join(map(str, idx[:8])) + (f" ... ({len(idx)} in all)" if len(idx) > 8 else "")
@@ -601,6 +622,13 @@ def architecture_problems(
         for i in idx:
             what = f"layer {i} holds no {need}, which every layer of vLLM's {arch} has"
             out.append(Problem(f"model.layers.{i}.{need}", f"model.layers.{i}.{need}.*", what, FIX))
+    for path, idx in weightless.items():
+        key = f"model.layers.{idx[0]}.{path}"
+        what = (
+            f"layer(s) {shown(idx)}: {path} holds {', '.join(sorted(tensors[key]))} but no weight (nor a trellis): "
+            "vLLM loads nothing into it and would serve its initial values without a word"
+        )
+        out.append(Problem(key, f"{key}.weight", what, FIX))
     for other, idx in stray.items():
         what = (
             f"layer(s) {shown(idx)} hold {other}, which vLLM's {arch} has no place for (another family's layer holds "
@@ -614,7 +642,7 @@ def architecture_problems(
         )
         out.append(Problem(f"model.layers.{idx[0]}.{path}", f"model.layers.{idx[0]}.{path}.*", what, WRONG_CLASS))
     for (path, has), idx in biased.items():
-        key = f"model.layers.{idx[0]}.{path}"
+        key = first_wrong[path, has]
         if has:
             what = (
                 f"layer(s) {shown(idx)}: {path} holds no bias, but vLLM's {arch} gives it one (config.json's "
