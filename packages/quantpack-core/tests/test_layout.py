@@ -740,3 +740,63 @@ def test_only_the_first_class_of_architectures_is_read(tmp_path, fixtures_dir):
     Pack.open(pack)
     pack = with_config(fixtures_dir / PACK, tmp_path / "c", architectures=["Qwen3ForCausalLM", "LlamaForCausalLM"])
     expect_problem(pack, "no decoder layer holds self_attn.q_norm, which every layer of vLLM's Qwen3ForCausalLM has")
+
+
+def test_the_layers_of_mistral_qwen2_moe_and_gemma():
+    """Mistral (Llama's layer), Qwen2-MoE (a dense layer among sparse ones, its shared expert's gate built even
+    without a shared expert) and Gemma 2 / 3 (pre- and post-feedforward norms; Gemma 3's q_norm / k_norm) as vLLM
+    builds them are sound; each loses a module visibly from one of two layers; a Mistral config with a
+    time-conditioned norm is not stated (no problem whatever its layers hold)."""
+    dense = [f"mlp.{p}" for p in GATE_UP_DOWN]
+    shared = [f"mlp.shared_expert.{p}" for p in GATE_UP_DOWN]
+    gemma = [*ATTN, *dense, *NORMS, "pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    q2moe = {"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "shared_expert_intermediate_size": 32}
+    cases = [
+        ({"architectures": ["MistralForCausalLM"]}, [*ATTN, *NORMS, *dense], "mlp.up_proj"),
+        ({**q2moe, "decoder_sparse_step": 2}, [*ATTN, *NORMS, "mlp.gate", "mlp.shared_expert_gate", *shared], None),
+        (
+            q2moe,
+            [*ATTN, *NORMS, "mlp.gate", "mlp.shared_expert_gate", *shared, *experts("mlp", 4)],
+            "mlp.shared_expert_gate",
+        ),
+        (
+            {**q2moe, "shared_expert_intermediate_size": 0},
+            [*ATTN, *NORMS, "mlp.gate", "mlp.shared_expert_gate", *experts("mlp", 2)],
+            "mlp.gate",
+        ),
+        ({"architectures": ["Gemma2ForCausalLM"]}, gemma, "pre_feedforward_layernorm"),
+        (
+            {"architectures": ["Gemma3ForCausalLM"]},
+            [*gemma, "self_attn.q_norm", "self_attn.k_norm"],
+            "self_attn.k_norm",
+        ),
+    ]
+    for config, layer, lost in cases:
+        if lost is None:  # the sparse step of 2: layer 0 dense, layer 1 sparse
+            layers = {0: [*ATTN, *NORMS, *dense], 1: [*layer, *experts("mlp", 4)]}
+        else:
+            layers = {0: layer, 1: layer}
+        held = {
+            k: {"weight", "bias"}
+            if "Qwen2" in config["architectures"][0] and k.endswith(("q_proj", "k_proj", "v_proj"))
+            else {"weight"}
+            for k in keys(layers)
+        }
+        stacks = decoder_layers(held, Pack.OTHER_STACKS, 2)
+        assert architecture_problems(stacks, held, config) == [], config
+        if lost is None:
+            continue
+        short = {k: v for k, v in held.items() if k != f"model.layers.1.{lost}"}
+        problems = architecture_problems(decoder_layers(short, Pack.OTHER_STACKS, 2), short, config)
+        assert [p.module for p in problems] == [f"model.layers.1.{lost}"], (config, problems)
+        assert f"which every layer of vLLM's {config['architectures'][0]} has" in problems[0].what
+    # Gemma 2 has no q_norm, Gemma 3 one in every layer: Gemma 3's tensors under Gemma 2 are of another class
+    layers = {i: [*gemma, "self_attn.q_norm", "self_attn.k_norm"] for i in range(2)}
+    held = {k: {"weight"} for k in keys(layers)}
+    problems = architecture_problems(
+        decoder_layers(held, Pack.OTHER_STACKS, 2), held, {"architectures": ["Gemma2ForCausalLM"]}
+    )
+    assert {p.module for p in problems} == {"model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm"}
+    assert "which vLLM's Gemma2ForCausalLM has no place for" in problems[0].what
+    ada = {"architectures": ["MistralForCausalLM"], "ada_rms_norm_t_cond": True}
+    assert architecture_problems(decoder_layers(held, Pack.OTHER_STACKS, 2), held, ada) == []

@@ -45,7 +45,7 @@ CONFIG_KEYS = ("architectures", "hidden_size", "num_hidden_layers", "vocab_size"
 #: the settings the layer rule of a known class reads (quantpack_core.layout.architecture_layer)
 LAYER_KEYS = (
     "attention_bias", "bias", "qkv_bias", "mlp_bias", "qk_norm", "num_experts", "num_local_experts",
-    "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
+    "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size", "ada_rms_norm_t_cond",
 )  # fmt: skip
 
 

@@ -66,6 +66,28 @@ CASES = {
         **MOE,
     },
     "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4, **MOE},
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+    "mistral-bias": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "bias": True, "mlp_bias": True},
+    # dense layer 0 and odd layers sparse; a shared expert, and without one (its gate is built all the same)
+    "qwen2-moe": {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "num_experts": 4,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [0],
+        "shared_expert_intermediate_size": 32,
+        **MOE,
+    },
+    "qwen2-moe-no-shared-expert": {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "num_experts": 4,
+        "shared_expert_intermediate_size": 0,
+        **MOE,
+    },
+    "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"},
+    "gemma2-attention-bias": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": True},
+    "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": True},
 }
 
 

@@ -19,9 +19,10 @@ the project knows (docs/families.md, and vLLM's model files for the others), so 
   Jamba's ``mamba`` / ``self_attn``, Nemotron-H's one ``mixer``) hold as many sublayers in every layer, only
   differently named, so only a layer that lost one has fewer.
 - :func:`architecture_problems`: for the model classes whose layer is stated here (:data:`KNOWN_LAYERS`: Llama,
-  Qwen2, Qwen3, Qwen3-MoE, Mixtral; checked against the layers vLLM builds by quantpack-exl3's
-  ``test_layer_rules_vllm.py``), every layer against that layer, at any layer count (the rules above need four
-  instances to see a module lost from one): a module lost, another family's module, a bias the config does not give.
+  Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Mixtral, Gemma 2 and 3; checked against the layers vLLM builds by
+  quantpack-exl3's ``test_layer_rules_vllm.py``), every layer against that layer, at any layer count (the rules
+  above need four instances to see a module lost from one): a module lost, another family's module, a module
+  holding no weight, a bias the config does not give.
 
 Whole layers missing and per-layer norms are checked by :class:`~quantpack_core.pack.Pack` itself; experts of an
 expert bank by its MoE rules (docs/moe-bank.md).
@@ -374,9 +375,22 @@ _ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_
 _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 _GATED_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-#: the architectures whose decoder layer :func:`architecture_layer` states (vLLM's llama.py, qwen2.py, qwen3.py,
-#: qwen3_moe.py, mixtral.py)
-KNOWN_LAYERS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+_FEEDFORWARD_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+#: the architectures whose decoder layer :func:`architecture_layer` states (vLLM's llama.py, mistral.py, qwen2.py,
+#: qwen2_moe.py, qwen3.py, qwen3_moe.py, mixtral.py, gemma2.py, gemma3.py; the same layers in vLLM 0.22 to 0.32)
+KNOWN_LAYERS = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)
+#: the Qwen MoE classes, whose sparse layers the config plans (:func:`qwen_moe_plan`)
+QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _flag(config: dict, *keys: str) -> bool:
@@ -394,10 +408,11 @@ def _count(config: dict, *keys: str) -> int | None:
     return None
 
 
-def qwen3_moe_plan(config: dict) -> tuple[int, int, list] | None:
-    """Qwen3-MoE's expert count, sparse step and dense layers as vLLM reads them (``config.num_experts``, which
-    transformers maps to ``num_local_experts``; ``decoder_sparse_step``, default 1; ``mlp_only_layers``, default
-    none), or None where they cannot build a model (a step below 1: vLLM divides by it; a count that is no integer)."""
+def qwen_moe_plan(config: dict) -> tuple[int, int, list] | None:
+    """Qwen2-MoE's and Qwen3-MoE's expert count, sparse step and dense layers as vLLM reads them
+    (``config.num_experts``, which transformers maps to ``num_local_experts``; ``decoder_sparse_step``, default 1;
+    ``mlp_only_layers``, default none), or None where they cannot build a model (a step below 1: vLLM divides by it;
+    a count that is no integer)."""
     experts = _count(config, "num_local_experts", "num_experts")
     step = _count(config, "decoder_sparse_step") if "decoder_sparse_step" in config else 1
     only = config.get("mlp_only_layers", [])
@@ -406,8 +421,8 @@ def qwen3_moe_plan(config: dict) -> tuple[int, int, list] | None:
     return experts, step, only
 
 
-def qwen3_moe_sparse(plan: tuple[int, int, list], i: int) -> bool:
-    """Whether vLLM's Qwen3-MoE makes layer ``i`` an MoE layer under ``plan`` (:func:`qwen3_moe_plan`)."""
+def qwen_moe_sparse(plan: tuple[int, int, list], i: int) -> bool:
+    """Whether vLLM's Qwen2-MoE or Qwen3-MoE makes layer ``i`` an MoE layer under ``plan`` (:func:`qwen_moe_plan`)."""
     experts, step, only = plan
     return experts > 0 and (i + 1) % step == 0 and i not in only
 
@@ -419,7 +434,7 @@ def _within(path: str, module: str) -> bool:
 
 def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, bool]]:
     """What vLLM's model class ``arch`` builds in decoder layer ``i``, for the architectures of :data:`KNOWN_LAYERS`
-    (their layers do not vary with the layer's place, but for Qwen3-MoE's dense layers).
+    (their layers do not vary with the layer's place, but for the Qwen MoE classes' dense layers).
 
     Args:
         arch: the model class config.json names.
@@ -433,14 +448,16 @@ def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...]
         model therefore holds (a parent such as ``mlp.experts`` holds its experts); module paths of other families'
         layers that vLLM's class has no place for; and for each required module whether vLLM's layer has a bias
         there (none on norms, routers and experts in any of these classes). ``((), (), {})`` for an architecture
-        not in :data:`KNOWN_LAYERS`; a Qwen3-MoE layer whose MLP the config cannot plan (:func:`qwen3_moe_plan`)
-        requires its attention and norms only.
+        not in :data:`KNOWN_LAYERS` (and Mistral's with ``ada_rms_norm_t_cond``); a Qwen MoE layer whose MLP the
+        config cannot plan (:func:`qwen_moe_plan`) requires its attention and norms only.
 
-    Source: vLLM's model files (llama.py: ``attention_bias or bias`` for q/k/v/o, ``qkv_bias`` over it for q/k/v,
-    ``mlp_bias``; qwen2.py: q/k/v biased, ``qk_norm``; qwen3.py and qwen3_moe.py: q_norm / k_norm always, q/k/v
-    bias by ``attention_bias``, a layer sparse where ``num_experts`` > 0, ``(i + 1) % decoder_sparse_step == 0``
-    and ``i`` not in ``mlp_only_layers``, a gated shared expert where ``shared_expert_intermediate_size`` > 0;
-    mixtral.py: no bias).
+    Source: vLLM's model files (llama.py, whose layer mistral.py's extends: ``attention_bias or bias`` for q/k/v/o,
+    ``qkv_bias`` over it for q/k/v, ``mlp_bias``; qwen2.py: q/k/v biased, ``qk_norm``; qwen3.py and qwen3_moe.py:
+    q_norm / k_norm always, q/k/v bias by ``attention_bias``; qwen2_moe.py and qwen3_moe.py: a layer sparse where
+    ``num_experts`` > 0, ``(i + 1) % decoder_sparse_step == 0`` and ``i`` not in ``mlp_only_layers``, a shared
+    expert where ``shared_expert_intermediate_size`` > 0, its gate in every Qwen2-MoE sparse layer; mixtral.py: no
+    bias; gemma2.py and gemma3.py: pre- and post-feedforward norms, q/k/v/o bias by ``attention_bias``, Gemma 3's
+    q_norm / k_norm).
     """
     required, absent, bias = _layer_modules(arch, config, i)
     return required, absent, {path: bias.get(path, False) for path in required}
@@ -448,34 +465,44 @@ def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...]
 
 def _layer_modules(arch: str, config: dict, i: int) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, bool]]:
     """:func:`architecture_layer` with the biases of the projections that may carry one only."""
-    bias: dict[str, bool] = {}
-    if arch == "LlamaForCausalLM":
+    if arch in ("LlamaForCausalLM", "MistralForCausalLM"):
+        if arch == "MistralForCausalLM" and _flag(config, "ada_rms_norm_t_cond"):
+            return (), (), {}  # a time-conditioned norm's modules in the layer (Voxtral's): not stated
         attn = _flag(config, "attention_bias", "bias")
         qkv = _flag(config, "qkv_bias") if "qkv_bias" in config else attn
         bias = {**dict.fromkeys(_ATTENTION[:3], qkv), _ATTENTION[3]: attn}
         bias.update(dict.fromkeys(_GATED_MLP, _flag(config, "mlp_bias")))
         return (*_ATTENTION, *_GATED_MLP, *_LAYER_NORMS), _QK_NORMS, bias
-    if arch == "Qwen2ForCausalLM":
-        bias = dict.fromkeys(_ATTENTION[:3], True)
-        norms = _QK_NORMS if _flag(config, "qk_norm") else ()
-        return (*_ATTENTION, *norms, *_GATED_MLP, *_LAYER_NORMS), () if norms else _QK_NORMS, bias
-    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
-        bias = dict.fromkeys(_ATTENTION[:3], _flag(config, "attention_bias"))
-        mlp: tuple[str, ...] = _GATED_MLP
-        if arch == "Qwen3MoeForCausalLM":
-            plan = qwen3_moe_plan(config)
-            if plan is None:
-                mlp = ()
-            elif qwen3_moe_sparse(plan, i):
-                mlp = ("mlp.gate", "mlp.experts")
-                shared = _count(config, "shared_expert_intermediate_size") or 0
-                if shared > 0:
-                    projections = tuple(f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
-                    mlp += (*projections, "mlp.shared_expert_gate")
-        return (*_ATTENTION, *_QK_NORMS, *mlp, *_LAYER_NORMS), (), bias
+    if arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        norms = _QK_NORMS if arch == "Gemma3ForCausalLM" else ()
+        bias = dict.fromkeys(_ATTENTION, _flag(config, "attention_bias"))
+        required = (*_ATTENTION, *norms, *_GATED_MLP, *_LAYER_NORMS, *_FEEDFORWARD_NORMS)
+        return required, () if norms else _QK_NORMS, bias
     if arch == "MixtralForCausalLM":
-        return (*_ATTENTION, "block_sparse_moe.gate", "block_sparse_moe.experts", *_LAYER_NORMS), _QK_NORMS, bias
-    return (), (), {}
+        return (*_ATTENTION, "block_sparse_moe.gate", "block_sparse_moe.experts", *_LAYER_NORMS), _QK_NORMS, {}
+    if arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        return (), (), {}
+    if arch.startswith("Qwen2"):
+        bias = dict.fromkeys(_ATTENTION[:3], True)
+        norms = _QK_NORMS if arch == "Qwen2ForCausalLM" and _flag(config, "qk_norm") else ()
+    else:
+        bias = dict.fromkeys(_ATTENTION[:3], _flag(config, "attention_bias"))
+        norms = _QK_NORMS
+    mlp: tuple[str, ...] = _GATED_MLP
+    if arch in QWEN_MOE:
+        plan = qwen_moe_plan(config)
+        if plan is None:
+            mlp = ()
+        elif qwen_moe_sparse(plan, i):
+            mlp = ("mlp.gate", "mlp.experts")
+            # Qwen2-MoE's class builds the shared expert's gate whatever its size (transformers' default is not 0)
+            shared = _count(config, "shared_expert_intermediate_size")
+            shared = (1 if arch == "Qwen2MoeForCausalLM" else 0) if shared is None else shared
+            if shared > 0:
+                mlp += tuple(f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
+            if shared > 0 or arch == "Qwen2MoeForCausalLM":
+                mlp += ("mlp.shared_expert_gate",)
+    return (*_ATTENTION, *norms, *mlp, *_LAYER_NORMS), () if norms else _QK_NORMS, bias
 
 
 #: the tensors of a module that vLLM loads its weight from: a dense weight, an EXL3 or escha trellis, int8 rows
@@ -527,9 +554,9 @@ def architecture_problems(
     vLLM's layer has none (on a projection, a norm, a router or an expert: vLLM's loaders drop unexpected biases
     without a word) or none where it has one (served uninitialized). A module missing from every layer, and a stray
     module or bias in any, mean the class does not match the tensors; each is one problem naming the first layer
-    and the count. Also Qwen3-MoE settings vLLM cannot build a model from (a sparse step below 1, no MoE layer at
-    all). Only the first class of ``architectures`` is read: vLLM builds the first it has, and every class of
-    :data:`KNOWN_LAYERS` is vLLM's own.
+    and the count. Also Qwen MoE settings vLLM cannot build a model from (a sparse step below 1; for Qwen3-MoE, no
+    MoE layer at all). Only the first class of ``architectures`` is read: vLLM builds the first it has, and every
+    class of :data:`KNOWN_LAYERS` is vLLM's own.
 
     Args:
         stacks: :func:`decoder_layers`'s grouping (its ``model.layers.`` stack is checked).
@@ -549,19 +576,19 @@ def architecture_problems(
     if arch is None or not layers:
         return []
     out: list[Problem] = []
-    plan = qwen3_moe_plan(config) if arch == "Qwen3MoeForCausalLM" else None
-    unplanned = arch == "Qwen3MoeForCausalLM" and plan is None
-    if arch == "Qwen3MoeForCausalLM":
+    plan = qwen_moe_plan(config) if arch in QWEN_MOE else None
+    unplanned = arch in QWEN_MOE and plan is None
+    if arch in QWEN_MOE:
         fix = "use the config.json the pack was made with"
         if plan is None:
             what = (
                 f"num_local_experts / num_experts {config.get('num_local_experts', config.get('num_experts'))!r}, "
                 f"decoder_sparse_step {config.get('decoder_sparse_step')!r}, mlp_only_layers "
-                f"{config.get('mlp_only_layers')!r}: vLLM's Qwen3MoeForCausalLM cannot plan its layers from them "
+                f"{config.get('mlp_only_layers')!r}: vLLM's {arch} cannot plan its layers from them "
                 "(integers, a step of at least 1, a list)"
             )
             out.append(Problem("", "config.json", what, fix))
-        elif not any(qwen3_moe_sparse(plan, i) for i in layers):
+        elif arch == "Qwen3MoeForCausalLM" and not any(qwen_moe_sparse(plan, i) for i in layers):
             what = (
                 f"no layer is an MoE layer (num_local_experts / num_experts {plan[0]}, decoder_sparse_step {plan[1]}, "
                 f"mlp_only_layers {plan[2]}): vLLM's Qwen3MoeForCausalLM stops in the worker without one"
@@ -578,6 +605,8 @@ def architecture_problems(
     weightless: dict[str, list[int]] = {}
     for i, paths in sorted(layers.items()):
         required, absent, bias = architecture_layer(arch, config, i)
+        if not required:  # a layer the project does not state (Mistral's with a time-conditioned norm)
+            continue
         parents = {path.rsplit(".", n)[0] for path in paths for n in range(1, path.count(".") + 1)}
         for need in required:
             if draft and i == min(layers) and need == "input_layernorm":
