@@ -508,8 +508,8 @@ def test_a_class_of_another_family_than_the_tensors(tmp_path, fixtures_dir):
 
 def test_biases_against_the_config(tmp_path, fixtures_dir):
     """A config whose bias settings give the attention a bias the pack lacks (vLLM would serve an uninitialized
-    one), and a bias the config's class has no place for (vLLM would drop it without a word); Qwen2's q/k/v always
-    carry one."""
+    one: the fix is the config), and a bias the config's class has no place for (vLLM would drop it without a word);
+    Qwen2's q/k/v always carry one (the fix is not the config: no setting takes it away)."""
     pack = with_config(fixtures_dir / PACK, tmp_path / "b", attention_bias=True)
     error = expect_problem(
         pack, "layer(s) 0, 1, 2, 3: self_attn.q_proj holds no bias, but vLLM's LlamaForCausalLM gives it one"
@@ -518,7 +518,12 @@ def test_biases_against_the_config(tmp_path, fixtures_dir):
         f"model.layers.0.self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj", "o_proj")
     ]
     pack = with_config(fixtures_dir / PACK, tmp_path / "q2", architectures=["Qwen2ForCausalLM"], model_type="qwen2")
-    error = expect_problem(pack, "self_attn.v_proj holds no bias, but vLLM's Qwen2ForCausalLM gives it one")
+    # no setting takes Qwen2's q/k/v bias away: the fix is not the config
+    error = expect_problem(
+        pack,
+        "self_attn.v_proj holds no bias, but vLLM's Qwen2ForCausalLM always gives it one",
+        "-> vLLM cannot serve this pack as it is",
+    )
     assert len(error.problems) == 3  # q, k, v; o_proj has none in Qwen2 either
     # a bias stored on layer 2's v_proj, which the config's Llama has none for
     pack = without(fixtures_dir / PACK, tmp_path / "extra", "no tensor has this prefix")

@@ -68,6 +68,7 @@ CASES = {
     "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4, **MOE},
     "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
     "mistral-bias": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "bias": True, "mlp_bias": True},
+    "ministral3": {"architectures": ["Ministral3ForCausalLM"], "model_type": "ministral3"},
     # dense layer 0 and odd layers sparse; a shared expert, and without one (its gate is built all the same)
     "qwen2-moe": {
         "architectures": ["Qwen2MoeForCausalLM"],

@@ -376,11 +376,13 @@ _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 _GATED_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _FEEDFORWARD_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-#: the architectures whose decoder layer :func:`architecture_layer` states (vLLM's llama.py, mistral.py, qwen2.py,
+#: the architectures whose decoder layer :func:`architecture_layer` states (vLLM's llama.py, mistral.py (which also
+#: builds Ministral3ForCausalLM), qwen2.py,
 #: qwen2_moe.py, qwen3.py, qwen3_moe.py, mixtral.py, gemma2.py, gemma3.py; the same layers in vLLM 0.22 to 0.32)
 KNOWN_LAYERS = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "Ministral3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
@@ -465,8 +467,8 @@ def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...]
 
 def _layer_modules(arch: str, config: dict, i: int) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, bool]]:
     """:func:`architecture_layer` with the biases of the projections that may carry one only."""
-    if arch in ("LlamaForCausalLM", "MistralForCausalLM"):
-        if arch == "MistralForCausalLM" and _flag(config, "ada_rms_norm_t_cond"):
+    if arch in ("LlamaForCausalLM", "MistralForCausalLM", "Ministral3ForCausalLM"):
+        if arch != "LlamaForCausalLM" and _flag(config, "ada_rms_norm_t_cond"):
             return (), (), {}  # a time-conditioned norm's modules in the layer (Voxtral's): not stated
         attn = _flag(config, "attention_bias", "bias")
         qkv = _flag(config, "qkv_bias") if "qkv_bias" in config else attn
@@ -667,12 +669,18 @@ def architecture_problems(
     for path, idx in unknown.items():
         what = (
             f"layer(s) {shown(idx)} hold {path}, which vLLM's {arch} layer has no module for: its loader stops in the "
-            'worker ("There is no module or parameter named ...")'
+            'worker ("There is no module or parameter named ...") or, in some releases, passes over it'
         )
         out.append(Problem(f"model.layers.{idx[0]}.{path}", f"model.layers.{idx[0]}.{path}.*", what, WRONG_CLASS))
     for (path, has), idx in biased.items():
         key = first_wrong[path, has]
-        if has:
+        if has and architecture_layer(arch, {**config, **dict.fromkeys(_ALL_BIAS, False)}, idx[0])[2].get(path):
+            what = (
+                f"layer(s) {shown(idx)}: {path} holds no bias, but vLLM's {arch} always gives it one: it would serve "
+                "an uninitialized bias"
+            )
+            fix = "vLLM cannot serve this pack as it is (a model of another class, or one without the bias vLLM's has)"
+        elif has:
             what = (
                 f"layer(s) {shown(idx)}: {path} holds no bias, but vLLM's {arch} gives it one (config.json's "
                 "attention / qkv bias settings): it would serve an uninitialized bias"
