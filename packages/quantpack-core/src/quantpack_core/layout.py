@@ -19,9 +19,9 @@ the project knows (docs/families.md, and vLLM's model files for the others), so 
   Jamba's ``mamba`` / ``self_attn``, Nemotron-H's one ``mixer``) hold as many sublayers in every layer, only
   differently named, so only a layer that lost one has fewer.
 - :func:`architecture_problems`: for the model classes whose layer is stated here (:data:`KNOWN_LAYERS`: Llama,
-  Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Mixtral, Gemma 2 and 3; checked against the layers vLLM builds by
-  quantpack-exl3's ``test_layer_rules_vllm.py``), every layer against that layer, at any layer count (the rules
-  above need four instances to see a module lost from one): a module lost, another family's module, a module
+  Mistral, Ministral 3, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Mixtral, Gemma 2 and 3; checked against the layers vLLM
+  builds by quantpack-exl3's ``test_layer_rules_vllm.py``), every layer against that layer, at any layer count (the
+  rules above need four instances to see a module lost from one): a module lost, another family's module, a module
   holding no weight, a bias the config does not give.
 
 Whole layers missing and per-layer norms are checked by :class:`~quantpack_core.pack.Pack` itself; experts of an
