@@ -805,3 +805,39 @@ def test_the_layers_of_mistral_qwen2_moe_and_gemma():
     assert "which vLLM's Gemma2ForCausalLM has no place for" in problems[0].what
     ada = {"architectures": ["MistralForCausalLM"], "ada_rms_norm_t_cond": True}
     assert architecture_problems(decoder_layers(held, Pack.OTHER_STACKS, 2), held, ada) == []
+
+
+NEXT_PACK = "qwen3next-tiny-exl3-4.0bpw-mul1"
+
+
+def test_the_qwen3_next_layers(tmp_path, fixtures_dir):
+    """The bundled two-layer Qwen3-Next pack (a Gated DeltaNet layer, then an attention layer): sound; without the
+    DeltaNet's A_log (a tensor the block holds itself, which vLLM loads into a parameter of its own) or the attention
+    layer's q_norm, named - too few layers for the layout rules; with its layer kinds swapped in config.json, each
+    layer's block is one vLLM's layer has no place for; with full_attention_interval in place of layer_types (as
+    transformers reads it) and layer_types vLLM cannot build from."""
+    Pack.open(fixtures_dir / NEXT_PACK)
+    pack = without(fixtures_dir / NEXT_PACK, tmp_path / "a", "model.layers.0.linear_attn.A_log")
+    error = expect_problem(
+        pack,
+        "model.layers.0.linear_attn.A_log",
+        "layer(s) 0: linear_attn holds no A_log, which vLLM's Qwen3NextForCausalLM loads into a parameter of its own",
+    )
+    assert [p.module for p in error.problems] == ["model.layers.0.linear_attn"]
+    pack = without(fixtures_dir / NEXT_PACK, tmp_path / "q", "model.layers.1.self_attn.q_norm.")
+    expect_problem(pack, "layer 1 holds no self_attn.q_norm, which every layer of vLLM's Qwen3NextForCausalLM has")
+    swapped = with_config(fixtures_dir / NEXT_PACK, tmp_path / "s", layer_types=["full_attention", "linear_attention"])
+    error = expect_problem(
+        swapped, "layer(s) 0 hold linear_attn, which vLLM's Qwen3NextForCausalLM layer has no module"
+    )
+    assert {p.module for p in error.problems} >= {"model.layers.0.linear_attn", "model.layers.1.self_attn"}
+    pack = with_config(fixtures_dir / NEXT_PACK, tmp_path / "i", layer_types=None, full_attention_interval=2)
+    Pack.open(pack)
+    pack = with_config(fixtures_dir / NEXT_PACK, tmp_path / "i1", layer_types=None, full_attention_interval=1)
+    expect_problem(pack, "layer(s) 0 hold linear_attn")
+    # a kind vLLM cannot build, or no list at all: the layer is not stated (vLLM stops on it by itself)
+    stacks = decoder_layers(Pack(fixtures_dir / NEXT_PACK).modules, Pack.OTHER_STACKS, 2)
+    held = {k: set(m.tensors) for k, m in Pack(fixtures_dir / NEXT_PACK).modules.items()}
+    for types in (["mamba", "full_attention"], "full_attention", ["linear_attention"]):
+        config = {"architectures": ["Qwen3NextForCausalLM"], "num_experts": 8, "layer_types": types}
+        assert [p.module for p in architecture_problems(stacks, held, config)] == [], types

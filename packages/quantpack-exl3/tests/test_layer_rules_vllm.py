@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from quantpack_core.layout import KNOWN_LAYERS, architecture_layer
+from quantpack_core.layout import KNOWN_LAYERS, OWN_TENSORS, architecture_layer
 
 BASE = {
     "hidden_size": 64,
@@ -26,6 +26,19 @@ BASE = {
     "torch_dtype": "float32",
 }
 MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "num_experts": 4,
+    "shared_expert_intermediate_size": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "partial_rotary_factor": 0.25,
+    **MOE,
+}
 #: config.json of each case: every class of KNOWN_LAYERS, with the settings its layer reads
 CASES = {
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama"},
@@ -89,6 +102,10 @@ CASES = {
     "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"},
     "gemma2-attention-bias": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": True},
     "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": True},
+    # Gated DeltaNet and attention layers as layer_types gives them, a dense layer; then as full_attention_interval
+    # gives them (transformers derives layer_types), every layer sparse, q/k/v biased
+    "qwen3-next": {**NEXT, "layer_types": ["linear_attention", "full_attention"] * 2, "mlp_only_layers": [2]},
+    "qwen3-next-interval": {**NEXT, "full_attention_interval": 2, "qkv_bias": True},
 }
 
 
@@ -143,3 +160,6 @@ def test_the_rule_states_the_layer_vllm_builds(built, case):
         assert not set(absent) & modules, (case, i)
         assert {p for p, has in bias.items() if has} == biased, (case, i, sorted(biased))
         assert set(bias) <= modules, (case, i)  # the rule states the bias of modules the layer has
+        for path, own in OWN_TENSORS.items():  # a module's parameters of its own beside its modules
+            held = {name.rpartition(".")[2] for name in names if name.rpartition(".")[0] == path}
+            assert held == (set(own) if path in required else set()), (case, i, path, held)

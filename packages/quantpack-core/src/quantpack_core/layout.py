@@ -19,10 +19,10 @@ the project knows (docs/families.md, and vLLM's model files for the others), so 
   Jamba's ``mamba`` / ``self_attn``, Nemotron-H's one ``mixer``) hold as many sublayers in every layer, only
   differently named, so only a layer that lost one has fewer.
 - :func:`architecture_problems`: for the model classes whose layer is stated here (:data:`KNOWN_LAYERS`: Llama,
-  Mistral, Ministral 3, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Mixtral, Gemma 2 and 3; checked against the layers vLLM
-  builds by quantpack-exl3's ``test_layer_rules_vllm.py``), every layer against that layer, at any layer count (the
-  rules above need four instances to see a module lost from one): a module lost, another family's module, a module
-  holding no weight, a bias the config does not give.
+  Mistral, Ministral 3, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Qwen3-Next, Mixtral, Gemma 2 and 3; checked against the
+  layers vLLM builds by quantpack-exl3's ``test_layer_rules_vllm.py``), every layer against that layer, at any layer
+  count (the rules above need four instances to see a module lost from one): a module lost, another family's
+  module, a module holding no weight or lacking a tensor of its own, a bias the config does not give.
 
 Whole layers missing and per-layer norms are checked by :class:`~quantpack_core.pack.Pack` itself; experts of an
 expert bank by its MoE rules (docs/moe-bank.md).
@@ -390,9 +390,18 @@ KNOWN_LAYERS = (
     "MixtralForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3NextForCausalLM",
 )
 #: the Qwen MoE classes, whose sparse layers the config plans (:func:`qwen_moe_plan`)
-QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
+#: the modules of Qwen3-Next's Gated DeltaNet block (its linear-attention layers; vLLM's QwenGatedDeltaNetAttention
+#: loads the checkpoint's names)
+_GATED_DELTANET = tuple(f"linear_attn.{m}" for m in ("in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj"))
+#: tensors a module of a stated layer holds itself beside its modules, each loaded by vLLM into a parameter of its
+#: own (the Gated DeltaNet's decay and time-step bias)
+OWN_TENSORS = {"linear_attn": ("A_log", "dt_bias")}
+#: Qwen3-Next's layer kinds (config.json's ``layer_types``)
+_QWEN3_NEXT_KINDS = ("linear_attention", "full_attention")
 
 
 def _flag(config: dict, *keys: str) -> bool:
@@ -423,6 +432,20 @@ def qwen_moe_plan(config: dict) -> tuple[int, int, list] | None:
     return experts, step, only
 
 
+def qwen3_next_layer_type(config: dict, i: int) -> str | None:
+    """The kind of Qwen3-Next's layer ``i`` as vLLM reads it (``config.layer_types[i]``; transformers derives the list
+    from ``full_attention_interval``, default 4, where config.json gives none: every interval-th layer full
+    attention), or None where config.json gives no kind vLLM can build."""
+    types = config.get("layer_types")
+    if types is not None:
+        ok = isinstance(types, list) and i < len(types) and types[i] in _QWEN3_NEXT_KINDS
+        return types[i] if ok else None
+    interval = _count(config, "full_attention_interval") if "full_attention_interval" in config else 4
+    if interval is None or interval < 1:
+        return None
+    return _QWEN3_NEXT_KINDS[0] if (i + 1) % interval else _QWEN3_NEXT_KINDS[1]
+
+
 def qwen_moe_sparse(plan: tuple[int, int, list], i: int) -> bool:
     """Whether vLLM's Qwen2-MoE or Qwen3-MoE makes layer ``i`` an MoE layer under ``plan`` (:func:`qwen_moe_plan`)."""
     experts, step, only = plan
@@ -441,8 +464,8 @@ def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...]
     Args:
         arch: the model class config.json names.
         config: config.json (its attention_bias / bias / qkv_bias, mlp_bias, qk_norm, num_local_experts /
-            num_experts, decoder_sparse_step, mlp_only_layers and shared_expert_intermediate_size are read as vLLM's
-            model file reads them).
+            num_experts, decoder_sparse_step, mlp_only_layers, shared_expert_intermediate_size, layer_types /
+            full_attention_interval and layer_scale are read as vLLM's model file reads them).
         i: the layer's index.
 
     Returns:
@@ -459,7 +482,9 @@ def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...]
     ``num_experts`` > 0, ``(i + 1) % decoder_sparse_step == 0`` and ``i`` not in ``mlp_only_layers``, a shared
     expert where ``shared_expert_intermediate_size`` > 0, its gate in every Qwen2-MoE sparse layer; mixtral.py: no
     bias; gemma2.py and gemma3.py: pre- and post-feedforward norms, q/k/v/o bias by ``attention_bias``, Gemma 3's
-    q_norm / k_norm).
+    q_norm / k_norm; qwen3_next.py: ``layer_types`` gives each layer the Gated DeltaNet (:data:`OWN_TENSORS` beside
+    its modules) or attention with q_norm / k_norm and q/k/v bias by ``qkv_bias``, the MLP planned as Qwen2-MoE's,
+    a layer scale where ``layer_scale`` is set, which this does not state).
     """
     required, absent, bias = _layer_modules(arch, config, i)
     return required, absent, {path: bias.get(path, False) for path in required}
@@ -482,14 +507,23 @@ def _layer_modules(arch: str, config: dict, i: int) -> tuple[tuple[str, ...], tu
         return required, () if norms else _QK_NORMS, bias
     if arch == "MixtralForCausalLM":
         return (*_ATTENTION, "block_sparse_moe.gate", "block_sparse_moe.experts", *_LAYER_NORMS), _QK_NORMS, {}
-    if arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch not in (*QWEN_MOE, "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return (), (), {}
-    if arch.startswith("Qwen2"):
+    absent: tuple[str, ...] = ()
+    if arch == "Qwen3NextForCausalLM":
+        kind = qwen3_next_layer_type(config, i)
+        if kind is None or _flag(config, "layer_scale"):
+            return (), (), {}  # a layer vLLM cannot build, or one with scales held by the layer itself: not stated
+        full = kind == "full_attention"
+        attn = (*_ATTENTION, *_QK_NORMS) if full else ("linear_attn", *_GATED_DELTANET)
+        bias = dict.fromkeys(_ATTENTION[:3], _flag(config, "qkv_bias")) if full else {}
+    elif arch.startswith("Qwen2"):
         bias = dict.fromkeys(_ATTENTION[:3], True)
         norms = _QK_NORMS if arch == "Qwen2ForCausalLM" and _flag(config, "qk_norm") else ()
+        attn, absent = (*_ATTENTION, *norms), () if norms else _QK_NORMS
     else:
         bias = dict.fromkeys(_ATTENTION[:3], _flag(config, "attention_bias"))
-        norms = _QK_NORMS
+        attn = (*_ATTENTION, *_QK_NORMS)
     mlp: tuple[str, ...] = _GATED_MLP
     if arch in QWEN_MOE:
         plan = qwen_moe_plan(config)
@@ -497,14 +531,16 @@ def _layer_modules(arch: str, config: dict, i: int) -> tuple[tuple[str, ...], tu
             mlp = ()
         elif qwen_moe_sparse(plan, i):
             mlp = ("mlp.gate", "mlp.experts")
-            # Qwen2-MoE's class builds the shared expert's gate whatever its size (transformers' default is not 0)
+            # Qwen2-MoE's and Qwen3-Next's classes build the shared expert's gate whatever its size (transformers'
+            # default size is not 0 there)
+            gated = arch != "Qwen3MoeForCausalLM"
             shared = _count(config, "shared_expert_intermediate_size")
-            shared = (1 if arch == "Qwen2MoeForCausalLM" else 0) if shared is None else shared
+            shared = (1 if gated else 0) if shared is None else shared
             if shared > 0:
                 mlp += tuple(f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
-            if shared > 0 or arch == "Qwen2MoeForCausalLM":
+            if shared > 0 or gated:
                 mlp += ("mlp.shared_expert_gate",)
-    return (*_ATTENTION, *norms, *mlp, *_LAYER_NORMS), () if norms else _QK_NORMS, bias
+    return (*attn, *mlp, *_LAYER_NORMS), absent, bias
 
 
 #: the tensors of a module that vLLM loads its weight from: a dense weight, an EXL3 or escha trellis, int8 rows
@@ -557,7 +593,8 @@ def architecture_problems(
     without a word) or none where it has one (served uninitialized). A module missing from every layer, and a stray
     module or bias in any, mean the class does not match the tensors; each is one problem naming the first layer
     and the count. Also Qwen MoE settings vLLM cannot build a model from (a sparse step below 1; for Qwen3-MoE, no
-    MoE layer at all). Only the first class of ``architectures`` is read: vLLM builds the first it has, and every
+    MoE layer at all), and a module's own tensor vLLM loads into (:data:`OWN_TENSORS`: the Gated DeltaNet's A_log) that
+    it lacks. Only the first class of ``architectures`` is read: vLLM builds the first it has, and every
     class of :data:`KNOWN_LAYERS` is vLLM's own.
 
     Args:
@@ -605,6 +642,7 @@ def architecture_problems(
     biased: dict[tuple[str, bool], list[int]] = {}
     first_wrong: dict[tuple[str, bool], str] = {}  # the first module of each biased entry: an expert of a bank
     weightless: dict[str, list[int]] = {}
+    unheld: dict[tuple[str, str], list[int]] = {}  # a module's own tensor (OWN_TENSORS) it lacks
     for i, paths in sorted(layers.items()):
         required, absent, bias = architecture_layer(arch, config, i)
         if not required:  # a layer the project does not state (Mistral's with a time-conditioned norm)
@@ -620,6 +658,11 @@ def architecture_problems(
                 own = tensors.get(f"model.layers.{i}.{path}")
                 if path not in parents and own is not None and not own & WEIGHT_TENSORS:
                     weightless.setdefault(path, []).append(i)
+            if held_here and need in OWN_TENSORS:
+                own = tensors.get(f"model.layers.{i}.{need}", set())
+                for name in OWN_TENSORS[need]:
+                    if name not in own:
+                        unheld.setdefault((need, name), []).append(i)
         for other in absent:
             if any(_within(p, other) for p in paths):
                 stray.setdefault(other, []).append(i)
@@ -653,6 +696,13 @@ def architecture_problems(
         for i in idx:
             what = f"layer {i} holds no {need}, which every layer of vLLM's {arch} has"
             out.append(Problem(f"model.layers.{i}.{need}", f"model.layers.{i}.{need}.*", what, FIX))
+    for (path, name), idx in unheld.items():
+        key = f"model.layers.{idx[0]}.{path}"
+        what = (
+            f"layer(s) {shown(idx)}: {path} holds no {name}, which vLLM's {arch} loads into a parameter of its own: "
+            "it would serve that parameter's initial values without a word"
+        )
+        out.append(Problem(key, f"{key}.{name}", what, FIX))
     for path, idx in weightless.items():
         key = f"model.layers.{idx[0]}.{path}"
         what = (
