@@ -102,10 +102,10 @@ CASES = {
     "gemma2": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"},
     "gemma2-attention-bias": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": True},
     "gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "attention_bias": True},
-    # Gated DeltaNet and attention layers as layer_types gives them, a dense layer; then as full_attention_interval
-    # gives them (transformers derives layer_types), every layer sparse, q/k/v biased
+    # Gated DeltaNet and attention layers as layer_types gives them, a dense layer; then without layer_types (every
+    # fourth layer full attention, as each release's config class derives it), every layer sparse, q/k/v biased
     "qwen3-next": {**NEXT, "layer_types": ["linear_attention", "full_attention"] * 2, "mlp_only_layers": [2]},
-    "qwen3-next-interval": {**NEXT, "full_attention_interval": 2, "qkv_bias": True},
+    "qwen3-next-interval": {**NEXT, "full_attention_interval": 4, "qkv_bias": True},
 }
 
 

@@ -433,17 +433,19 @@ def qwen_moe_plan(config: dict) -> tuple[int, int, list] | None:
 
 
 def qwen3_next_layer_type(config: dict, i: int) -> str | None:
-    """The kind of Qwen3-Next's layer ``i`` as vLLM reads it (``config.layer_types[i]``; transformers derives the list
-    from ``full_attention_interval``, default 4, where config.json gives none: every interval-th layer full
-    attention), or None where config.json gives no kind vLLM can build."""
+    """The kind of Qwen3-Next's layer ``i`` as vLLM reads it (``config.layer_types[i]``), or None where config.json
+    gives no kind vLLM can build, or none every release agrees on: without ``layer_types``, vLLM 0.22 to 0.31 build
+    their own config class, which makes every fourth layer full attention, and 0.32 transformers', which takes the
+    interval from ``full_attention_interval`` (default 4), so only an interval of 4 (or none) is read alike.
+    At load the plugin hands over vLLM's own config, which holds the list."""
     types = config.get("layer_types")
     if types is not None:
         ok = isinstance(types, list) and i < len(types) and types[i] in _QWEN3_NEXT_KINDS
         return types[i] if ok else None
-    interval = _count(config, "full_attention_interval") if "full_attention_interval" in config else 4
-    if interval is None or interval < 1:
+    interval = config.get("full_attention_interval", 4)
+    if interval != 4 or isinstance(interval, bool):
         return None
-    return _QWEN3_NEXT_KINDS[0] if (i + 1) % interval else _QWEN3_NEXT_KINDS[1]
+    return _QWEN3_NEXT_KINDS[0] if (i + 1) % 4 else _QWEN3_NEXT_KINDS[1]
 
 
 def qwen_moe_sparse(plan: tuple[int, int, list], i: int) -> bool:
@@ -482,9 +484,10 @@ def architecture_layer(arch: str, config: dict, i: int) -> tuple[tuple[str, ...]
     ``num_experts`` > 0, ``(i + 1) % decoder_sparse_step == 0`` and ``i`` not in ``mlp_only_layers``, a shared
     expert where ``shared_expert_intermediate_size`` > 0, its gate in every Qwen2-MoE sparse layer; mixtral.py: no
     bias; gemma2.py and gemma3.py: pre- and post-feedforward norms, q/k/v/o bias by ``attention_bias``, Gemma 3's
-    q_norm / k_norm; qwen3_next.py: ``layer_types`` gives each layer the Gated DeltaNet (:data:`OWN_TENSORS` beside
-    its modules) or attention with q_norm / k_norm and q/k/v bias by ``qkv_bias``, the MLP planned as Qwen2-MoE's,
-    a layer scale where ``layer_scale`` is set, which this does not state).
+    q_norm / k_norm; qwen3_next.py: ``layer_types`` (:func:`qwen3_next_layer_type`) gives each layer the Gated
+    DeltaNet (:data:`OWN_TENSORS` beside its modules) or attention with q_norm / k_norm and q/k/v bias by
+    ``qkv_bias``, the MLP planned as Qwen2-MoE's, a layer scale where ``layer_scale`` is set, which this does not
+    state).
     """
     required, absent, bias = _layer_modules(arch, config, i)
     return required, absent, {path: bias.get(path, False) for path in required}
