@@ -847,3 +847,23 @@ def test_the_qwen3_next_layers(tmp_path, fixtures_dir):
     for types in (["mamba", "full_attention"], "full_attention", ["linear_attention"]):
         config = {"architectures": ["Qwen3NextForCausalLM"], "num_experts": 8, "layer_types": types}
         assert [p.module for p in architecture_problems(stacks, held, config)] == [], types
+
+
+def test_qwen_moe_settings_the_config_classes_default(tmp_path, fixtures_dir):
+    """config.json leaving a Qwen MoE setting to the config class: mlp_only_layers null (read as none) and no expert
+    count (the class's default; nothing to plan from, nothing wrong) are accepted; Qwen3-Next without an MoE layer
+    (vLLM raises "No Qwen3Next layer found") is named; a bias on the Gated DeltaNet's conv1d is named once, at
+    conv1d."""
+    for changes in ({"mlp_only_layers": None}, {"num_experts": None}):
+        Pack.open(with_config(fixtures_dir / MOE_PACK, tmp_path / f"moe{len(list(tmp_path.iterdir()))}", **changes))
+        Pack.open(with_config(fixtures_dir / NEXT_PACK, tmp_path / f"next{len(list(tmp_path.iterdir()))}", **changes))
+    pack = with_config(fixtures_dir / NEXT_PACK, tmp_path / "dense", mlp_only_layers=[0, 1])
+    expect_problem(pack, "no layer is an MoE layer", "vLLM's Qwen3NextForCausalLM stops in the worker without one")
+    stacks = decoder_layers(Pack(fixtures_dir / NEXT_PACK).modules, Pack.OTHER_STACKS, 2)
+    held = {k: set(m.tensors) for k, m in Pack(fixtures_dir / NEXT_PACK).modules.items()}
+    held["model.layers.0.linear_attn.conv1d"] = {"weight", "bias"}
+    config = json.loads((fixtures_dir / NEXT_PACK / "config.json").read_text())
+    problems = architecture_problems(stacks, held, config)
+    assert [(p.tensor, p.what.split(" holds")[0]) for p in problems] == [
+        ("model.layers.0.linear_attn.conv1d.bias", "layer(s) 0: linear_attn.conv1d")
+    ]

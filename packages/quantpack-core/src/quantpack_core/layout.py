@@ -376,9 +376,9 @@ _QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 _GATED_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _FEEDFORWARD_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-#: the architectures whose decoder layer :func:`architecture_layer` states (vLLM's llama.py, mistral.py (which also
-#: builds Ministral3ForCausalLM), qwen2.py,
-#: qwen2_moe.py, qwen3.py, qwen3_moe.py, mixtral.py, gemma2.py, gemma3.py; the same layers in vLLM 0.22 to 0.32)
+#: the architectures whose decoder layer :func:`architecture_layer` states (vLLM's llama.py, mistral.py, which also
+#: builds Ministral3ForCausalLM, qwen2.py, qwen2_moe.py, qwen3.py, qwen3_moe.py, qwen3_next.py, mixtral.py, gemma2.py,
+#: gemma3.py; the same layers in vLLM 0.22.1, 0.26.0 and 0.29 to 0.32, given the same layer kinds for Qwen3-Next)
 KNOWN_LAYERS = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -420,16 +420,23 @@ def _count(config: dict, *keys: str) -> int | None:
 
 
 def qwen_moe_plan(config: dict) -> tuple[int, int, list] | None:
-    """Qwen2-MoE's and Qwen3-MoE's expert count, sparse step and dense layers as vLLM reads them
+    """The Qwen MoE classes' (:data:`QWEN_MOE`) expert count, sparse step and dense layers as vLLM reads them
     (``config.num_experts``, which transformers maps to ``num_local_experts``; ``decoder_sparse_step``, default 1;
-    ``mlp_only_layers``, default none), or None where they cannot build a model (a step below 1: vLLM divides by it;
-    a count that is no integer)."""
+    ``mlp_only_layers``, default none, null read as none as the config classes do), or None where they cannot build a
+    model (a step below 1: vLLM divides by it; a count that is no integer) or config.json gives no expert count
+    (the config class's default then, which :func:`moe_plan_unknown` tells apart)."""
     experts = _count(config, "num_local_experts", "num_experts")
     step = _count(config, "decoder_sparse_step") if "decoder_sparse_step" in config else 1
-    only = config.get("mlp_only_layers", [])
+    only = config.get("mlp_only_layers") if config.get("mlp_only_layers") is not None else []
     if experts is None or step is None or step < 1 or not isinstance(only, list):
         return None
     return experts, step, only
+
+
+def moe_plan_unknown(config: dict) -> bool:
+    """Whether config.json leaves a Qwen MoE class's expert count to its config class's default (no
+    ``num_experts`` / ``num_local_experts``, or null): nothing to plan from here, and nothing wrong."""
+    return config.get("num_local_experts") is None and config.get("num_experts") is None
 
 
 def qwen3_next_layer_type(config: dict, i: int) -> str | None:
@@ -595,10 +602,10 @@ def architecture_problems(
     vLLM's layer has none (on a projection, a norm, a router or an expert: vLLM's loaders drop unexpected biases
     without a word) or none where it has one (served uninitialized). A module missing from every layer, and a stray
     module or bias in any, mean the class does not match the tensors; each is one problem naming the first layer
-    and the count. Also Qwen MoE settings vLLM cannot build a model from (a sparse step below 1; for Qwen3-MoE, no
-    MoE layer at all), and a module's own tensor vLLM loads into (:data:`OWN_TENSORS`: the Gated DeltaNet's A_log) that
-    it lacks. Only the first class of ``architectures`` is read: vLLM builds the first it has, and every
-    class of :data:`KNOWN_LAYERS` is vLLM's own.
+    and the count. Also Qwen MoE settings vLLM cannot build a model from (a sparse step below 1; for Qwen3-MoE and
+    Qwen3-Next, no MoE layer at all), and a module's own tensor vLLM loads into (:data:`OWN_TENSORS`: the Gated
+    DeltaNet's A_log and dt_bias) that it lacks. Only the first class of ``architectures`` is read: vLLM builds the
+    first it has, and every class of :data:`KNOWN_LAYERS` is vLLM's own.
 
     Args:
         stacks: :func:`decoder_layers`'s grouping (its ``model.layers.`` stack is checked).
@@ -622,7 +629,7 @@ def architecture_problems(
     unplanned = arch in QWEN_MOE and plan is None
     if arch in QWEN_MOE:
         fix = "use the config.json the pack was made with"
-        if plan is None:
+        if plan is None and not moe_plan_unknown(config):
             what = (
                 f"num_local_experts / num_experts {config.get('num_local_experts', config.get('num_experts'))!r}, "
                 f"decoder_sparse_step {config.get('decoder_sparse_step')!r}, mlp_only_layers "
@@ -630,10 +637,10 @@ def architecture_problems(
                 "(integers, a step of at least 1, a list)"
             )
             out.append(Problem("", "config.json", what, fix))
-        elif arch == "Qwen3MoeForCausalLM" and not any(qwen_moe_sparse(plan, i) for i in layers):
+        elif plan is not None and arch != "Qwen2MoeForCausalLM" and not any(qwen_moe_sparse(plan, i) for i in layers):
             what = (
                 f"no layer is an MoE layer (num_local_experts / num_experts {plan[0]}, decoder_sparse_step {plan[1]}, "
-                f"mlp_only_layers {plan[2]}): vLLM's Qwen3MoeForCausalLM stops in the worker without one"
+                f"mlp_only_layers {plan[2]}): vLLM's {arch} stops in the worker without one"
             )
             out.append(Problem("", "config.json", what, fix))
     # an EAGLE-1 draft published as LlamaForCausalLM (its fc outside the layers): vLLM builds it as a draft, whose
@@ -680,9 +687,16 @@ def architecture_problems(
             held = unknown.setdefault(_uncovered_root(path, covered), [])
             if not held or held[-1] != i:  # layers come in order
                 held.append(i)
+        # each module of the layer under the required module it lies closest below (an expert under mlp.experts, a
+        # Gated DeltaNet's conv1d under linear_attn.conv1d, not linear_attn)
+        owned: dict[str, list[str]] = {}
+        for path in paths:
+            owner = max((r for r in required if _within(path, r)), key=len, default=None)
+            if owner is not None:
+                owned.setdefault(owner, []).append(path)
         for path, has in bias.items():
-            # a parent's (the experts') own modules each: all biased where vLLM's has one, none where it has none
-            held = {p: tensors.get(f"model.layers.{i}.{p}", set()) for p in paths if _within(p, path)}
+            # the modules it owns each: all biased where vLLM's has one, none where it has none
+            held = {p: tensors.get(f"model.layers.{i}.{p}", set()) for p in owned.get(path, ())}
             wrong = [p for p, t in held.items() if ("bias" in t) != has]
             if wrong:
                 biased.setdefault((path, has), []).append(i)
