@@ -676,24 +676,23 @@ def architecture_problems(
         for other in absent:
             if any(_within(p, other) for p in paths):
                 stray.setdefault(other, []).append(i)
-        # anything else is a module vLLM's layer does not have (its loader raises "There is no module or parameter
-        # named ..."), but rotary tables, which vLLM's loaders skip, and an MLP whose plan the config cannot give
-        covered = (*required, *absent, *(("mlp",) if unplanned else ()))
-        for path in paths:
-            if any(_within(path, c) for c in covered):
-                continue
-            if _skipped_by_vllm(path, tensors.get(f"model.layers.{i}.{path}", set())):
-                continue
-            held = unknown.setdefault(_uncovered_root(path, covered), [])
-            if not held or held[-1] != i:  # layers come in order
-                held.append(i)
         # each module of the layer under the required module it lies closest below (an expert under mlp.experts, a
-        # Gated DeltaNet's conv1d under linear_attn.conv1d, not linear_attn)
+        # Gated DeltaNet's conv1d under linear_attn.conv1d, not linear_attn); anything under none and outside the
+        # other families' modules is a module vLLM's layer does not have (its loader raises "There is no module or
+        # parameter named ..."), but rotary tables, which vLLM's loaders skip, and an MLP whose plan the config
+        # cannot give
+        covered = (*required, *absent, *(("mlp",) if unplanned else ()))
         owned: dict[str, list[str]] = {}
         for path in paths:
             owner = max((r for r in required if _within(path, r)), key=len, default=None)
             if owner is not None:
                 owned.setdefault(owner, []).append(path)
+            elif not any(_within(path, c) for c in covered) and not _skipped_by_vllm(
+                path, tensors.get(f"model.layers.{i}.{path}", set())
+            ):
+                held = unknown.setdefault(_uncovered_root(path, covered), [])
+                if not held or held[-1] != i:  # layers come in order
+                    held.append(i)
         for path, has in bias.items():
             # the modules it owns each: all biased where vLLM's has one, none where it has none
             held = {p: tensors.get(f"model.layers.{i}.{p}", set()) for p in owned.get(path, ())}
