@@ -3,6 +3,7 @@ where vLLM would only fail in its worker; and the layouts of the architectures t
 """
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -14,6 +15,7 @@ from test_pack import expect_problem
 
 from quantpack_core import Pack, PackError
 from quantpack_core.layout import (
+    FIX_DENSE,
     architecture_problems,
     decoder_layers,
     sibling_problems,
@@ -22,6 +24,7 @@ from quantpack_core.layout import (
     tensor_problems,
 )
 from quantpack_core.pack import MANIFEST_FILE
+from quantpack_core.synthetic import random_exl3_layer, replace_module
 
 PACK = "llama-tiny-exl3-4.0bpw-mul1"
 
@@ -866,4 +869,100 @@ def test_qwen_moe_settings_the_config_classes_default(tmp_path, fixtures_dir):
     problems = architecture_problems(stacks, held, config)
     assert [(p.tensor, p.what.split(" holds")[0]) for p in problems] == [
         ("model.layers.0.linear_attn.conv1d.bias", "layer(s) 0: linear_attn.conv1d")
+    ]
+
+
+def random_trellis(pack, module):
+    """Tensors of a random 4-bit mul1 EXL3 layer with as many outputs as dense module ``module`` of pack ``pack``
+    (a norm's or a convolution's weight read as ``(out, rest)``)."""
+    shape = Pack(pack).modules[module].tensors["weight"].shape
+    out_features, in_features = shape[0], max(1, math.prod(shape[1:]))
+    return random_exl3_layer(in_features, out_features, 4, "mul1", generator=torch.Generator().manual_seed(0))
+
+
+def test_a_module_vllm_builds_dense_stored_quantized():
+    """vLLM builds the routers of Mixtral, Qwen2-MoE and Qwen3-Next, every shared expert's gate and every norm
+    without the quantization config (they load a dense weight only; on a trellis its loader stops in the worker,
+    "There is no module or parameter named ...mlp.gate.mul1", as vLLM 0.32 did with the Qwen3-Next pack): stored
+    quantized, each is named in the layers that hold it, with the fix; Qwen3-MoE's router, which vLLM builds with the
+    quantization config, is not."""
+    q2moe = {"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 2, "shared_expert_intermediate_size": 32}
+    q3moe = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 2, "shared_expert_intermediate_size": 32}
+    shared = [f"mlp.shared_expert.{p}" for p in GATE_UP_DOWN]
+    qk = ["self_attn.q_norm", "self_attn.k_norm"]
+    cases = [
+        (
+            {"architectures": ["MixtralForCausalLM"], "num_local_experts": 2},
+            [*ATTN, *NORMS, "block_sparse_moe.gate", *experts("block_sparse_moe", 2, ("w1", "w2", "w3"))],
+            {"block_sparse_moe.gate"},
+        ),
+        (
+            q2moe,
+            [*ATTN, *NORMS, "mlp.gate", "mlp.shared_expert_gate", *shared, *experts("mlp", 2)],
+            {"mlp.gate", "mlp.shared_expert_gate"},
+        ),
+        (
+            q3moe,
+            [*ATTN, *qk, *NORMS, "mlp.gate", "mlp.shared_expert_gate", *shared, *experts("mlp", 2)],
+            {"mlp.shared_expert_gate"},
+        ),
+        ({"architectures": ["LlamaForCausalLM"]}, [*ATTN, *NORMS, *(f"mlp.{p}" for p in GATE_UP_DOWN)], set()),
+    ]
+    trellis = {"trellis", "suh", "svh", "mul1"}
+    for config, layer, dense in cases:
+        layers = {0: layer, 1: layer}
+        held = {
+            k: {"weight", "bias"}
+            if "Qwen2" in config["architectures"][0] and k.endswith(("q_proj", "k_proj", "v_proj"))
+            else {"weight"}
+            for k in keys(layers)
+        }
+        stacks = decoder_layers(held, Pack.OTHER_STACKS, 2)
+        assert architecture_problems(stacks, held, config) == [], config
+        # every module of layer 1 but its experts' stored as a trellis (biases kept): only the dense ones are named
+        coded = {
+            k: trellis | (v - {"weight"}) if ".experts." not in k and k.startswith("model.layers.1.") else v
+            for k, v in held.items()
+        }
+        problems = architecture_problems(stacks, coded, config)
+        named = {p.module.removeprefix("model.layers.1.") for p in problems}
+        assert named == {p for p in layer if p in dense or "norm" in p}, (config, problems)
+        for p in problems:
+            assert p.tensor == f"{p.module}.trellis" and p.fix == FIX_DENSE
+            assert "builds it without the quantization config" in p.what and "layer(s) 1:" in p.what
+
+
+def test_a_trellis_router_in_the_bundled_packs(tmp_path, fixtures_dir):
+    """The bundled packs with one router, shared expert gate, convolution or norm stored as a random EXL3 trellis:
+    Qwen3-MoE's router is accepted (vLLM builds it with the quantization config; the vLLM tests serve it), the
+    others are named with the fix, in the user's process; so is a norm stored quantized in a model of a class whose
+    layer the project does not state (the final norm, a layer's norm as int8 rows)."""
+    moe = fixtures_dir / MOE_PACK
+    Pack.open(
+        replace_module(moe, tmp_path / "moe", "model.layers.0.mlp.gate", random_trellis(moe, "model.layers.0.mlp.gate"))
+    )
+    for module in (
+        "model.layers.0.mlp.gate",
+        "model.layers.1.mlp.shared_expert_gate",
+        "model.layers.0.linear_attn.conv1d",
+    ):
+        pack = replace_module(
+            fixtures_dir / NEXT_PACK, tmp_path / module, module, random_trellis(fixtures_dir / NEXT_PACK, module)
+        )
+        error = expect_problem(
+            pack,
+            f"{module}.trellis",
+            f"{module.split('.', 3)[3]} is stored quantized (trellis), but vLLM's Qwen3NextForCausalLM builds it "
+            "without the quantization config",
+            FIX_DENSE,
+        )
+        assert [p.module for p in error.problems] == [module]
+    other = with_config(moe, tmp_path / "other", architectures=["SomeOtherMoeForCausalLM"])
+    pack = replace_module(other, tmp_path / "norm", "model.norm", random_trellis(moe, "model.norm"))
+    rows = {"qweight": torch.ones(256, dtype=torch.int8), "scales": torch.ones(256, dtype=torch.float16)}
+    pack = replace_module(pack, tmp_path / "norms", "model.layers.1.post_attention_layernorm", rows)
+    error = expect_problem(pack, "a norm stored as an EXL3 trellis", "a norm stored as int8 rows", FIX_DENSE)
+    assert sorted(p.tensor for p in error.problems if p.fix == FIX_DENSE) == [
+        "model.layers.1.post_attention_layernorm.qweight",
+        "model.norm.trellis",
     ]

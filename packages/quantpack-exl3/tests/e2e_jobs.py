@@ -69,6 +69,20 @@ def broken_pack(fixtures_dir: Path, dst: Path) -> Path:
     return dst
 
 
+def trellis_router_pack(src: Path, dst: Path) -> Path:
+    """A copy of MoE pack ``src`` whose layer-0 router (``mlp.gate``) is stored as a random 4-bit mul1 EXL3 layer
+    (exllamav3 keeps routers dense; vLLM builds Qwen3-MoE's with the quantization config, Qwen3-Next's without)."""
+    from safetensors import safe_open
+
+    from quantpack_core.synthetic import random_exl3_layer, replace_module
+
+    module = "model.layers.0.mlp.gate"
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        out_features, in_features = f.get_slice(f"{module}.weight").get_shape()
+    layer = random_exl3_layer(in_features, out_features, 4, "mul1", generator=torch.Generator().manual_seed(0))
+    return replace_module(src, dst, module, layer)
+
+
 def per_position_kl(ref_logits: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
     """KL(reference || served) per position, nats: ``ref_logits (1, T, V)`` (logits or log-probabilities) against
     ``lp (T', V)`` log-probabilities, over the first ``T'`` positions, in float64."""
@@ -123,6 +137,20 @@ def run_jobs(fixtures_dir: Path, tmp: Path) -> dict:
         "eager": False,
     }
     jobs["moe/bf16"] = {"kind": "logits", "pack": str(fixtures_dir / MIXED_PACK), "dtype": "bfloat16", "eager": True}
+    # a router stored as an EXL3 trellis: served where vLLM builds it with the quantization config (Qwen3-MoE),
+    # refused in the user's process where it does not (Qwen3-Next)
+    jobs["moe/trellis-router"] = {
+        "kind": "logits",
+        "pack": str(trellis_router_pack(fixtures_dir / MOE_PACKS[0], tmp / "moe-trellis-router")),
+        "dtype": "float32",
+        "eager": True,
+        "routing": True,
+        "save": str(tmp / "moe-trellis-router.lp.pt"),
+    }
+    jobs["next/trellis-router"] = {
+        "kind": "load_error",
+        "pack": str(trellis_router_pack(fixtures_dir / NEXT_PACK, tmp / "next-trellis-router")),
+    }
     from quantpack_core.embedding import convert_embedding_int8
 
     next_int8 = convert_embedding_int8(fixtures_dir / NEXT_PACK, tmp / f"{NEXT_PACK}-int8").out_dir

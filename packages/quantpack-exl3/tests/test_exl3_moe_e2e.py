@@ -7,6 +7,7 @@ the core codec into transformers' model in float32 (:mod:`quantpack_core.referen
 each router picks."""
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,21 +42,26 @@ def exact_reference(pack_dir) -> tuple[torch.Tensor, dict[int, torch.Tensor], di
     return logits, router_top_k(model, ids), probs
 
 
+def against_exact_reference(res: dict, pack_dir) -> tuple:
+    """(agreement of vLLM's saved float32 log-probabilities with :func:`exact_reference`'s logits, [share of prompt
+    tokens whose two experts vLLM's router picked alike, per layer]) of logits job ``res`` over ``pack_dir``."""
+    logits, picks, _ = exact_reference(pack_dir)
+    lp = torch.load(res["save"])
+    routing = {int(k): v for k, v in res["routing"].items()}
+    assert sorted(routing) == sorted(picks) == [0, 1]
+    same = []
+    for layer, calls in sorted(routing.items()):
+        prompt_call = next(c for c in calls if len(c) == picks[layer].shape[0])  # the 128-token prompt pass
+        got = torch.tensor(prompt_call).sort(-1).values
+        same.append((got == picks[layer].sort(-1).values).all(-1).float().mean().item())
+    return agreement(logits[0, : lp.shape[0]], lp), same
+
+
 @pytest.mark.parametrize("name", MOE_PACKS)
 def test_moe_pack_matches_the_exact_reference(e2e, figures, fixtures_dir, name):
     """vLLM's float32 logits equal the core codec + transformers forward of the same pack, and every router picks the
     same two experts for every token of the prompt in both layers."""
-    res = get(e2e, f"moe/{name}")
-    logits, picks, _ = exact_reference(fixtures_dir / name)
-    lp = torch.load(res["save"])
-    a = agreement(logits[0, : lp.shape[0]], lp)
-    routing = {int(k): v for k, v in res["routing"].items()}
-    assert sorted(routing) == sorted(picks) == [0, 1]
-    same = []
-    for layer, calls in routing.items():
-        prompt_call = next(c for c in calls if len(c) == picks[layer].shape[0])  # the 128-token prompt pass
-        got = torch.tensor(prompt_call).sort(-1).values
-        same.append((got == picks[layer].sort(-1).values).all(-1).float().mean().item())
+    a, same = against_exact_reference(get(e2e, f"moe/{name}"), fixtures_dir / name)
     figures.append(
         f"{name} float32 vs exact reference: KL {a.kl:.3g}, top-1 {100 * a.top1:.2f}%; routing identical on "
         f"{[f'{100 * s:.1f}%' for s in same]} of tokens (layers 0, 1)"
@@ -63,6 +69,26 @@ def test_moe_pack_matches_the_exact_reference(e2e, figures, fixtures_dir, name):
     assert a.kl <= 1e-4
     assert a.top1 >= 0.99
     assert same == [1.0, 1.0]
+
+
+def test_a_router_stored_as_a_trellis(e2e, figures):
+    """Qwen3-MoE's router stored as an EXL3 trellis (vLLM builds it with the quantization config, so quantpack's
+    linear method takes it): vLLM's float32 logits and expert picks equal the exact reference of the same pack.
+    Qwen3-Next's router stored so (vLLM builds it without the quantization config, and its loader would stop in the
+    worker) is refused at startup, in the user's process, naming the module and the fix."""
+    res = get(e2e, "moe/trellis-router")
+    a, same = against_exact_reference(res, Path(e2e["_tmp"]) / "moe-trellis-router")
+    figures.append(
+        f"Qwen3-MoE with a trellis router, float32 vs exact reference: KL {a.kl:.3g}, top-1 {100 * a.top1:.2f}%; "
+        f"routing identical on {[f'{100 * s:.1f}%' for s in same]} of tokens"
+    )
+    assert a.kl <= 1e-4
+    assert a.top1 >= 0.99
+    assert same == [1.0, 1.0]
+    refused = get(e2e, "next/trellis-router")
+    assert refused["error_type"] == "PackError", refused
+    assert "model.layers.0.mlp.gate.trellis" in refused["message"]
+    assert "builds it without the quantization config" in refused["message"] and "->" in refused["message"]
 
 
 def test_moe_4bpw_pack_matches_exllamav3(e2e, figures):

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from quantpack_core.layout import KNOWN_LAYERS, OWN_TENSORS, architecture_layer
+from quantpack_core.layout import KNOWN_LAYERS, OWN_TENSORS, architecture_layer, unquantized_layer_modules
 
 BASE = {
     "hidden_size": 64,
@@ -130,9 +130,47 @@ def checkpoint_modules(names: list[str]) -> tuple[set[str], set[str]]:
     return modules, biased
 
 
+def recording_config():
+    """A vLLM quantization config that records the prefix of every layer vLLM builds with it (the layers a
+    quantization method can take) and leaves each unquantized: vLLM's own methods, so the layers hold the parameters
+    of an unquantized build."""
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+    class Recording(QuantizationConfig):
+        def __init__(self):
+            super().__init__()
+            self.asked: set[str] = set()
+
+        def get_name(self):
+            return "recording"
+
+        def get_supported_act_dtypes(self):
+            return [torch.float32]
+
+        @classmethod
+        def get_min_capability(cls):
+            return 0
+
+        @staticmethod
+        def get_config_filenames():
+            return []
+
+        @classmethod
+        def from_config(cls, config):
+            return cls()
+
+        def get_quant_method(self, layer, prefix):
+            self.asked.add(prefix)
+            return UnquantizedLinearMethod() if isinstance(layer, LinearBase) else None
+
+    return Recording()
+
+
 @pytest.fixture(scope="module")
 def built(vllm_layers, tmp_path_factory):
-    """``{case: [parameter names of each decoder layer]}`` from the installed vLLM's model classes."""
+    """``{case: ([parameter names of each decoder layer], {prefixes vLLM built with the quantization config})}`` from
+    the installed vLLM's model classes."""
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
 
@@ -141,10 +179,16 @@ def built(vllm_layers, tmp_path_factory):
         folder = tmp_path_factory.mktemp(case)
         (folder / "config.json").write_text(json.dumps({**BASE, **cfg}))
         model_config = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=128)
-        vc = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"), load_config=LoadConfig())
+        recording = recording_config()
+        vc = VllmConfig(
+            model_config=model_config,
+            device_config=DeviceConfig("cpu"),
+            load_config=LoadConfig(),
+            quant_config=recording,
+        )
         with set_current_vllm_config(vc), torch.device("meta"):
             model = initialize_model(vllm_config=vc)
-        out[case] = [[n for n, _ in layer.named_parameters()] for layer in model.model.layers]
+        out[case] = [[n for n, _ in layer.named_parameters()] for layer in model.model.layers], recording.asked
     return out
 
 
@@ -152,8 +196,9 @@ def built(vllm_layers, tmp_path_factory):
 def test_the_rule_states_the_layer_vllm_builds(built, case):
     config = {**BASE, **CASES[case]}
     arch = config["architectures"][0]
-    assert len(built[case]) == BASE["num_hidden_layers"]
-    for i, names in enumerate(built[case]):
+    layers, _ = built[case]
+    assert len(layers) == BASE["num_hidden_layers"]
+    for i, names in enumerate(layers):
         modules, biased = checkpoint_modules(names)
         required, absent, bias = architecture_layer(arch, config, i)
         assert set(required) == modules, (case, i, sorted(modules))
@@ -163,3 +208,27 @@ def test_the_rule_states_the_layer_vllm_builds(built, case):
         for path, own in OWN_TENSORS.items():  # a module's parameters of its own beside its modules
             held = {name.rpartition(".")[2] for name in names if name.rpartition(".")[0] == path}
             assert held == (set(own) if path in required else set()), (case, i, path, held)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_modules_stated_dense_are_those_vllm_builds_without_the_quantization_config(built, case):
+    """Each module of a layer is either one vLLM builds with the quantization config (so quantpack's method may take
+    a trellis there) or one quantpack_core.layout.unquantized_layer_modules states dense (a trellis there is refused
+    at the pack check): never both, never neither. Qwen3-MoE's router is built with it, the other classes' not."""
+    config = {**BASE, **CASES[case]}
+    arch = config["architectures"][0]
+    layers, asked = built[case]
+    for i in range(len(layers)):
+        required, _, _ = architecture_layer(arch, config, i)
+        quantizable, _ = checkpoint_modules(
+            [f"{p.removeprefix(f'model.layers.{i}.')}.weight" for p in asked if p.startswith(f"model.layers.{i}.")]
+        )
+        dense = set(unquantized_layer_modules(arch, config, i))
+        assert dense <= set(required), (case, i)
+        assert set(required) - dense == quantizable & set(required), (case, i, sorted(quantizable))
+        assert not dense & quantizable, (case, i)
+    if arch in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3MoeForCausalLM"):
+        router = "block_sparse_moe.gate" if arch == "MixtralForCausalLM" else "mlp.gate"
+        routed = [i for i in range(len(layers)) if router in architecture_layer(arch, config, i)[0]]
+        assert routed, case
+        assert (router in unquantized_layer_modules(arch, config, routed[0])) == (arch != "Qwen3MoeForCausalLM")

@@ -22,7 +22,8 @@ the project knows (docs/families.md, and vLLM's model files for the others), so 
   Mistral, Ministral 3, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Qwen3-Next, Mixtral, Gemma 2 and 3; checked against the
   layers vLLM builds by quantpack-exl3's ``test_layer_rules_vllm.py``), every layer against that layer, at any layer
   count (the rules above need four instances to see a module lost from one): a module lost, another family's
-  module, a module holding no weight or lacking a tensor of its own, a bias the config does not give.
+  module, a module holding no weight or lacking a tensor of its own, a bias the config does not give, a norm,
+  router or gate stored quantized where vLLM builds it dense (:func:`unquantized_layer_modules`).
 
 Whole layers missing and per-layer norms are checked by :class:`~quantpack_core.pack.Pack` itself; experts of an
 expert bank by its MoE rules (docs/moe-bank.md).
@@ -555,6 +556,51 @@ def _layer_modules(arch: str, config: dict, i: int) -> tuple[tuple[str, ...], tu
 
 #: the tensors of a module that vLLM loads its weight from: a dense weight, an EXL3 or escha trellis, int8 rows
 WEIGHT_TENSORS = frozenset({"weight", "trellis", "escha_code", "qweight", "weight_int8"})
+#: the fix where a module vLLM loads a dense weight into is stored quantized
+FIX_DENSE = (
+    "store this module as a dense float16 / bfloat16 weight, as exllamav3's converter does (it keeps norms, routers "
+    "and gates dense): re-convert the pack, or re-download it if it was altered"
+)
+#: the weight tensors of a module stored quantized (all of :data:`WEIGHT_TENSORS` but a dense ``weight``)
+QUANTIZED_TENSORS = WEIGHT_TENSORS - {"weight"}
+
+
+def is_norm(path: str) -> bool:
+    """Whether module path ``path`` names a norm (its last name holds ``norm``: ``input_layernorm``, ``q_norm``,
+    ``model.norm``, ``linear_attn.norm``). No vLLM model builds such a module with the quantization config: every
+    norm is an RMSNorm / LayerNorm that loads a dense weight only (vLLM 0.32's model files name no linear layer so)."""
+    return "norm" in path.rsplit(".", 1)[-1]
+
+
+def unquantized_layer_modules(arch: str, config: dict, i: int) -> tuple[str, ...]:
+    """The modules of decoder layer ``i`` of vLLM's model class ``arch`` (:func:`architecture_layer`'s required
+    ones) that vLLM builds without the quantization config, so that they load a dense ``weight`` only: the norms,
+    the routers of Mixtral, Qwen2-MoE and Qwen3-Next (Qwen3-MoE's router is built with it), every shared expert's
+    gate, the Gated DeltaNet's convolution (``linear_attn.conv1d``) and the block itself (``linear_attn``, whose own
+    parameters :data:`OWN_TENSORS` are plain). A pack storing one of them quantized stops
+    vLLM's loader in the worker ("There is no module or parameter named ...mlp.gate.trellis"); exllamav3's converter
+    stores all of them dense. ``()`` for an architecture :func:`architecture_layer` does not state.
+
+    Source: vLLM's model files, alike in 0.22.1, 0.26.0 and 0.29 to 0.32 (``quant_config=None``, or none passed, for
+    ``self.gate`` in mixtral.py, qwen2_moe.py and qwen3_next.py, for ``self.shared_expert_gate`` in qwen2_moe.py,
+    qwen3_moe.py and qwen3_next.py, for ``self.conv1d`` in layers/mamba/gdn/qwen_gdn_linear_attn.py); checked
+    against the layers vLLM builds by quantpack-exl3's ``test_layer_rules_vllm.py``.
+    """
+    return _unquantized(arch, architecture_layer(arch, config, i)[0])
+
+
+def _unquantized(arch: str, required: tuple[str, ...]) -> tuple[str, ...]:
+    """:func:`unquantized_layer_modules` of the layer whose required modules are ``required``."""
+    dense_router = arch != "Qwen3MoeForCausalLM"
+    return tuple(
+        path
+        for path in required
+        if is_norm(path)
+        or path in ("mlp.shared_expert_gate", "linear_attn.conv1d", *OWN_TENSORS)
+        or (dense_router and path in ("mlp.gate", "block_sparse_moe.gate"))
+    )
+
+
 #: the fix where config.json's model class and the tensors disagree in every layer
 WRONG_CLASS = (
     "config.json's architectures names another model than the tensors are of: use the config.json the pack was made "
@@ -597,15 +643,17 @@ def architecture_problems(
     :data:`KNOWN_LAYERS` only), whatever the layer count: a module it loads into missing from a layer (a Qwen3
     layer's q_norm, vLLM would serve its initial ones without a word; the layout rules above need more layers to see
     it), a module of another family's layer (a Qwen3 q_norm in a Llama pack) or any other module vLLM's layer does
-    not have (its loader stops in the worker; rotary tables and scales excepted, which vLLM skips or maps), a
-    module of the layer holding no weight (a q_norm with a bias only: vLLM loads nothing into it), a bias where
-    vLLM's layer has none (on a projection, a norm, a router or an expert: vLLM's loaders drop unexpected biases
-    without a word) or none where it has one (served uninitialized). A module missing from every layer, and a stray
-    module or bias in any, mean the class does not match the tensors; each is one problem naming the first layer
-    and the count. Also Qwen MoE settings vLLM cannot build a model from (a sparse step below 1; for Qwen3-MoE and
-    Qwen3-Next, no MoE layer at all), and a module's own tensor vLLM loads into (:data:`OWN_TENSORS`: the Gated
-    DeltaNet's A_log and dt_bias) that it lacks. Only the first class of ``architectures`` is read: vLLM builds the
-    first it has, and every class of :data:`KNOWN_LAYERS` is vLLM's own.
+    not have (its loader stops in the worker; rotary tables and scales excepted, which vLLM skips or maps), a module
+    of the layer holding no weight (a q_norm with a bias only: vLLM loads nothing into it), a bias where vLLM's
+    layer has none (on a projection, a norm, a router or an expert: vLLM's loaders drop unexpected biases without a
+    word) or none where it has one (served uninitialized), a module vLLM builds without the quantization config
+    stored quantized (:func:`unquantized_layer_modules`: a trellis router of Mixtral, whose loader stops in the
+    worker). A module missing from every layer, and a stray module or bias in any, mean the class does not match the
+    tensors; each is one problem naming the first layer and the count. Also Qwen MoE settings vLLM cannot build a
+    model from (a sparse step below 1; for Qwen3-MoE and Qwen3-Next, no MoE layer at all), and a module's own tensor
+    vLLM loads into (:data:`OWN_TENSORS`: the Gated DeltaNet's A_log and dt_bias) that it lacks. Only the first
+    class of ``architectures`` is read: vLLM builds the first it has, and every class of :data:`KNOWN_LAYERS` is
+    vLLM's own.
 
     Args:
         stacks: :func:`decoder_layers`'s grouping (its ``model.layers.`` stack is checked).
@@ -653,10 +701,14 @@ def architecture_problems(
     first_wrong: dict[tuple[str, bool], str] = {}  # the first module of each biased entry: an expert of a bank
     weightless: dict[str, list[int]] = {}
     unheld: dict[tuple[str, str], list[int]] = {}  # a module's own tensor (OWN_TENSORS) it lacks
+    coded: dict[str, list[int]] = {}  # a module vLLM builds without the quantization config, stored quantized
     for i, paths in sorted(layers.items()):
         required, absent, bias = architecture_layer(arch, config, i)
         if not required:  # a layer the project does not state (Mistral's with a time-conditioned norm)
             continue
+        for path in _unquantized(arch, required):
+            if tensors.get(f"model.layers.{i}.{path}", set()) & QUANTIZED_TENSORS:
+                coded.setdefault(path, []).append(i)
         parents = {path.rsplit(".", n)[0] for path in paths for n in range(1, path.count(".") + 1)}
         for need in required:
             if draft and i == min(layers) and need == "input_layernorm":
@@ -726,6 +778,15 @@ def architecture_problems(
             "vLLM loads nothing into it and would serve its initial values without a word"
         )
         out.append(Problem(key, f"{key}.weight", what, FIX))
+    for path, idx in coded.items():
+        key = f"model.layers.{idx[0]}.{path}"
+        held = sorted(tensors[key] & QUANTIZED_TENSORS)
+        what = (
+            f"layer(s) {shown(idx)}: {path} is stored quantized ({', '.join(held)}), but vLLM's {arch} builds it "
+            "without the quantization config, so it loads a dense weight only: vLLM's loader stops in the worker "
+            '("There is no module or parameter named ...")'
+        )
+        out.append(Problem(key, f"{key}.{held[0]}", what, FIX_DENSE))
     for other, idx in stray.items():
         what = (
             f"layer(s) {shown(idx)} hold {other}, which vLLM's {arch} has no place for (another family's layer holds "

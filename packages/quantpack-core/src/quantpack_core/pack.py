@@ -32,8 +32,11 @@ from .codec.hadamard import HAD_BLOCK
 from .codec.trellis import HALF_K, TILE, k_from_width
 from .errors import CodecError, LayerLoadError, PackError, Problem
 from .layout import (
+    FIX_DENSE,
+    QUANTIZED_TENSORS,
     architecture_problems,
     decoder_layers,
+    is_norm,
     sibling_problems,
     stack_problems,
     sublayer_problems,
@@ -638,6 +641,8 @@ class Pack:
                 fix = "point at an EXL3 pack (made by exllamav3's converter)"
             out.append(Problem("", "config.json", f"{said}, not 'exl3'", fix))
         for m in self.modules.values():
+            if m.format in self.STORAGE_LABELS and is_norm(m.key):
+                out.append(self._coded_norm_problem(m))
             if m.format == "exl3":
                 out.extend(self._exl3_problems(m, check_values))
             elif m.format == "escha":
@@ -654,6 +659,23 @@ class Pack:
         named = {p.module for p in out}
         out.extend(p for p in self._layout_problems() if p.module not in named)
         return out
+
+    #: how the quantized storage kinds of :attr:`ModuleInfo.format` are named in messages
+    STORAGE_LABELS: ClassVar[dict[str, str]] = {
+        "exl3": "an EXL3 trellis",
+        "escha": "escha code",
+        "int8-rows": "int8 rows",
+    }
+
+    def _coded_norm_problem(self, m: ModuleInfo) -> Problem:
+        """A norm (:func:`~quantpack_core.layout.is_norm`) stored quantized: vLLM builds every norm without the
+        quantization config and loads a dense weight only, so its loader would stop in the worker."""
+        code = next((n for n in sorted(m.tensors) if n in QUANTIZED_TENSORS), sorted(m.tensors)[0])
+        what = (
+            f"a norm stored as {self.STORAGE_LABELS[m.format]}: vLLM builds norms without the quantization config "
+            "and loads a dense weight only, so its loader would stop in the worker"
+        )
+        return Problem(m.key, f"{m.key}.{code}", what, FIX_DENSE)
 
     def _layout_problems(self) -> list[Problem]:
         """Modules of the decoder layers that cannot be absent given those present (:mod:`quantpack_core.layout`):

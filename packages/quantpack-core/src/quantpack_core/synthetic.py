@@ -1,4 +1,5 @@
-"""Write small EXL3 packs: random layers for kernel and loader tests, and packs built from given tensors.
+"""Write small EXL3 packs: random layers for kernel and loader tests, packs built from given tensors, and copies of
+a pack with one module's tensors replaced.
 
 Any int16 pattern is a valid trellis (every bit string decodes), so random words make a legal layer of any K and
 codebook; with suh/svh of realistic magnitude their dequantized weights look like real ones to a kernel. The files
@@ -149,6 +150,57 @@ def write_pack(
         weight_map.update({n: fname for n in part})
     (path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     return path
+
+
+def replace_module(
+    src: str | os.PathLike, dst: str | os.PathLike, module: str, tensors: dict[str, torch.Tensor]
+) -> Path:
+    """Copy pack ``src`` to ``dst`` with module ``module``'s tensors replaced by ``tensors`` (a dense module made an
+    EXL3 one by :func:`random_exl3_layer`'s tensors, or the reverse): they go into the shard that held the module,
+    and the index and the manifest's ``tensor_storage`` entry follow. ``src`` is only read.
+
+    Args:
+        src: a pack folder holding ``module``.
+        dst: the folder to create (must not exist).
+        module: the module key (``model.layers.0.mlp.gate``).
+        tensors: ``{suffix: tensor}`` (``{"trellis": ..., "suh": ..., "svh": ..., "mul1": ...}``), CPU tensors.
+
+    Returns:
+        ``dst``.
+
+    Raises:
+        FileExistsError: ``dst`` exists.
+        KeyError: no shard of ``src`` holds a tensor of ``module``.
+    """
+    import shutil
+
+    from safetensors.torch import load_file
+
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise FileExistsError(f"{dst} exists; replace_module never overwrites")
+    shutil.copytree(src, dst)
+    prefix = module + "."
+    shards = [f for f in sorted(dst.glob("*.safetensors")) if any(n.startswith(prefix) for n in load_file(f))]
+    if not shards:
+        raise KeyError(f"{src}: no shard holds a tensor of {module}")
+    new = {prefix + suffix: t.contiguous() for suffix, t in tensors.items()}
+    for i, shard in enumerate(shards):  # the module's tensors leave every shard; the new ones go into the first
+        kept = {n: t for n, t in load_file(shard).items() if not n.startswith(prefix)}
+        save_file({**kept, **(new if i == 0 else {})}, str(shard), metadata={"format": "pt"})
+    index = dst / INDEX_FILE
+    if index.exists():
+        j = json.loads(index.read_text())
+        j["weight_map"] = {n: f for n, f in j["weight_map"].items() if not n.startswith(prefix)}
+        j["weight_map"].update(dict.fromkeys(new, shards[0].name))
+        index.write_text(json.dumps(j, indent=2))
+    manifest = dst / MANIFEST_FILE
+    if manifest.exists():
+        j = json.loads(manifest.read_text())
+        if module in j.get("tensor_storage", {}):
+            j["tensor_storage"][module] = _manifest_entry(module, new)
+            manifest.write_text(json.dumps(j, indent=2))
+    return dst
 
 
 def write_word_tokenizer(path: str | os.PathLike, vocab: int) -> None:
