@@ -39,9 +39,10 @@ def test_id(case: ET.Element) -> str:
     ``classname`` depend on where pytest's rootdir was, so reports of one test from two checkouts (or from a
     temporary folder inside one) name it alike. A module that failed to import (an empty ``classname``, the module's
     path as ``name``) is ``test_x::(collection)``, named alike from any rootdir too."""
-    if not case.get("classname"):
+    classname = case.get("classname")
+    if not classname:
         return f"{test_file(case).removesuffix('.py')}::(collection)"
-    parts = case.get("classname", "").split(".")
+    parts = classname.split(".")
     mods = [i for i, p in enumerate(parts) if p.startswith("test_")]
     return f"{'.'.join(parts[mods[-1] :] if mods else parts)}::{case.get('name')}"
 
