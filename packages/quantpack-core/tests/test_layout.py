@@ -966,3 +966,24 @@ def test_a_trellis_router_in_the_bundled_packs(tmp_path, fixtures_dir):
         "model.layers.1.post_attention_layernorm.qweight",
         "model.norm.trellis",
     ]
+
+
+def test_a_token_embedding_stored_coded(tmp_path, fixtures_dir):
+    """A token embedding stored as an EXL3 trellis or escha code (vLLM's embedding takes a dense table or int8 rows;
+    its loader stopped in the worker on ``embed_tokens.mul1`` with vLLM 0.32) is named, with the way to a smaller
+    table (``quantpack embed-int8``); the head stored as a trellis is not (the plugin serves it)."""
+    src = fixtures_dir / PACK
+    trellis = random_trellis(src, "model.embed_tokens")
+    error = expect_problem(
+        replace_module(src, tmp_path / "exl3", "model.embed_tokens", trellis),
+        "model.embed_tokens.trellis: the token embedding stored as an EXL3 trellis",
+        "quantpack embed-int8",
+    )
+    assert [p.module for p in error.problems] == ["model.embed_tokens"]
+    escha = {"escha_code": trellis["trellis"], "escha_rin": trellis["suh"], "escha_rout": trellis["svh"]}
+    error = expect_problem(
+        replace_module(src, tmp_path / "escha", "model.embed_tokens", escha),
+        "model.embed_tokens.escha_code: the token embedding stored as escha code",
+        require_exl3=False,
+    )
+    assert "lm_head" in Pack(src).modules and Pack(src).modules["lm_head"].format == "exl3"

@@ -643,6 +643,8 @@ class Pack:
         for m in self.modules.values():
             if m.format in self.STORAGE_LABELS and is_norm(m.key):
                 out.append(self._coded_norm_problem(m))
+            if m.format in ("exl3", "escha") and m.key.rsplit(".", 1)[-1] in self.TOKEN_EMBEDDINGS:
+                out.append(self._coded_embedding_problem(m))
             if m.format == "exl3":
                 out.extend(self._exl3_problems(m, check_values))
             elif m.format == "escha":
@@ -676,6 +678,25 @@ class Pack:
             "and loads a dense weight only, so its loader would stop in the worker"
         )
         return Problem(m.key, f"{m.key}.{code}", what, FIX_DENSE)
+
+    #: the last names of token embedding tables (vLLM's ``VocabParallelEmbedding``: Llama's ``embed_tokens``, GPT-2's
+    #: ``wte``, BERT-style ``word_embeddings``, GPT-NeoX's ``embed_in``)
+    TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "embed_in")
+
+    def _coded_embedding_problem(self, m: ModuleInfo) -> Problem:
+        """A token embedding stored as a trellis or escha code: vLLM's embedding loads a dense table, or int8 rows
+        through the project's embedding method (:mod:`quantpack_core.vllm.embedding`), nothing else; its loader
+        would stop in the worker ("There is no module or parameter named 'embed_tokens.mul1'", vLLM 0.32)."""
+        code = "trellis" if m.format == "exl3" else ESCHA_CODE
+        what = (
+            f"the token embedding stored as {self.STORAGE_LABELS[m.format]}: vLLM's embedding takes a dense table or "
+            "int8 rows only, so its loader would stop in the worker"
+        )
+        fix = (
+            "store the table dense, as exllamav3's converter does (then `quantpack embed-int8` makes it int8 rows, "
+            "half its bf16 size): re-convert the pack, or re-download it if it was altered"
+        )
+        return Problem(m.key, f"{m.key}.{code}", what, fix)
 
     def _layout_problems(self) -> list[Problem]:
         """Modules of the decoder layers that cannot be absent given those present (:mod:`quantpack_core.layout`):
