@@ -987,3 +987,28 @@ def test_a_token_embedding_stored_coded(tmp_path, fixtures_dir):
         require_exl3=False,
     )
     assert "lm_head" in Pack(src).modules and Pack(src).modules["lm_head"].format == "exl3"
+
+
+def test_int8_rows_inside_a_layer(tmp_path, fixtures_dir):
+    """int8 rows at a module of a decoder layer (a projection, a router) are named: the plugins serve them through
+    their embedding method only, which vLLM builds for token embeddings and heads; an o_proj so stored stopped vLLM's
+    loader in the worker ("There is no module or parameter named ...o_proj.qweight", vLLM 0.32), a q_proj the
+    plugin's fused-layer check there. The head as int8 rows stays accepted."""
+    src = fixtures_dir / PACK
+    out_features, in_features = Pack(src).modules["model.layers.0.self_attn.o_proj"].padded_shape[::-1]
+    rows = {"qweight": torch.ones(out_features, in_features, dtype=torch.int8), "scales": torch.ones(out_features)}
+    pack = replace_module(src, tmp_path / "o", "model.layers.0.self_attn.o_proj", rows)
+    error = expect_problem(
+        pack, "model.layers.0.self_attn.o_proj.qweight: stored as int8 rows", "for token embeddings and heads only"
+    )
+    assert [p.module for p in error.problems] == ["model.layers.0.self_attn.o_proj"]
+    moe = fixtures_dir / MOE_PACK
+    routes, hidden = Pack(moe).modules["model.layers.1.mlp.gate"].tensors["weight"].shape
+    rows = {"weight_int8": torch.ones(routes, hidden, dtype=torch.int8), "weight_scale": torch.ones(routes)}
+    error = expect_problem(
+        replace_module(moe, tmp_path / "router", "model.layers.1.mlp.gate", rows),
+        "model.layers.1.mlp.gate.weight_int8: stored as int8 rows",
+    )
+    head = Pack(src).modules["lm_head"].padded_shape
+    rows = {"qweight": torch.ones(head[1], head[0], dtype=torch.int8), "scales": torch.ones(head[1])}
+    Pack.open(replace_module(src, tmp_path / "head", "lm_head", rows))

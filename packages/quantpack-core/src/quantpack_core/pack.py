@@ -33,6 +33,7 @@ from .codec.trellis import HALF_K, TILE, k_from_width
 from .errors import CodecError, LayerLoadError, PackError, Problem
 from .layout import (
     FIX_DENSE,
+    LAYER_KEY,
     QUANTIZED_TENSORS,
     architecture_problems,
     decoder_layers,
@@ -643,6 +644,8 @@ class Pack:
         for m in self.modules.values():
             if m.format in self.STORAGE_LABELS and is_norm(m.key):
                 out.append(self._coded_norm_problem(m))
+            elif m.format == "int8-rows" and LAYER_KEY.search(m.key):
+                out.append(self._int8_rows_in_layer_problem(m))
             if m.format in ("exl3", "escha") and m.key.rsplit(".", 1)[-1] in self.TOKEN_EMBEDDINGS:
                 out.append(self._coded_embedding_problem(m))
             if m.format == "exl3":
@@ -678,6 +681,20 @@ class Pack:
             "and loads a dense weight only, so its loader would stop in the worker"
         )
         return Problem(m.key, f"{m.key}.{code}", what, FIX_DENSE)
+
+    def _int8_rows_in_layer_problem(self, m: ModuleInfo) -> Problem:
+        """A module of a decoder layer (or a tower's) stored as int8 rows: the plugins serve int8 rows through their
+        embedding method only, which vLLM builds for token embeddings and heads, never inside a layer; a projection
+        so stored stops the load in the worker (vLLM: "There is no module or parameter named ...qweight"; a fused
+        q / k / v or gate / up: the plugin's LayerLoadError)."""
+        rows = self._int8_row_names(m.tensors)
+        what = (
+            "stored as int8 rows, which the plugins serve for token embeddings and heads only (`quantpack "
+            "embed-int8`'s tables): vLLM's layer here loads a trellis or a dense weight, so its load would stop in "
+            "the worker"
+        )
+        fix = "store the module as exllamav3's converter writes it (a trellis or a dense weight): re-convert the pack"
+        return Problem(m.key, f"{m.key}.{rows[0] if rows else 'qweight'}", what, fix)
 
     #: the last names of token embedding tables (vLLM's ``VocabParallelEmbedding``: Llama's ``embed_tokens``, GPT-2's
     #: ``wte``, BERT-style ``word_embeddings``, GPT-NeoX's ``embed_in``)
