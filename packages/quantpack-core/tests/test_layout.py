@@ -1012,3 +1012,26 @@ def test_int8_rows_inside_a_layer(tmp_path, fixtures_dir):
     head = Pack(src).modules["lm_head"].padded_shape
     rows = {"qweight": torch.ones(head[1], head[0], dtype=torch.int8), "scales": torch.ones(head[1])}
     Pack.open(replace_module(src, tmp_path / "head", "lm_head", rows))
+
+
+def test_fused_modules_of_different_kinds(tmp_path, fixtures_dir):
+    """A dense q_proj beside EXL3 k_proj / v_proj (vLLM fuses them into qkv_proj, which is all one kind): named by
+    the pack check, as the plugin's config refuses it from the manifest when vLLM builds its config; a dense o_proj
+    (a layer of its own) is accepted, as the plugins serve dense shards."""
+    src = fixtures_dir / PACK
+    i, o = Pack(src).modules["model.layers.0.self_attn.q_proj"].padded_shape
+    pack = replace_module(
+        src, tmp_path / "q", "model.layers.0.self_attn.q_proj", {"weight": torch.zeros(o, i, dtype=torch.float16)}
+    )
+    error = expect_problem(
+        pack,
+        "model.layers.0.self_attn.q_proj.weight: stored as dense while its fused siblings are not (k_proj exl3, "
+        "q_proj dense, v_proj exl3)",
+    )
+    assert [p.module for p in error.problems] == ["model.layers.0.self_attn.q_proj"]
+    i, o = Pack(src).modules["model.layers.0.self_attn.o_proj"].padded_shape
+    Pack.open(
+        replace_module(
+            src, tmp_path / "o", "model.layers.0.self_attn.o_proj", {"weight": torch.zeros(o, i, dtype=torch.float16)}
+        )
+    )

@@ -18,6 +18,7 @@ import math
 import os
 import re
 import struct
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,7 @@ from .layout import (
     sublayer_problems,
     tensor_problems,
 )
-from .names import normalize_prefix, split_tensor_name
+from .names import FUSED_LAYERS, normalize_prefix, split_tensor_name
 from .ngram import NGRAM_FILE, RECOPY
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -658,6 +659,7 @@ class Pack:
                     out.extend(self._vector_problems(m))
         out.extend(self._escha_meta_problems())
         out.extend(self._moe_problems())
+        out.extend(self._fused_problems())
         out.extend(self._manifest_problems())
         out.extend(self._unindexed_problems())
         out.extend(self._config_problems())
@@ -1046,6 +1048,38 @@ class Pack:
                         "re-quantize the layer with one codebook: an expert bank holds one",
                     )
                 )
+        return out
+
+    def _fused_problems(self) -> list[Problem]:
+        """Modules vLLM fuses into one layer (:data:`~quantpack_core.names.FUSED_LAYERS`: q / k / v, gate / up,
+        Qwen3.5's in_proj_qkv / in_proj_z and in_proj_b / in_proj_a) stored in different kinds (a dense q_proj beside
+        EXL3 k_proj and v_proj): one vLLM layer is all one kind. The plugins refuse such a pack when vLLM builds its
+        config (``quantpack_core.vllm.config.check_fused_routes``, from the manifest); named here from the files too,
+        so that ``quantpack inspect`` reports it."""
+        out: list[Problem] = []
+        # each group once (q / k / v back both Llama's qkv_proj and a vision tower's qkv)
+        for group in dict.fromkeys(g for alternatives in FUSED_LAYERS.values() for g in alternatives if len(g) > 1):
+            parents: dict[str, dict[str, ModuleInfo]] = {}
+            for m in self.modules.values():
+                parent, _, last = m.key.rpartition(".")
+                if last in group and m.format != "other":
+                    parents.setdefault(parent, {})[last] = m
+            for _parent, members in sorted(parents.items()):
+                kinds = Counter(m.format for m in members.values())
+                if len(kinds) < 2:
+                    continue
+                common = kinds.most_common(1)[0][0]
+                odd = next(m for _, m in sorted(members.items()) if m.format != common)
+                listing = ", ".join(f"{name} {m.format}" for name, m in sorted(members.items()))
+                rows = self._int8_row_names(odd.tensors)
+                main = {"exl3": "trellis", "escha": ESCHA_CODE, "int8-rows": rows[0] if rows else ""}
+                main = main.get(odd.format) or "weight"
+                what = (
+                    f"stored as {odd.format} while its fused siblings are not ({listing}): vLLM fuses "
+                    f"{' / '.join(group)} into one layer, which takes one kind"
+                )
+                fix = "re-quantize the pack with one setting for all of them (or re-download it if it was altered)"
+                out.append(Problem(odd.key, f"{odd.key}.{main}", what, fix))
         return out
 
     def _pack_codebook(self) -> Codebook | None:
