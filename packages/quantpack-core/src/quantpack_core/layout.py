@@ -577,9 +577,9 @@ def unquantized_layer_modules(arch: str, config: dict, i: int) -> tuple[str, ...
     ones) that vLLM builds without the quantization config, so that they load a dense ``weight`` only: the norms,
     the routers of Mixtral, Qwen2-MoE and Qwen3-Next (Qwen3-MoE's router is built with it), every shared expert's
     gate, the Gated DeltaNet's convolution (``linear_attn.conv1d``) and the block itself (``linear_attn``, whose own
-    parameters :data:`OWN_TENSORS` are plain). A pack storing one of them quantized stops
-    vLLM's loader in the worker ("There is no module or parameter named ...mlp.gate.trellis"); exllamav3's converter
-    stores all of them dense. ``()`` for an architecture :func:`architecture_layer` does not state.
+    parameters :data:`OWN_TENSORS` are plain). A pack storing one of them quantized stops vLLM's loader in the
+    worker ("There is no module or parameter named ...mlp.gate.mul1"); exllamav3's converter stores all of them
+    dense. ``()`` for an architecture :func:`architecture_layer` does not state.
 
     Source: vLLM's model files, alike in 0.22.1, 0.26.0 and 0.29 to 0.32 (``quant_config=None``, or none passed, for
     ``self.gate`` in mixtral.py, qwen2_moe.py and qwen3_next.py, for ``self.shared_expert_gate`` in qwen2_moe.py,
