@@ -1035,3 +1035,46 @@ def test_fused_modules_of_different_kinds(tmp_path, fixtures_dir):
             src, tmp_path / "o", "model.layers.0.self_attn.o_proj", {"weight": torch.zeros(o, i, dtype=torch.float16)}
         )
     )
+
+
+def escha_tensors(in_features, out_features):
+    """An escha-coded module's tensors (a random mcg trellis as its code, unit scales)."""
+    layer = random_exl3_layer(in_features, out_features, 4, "mcg", generator=torch.Generator().manual_seed(0))
+    ones_in, ones_out = torch.ones_like(layer["suh"]), torch.ones_like(layer["svh"])
+    return {"escha_code": layer["trellis"], "escha_rin": layer["suh"], "escha_rout": layer["svh"],
+            "escha_s_in": ones_in, "escha_s_out": ones_out}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("module", "tensors", "needle"),
+    [
+        (
+            "lm_head",
+            lambda: {"weight": torch.zeros(1000, 256, dtype=torch.float16)},
+            "lm_head.weight: has 1000 outputs",
+        ),
+        ("lm_head", lambda: {"weight": torch.zeros(1024, 200, dtype=torch.float16)}, "lm_head.weight: has 200 inputs"),
+        (
+            "lm_head",
+            lambda: random_exl3_layer(122, 37, 4, "mul1", generator=torch.Generator().manual_seed(0)),
+            "lm_head.trellis: has 128 inputs, but config.json gives hidden_size 256",
+        ),
+        ("model.norm", lambda: {"weight": torch.ones(255, dtype=torch.float16)}, "weight is [255], but config.json"),
+        (
+            "model.layers.2.input_layernorm",
+            lambda: {"weight": torch.ones(16, 16, dtype=torch.float16)},
+            "input_layernorm.weight: weight is [16, 16], but config.json gives hidden_size 256",
+        ),
+        (
+            "model.layers.0.self_attn.o_proj",
+            lambda: escha_tensors(256, 256),
+            "o_proj.escha_code: an escha-coded module in an EXL3 pack",
+        ),
+    ],
+)
+def test_a_head_a_norm_or_a_format_vllm_cannot_load(tmp_path, fixtures_dir, module, tensors, needle):
+    """The head against vocab_size and hidden_size, the final and the layers' norms against hidden_size, an escha
+    module in an EXL3 pack: each stopped vLLM 0.32's load in the worker (its head and norm loaders assert the
+    sizes; the exl3 plugin has no parameter for escha_code) and is named by the check now."""
+    error = expect_problem(replace_module(fixtures_dir / PACK, tmp_path / "p", module, tensors()), needle)
+    assert module in {p.module for p in error.problems}

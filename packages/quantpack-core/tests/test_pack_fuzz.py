@@ -1,6 +1,7 @@
 """Fuzzing the pack check: random corruptions of a small two-shard pack (truncations, header bytes, header fields,
 deleted / duplicated / renamed tensors, NaN / Inf in vectors, malformed or emptied JSON files, shards replaced by
-directories or links, links out of the pack, a model class whose layer the check states, with random settings)
+directories or links, links out of the pack, a model class whose layer the check states, with random settings, a
+module stored in another kind)
 must each end in either a sound pack or a :class:`PackError` - never another exception, never a hang (hypothesis'
 deadline), never a change to the pack's files.
 
@@ -182,12 +183,65 @@ def corrupt(pack: Path, kind: str, draw) -> bool:
             body = bytearray(body)
             body[draw(st.integers(a, b - 1))] ^= 0xFF
             _write(shard, header, bytes(body))
+    elif kind == "storage-swap":
+        return swap_storage(pack, draw)
     else:
         raise AssertionError(kind)
     return kind in MUST_FAIL
 
 
-KINDS = sorted(MUST_FAIL | {"config-field", "header-bytes", "layer-class", "link-out", "trellis-bytes"})
+#: the storage kinds a module is swapped to, and the modules of the fuzzed pack
+STORAGES = ("dense", "trellis", "int8-rows", "escha")
+SWAPPED = (
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.mlp.down_proj",
+    "lm_head",
+    "model.embed_tokens",
+    "model.norm",
+)
+
+
+def swap_storage(pack: Path, draw) -> bool:
+    """Store one module of ``pack`` in another kind (a dense weight, a random EXL3 trellis, int8 rows with scales, an
+    escha code), its shard, index and manifest entry rewritten alike (quantpack_core.synthetic.replace_module), at
+    the module's size or a random one. Returns whether vLLM cannot load the result: a norm stored other than dense,
+    the token embedding as a trellis or escha code, int8 rows inside a decoder layer (the other swaps may serve)."""
+    import torch
+
+    from quantpack_core.synthetic import random_exl3_layer, replace_module
+
+    key = draw(st.sampled_from(SWAPPED))
+    target = draw(st.sampled_from(STORAGES))
+    sizes = {"model.norm": (256, 1), "model.embed_tokens": (1024, 256), "lm_head": (1024, 256)}
+    out_f, in_f = sizes.get(key, (256, 640 if key.endswith("down_proj") else 256))
+    if draw(st.booleans()):
+        out_f, in_f = draw(st.integers(1, 300)), draw(st.integers(1, 300))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    if target == "dense":
+        tensors = {"weight": torch.randn(out_f, in_f, generator=g).to(torch.float16)}
+    elif target == "int8-rows":
+        rows = torch.randint(-127, 128, (out_f, in_f), generator=g, dtype=torch.int8)
+        tensors = {"qweight": rows, "scales": torch.rand(out_f, generator=g) + 0.01}
+    else:
+        layer = random_exl3_layer(in_f, out_f, draw(st.sampled_from([2, 3, 4])), "mcg", generator=g)
+        if target == "trellis":
+            tensors = layer
+        else:
+            ones_in, ones_out = torch.ones_like(layer["suh"]), torch.ones_like(layer["svh"])
+            tensors = {"escha_code": layer["trellis"], "escha_rin": layer["suh"], "escha_rout": layer["svh"],
+                       "escha_s_in": ones_in, "escha_s_out": ones_out}  # fmt: skip
+    swapped = pack.with_name("swapped")
+    replace_module(pack, swapped, key, tensors)
+    shutil.rmtree(pack)
+    swapped.rename(pack)
+    if key == "model.norm":
+        return target != "dense"
+    if key == "model.embed_tokens":
+        return target in ("trellis", "escha")
+    return key.startswith("model.layers.") and target == "int8-rows"
+
+
+KINDS = sorted(MUST_FAIL | {"config-field", "header-bytes", "layer-class", "link-out", "storage-swap", "trellis-bytes"})
 
 
 @settings(

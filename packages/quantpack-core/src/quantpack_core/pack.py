@@ -649,6 +649,13 @@ class Pack:
                 out.append(self._int8_rows_in_layer_problem(m))
             if m.format in ("exl3", "escha") and m.key.rsplit(".", 1)[-1] in self.TOKEN_EMBEDDINGS:
                 out.append(self._coded_embedding_problem(m))
+            elif m.format == "escha" and self._config_method == "exl3":
+                what = (
+                    "an escha-coded module in an EXL3 pack (config.json's quant_method 'exl3'): the exl3 plugin loads "
+                    "EXL3 trellises and dense weights, so vLLM's loader would stop in the worker"
+                )
+                fix = "re-convert the pack in one format (an escha pack says quant_method 'escha' in config.json)"
+                out.append(Problem(m.key, f"{m.key}.{ESCHA_CODE}", what, fix))
             if m.format == "exl3":
                 out.extend(self._exl3_problems(m, check_values))
             elif m.format == "escha":
@@ -850,6 +857,7 @@ class Pack:
                 out.append(Problem("", "config.json", what, "remove those tensors from a copy of the pack, or " + fix))
         out.extend(self._attention_shape_problems(cfg, sizes, fix))
         out.extend(self._mlp_shape_problems(cfg, sizes, fix))
+        out.extend(self._head_and_norm_shape_problems(cfg, sizes, fix))
         for key, m in self.modules.items():
             if not key.endswith("embed_tokens") or m.format not in ("dense", "int8-rows") or m.padded_shape is None:
                 continue
@@ -955,12 +963,45 @@ class Pack:
         """A problem when module ``m`` stores other than ``want`` features on ``side`` (0: inputs, 1: outputs;
         EXL3 pads to whole 128-feature blocks), the config's size described by ``what``."""
         have = m.padded_shape[side]
-        expect = -(-want // HAD_BLOCK) * HAD_BLOCK if m.format == "exl3" else want
+        expect = -(-want // HAD_BLOCK) * HAD_BLOCK if m.format in ("exl3", "escha") else want
         if have == expect:
             return []
-        tensor = f"{m.key}.{'trellis' if m.format == 'exl3' else 'weight'}"
+        rows = Pack._int8_row_names(m.tensors)
+        main = {"exl3": "trellis", "escha": ESCHA_CODE, "int8-rows": rows[0] if rows else ""}.get(m.format)
+        tensor = f"{m.key}.{main or 'weight'}"
         where = "outputs" if side else "inputs"
         return [Problem(m.key, tensor, f"has {have} {where}, but config.json gives {what}", fix)]
+
+    #: the norms of a decoder layer over its hidden state (not q_norm / k_norm, which some models size per head and
+    #: others per head group), and the language model's final norm
+    HIDDEN_NORMS = re.compile(
+        r"(?:^|\.)(?:layers\.\d+\.(?:input_layernorm|post_attention_layernorm|pre_feedforward_layernorm|"
+        r"post_feedforward_layernorm)|model\.norm|model\.language_model\.norm)$"
+    )
+
+    def _head_and_norm_shape_problems(self, cfg: dict, sizes: dict[str, int], fix: str) -> list[Problem]:
+        """The output head against the config (``vocab_size`` outputs of ``hidden_size`` inputs - OPT's
+        ``word_embed_proj_dim``; stored sizes, padded to 128 for a coded head) and the decoder layers' and the final
+        norm's weight against ``hidden_size`` (one value per feature): vLLM's head loader and its norms'
+        ``weight_loader`` assert the sizes in the worker ("Attempted to load weight (torch.Size([255])) into
+        parameter (torch.Size([256]))"). Not for a tower's or a draft's modules."""
+        hidden = cfg.get("word_embed_proj_dim") or sizes.get("hidden_size")
+        vocab = sizes.get("vocab_size")
+        out: list[Problem] = []
+        for key, m in self.modules.items():
+            if self.OTHER_STACKS.search(key):
+                continue
+            if key.rsplit(".", 1)[-1] == "lm_head" and m.padded_shape is not None:
+                if isinstance(hidden, int):
+                    out.extend(self._stored_size_problem(m, 0, hidden, f"hidden_size {hidden}", fix))
+                if vocab is not None:  # Mllama's head too: its image-token rows are the embedding's only
+                    out.extend(self._stored_size_problem(m, 1, vocab, f"vocab_size {vocab}", fix))
+            elif self.HIDDEN_NORMS.search(key) and m.format == "dense" and sizes.get("hidden_size") is not None:
+                shape = m.tensors["weight"].shape
+                if tuple(shape) != (sizes["hidden_size"],):
+                    what = f"weight is {list(shape)}, but config.json gives hidden_size {sizes['hidden_size']}"
+                    out.append(Problem(key, f"{key}.weight", what, fix))
+        return out
 
     #: a decoder layer's dense MLP projections (not an expert's, not a shared expert's)
     DENSE_MLP = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)$")
