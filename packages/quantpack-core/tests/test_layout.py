@@ -1078,3 +1078,53 @@ def test_a_head_a_norm_or_a_format_vllm_cannot_load(tmp_path, fixtures_dir, modu
     sizes; the exl3 plugin has no parameter for escha_code) and is named by the check now."""
     error = expect_problem(replace_module(fixtures_dir / PACK, tmp_path / "p", module, tensors()), needle)
     assert module in {p.module for p in error.problems}
+
+
+def resized(pack, module, change):
+    """Tensors of ``module`` of ``pack`` resized: ``"in+128"`` / ``"out+128"`` (a random EXL3 layer of the module's
+    K, codebook and padded size, one block wider on that side) or ``"rows-1"`` / ``"cols-1"`` (a dense weight one
+    row or column short)."""
+    info = Pack(pack)
+    m = info.modules[module]
+    if m.format == "dense":
+        w = info.get_tensor(f"{module}.weight")
+        return {"weight": w[:-1].clone() if change == "rows-1" else w[..., :-1].clone()}
+    i, o = m.padded_shape
+    i, o = (i + 128, o) if change == "in+128" else (i, o + 128)
+    codebook = "mul1" if "mul1" in m.tensors else "mcg" if "mcg" in m.tensors else "3inst"
+    return random_exl3_layer(i, o, m.k_bits, codebook, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize(
+    ("pack", "module", "change", "needle"),
+    [
+        (
+            PACK,
+            "model.layers.1.self_attn.q_proj",
+            "in+128",
+            "has 384 inputs, but config.json gives 256 for vLLM's LlamaForCausalLM",
+        ),
+        (PACK, "model.layers.2.mlp.down_proj", "out+128", "has 384 outputs, but config.json gives 256 for vLLM's"),
+        (
+            MOE_PACK,
+            "model.layers.0.mlp.experts.3.down_proj",
+            "in+128",
+            "has 384 inputs, but config.json gives 256 for vLLM's Qwen3MoeForCausalLM",
+        ),
+        (MOE_PACK, "model.layers.1.mlp.gate", "cols-1", "has 255 inputs"),
+        (MOE_PACK, "model.layers.1.mlp.gate", "rows-1", "has 7 outputs"),
+        (MOE_PACK, "model.layers.0.self_attn.q_norm", "rows-1", "weight is [63], but vLLM's Qwen3MoeForCausalLM"),
+        (NEXT_PACK, "model.layers.0.linear_attn.in_proj_qkvz", "out+128", "outputs"),
+        (NEXT_PACK, "model.layers.0.linear_attn.in_proj_ba", "rows-1", "outputs"),
+        (NEXT_PACK, "model.layers.0.linear_attn.conv1d", "cols-1", "builds linear_attn.conv1d as "),
+        (NEXT_PACK, "model.layers.1.self_attn.q_proj", "out+128", "outputs"),
+    ],
+)
+def test_sizes_vllm_builds_the_layer_with(tmp_path, fixtures_dir, pack, module, change, needle):
+    """For the classes whose layer the check states, each module against the sizes vLLM builds it with
+    (quantpack_core.layout.layer_sizes: the hidden side of every projection, router and expert, the experts'
+    intermediate side, Qwen3-Next's gated q_proj and Gated DeltaNet, q_norm per head): one block or one row off,
+    the bundled packs are named (vLLM's loaders, or the plugin's geometry check, stopped on each in the worker)."""
+    src = fixtures_dir / pack
+    error = expect_problem(replace_module(src, tmp_path / "p", module, resized(src, module, change)), needle)
+    assert module in {p.module for p in error.problems}

@@ -11,7 +11,13 @@ import json
 import pytest
 import torch
 
-from quantpack_core.layout import KNOWN_LAYERS, OWN_TENSORS, architecture_layer, unquantized_layer_modules
+from quantpack_core.layout import (
+    KNOWN_LAYERS,
+    OWN_TENSORS,
+    architecture_layer,
+    layer_sizes,
+    unquantized_layer_modules,
+)
 
 BASE = {
     "hidden_size": 64,
@@ -169,8 +175,8 @@ def recording_config():
 
 @pytest.fixture(scope="module")
 def built(vllm_layers, tmp_path_factory):
-    """``{case: ([parameter names of each decoder layer], {prefixes vLLM built with the quantization config})}`` from
-    the installed vLLM's model classes."""
+    """``{case: ([parameter names of each decoder layer], {prefixes vLLM built with the quantization config},
+    [{parameter name: shape} of each decoder layer])}`` from the installed vLLM's model classes."""
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
 
@@ -188,7 +194,8 @@ def built(vllm_layers, tmp_path_factory):
         )
         with set_current_vllm_config(vc), torch.device("meta"):
             model = initialize_model(vllm_config=vc)
-        out[case] = [[n for n, _ in layer.named_parameters()] for layer in model.model.layers], recording.asked
+        shapes = [{n: tuple(t.shape) for n, t in layer.named_parameters()} for layer in model.model.layers]
+        out[case] = [list(layer) for layer in shapes], recording.asked, shapes
     return out
 
 
@@ -196,7 +203,7 @@ def built(vllm_layers, tmp_path_factory):
 def test_the_rule_states_the_layer_vllm_builds(built, case):
     config = {**BASE, **CASES[case]}
     arch = config["architectures"][0]
-    layers, _ = built[case]
+    layers, _, _ = built[case]
     assert len(layers) == BASE["num_hidden_layers"]
     for i, names in enumerate(layers):
         modules, biased = checkpoint_modules(names)
@@ -217,7 +224,7 @@ def test_the_modules_stated_dense_are_those_vllm_builds_without_the_quantization
     at the pack check): never both, never neither. Qwen3-MoE's router is built with it, the other classes' not."""
     config = {**BASE, **CASES[case]}
     arch = config["architectures"][0]
-    layers, asked = built[case]
+    layers, asked, _ = built[case]
     for i in range(len(layers)):
         required, _, _ = architecture_layer(arch, config, i)
         quantizable, _ = checkpoint_modules(
@@ -232,3 +239,49 @@ def test_the_modules_stated_dense_are_those_vllm_builds_without_the_quantization
         routed = [i for i in range(len(layers)) if router in architecture_layer(arch, config, i)[0]]
         assert routed, case
         assert (router in unquantized_layer_modules(arch, config, routed[0])) == (arch != "Qwen3MoeForCausalLM")
+
+
+def fits(want: tuple, have: tuple) -> bool:
+    """Whether shape ``have`` is ``want`` where ``want`` gives a size (None: any)."""
+    return len(want) == len(have) and all(w is None or w == h for w, h in zip(want, have, strict=True))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_sizes_stated_are_those_vllm_builds(built, case):
+    """quantpack_core.layout.layer_sizes against the parameters vLLM builds for the same config.json, layer by layer:
+    a linear module's (in, out) in vLLM's (out, in) weight, q / k / v inside qkv_proj, gate / up inside
+    gate_up_proj, an expert bank's projections inside w13_weight / w2_weight (experts, 2 x out, in), a norm's
+    size. Every size the rule gives is checked, and every module of the layer has one."""
+    config = {**BASE, **CASES[case]}
+    arch = config["architectures"][0]
+    _, _, shapes = built[case]
+    for i, params in enumerate(shapes):
+        sizes = layer_sizes(arch, config, i)
+        stated = {p.rsplit(".", 1)[0] if ".experts." in f".{p}." else p for p in sizes}
+        required = set(architecture_layer(arch, config, i)[0])
+        assert required - stated <= {"linear_attn"}, (case, i, sorted(required - stated))
+        qkv: list[int | None] = []
+        for path, size in sizes.items():
+            parent, _, last = path.rpartition(".")
+            if len(size) != 2:  # the weight's own shape: a norm's, the Gated DeltaNet's conv1d
+                assert fits(size, params[f"{path}.weight"]), (case, i, path, params[f"{path}.weight"])
+                continue
+            n_in, n_out = size
+            if parent.endswith("experts"):
+                fused = last in ("gate_proj", "up_proj", "w1", "w3")
+                suffix = "w13_weight" if fused else "w2_weight"  # under the bank (0.32: its routed_experts)
+                have = next(v for k, v in params.items() if k.startswith(f"{parent}.") and k.endswith(suffix))
+                want = (None, None if n_out is None else (2 * n_out if fused else n_out), n_in)
+                assert fits(want, have), (case, i, path, have)
+            elif last in ("q_proj", "k_proj", "v_proj"):
+                have = params[f"{parent}.qkv_proj.weight"]
+                assert n_in == have[1], (case, i, path, have)
+                qkv.append(n_out)
+            elif last in ("gate_proj", "up_proj"):
+                have = params[f"{parent}.gate_up_proj.weight"]
+                assert fits((None if n_out is None else 2 * n_out, n_in), have), (case, i, path, have)
+            else:
+                have = params[f"{path}.weight"]
+                assert fits((n_out, n_in), have), (case, i, path, have)
+        if qkv and None not in qkv:
+            assert sum(qkv) == params["self_attn.qkv_proj.weight"][0], (case, i, qkv)

@@ -554,6 +554,88 @@ def _layer_modules(arch: str, config: dict, i: int) -> tuple[tuple[str, ...], tu
     return (*attn, *mlp, *_LAYER_NORMS), absent, bias
 
 
+def layer_sizes(arch: str, config: dict, i: int) -> dict[str, tuple[int | None, ...]]:
+    """The logical sizes vLLM's model class ``arch`` gives the modules of decoder layer ``i``, from config.json as its
+    model file reads them, for the architectures of :data:`KNOWN_LAYERS`: ``(in, out)`` features of a linear module;
+    the weight's own shape for the others (a tuple of another length: ``(n,)`` for a norm, ``(channels, 1, kernel)``
+    for the Gated DeltaNet's conv1d); an expert bank's projections under ``<bank>.<projection>``
+    (``mlp.experts.gate_proj``: every expert's). None where the config does not give the size (an integer).
+
+    Sizes: ``hidden_size``; ``num_attention_heads`` and ``num_key_value_heads`` (default the former) times
+    ``head_dim`` (default ``hidden_size / num_attention_heads``); ``intermediate_size`` (Mixtral's experts too);
+    ``moe_intermediate_size``; ``shared_expert_intermediate_size``; the expert count of :func:`qwen_moe_plan`
+    (Mixtral's ``num_local_experts``); Qwen3-Next's q_proj twice as wide with ``attn_output_gate`` (default on), its
+    Gated DeltaNet's ``linear_num_key_heads`` x ``linear_key_head_dim`` keys and ``linear_num_value_heads`` x
+    ``linear_value_head_dim`` values (in_proj_qkvz: two of each; in_proj_ba: two per value head; the norm: one value
+    head; conv1d: ``linear_conv_kernel_dim`` taps over both keys and the values). ``{}`` for an architecture
+    :func:`architecture_layer` does not state.
+
+    Source: vLLM's llama.py, qwen2.py, qwen3.py, qwen2_moe.py, qwen3_moe.py, qwen3_next.py, mixtral.py, gemma2.py,
+    gemma3.py (checked against the parameters vLLM builds by quantpack-exl3's ``test_layer_rules_vllm.py``).
+    """
+    required = architecture_layer(arch, config, i)[0]
+    hidden = _count(config, "hidden_size")
+    heads = _count(config, "num_attention_heads")
+    kv = _count(config, "num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
+    head_dim = _count(config, "head_dim") if config.get("head_dim") is not None else None
+    if head_dim is None and hidden and heads:
+        head_dim = hidden // heads
+
+    def times(a: int | None, b: int | None) -> int | None:
+        return a * b if a is not None and b is not None else None
+
+    mixtral = arch == "MixtralForCausalLM"
+    inter = _count(config, "intermediate_size")
+    expert = inter if mixtral else _count(config, "moe_intermediate_size")
+    shared = _count(config, "shared_expert_intermediate_size")
+    routes = _count(config, "num_local_experts", "num_experts")
+    # Qwen3-Next: attention whose q_proj also gives the output gate (``attn_output_gate``, default on), and the
+    # Gated DeltaNet's key / value widths
+    q_parts = 1 + bool(config.get("attn_output_gate", True)) if arch == "Qwen3NextForCausalLM" else 1
+    key_dim = times(_count(config, "linear_num_key_heads"), _count(config, "linear_key_head_dim"))
+    v_heads, v_dim = _count(config, "linear_num_value_heads"), _count(config, "linear_value_head_dim")
+    value_dim = times(v_heads, v_dim)
+    sizes: dict[str, tuple[int | None, ...]] = {}
+    for path in required:
+        last = path.rsplit(".", 1)[-1]
+        if is_norm(path):
+            own = path.startswith("linear_attn.")  # the Gated DeltaNet's norm: over one value head
+            sizes[path] = (head_dim,) if last in ("q_norm", "k_norm") else (v_dim,) if own else (hidden,)
+        elif path == "self_attn.q_proj":
+            sizes[path] = (hidden, times(times(heads, head_dim), q_parts))
+        elif path in ("self_attn.k_proj", "self_attn.v_proj"):
+            sizes[path] = (hidden, times(kv, head_dim))
+        elif path == "self_attn.o_proj":
+            sizes[path] = (times(heads, head_dim), hidden)
+        elif path in ("mlp.gate_proj", "mlp.up_proj"):
+            sizes[path] = (hidden, inter)
+        elif path == "mlp.down_proj":
+            sizes[path] = (inter, hidden)
+        elif path in ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"):
+            sizes[path] = (hidden, shared)
+        elif path == "mlp.shared_expert.down_proj":
+            sizes[path] = (shared, hidden)
+        elif path in ("mlp.gate", "block_sparse_moe.gate"):
+            sizes[path] = (hidden, routes)
+        elif path == "mlp.shared_expert_gate":
+            sizes[path] = (hidden, 1)
+        elif path in ("mlp.experts", "block_sparse_moe.experts"):
+            gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            sizes[f"{path}.{gate}"] = sizes[f"{path}.{up}"] = (hidden, expert)
+            sizes[f"{path}.{down}"] = (expert, hidden)
+        elif path == "linear_attn.in_proj_qkvz":
+            both = key_dim + value_dim if key_dim is not None and value_dim is not None else None
+            sizes[path] = (hidden, times(both, 2))
+        elif path == "linear_attn.in_proj_ba":
+            sizes[path] = (hidden, times(v_heads, 2))
+        elif path == "linear_attn.out_proj":
+            sizes[path] = (value_dim, hidden)
+        elif path == "linear_attn.conv1d":  # a depthwise convolution over the keys and values: (channels, 1, kernel)
+            channels = key_dim * 2 + value_dim if key_dim is not None and value_dim is not None else None
+            sizes[path] = (channels, 1, _count(config, "linear_conv_kernel_dim"))
+    return sizes
+
+
 #: the tensors of a module that vLLM loads its weight from: a dense weight, an EXL3 or escha trellis, int8 rows
 WEIGHT_TENSORS = frozenset({"weight", "trellis", "escha_code", "qweight", "weight_int8"})
 #: the fix where a module vLLM loads a dense weight into is stored quantized

@@ -34,11 +34,13 @@ from .codec.trellis import HALF_K, TILE, k_from_width
 from .errors import CodecError, LayerLoadError, PackError, Problem
 from .layout import (
     FIX_DENSE,
+    KNOWN_LAYERS,
     LAYER_KEY,
     QUANTIZED_TENSORS,
     architecture_problems,
     decoder_layers,
     is_norm,
+    layer_sizes,
     sibling_problems,
     stack_problems,
     sublayer_problems,
@@ -858,6 +860,7 @@ class Pack:
         out.extend(self._attention_shape_problems(cfg, sizes, fix))
         out.extend(self._mlp_shape_problems(cfg, sizes, fix))
         out.extend(self._head_and_norm_shape_problems(cfg, sizes, fix))
+        out.extend(self._stated_size_problems(fix))
         for key, m in self.modules.items():
             if not key.endswith("embed_tokens") or m.format not in ("dense", "int8-rows") or m.padded_shape is None:
                 continue
@@ -1001,6 +1004,56 @@ class Pack:
                 if tuple(shape) != (sizes["hidden_size"],):
                     what = f"weight is {list(shape)}, but config.json gives hidden_size {sizes['hidden_size']}"
                     out.append(Problem(key, f"{key}.weight", what, fix))
+        return out
+
+    #: (module path in a layer, side) the generic checks above already hold against the config: k / v outputs,
+    #: o inputs, a dense MLP's intermediate side
+    GENERIC_SIDES = frozenset(
+        {("self_attn.k_proj", 1), ("self_attn.v_proj", 1), ("self_attn.o_proj", 0), ("mlp.gate_proj", 1),
+         ("mlp.up_proj", 1), ("mlp.down_proj", 0)}
+    )  # fmt: skip
+
+    def _stated_size_problems(self, fix: str) -> list[Problem]:
+        """For the model classes whose layer the project states, every module of the decoder layers against the
+        sizes vLLM's class gives it (:func:`~quantpack_core.layout.layer_sizes`: the hidden side of every projection,
+        router and expert, the experts' and shared expert's intermediate side, q_norm / k_norm per head), where the
+        checks above do not already: stored sizes, padded to 128 for a coded module. vLLM's loaders, or the
+        plugins' geometry check, would stop on each in the worker."""
+        built = self.model_config if isinstance(self.model_config, dict) else self.config
+        names = built.get("architectures") if isinstance(built, dict) else None
+        arch = names[0] if isinstance(names, list) and names and names[0] in KNOWN_LAYERS else None
+        if arch is None:
+            return []
+        out: list[Problem] = []
+        plans: dict[int, dict] = {}
+        for key, m in self.modules.items():
+            found = re.fullmatch(r"model\.layers\.(\d{1,9})\.(.+)", key)
+            if not found or m.format not in ("dense", "exl3", "escha"):
+                continue
+            i, path = int(found.group(1)), found.group(2)
+            if i not in plans:
+                plans[i] = layer_sizes(arch, built, i)
+            expert = re.fullmatch(r"(.+\.experts)\.\d+\.([^.]+)", path)
+            size = plans[i].get(f"{expert.group(1)}.{expert.group(2)}" if expert else path)
+            if size is None:
+                continue
+            if len(size) != 2:  # a norm's or a convolution's weight, as vLLM builds it
+                shape = tuple(m.tensors["weight"].shape) if m.format == "dense" else None
+                fits = shape is not None and len(shape) == len(size)
+                if shape is not None and not (fits and all(w in (None, h) for w, h in zip(size, shape, strict=True))):
+                    want = "x".join("?" if w is None else str(w) for w in size)
+                    what = f"weight is {list(shape)}, but vLLM's {arch} builds {path} as {want}"
+                    out.append(Problem(key, f"{key}.weight", what, fix))
+                continue
+            if m.padded_shape is None:
+                continue
+            for side, want in enumerate(size):
+                if want is not None and (path, side) not in self.GENERIC_SIDES:
+                    what = f"{want} for vLLM's {arch}"
+                    found_problem = self._stored_size_problem(m, side, want, what, fix)
+                    out.extend(found_problem[:1])
+                    if found_problem:
+                        break
         return out
 
     #: a decoder layer's dense MLP projections (not an expert's, not a shared expert's)
