@@ -23,7 +23,8 @@ the project knows (docs/families.md, and vLLM's model files for the others), so 
   layers vLLM builds by quantpack-exl3's ``test_layer_rules_vllm.py``), every layer against that layer, at any layer
   count (the rules above need four instances to see a module lost from one): a module lost, another family's
   module, a module holding no weight or lacking a tensor of its own, a bias the config does not give, a norm,
-  router or gate stored quantized where vLLM builds it dense (:func:`unquantized_layer_modules`).
+  router or gate stored quantized where vLLM builds it dense (:func:`unquantized_layer_modules`); and the sizes
+  vLLM builds each module with (:func:`layer_sizes`, held against the stored shapes by the pack check).
 
 Whole layers missing and per-layer norms are checked by :class:`~quantpack_core.pack.Pack` itself; experts of an
 expert bank by its MoE rules (docs/moe-bank.md).
