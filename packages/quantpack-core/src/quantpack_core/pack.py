@@ -676,6 +676,14 @@ class Pack:
         out.extend(p for p in self._layout_problems() if p.module not in named)
         return out
 
+    @classmethod
+    def _main_tensor(cls, m: ModuleInfo) -> str:
+        """The suffix of the tensor a module's storage kind lives in: ``trellis`` (EXL3), ``escha_code``, the int8
+        rows (``qweight`` / ``weight_int8``), else ``weight``."""
+        rows = cls._int8_row_names(m.tensors)
+        main = {"exl3": "trellis", "escha": ESCHA_CODE, "int8-rows": rows[0] if rows else ""}.get(m.format)
+        return main or "weight"
+
     #: how the quantized storage kinds of :attr:`ModuleInfo.format` are named in messages
     STORAGE_LABELS: ClassVar[dict[str, str]] = {
         "exl3": "an EXL3 trellis",
@@ -698,14 +706,13 @@ class Pack:
         embedding method only, which vLLM builds for token embeddings and heads, never inside a layer; a projection
         so stored stops the load in the worker (vLLM: "There is no module or parameter named ...qweight"; a fused
         q / k / v or gate / up: the plugin's LayerLoadError)."""
-        rows = self._int8_row_names(m.tensors)
         what = (
             "stored as int8 rows, which the plugins serve for token embeddings and heads only (`quantpack "
             "embed-int8`'s tables): vLLM's layer here loads a trellis or a dense weight, so its load would stop in "
             "the worker"
         )
         fix = "store the module as exllamav3's converter writes it (a trellis or a dense weight): re-convert the pack"
-        return Problem(m.key, f"{m.key}.{rows[0] if rows else 'qweight'}", what, fix)
+        return Problem(m.key, f"{m.key}.{self._main_tensor(m)}", what, fix)
 
     #: the last names of token embedding tables (vLLM's ``VocabParallelEmbedding``: Llama's ``embed_tokens``, GPT-2's
     #: ``wte``, BERT-style ``word_embeddings``, GPT-NeoX's ``embed_in``)
@@ -715,7 +722,7 @@ class Pack:
         """A token embedding stored as a trellis or escha code: vLLM's embedding loads a dense table, or int8 rows
         through the project's embedding method (:mod:`quantpack_core.vllm.embedding`), nothing else; its loader
         would stop in the worker ("There is no module or parameter named 'embed_tokens.mul1'", vLLM 0.32)."""
-        code = "trellis" if m.format == "exl3" else ESCHA_CODE
+        code = self._main_tensor(m)
         what = (
             f"the token embedding stored as {self.STORAGE_LABELS[m.format]}: vLLM's embedding takes a dense table or "
             "int8 rows only, so its loader would stop in the worker"
@@ -969,9 +976,7 @@ class Pack:
         expect = -(-want // HAD_BLOCK) * HAD_BLOCK if m.format in ("exl3", "escha") else want
         if have == expect:
             return []
-        rows = Pack._int8_row_names(m.tensors)
-        main = {"exl3": "trellis", "escha": ESCHA_CODE, "int8-rows": rows[0] if rows else ""}.get(m.format)
-        tensor = f"{m.key}.{main or 'weight'}"
+        tensor = f"{m.key}.{Pack._main_tensor(m)}"
         where = "outputs" if side else "inputs"
         return [Problem(m.key, tensor, f"has {have} {where}, but config.json gives {what}", fix)]
 
@@ -1165,15 +1170,12 @@ class Pack:
                 common = kinds.most_common(1)[0][0]
                 odd = next(m for _, m in sorted(members.items()) if m.format != common)
                 listing = ", ".join(f"{name} {m.format}" for name, m in sorted(members.items()))
-                rows = self._int8_row_names(odd.tensors)
-                main = {"exl3": "trellis", "escha": ESCHA_CODE, "int8-rows": rows[0] if rows else ""}
-                main = main.get(odd.format) or "weight"
                 what = (
                     f"stored as {odd.format} while its fused siblings are not ({listing}): vLLM fuses "
                     f"{' / '.join(group)} into one layer, which takes one kind"
                 )
                 fix = "re-quantize the pack with one setting for all of them (or re-download it if it was altered)"
-                out.append(Problem(odd.key, f"{odd.key}.{main}", what, fix))
+                out.append(Problem(odd.key, f"{odd.key}.{self._main_tensor(odd)}", what, fix))
         return out
 
     def _pack_codebook(self) -> Codebook | None:
