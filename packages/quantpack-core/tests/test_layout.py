@@ -1128,3 +1128,43 @@ def test_sizes_vllm_builds_the_layer_with(tmp_path, fixtures_dir, pack, module, 
     src = fixtures_dir / pack
     error = expect_problem(replace_module(src, tmp_path / "p", module, resized(src, module, change)), needle)
     assert module in {p.module for p in error.problems}
+
+
+def test_what_a_hostile_user_found(tmp_path, fixtures_dir):
+    """Packs the check accepted (or crashed on) and vLLM 0.32 then failed on, or served NaN with: each is named now,
+    and the check itself raises nothing but PackError. A float8 norm (the finite check crashed: isfinite takes no
+    float8) is read as float32; a weight_map entry that is no file name (a TypeError) is named; a stray module
+    outside the layers of a stated class (vLLM: "There is no module or parameter named 'foo'"); norm epsilons and
+    RoPE bases vLLM serves NaN with; more experts per token than experts (vLLM's router stopped at the first request),
+    or none (SIGFPE); NaN in the Gated DeltaNet's A_log."""
+    src = fixtures_dir / PACK
+    norm = load_file(src / "model.safetensors")["model.norm.weight"]
+    Pack.open(replace_module(src, tmp_path / "f8", "model.norm", {"weight": norm.to(torch.float8_e4m3fn)}))
+    sharded = tmp_path / "index"
+    shutil.copytree(src, sharded)
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00001.safetensors")
+    weight_map = dict.fromkeys(
+        load_file(sharded / "model-00001-of-00001.safetensors"), "model-00001-of-00001.safetensors"
+    )
+    weight_map["model.norm.weight"] = 7
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    expect_problem(sharded, "weight_map gives model.norm.weight the file 7, not a file name")
+    stray = tmp_path / "stray"
+    shutil.copytree(src, stray)
+    add_tensor(stray, "model.foo.weight", torch.ones(256, dtype=torch.bfloat16))
+    expect_problem(stray, "vLLM's LlamaForCausalLM has no module model.foo")
+    for change, needle in (
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps is -1.0, not a number between 0 and 1"),
+        ({"rms_norm_eps": 1e30}, "rms_norm_eps is 1e+30"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_parameters.rope_theta is 0"),
+    ):
+        expect_problem(with_config(src, tmp_path / f"c{len(list(tmp_path.iterdir()))}", **change), needle)
+    for topk, needle in ((9, "num_experts_per_tok is 9, but a token can pick 1 to 8"), (0, "num_experts_per_tok is 0")):
+        expect_problem(with_config(fixtures_dir / MOE_PACK, tmp_path / f"k{topk}", num_experts_per_tok=topk), needle)
+    a_log = load_file(fixtures_dir / NEXT_PACK / "model.safetensors")["model.layers.0.linear_attn.A_log"]
+    nan = replace_module(
+        fixtures_dir / NEXT_PACK, tmp_path / "alog", "model.layers.0.linear_attn",
+        {"A_log": torch.full_like(a_log, float("nan")),
+         "dt_bias": load_file(fixtures_dir / NEXT_PACK / "model.safetensors")["model.layers.0.linear_attn.dt_bias"]},
+    )  # fmt: skip
+    expect_problem(nan, "model.layers.0.linear_attn.A_log", "values are NaN or infinite")

@@ -33,6 +33,7 @@ from .codec.hadamard import HAD_BLOCK
 from .codec.trellis import HALF_K, TILE, k_from_width
 from .errors import CodecError, LayerLoadError, PackError, Problem
 from .layout import (
+    DRAFT_FUSION,
     FIX_DENSE,
     KNOWN_LAYERS,
     LAYER_KEY,
@@ -455,9 +456,16 @@ class Pack:
         if index_path.is_file():
             try:
                 weight_map = dict(json.loads(index_path.read_text())["weight_map"])
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError) as e:
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, RecursionError) as e:
                 self._problem("", INDEX_FILE, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD)
                 weight_map = None
+            odd = {n: f for n, f in (weight_map or {}).items() if not isinstance(f, str)}
+            if odd:  # a file name that is a number, null, a list ...: vLLM's loader would stop on it
+                name, value = next(iter(odd.items()))
+                what = f"weight_map gives {name} the file {json.dumps(value)[:40]}, not a file name"
+                more = f" ({len(odd)} such entries)" if len(odd) > 1 else ""
+                self._problem("", INDEX_FILE, what + more, FIX_REDOWNLOAD)
+                weight_map = {n: f for n, f in weight_map.items() if isinstance(f, str)}
             if weight_map is not None:
                 files = sorted(set(weight_map.values()))
                 for f in files:
@@ -664,7 +672,7 @@ class Pack:
                 out.extend(self._escha_problems(m, check_values))
             else:
                 out.extend(self._int8_pair_problems(m))
-                if check_values and m.format in ("dense", "int8-rows"):
+                if check_values and m.format in ("dense", "int8-rows", "other"):
                     out.extend(self._vector_problems(m))
         out.extend(self._escha_meta_problems())
         out.extend(self._moe_problems())
@@ -816,6 +824,7 @@ class Pack:
                     out.append(Problem("", where, what, fix))
                 elif c is cfg and not per_layer:
                     sizes[key] = v
+        out.extend(self._value_setting_problems(cfg, sizes, fix))
         layers = sizes.get("num_hidden_layers")
         present = set()
         for key in self.modules:
@@ -868,6 +877,7 @@ class Pack:
         out.extend(self._mlp_shape_problems(cfg, sizes, fix))
         out.extend(self._head_and_norm_shape_problems(cfg, sizes, fix))
         out.extend(self._stated_size_problems(fix))
+        out.extend(self._outside_layer_problems())
         for key, m in self.modules.items():
             if not key.endswith("embed_tokens") or m.format not in ("dense", "int8-rows") or m.padded_shape is None:
                 continue
@@ -887,6 +897,41 @@ class Pack:
                 # vLLM's embedding loader takes exactly vocab_size rows (VocabParallelEmbedding.weight_loader)
                 what = f"has {rows} rows, more than config.json's vocab_size {vocab} (vLLM loads exactly vocab_size)"
                 out.append(Problem(key, name, what, fix))
+        return out
+
+    #: config.json's norm epsilons (Llama's rms_norm_eps, OPT's / Phi's layer_norm_eps, Falcon's
+    #: layer_norm_epsilon, Mistral-format norm_eps)
+    EPSILONS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps")
+
+    def _value_setting_problems(self, cfg: dict, sizes: dict[str, int], fix: str) -> list[Problem]:
+        """config.json's settings whose value vLLM takes without a check and then serves NaN with, or stops on at
+        the first request: a norm epsilon that is not a number strictly between 0 and 1 (negative, NaN or 1e30 gave
+        NaN or garbage logits), a RoPE base (``rope_theta``, top level or in ``rope_parameters``, per layer type
+        too) that is not a positive finite number (NaN logits), and, for a model with experts, ``num_experts_per_tok``
+        outside 1 .. the expert count (vLLM's router stopped on the first request: "selected index k out of range";
+        0 with 8 experts killed the process with SIGFPE)."""
+        out: list[Problem] = []
+
+        def number(v) -> bool:
+            return isinstance(v, int | float) and not isinstance(v, bool)
+
+        for key in self.EPSILONS:
+            v = cfg.get(key)
+            if number(v) and not 0 < v < 1:
+                out.append(Problem("", "config.json", f"{key} is {v!r}, not a number between 0 and 1", fix))
+        rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+        thetas = [("rope_theta", cfg.get("rope_theta")), ("rope_parameters.rope_theta", rope.get("rope_theta"))]
+        thetas += [
+            (f"rope_parameters.{k}.rope_theta", v.get("rope_theta")) for k, v in rope.items() if isinstance(v, dict)
+        ]
+        for where, v in thetas:
+            if number(v) and not (math.isfinite(v) and v > 0):
+                out.append(Problem("", "config.json", f"{where} is {v!r}, not a positive number", fix))
+        experts = self._configured_experts()
+        topk = sizes.get("num_experts_per_tok")
+        if experts and topk is not None and not 1 <= topk <= experts:
+            what = f"num_experts_per_tok is {topk}, but a token can pick 1 to {experts} experts (the expert count)"
+            out.append(Problem("", "config.json", what, fix))
         return out
 
     #: architecture name prefix -> rows its model adds to the embedding past vocab_size (Mllama's 8 image tokens:
@@ -1011,6 +1056,44 @@ class Pack:
                     out.append(Problem(key, f"{key}.weight", what, fix))
         return out
 
+    #: the modules outside the decoder layers that vLLM's stated classes load (Qwen3-Next also drops ``mtp.*``: its
+    #: multi-token-prediction layers, which vLLM's model maps to nothing)
+    OUTSIDE_LAYERS = frozenset({"model.embed_tokens", "model.norm", "lm_head"})
+
+    def _stated_class(self) -> str | None:
+        """The first class of ``architectures`` of the config vLLM builds (the plugin's, else config.json), where
+        it is one whose layer the project states (:data:`~quantpack_core.layout.KNOWN_LAYERS`), else None."""
+        built = self.model_config if isinstance(self.model_config, dict) else self.config
+        names = built.get("architectures") if isinstance(built, dict) else None
+        return names[0] if isinstance(names, list) and names and names[0] in KNOWN_LAYERS else None
+
+    def _outside_layer_problems(self) -> list[Problem]:
+        """For the stated classes, a module outside the decoder layers other than the token embedding, the final
+        norm and the head (``model.foo``, or the head stored as ``model.lm_head``): vLLM's loader has no module for
+        it and stopped in the worker ("There is no module or parameter named 'foo' in LlamaModel"). Rotary tables
+        and modules holding only scales are left alone (vLLM skips or maps them)."""
+        arch = self._stated_class()
+        outside = [k for k in self.modules if not LAYER_KEY.search(k)]
+        if arch is None or any(k.rsplit(".", 1)[-1] == DRAFT_FUSION for k in outside):
+            return []  # an EAGLE draft published under its target's class: vLLM builds it as a draft, with its fc
+        out: list[Problem] = []
+        for key in outside:
+            m = self.modules[key]
+            if key in self.OUTSIDE_LAYERS:
+                continue
+            if arch == "Qwen3NextForCausalLM" and key.startswith("mtp."):
+                continue
+            names = set(m.tensors)
+            if key.rsplit(".", 1)[-1] in ("rotary_emb", "rotary_pos_emb") or all("scale" in n for n in names):
+                continue
+            what = (
+                f"vLLM's {arch} has no module {key} (outside the layers it loads model.embed_tokens, model.norm and "
+                "lm_head only): its loader would stop in the worker"
+            )
+            fix = "remove these tensors from a copy of the pack, or use the config.json the pack was made with"
+            out.append(Problem(key, f"{key}.{sorted(names)[0]}", what, fix))
+        return out
+
     #: (module path in a layer, side) the generic checks above already hold against the config: k / v outputs,
     #: o inputs, a dense MLP's intermediate side
     GENERIC_SIDES = frozenset(
@@ -1024,11 +1107,10 @@ class Pack:
         router and expert, the experts' and shared expert's intermediate side, q_norm / k_norm per head), where the
         checks above do not already: stored sizes, padded to 128 for a coded module. vLLM's loaders, or the
         plugins' geometry check, would stop on each in the worker."""
-        built = self.model_config if isinstance(self.model_config, dict) else self.config
-        names = built.get("architectures") if isinstance(built, dict) else None
-        arch = names[0] if isinstance(names, list) and names and names[0] in KNOWN_LAYERS else None
+        arch = self._stated_class()
         if arch is None:
             return []
+        built = self.model_config if isinstance(self.model_config, dict) else self.config
         out: list[Problem] = []
         plans: dict[int, dict] = {}
         for key, m in self.modules.items():
@@ -1413,8 +1495,9 @@ class Pack:
     TABLE_CHUNK_ELEMENTS = 1 << 24
 
     def _vector_problems(self, m: ModuleInfo) -> list[Problem]:
-        """Non-finite values in a dense or int8-row module's 1-D floating tensors (a norm's weight, a bias, the row
-        scales of an int8 table: a NaN there reaches every token) and in a dense vocabulary table
+        """Non-finite values in a dense, int8-row or other module's 1-D floating tensors (a norm's weight, a bias, the
+        row scales of an int8 table, the Gated DeltaNet's A_log / dt_bias: a NaN there reaches every token) and in a
+        dense vocabulary table
         (:data:`TABLE_MODULES`), read in chunks of rows so the check's memory stays at one chunk (64 MiB in
         float32)."""
         out: list[Problem] = []
@@ -1475,7 +1558,10 @@ class Pack:
 
     @staticmethod
     def _check_finite(key: str, name: str, v: torch.Tensor, out: list[Problem]) -> None:
-        """Record a problem when ``v`` holds NaN or infinite values."""
+        """Record a problem when ``v`` holds NaN or infinite values (float8 and other types ``isfinite`` does not
+        take are read as float32)."""
+        if v.is_floating_point() and v.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            v = v.float()
         if not bool(torch.isfinite(v).all()):
             count = int((~torch.isfinite(v)).sum())
             out.append(Problem(key, name, f"{count} of {v.numel()} values are NaN or infinite", FIX_REDOWNLOAD))

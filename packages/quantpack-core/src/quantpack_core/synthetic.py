@@ -155,9 +155,10 @@ def write_pack(
 def replace_module(
     src: str | os.PathLike, dst: str | os.PathLike, module: str, tensors: dict[str, torch.Tensor]
 ) -> Path:
-    """Copy pack ``src`` to ``dst`` with module ``module``'s tensors replaced by ``tensors`` (a dense module made an
-    EXL3 one by :func:`random_exl3_layer`'s tensors, or the reverse): they go into the shard that held the module,
-    and the index and the manifest's ``tensor_storage`` entry follow. ``src`` is only read.
+    """Copy pack ``src`` to ``dst`` with module ``module``'s own tensors (not those of modules below it) replaced by
+    ``tensors`` (a dense module made an EXL3 one by :func:`random_exl3_layer`'s tensors, or the reverse): they go
+    into the shard that held the module, and the index and the manifest's ``tensor_storage`` entry follow. ``src``
+    is only read.
 
     Args:
         src: a pack folder holding ``module``.
@@ -180,18 +181,21 @@ def replace_module(
     if dst.exists():
         raise FileExistsError(f"{dst} exists; replace_module never overwrites")
     shutil.copytree(src, dst)
-    prefix = module + "."
-    shards = [f for f in sorted(dst.glob("*.safetensors")) if any(n.startswith(prefix) for n in load_file(f))]
+
+    def own(name: str) -> bool:  # a tensor of the module itself, not of a module below it
+        return split_tensor_name(name)[0] == module
+
+    shards = [f for f in sorted(dst.glob("*.safetensors")) if any(own(n) for n in load_file(f))]
     if not shards:
         raise KeyError(f"{src}: no shard holds a tensor of {module}")
-    new = {prefix + suffix: t.contiguous() for suffix, t in tensors.items()}
+    new = {f"{module}.{suffix}": t.contiguous() for suffix, t in tensors.items()}
     for i, shard in enumerate(shards):  # the module's tensors leave every shard; the new ones go into the first
-        kept = {n: t for n, t in load_file(shard).items() if not n.startswith(prefix)}
+        kept = {n: t for n, t in load_file(shard).items() if not own(n)}
         save_file({**kept, **(new if i == 0 else {})}, str(shard), metadata={"format": "pt"})
     index = dst / INDEX_FILE
     if index.exists():
         j = json.loads(index.read_text())
-        j["weight_map"] = {n: f for n, f in j["weight_map"].items() if not n.startswith(prefix)}
+        j["weight_map"] = {n: f for n, f in j["weight_map"].items() if not own(n)}
         j["weight_map"].update(dict.fromkeys(new, shards[0].name))
         index.write_text(json.dumps(j, indent=2))
     manifest = dst / MANIFEST_FILE
