@@ -1168,3 +1168,42 @@ def test_what_a_hostile_user_found(tmp_path, fixtures_dir):
          "dt_bias": load_file(fixtures_dir / NEXT_PACK / "model.safetensors")["model.layers.0.linear_attn.dt_bias"]},
     )  # fmt: skip
     expect_problem(nan, "model.layers.0.linear_attn.A_log", "values are NaN or infinite")
+
+
+def test_a_marker_lost_where_the_config_names_no_codebook(tmp_path, fixtures_dir):
+    """A module's .mul1 marker removed (from the files and the manifest's tensor list) where neither config names a
+    codebook: it would decode as 3INST, silently (vLLM 0.32 served the pack with every marker so removed at KL
+    11.9); the manifest's recorded multiplier names it."""
+    src = fixtures_dir / PACK
+    key = "model.layers.0.mlp.down_proj"
+    tensors = {
+        k.rsplit(".", 1)[1]: v for k, v in load_file(src / "model.safetensors").items() if k.startswith(key + ".")
+    }
+    del tensors["mul1"]
+    pack = replace_module(src, tmp_path / "p", key, tensors)
+    manifest = json.loads((pack / MANIFEST_FILE).read_text())
+    manifest.pop("codebook", None)
+    manifest["tensor_storage"][key]["mul1_multiplier"] = 2212286765  # as exllamav3 records it
+    (pack / MANIFEST_FILE).write_text(json.dumps(manifest))
+    config = json.loads((pack / "config.json").read_text())
+    config["quantization_config"].pop("codebook", None)
+    (pack / "config.json").write_text(json.dumps(config))
+    error = expect_problem(pack, f"{key}.mul1: {MANIFEST_FILE} records a mul1 multiplier for this module")
+    assert [p.module for p in error.problems] == [key]
+
+
+@pytest.mark.parametrize(
+    ("pack", "module", "shape"),
+    [
+        (PACK, "lm_head", (1024, 256, 1)),
+        (PACK, "model.embed_tokens", (1024 * 256,)),
+        (MOE_PACK, "model.layers.0.mlp.gate", (8, 256, 1)),
+        (NEXT_PACK, "model.layers.0.mlp.shared_expert_gate", (256,)),
+    ],
+)
+def test_a_dense_matrix_of_another_rank(tmp_path, fixtures_dir, pack, module, shape):
+    """A dense head, table, router or gate whose weight is 3-D or 1-D (vLLM 0.32's loaders, or the plugin's geometry
+    check, stopped on each in the worker) is named."""
+    src = fixtures_dir / pack
+    weight = {"weight": torch.zeros(shape, dtype=torch.bfloat16)}
+    expect_problem(replace_module(src, tmp_path / "p", module, weight), f"{module}.weight: weight is {list(shape)}")

@@ -1044,7 +1044,10 @@ class Pack:
         for key, m in self.modules.items():
             if self.OTHER_STACKS.search(key):
                 continue
-            if key.rsplit(".", 1)[-1] == "lm_head" and m.padded_shape is not None:
+            table = key.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens")
+            if table and m.format == "dense" and len(m.tensors["weight"].shape) != 2:
+                out.append(self._not_a_matrix(m, fix))
+            elif key.rsplit(".", 1)[-1] == "lm_head" and m.padded_shape is not None:
                 if isinstance(hidden, int):
                     out.extend(self._stored_size_problem(m, 0, hidden, f"hidden_size {hidden}", fix))
                 if vocab is not None:  # Mllama's head too: its image-token rows are the embedding's only
@@ -1055,6 +1058,13 @@ class Pack:
                     what = f"weight is {list(shape)}, but config.json gives hidden_size {sizes['hidden_size']}"
                     out.append(Problem(key, f"{key}.weight", what, fix))
         return out
+
+    @staticmethod
+    def _not_a_matrix(m: ModuleInfo, fix: str) -> Problem:
+        """A dense linear module, head or table whose weight is not 2-D (vLLM's loaders stopped on a 3-D or 1-D one
+        in the worker)."""
+        shape = list(m.tensors["weight"].shape)
+        return Problem(m.key, f"{m.key}.weight", f"weight is {shape}, not a 2-D (out x in) matrix", fix)
 
     #: the modules outside the decoder layers that vLLM's stated classes load (Qwen3-Next also drops ``mtp.*``: its
     #: multi-token-prediction layers, which vLLM's model maps to nothing)
@@ -1131,6 +1141,9 @@ class Pack:
                     want = "x".join("?" if w is None else str(w) for w in size)
                     what = f"weight is {list(shape)}, but vLLM's {arch} builds {path} as {want}"
                     out.append(Problem(key, f"{key}.weight", what, fix))
+                continue
+            if m.format == "dense" and len(m.tensors["weight"].shape) != 2:
+                out.append(self._not_a_matrix(m, fix))
                 continue
             if m.padded_shape is None:
                 continue
@@ -1597,6 +1610,18 @@ class Pack:
                             FIX_REDOWNLOAD,
                         )
                     )
+            # exllamav3 records each coded module's codebook multiplier: a module without its marker would decode
+            # as 3INST, silently wrong (where the quantization config names no codebook; where it does, the marker
+            # check names the module already)
+            m = self.modules.get(module)
+            for marker in ("mcg", "mul1") if self._pack_codebook() is None else ():
+                if isinstance(entry, dict) and f"{marker}_multiplier" in entry and m is not None:
+                    if m.format == "exl3" and marker not in m.tensors:
+                        what = (
+                            f"{MANIFEST_FILE} records a {marker} multiplier for this module, but it has no .{marker} "
+                            "marker: it would decode with the 3INST codebook, silently wrong"
+                        )
+                        out.append(Problem(module, f"{module}.{marker}", what, FIX_REDOWNLOAD))
         return out
 
     # ------------------------------------------------------------------------------------------------ reading
