@@ -750,6 +750,16 @@ def test_only_the_first_class_of_architectures_is_read(tmp_path, fixtures_dir):
     expect_problem(pack, "no decoder layer holds self_attn.q_norm, which every layer of vLLM's Qwen3ForCausalLM has")
 
 
+def dense_held(layers: dict[int, list[str]], config: dict) -> dict[str, set[str]]:
+    """The tensors of ``layers``' modules stored dense: a weight each, and a bias on q / k / v where the class is a
+    Qwen2 one (vLLM's Qwen2 layers always have those)."""
+    qwen2 = "Qwen2" in config["architectures"][0]
+    return {
+        k: {"weight", "bias"} if qwen2 and k.endswith(("q_proj", "k_proj", "v_proj")) else {"weight"}
+        for k in keys(layers)
+    }
+
+
 def test_the_layers_of_mistral_qwen2_moe_and_gemma():
     """Mistral (Llama's layer), Qwen2-MoE (a dense layer among sparse ones, its shared expert's gate built even
     without a shared expert) and Gemma 2 / 3 (pre- and post-feedforward norms; Gemma 3's q_norm / k_norm) as vLLM
@@ -784,12 +794,7 @@ def test_the_layers_of_mistral_qwen2_moe_and_gemma():
             layers = {0: [*ATTN, *NORMS, *dense], 1: [*layer, *experts("mlp", 4)]}
         else:
             layers = {0: layer, 1: layer}
-        held = {
-            k: {"weight", "bias"}
-            if "Qwen2" in config["architectures"][0] and k.endswith(("q_proj", "k_proj", "v_proj"))
-            else {"weight"}
-            for k in keys(layers)
-        }
+        held = dense_held(layers, config)
         stacks = decoder_layers(held, Pack.OTHER_STACKS, 2)
         assert architecture_problems(stacks, held, config) == [], config
         if lost is None:
@@ -911,12 +916,7 @@ def test_a_module_vllm_builds_dense_stored_quantized():
     trellis = {"trellis", "suh", "svh", "mul1"}
     for config, layer, dense in cases:
         layers = {0: layer, 1: layer}
-        held = {
-            k: {"weight", "bias"}
-            if "Qwen2" in config["architectures"][0] and k.endswith(("q_proj", "k_proj", "v_proj"))
-            else {"weight"}
-            for k in keys(layers)
-        }
+        held = dense_held(layers, config)
         stacks = decoder_layers(held, Pack.OTHER_STACKS, 2)
         assert architecture_problems(stacks, held, config) == [], config
         # every module of layer 1 but its experts' stored as a trellis (biases kept): only the dense ones are named

@@ -697,7 +697,16 @@ _ALL_BIAS = {"attention_bias": True, "bias": True, "qkv_bias": True, "mlp_bias":
 _ROTARY_TABLES = frozenset({"inv_freq", "cos_cached", "sin_cached"})
 
 
-def _skipped_by_vllm(path: str, own: set[str]) -> bool:
+def stated_class(config: dict) -> str | None:
+    """The model class vLLM builds for ``config`` (config.json, or vLLM's built config as a dict) where it is one of
+    :data:`KNOWN_LAYERS`, else None. vLLM builds the first class of ``architectures`` it has
+    (``ModelRegistry.inspect_model_cls``); every class of :data:`KNOWN_LAYERS` is one of vLLM's own, so a known first
+    class is the one it builds, and after another one it cannot be told here."""
+    names = config.get("architectures") if isinstance(config, dict) else None
+    return names[0] if isinstance(names, list) and names and names[0] in KNOWN_LAYERS else None
+
+
+def skipped_by_vllm(path: str, own: set[str]) -> bool:
     """Whether vLLM's loaders pass over module ``path`` of a layer holding tensors ``own`` instead of failing on it:
     a rotary embedding's cached tables (``rotary_emb`` / ``rotary_pos_emb``), and a module holding only scales (KV
     cache and activation scales, which vLLM maps to its attention layer or ignores: ``self_attn.k_scale``,
@@ -748,10 +757,7 @@ def architecture_problems(
     Returns:
         The problems, one per module (or per module path, where it is the class).
     """
-    names = config.get("architectures")
-    # vLLM builds the first class of the list it has (ModelRegistry.inspect_model_cls); every class of KNOWN_LAYERS is
-    # one of vLLM's own, so a known first class is the one it builds, and after another one it cannot be told here
-    arch = names[0] if isinstance(names, list) and names and names[0] in KNOWN_LAYERS else None
+    arch = stated_class(config)
     layers = stacks.get("model.layers.")
     if arch is None or not layers:
         return []
@@ -822,7 +828,7 @@ def architecture_problems(
             owner = max((r for r in required if _within(path, r)), key=len, default=None)
             if owner is not None:
                 owned.setdefault(owner, []).append(path)
-            elif not any(_within(path, c) for c in covered) and not _skipped_by_vllm(
+            elif not any(_within(path, c) for c in covered) and not skipped_by_vllm(
                 path, tensors.get(f"model.layers.{i}.{path}", set())
             ):
                 held = unknown.setdefault(_uncovered_root(path, covered), [])

@@ -35,15 +35,15 @@ from .errors import CodecError, LayerLoadError, PackError, Problem
 from .layout import (
     DRAFT_FUSION,
     FIX_DENSE,
-    KNOWN_LAYERS,
     LAYER_KEY,
-    QUANTIZED_TENSORS,
     architecture_problems,
     decoder_layers,
     is_norm,
     layer_sizes,
     sibling_problems,
+    skipped_by_vllm,
     stack_problems,
+    stated_class,
     sublayer_problems,
     tensor_problems,
 )
@@ -702,7 +702,7 @@ class Pack:
     def _coded_norm_problem(self, m: ModuleInfo) -> Problem:
         """A norm (:func:`~quantpack_core.layout.is_norm`) stored quantized: vLLM builds every norm without the
         quantization config and loads a dense weight only, so its loader would stop in the worker."""
-        code = next((n for n in sorted(m.tensors) if n in QUANTIZED_TENSORS), sorted(m.tensors)[0])
+        code = self._main_tensor(m)
         what = (
             f"a norm stored as {self.STORAGE_LABELS[m.format]}: vLLM builds norms without the quantization config "
             "and loads a dense weight only, so its loader would stop in the worker"
@@ -763,7 +763,7 @@ class Pack:
             own = {k: set(m.tensors) for k, m in self.modules.items() if m.format in ("dense", "other")}
             out += tensor_problems(stacks, own, self.modules)
         # the layer vLLM builds for the config's class, where the rules above did not name the module or its parent
-        built = self.model_config if isinstance(self.model_config, dict) else self.config
+        built = self._built_config()
         named = {p.module for p in out}
         out += [
             p
@@ -1044,10 +1044,10 @@ class Pack:
         for key, m in self.modules.items():
             if self.OTHER_STACKS.search(key):
                 continue
-            table = key.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens")
-            if table and m.format == "dense" and len(m.tensors["weight"].shape) != 2:
+            last = key.rsplit(".", 1)[-1]
+            if last in ("lm_head", "embed_tokens") and m.format == "dense" and len(m.tensors["weight"].shape) != 2:
                 out.append(self._not_a_matrix(m, fix))
-            elif key.rsplit(".", 1)[-1] == "lm_head" and m.padded_shape is not None:
+            elif last == "lm_head" and m.padded_shape is not None:
                 if isinstance(hidden, int):
                     out.extend(self._stored_size_problem(m, 0, hidden, f"hidden_size {hidden}", fix))
                 if vocab is not None:  # Mllama's head too: its image-token rows are the embedding's only
@@ -1070,19 +1070,16 @@ class Pack:
     #: multi-token-prediction layers, which vLLM's model maps to nothing)
     OUTSIDE_LAYERS = frozenset({"model.embed_tokens", "model.norm", "lm_head"})
 
-    def _stated_class(self) -> str | None:
-        """The first class of ``architectures`` of the config vLLM builds (the plugin's, else config.json), where
-        it is one whose layer the project states (:data:`~quantpack_core.layout.KNOWN_LAYERS`), else None."""
-        built = self.model_config if isinstance(self.model_config, dict) else self.config
-        names = built.get("architectures") if isinstance(built, dict) else None
-        return names[0] if isinstance(names, list) and names and names[0] in KNOWN_LAYERS else None
+    def _built_config(self) -> dict:
+        """The config vLLM builds the model from: the plugin's (:attr:`model_config`), else config.json."""
+        return self.model_config if isinstance(self.model_config, dict) else self.config
 
     def _outside_layer_problems(self) -> list[Problem]:
         """For the stated classes, a module outside the decoder layers other than the token embedding, the final
         norm and the head (``model.foo``, or the head stored as ``model.lm_head``): vLLM's loader has no module for
         it and stopped in the worker ("There is no module or parameter named 'foo' in LlamaModel"). Rotary tables
         and modules holding only scales are left alone (vLLM skips or maps them)."""
-        arch = self._stated_class()
+        arch = stated_class(self._built_config())
         outside = [k for k in self.modules if not LAYER_KEY.search(k)]
         if arch is None or any(k.rsplit(".", 1)[-1] == DRAFT_FUSION for k in outside):
             return []  # an EAGLE draft published under its target's class: vLLM builds it as a draft, with its fc
@@ -1094,7 +1091,7 @@ class Pack:
             if arch == "Qwen3NextForCausalLM" and key.startswith("mtp."):
                 continue
             names = set(m.tensors)
-            if key.rsplit(".", 1)[-1] in ("rotary_emb", "rotary_pos_emb") or all("scale" in n for n in names):
+            if skipped_by_vllm(key, names):
                 continue
             what = (
                 f"vLLM's {arch} has no module {key} (outside the layers it loads model.embed_tokens, model.norm and "
@@ -1117,10 +1114,10 @@ class Pack:
         router and expert, the experts' and shared expert's intermediate side, q_norm / k_norm per head), where the
         checks above do not already: stored sizes, padded to 128 for a coded module. vLLM's loaders, or the
         plugins' geometry check, would stop on each in the worker."""
-        arch = self._stated_class()
+        built = self._built_config()
+        arch = stated_class(built)
         if arch is None:
             return []
-        built = self.model_config if isinstance(self.model_config, dict) else self.config
         out: list[Problem] = []
         plans: dict[int, dict] = {}
         for key, m in self.modules.items():
