@@ -1130,6 +1130,26 @@ def test_sizes_vllm_builds_the_layer_with(tmp_path, fixtures_dir, pack, module, 
     assert module in {p.module for p in error.problems}
 
 
+@pytest.mark.parametrize(("tensor", "cut"), [("A_log", slice(1, None)), ("dt_bias", None)])
+def test_the_gated_deltanets_own_parameters_one_per_value_head(tmp_path, fixtures_dir, tensor, cut):
+    """The Gated DeltaNet's A_log and dt_bias hold one value per value head (linear_num_value_heads); one value short
+    or one too many stopped vLLM 0.32's loader in the worker (its parameter is built that long); the pack check
+    names the tensor and the size vLLM builds."""
+    src = fixtures_dir / NEXT_PACK
+    key = "model.layers.0.linear_attn"
+    tensors = load_file(src / "model.safetensors")
+    own = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == key}
+    heads = Pack(src).config["linear_num_value_heads"]
+    assert own[tensor].shape == (heads,)
+    own[tensor] = own[tensor][cut] if cut else torch.cat([own[tensor], own[tensor][:1]])
+    error = expect_problem(
+        replace_module(src, tmp_path / "p", key, own),
+        f"{key}.{tensor}",
+        f"is [{own[tensor].shape[0]}], but vLLM's Qwen3NextForCausalLM builds linear_attn.{tensor} as {heads}",
+    )
+    assert key in {p.module for p in error.problems}
+
+
 def test_what_a_hostile_user_found(tmp_path, fixtures_dir):
     """Packs the check accepted (or crashed on) and vLLM 0.32 then failed on, or served NaN with: each is named now,
     and the check itself raises nothing but PackError. A float8 norm (the finite check crashed: isfinite takes no

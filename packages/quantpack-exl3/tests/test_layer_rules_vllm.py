@@ -251,20 +251,23 @@ def test_the_sizes_stated_are_those_vllm_builds(built, case):
     """quantpack_core.layout.layer_sizes against the parameters vLLM builds for the same config.json, layer by layer:
     a linear module's (in, out) in vLLM's (out, in) weight, q / k / v inside qkv_proj, gate / up inside
     gate_up_proj, an expert bank's projections inside w13_weight / w2_weight (experts, 2 x out, in), a norm's
-    size. Every size the rule gives is checked, and every module of the layer has one."""
+    size, the Gated DeltaNet's own A_log / dt_bias. Every size the rule gives is checked, and every module of the
+    layer has one."""
     config = {**BASE, **CASES[case]}
     arch = config["architectures"][0]
     _, _, shapes = built[case]
     for i, params in enumerate(shapes):
         sizes = layer_sizes(arch, config, i)
-        stated = {p.rsplit(".", 1)[0] if ".experts." in f".{p}." else p for p in sizes}
+        own = {f"{m}.{n}" for m, names in OWN_TENSORS.items() for n in names} & set(sizes)  # a block's own
+        stated = {p.rsplit(".", 1)[0] if ".experts." in f".{p}." or p in own else p for p in sizes}
         required = set(architecture_layer(arch, config, i)[0])
-        assert required - stated <= {"linear_attn"}, (case, i, sorted(required - stated))
+        assert required == stated, (case, i, sorted(required ^ stated))
         qkv: list[int | None] = []
         for path, size in sizes.items():
             parent, _, last = path.rpartition(".")
-            if len(size) != 2:  # the weight's own shape: a norm's, the Gated DeltaNet's conv1d
-                assert fits(size, params[f"{path}.weight"]), (case, i, path, params[f"{path}.weight"])
+            if len(size) != 2:  # the tensor's own shape: a norm's, the Gated DeltaNet's conv1d, A_log, dt_bias
+                have = params[path if path in own else f"{path}.weight"]
+                assert fits(size, have), (case, i, path, have)
                 continue
             n_in, n_out = size
             if parent.endswith("experts"):

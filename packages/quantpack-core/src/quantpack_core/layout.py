@@ -568,8 +568,9 @@ def layer_sizes(arch: str, config: dict, i: int) -> dict[str, tuple[int | None, 
     (Mixtral's ``num_local_experts``); Qwen3-Next's q_proj twice as wide with ``attn_output_gate`` (default on), its
     Gated DeltaNet's ``linear_num_key_heads`` x ``linear_key_head_dim`` keys and ``linear_num_value_heads`` x
     ``linear_value_head_dim`` values (in_proj_qkvz: two of each; in_proj_ba: two per value head; the norm: one value
-    head; conv1d: ``linear_conv_kernel_dim`` taps over both keys and the values). ``{}`` for an architecture
-    :func:`architecture_layer` does not state.
+    head; conv1d: ``linear_conv_kernel_dim`` taps over both keys and the values; the block's own ``A_log`` and
+    ``dt_bias``, under ``linear_attn.A_log`` / ``linear_attn.dt_bias``: one value per value head). ``{}`` for an
+    architecture :func:`architecture_layer` does not state.
 
     Source: vLLM's llama.py, qwen2.py, qwen3.py, qwen2_moe.py, qwen3_moe.py, qwen3_next.py, mixtral.py, gemma2.py,
     gemma3.py (checked against the parameters vLLM builds by quantpack-exl3's ``test_layer_rules_vllm.py``).
@@ -634,6 +635,9 @@ def layer_sizes(arch: str, config: dict, i: int) -> dict[str, tuple[int | None, 
         elif path == "linear_attn.conv1d":  # a depthwise convolution over the keys and values: (channels, 1, kernel)
             channels = key_dim * 2 + value_dim if key_dim is not None and value_dim is not None else None
             sizes[path] = (channels, 1, _count(config, "linear_conv_kernel_dim"))
+        elif path in OWN_TENSORS:  # the block's own parameters (A_log, dt_bias): one value per value head
+            for name in OWN_TENSORS[path]:
+                sizes[f"{path}.{name}"] = (v_heads,)
     return sizes
 
 

@@ -1111,7 +1111,8 @@ class Pack:
     def _stated_size_problems(self, fix: str) -> list[Problem]:
         """For the model classes whose layer the project states, every module of the decoder layers against the
         sizes vLLM's class gives it (:func:`~quantpack_core.layout.layer_sizes`: the hidden side of every projection,
-        router and expert, the experts' and shared expert's intermediate side, q_norm / k_norm per head), where the
+        router and expert, the experts' and shared expert's intermediate side, q_norm / k_norm per head, the Gated
+        DeltaNet's own A_log / dt_bias), where the
         checks above do not already: stored sizes, padded to 128 for a coded module. vLLM's loaders, or the
         plugins' geometry check, would stop on each in the worker."""
         built = self._built_config()
@@ -1122,11 +1123,21 @@ class Pack:
         plans: dict[int, dict] = {}
         for key, m in self.modules.items():
             found = re.fullmatch(r"model\.layers\.(\d{1,9})\.(.+)", key)
-            if not found or m.format not in ("dense", "exl3", "escha"):
+            if not found or m.format not in ("dense", "exl3", "escha", "other"):
                 continue
             i, path = int(found.group(1)), found.group(2)
             if i not in plans:
                 plans[i] = layer_sizes(arch, built, i)
+            if m.format == "other":  # a block's own parameters (the Gated DeltaNet's A_log, dt_bias)
+                for name, info in sorted(m.tensors.items()):
+                    size, shape = plans[i].get(f"{path}.{name}"), tuple(info.shape)
+                    if size is not None and not (
+                        len(shape) == len(size) and all(w in (None, h) for w, h in zip(size, shape, strict=True))
+                    ):
+                        want = "x".join("?" if w is None else str(w) for w in size)
+                        what = f"is {list(shape)}, but vLLM's {arch} builds {path}.{name} as {want}"
+                        out.append(Problem(key, f"{key}.{name}", what, fix))
+                continue
             expert = re.fullmatch(r"(.+\.experts)\.\d+\.([^.]+)", path)
             size = plans[i].get(f"{expert.group(1)}.{expert.group(2)}" if expert else path)
             if size is None:
