@@ -54,7 +54,7 @@ OVERRIDES = [
 ]
 #: vLLM's CUDA builds the GPU tier ran (ci/gpu/), each with the torch it pins (torch 2.11.0 is cu130 on PyPI); add a
 #: release here once it has run there, then ``nox -s pins``
-VLLM_CUDA_VERSIONS = {"0.25.1": "2.11.0"}
+VLLM_CUDA_VERSIONS = {"0.22.1": "2.11.0", "0.25.1": "2.11.0", "0.26.0": "2.11.0"}
 #: the GPU tier's vLLM matrix (``gpu-tests``' parameter): 0.22.1, the last release whose MoE layer is ``FusedMoE``;
 #: 0.25.1, the bundle the tier was first measured with; 0.26.0, the newest that pins the machine's torch 2.11.0
 GPU_VLLM_VERSIONS = ["0.22.1", "0.25.1", "0.26.0"]

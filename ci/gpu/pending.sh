@@ -46,8 +46,8 @@ try:
     import torchvision; print('torchvision', torchvision.__version__)
 except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
-# (owed first after the last session of 2026-12-04, which passed the Nemotron VL packs and placed the twin's fault:
-# the GPU matrix's columns, one a session with that release's bundle staged (`matrix`); then the escha Triton
+# (the matrix first: a release's column with its bundle staged; 0.22.1 and 0.26.0 passed on 2026-12-05, 0.25.1's
+# column has not run as one step (its expert-kernel report predates ci/gpu/results/); then the escha Triton
 # kernel's time; the last steps re-check what passed before)
 all=(matrix escha-times escha-kernel nemotron-vl nemotron-twin e2e-moe serve-moe serve-moe-mixed profile-moe profile
   family-converter families qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated escha-gpu e2e-dense

