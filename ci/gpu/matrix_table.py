@@ -7,8 +7,9 @@ keeps an older report's outcome (a step that selects jobs by ``QUANTPACK_GPU_JOB
 after ``e2e-dense`` gives both halves of ``test_exl3_gpu_vllm.py``); a release with no report of a file is "not run"
 there; a module that failed to import counts as one failed test of its file. A cell names the ``pending.sh`` steps
 its outcomes came from (``(step linear-kernels)``): a step may run a selection of the file (``-k``,
-``QUANTPACK_GPU_JOBS``), which ci/gpu/pending.sh states per step. Usage (the reports
-kept in ``ci/gpu/results/``): ``python3 ci/gpu/matrix_table.py ci/gpu/results [--versions 0.22.1,0.25.1,0.26.0]``.
+``QUANTPACK_GPU_JOBS``), which ci/gpu/pending.sh states per step; ``--no-steps`` leaves the step names out (the
+README's copy). Usage (the reports kept in ``ci/gpu/results/``): ``python3 ci/gpu/matrix_table.py ci/gpu/results
+[--versions 0.22.1,0.25.1,0.26.0] [--no-steps]``.
 """
 
 from __future__ import annotations
@@ -117,8 +118,9 @@ STEP = "step"
 RAN_NONE = "ran none"
 
 
-def table(results: dict[str, dict[str, dict[str, str]]], versions: list[str]) -> str:
-    """The Markdown table: one row per test file seen in any release, one column per release."""
+def table(results: dict[str, dict[str, dict[str, str]]], versions: list[str], steps: bool = True) -> str:
+    """The Markdown table: one row per test file seen in any release, one column per release; ``steps=False`` leaves
+    the cells' ``(step ...)`` out (the README's copy)."""
     files = sorted({f for r in results.values() for f in r})
     lines = ["| test file | " + " | ".join(f"vLLM {v}" for v in versions) + " |", "|---" * (len(versions) + 1) + "|"]
     for f in files:
@@ -128,7 +130,7 @@ def table(results: dict[str, dict[str, dict[str, str]]], versions: list[str]) ->
             step, none = cases.pop(STEP, None), cases.pop(RAN_NONE, None)
             counts = Counter(cases.values())
             cell = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o])
-            cell = f"{cell} (step {step})" if cell and step else cell or "not run"
+            cell = f"{cell} (step {step})" if cell and step and steps else cell or "not run"
             cells.append(f"{cell}; the newest run ({none}) skipped all" if none else cell)
         lines.append(f"| `{f}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("folders", nargs="*", type=Path)
     ap.add_argument("--versions", default="0.22.1,0.25.1,0.26.0")
     ap.add_argument("--release", action="store_true", help="print the vLLM release installed here and exit")
+    ap.add_argument("--no-steps", action="store_true", help="leave out which pending.sh step each cell came from")
     args = ap.parse_args(argv)
     if args.release:
         print(installed_release())
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     folders = args.folders or [Path(os.environ.get("QUANTPACK_GPU_RESULTS", "/tmp/gpu-matrix"))]
     results = collect(folders)
     versions = args.versions.split(",")
-    print(table(results, versions))
+    print(table(results, versions, steps=not args.no_steps))
     failed = sorted({v for v, r in results.items() for f in r.values() for k, o in f.items() if _is_failure(k, o)})
     hidden = [v for v in failed if v not in versions]
     if hidden:

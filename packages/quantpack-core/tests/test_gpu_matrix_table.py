@@ -97,6 +97,8 @@ def test_cells_count_outcomes_per_release_and_newest_report_wins_but_for_its_ski
     ]
     assert rows["`test_gpu_other.py`"] == ["not run", "not run", "1 failed"]
     assert tool.main([str(reports)]) == 1  # 0.22.1 still has a failure
+    brief = tool.table(results, ["0.25.1"], steps=False)  # the README's copy: no step names
+    assert "| `test_gpu_demo.py` | 4 passed, 1 xfailed |" in brief.splitlines()
 
 
 def test_a_broken_report_is_named(tmp_path):
