@@ -1190,6 +1190,49 @@ def test_what_a_hostile_user_found(tmp_path, fixtures_dir):
     expect_problem(nan, "model.layers.0.linear_attn.A_log", "values are NaN or infinite")
 
 
+@pytest.mark.parametrize(
+    ("pack", "change", "needle"),
+    [
+        (
+            PACK,
+            {"hidden_act": "gelu"},
+            "hidden_act is 'gelu', but vLLM's LlamaForCausalLM builds its MLP with silu only",
+        ),
+        (PACK, {"hidden_act": "SiLU"}, "hidden_act is 'SiLU'"),  # vLLM's Llama compares the name as written
+        (MOE_PACK, {"hidden_act": None}, None),  # absent: transformers' default (silu)
+        (
+            PACK,
+            {"rope_parameters": {"rope_type": "bogus", "rope_theta": 10000.0}},
+            "rope_parameters.rope_type is 'bogus': vLLM builds no such RoPE",
+        ),
+        (PACK, {"rope_scaling": {"type": "yarn", "factor": 2.0}}, None),  # a legacy field of a known type
+        (PACK, {"rope_scaling": {"type": "Yarn", "factor": 2.0}}, "rope_scaling.type is 'Yarn'"),
+        (PACK, {"rope_parameters": {"rope_type": "default", "rope_theta": "10000"}}, "rope_theta is '10000', not a"),
+        (PACK, {"rope_theta": "1e4"}, "rope_theta is '1e4', not a number"),
+        (PACK, {"partial_rotary_factor": 0}, "partial_rotary_factor is 0, not a number in (0, 1]"),
+        (PACK, {"partial_rotary_factor": "0.5"}, "partial_rotary_factor is '0.5', not a number in (0, 1]"),
+        (PACK, {"partial_rotary_factor": 0.5}, None),  # 32 of 64 features
+        (
+            NEXT_PACK,
+            {"partial_rotary_factor": 0.3, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.3}},
+            "partial_rotary_factor is 0.3: it rotates 19 of a head's 64 features, and vLLM's Qwen3NextForCausalLM",
+        ),
+    ],
+)
+def test_settings_vllm_stops_on_in_the_worker(tmp_path, fixtures_dir, pack, change, needle):
+    """config.json settings vLLM 0.32 took in the user's process and stopped on in the worker (or, on CPU, crashed
+    the process with): an activation the class's MLP is not built with, a RoPE type get_rope does not know, a RoPE
+    base or rotated fraction that is no number, a fraction outside (0, 1] or rotating an odd number of a head's
+    features (Qwen3-Next at 0.3 of 64: 19; a segfault on CPU). Each is named once at config time; the settings vLLM
+    takes pass."""
+    dst = with_config(fixtures_dir / pack, tmp_path / "p", **change)
+    if needle is None:
+        Pack.open(dst)
+        return
+    error = expect_problem(dst, needle)
+    assert sum(needle.split(":")[0] in str(p) for p in error.problems) == 1, error.problems
+
+
 def test_a_marker_lost_where_the_config_names_no_codebook(tmp_path, fixtures_dir):
     """A module's .mul1 marker removed (from the files and the manifest's tensor list) where neither config names a
     codebook: it would decode as 3INST, silently (vLLM 0.32 served the pack with every marker so removed at KL

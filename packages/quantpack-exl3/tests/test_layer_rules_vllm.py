@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from quantpack_core.layout import (
+    ACTIVATIONS,
     KNOWN_LAYERS,
     OWN_TENSORS,
+    activation_rule,
     architecture_layer,
     layer_sizes,
     unquantized_layer_modules,
@@ -177,26 +179,85 @@ def recording_config():
 def built(vllm_layers, tmp_path_factory):
     """``{case: ([parameter names of each decoder layer], {prefixes vLLM built with the quantization config},
     [{parameter name: shape} of each decoder layer])}`` from the installed vLLM's model classes."""
-    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model
-
     out = {}
     for case, cfg in CASES.items():
-        folder = tmp_path_factory.mktemp(case)
-        (folder / "config.json").write_text(json.dumps({**BASE, **cfg}))
-        model_config = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=128)
         recording = recording_config()
-        vc = VllmConfig(
-            model_config=model_config,
-            device_config=DeviceConfig("cpu"),
-            load_config=LoadConfig(),
-            quant_config=recording,
-        )
-        with set_current_vllm_config(vc), torch.device("meta"):
-            model = initialize_model(vllm_config=vc)
+        model = build(tmp_path_factory.mktemp(case), {**BASE, **cfg}, recording)
         shapes = [{n: tuple(t.shape) for n, t in layer.named_parameters()} for layer in model.model.layers]
         out[case] = [list(layer) for layer in shapes], recording.asked, shapes
     return out
+
+
+def build(folder, config: dict, quant_config=None):
+    """The model vLLM builds for ``config`` (written to ``folder``/config.json), on the meta device (no weights), with
+    ``quant_config`` (default: a :func:`recording_config`); vLLM's own errors propagate."""
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    model_config = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=128)
+    vc = VllmConfig(
+        model_config=model_config,
+        device_config=DeviceConfig("cpu"),
+        load_config=LoadConfig(),
+        quant_config=quant_config or recording_config(),
+    )
+    with set_current_vllm_config(vc), torch.device("meta"):
+        return initialize_model(vllm_config=vc)
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c]["architectures"][0] in ACTIVATIONS))
+def test_the_activations_stated_are_those_vllm_builds(vllm_layers, tmp_path, case):
+    """quantpack_core.layout.ACTIVATIONS against vLLM's classes: each value the rule takes builds the class, and a
+    value it refuses (one of another class's, and one no class takes) stops vLLM's build, as it did in the worker;
+    where activation_rule states none (no dense MLP, no shared expert), any value builds."""
+    config = {**BASE, **CASES[case]}
+    arch = config["architectures"][0]
+    key, allowed = ACTIVATIONS[arch]
+    if activation_rule(arch, config) is None:  # no layer builds a module that takes it: any value builds
+        build(tmp_path / "relu2", {**config, key: "relu2"})
+        return
+    for value in sorted(allowed):
+        build(tmp_path / value, {**config, key: value})
+    for value in sorted({"gelu_pytorch_tanh", "silu", "relu2"} - allowed):
+        with pytest.raises(ValueError):
+            build(tmp_path / value, {**config, key: value})
+
+
+def test_the_rope_settings_refused_are_those_vllm_stops_on(vllm_layers):
+    """The pack check's RoPE rules (quantpack_core.pack.Pack.ROPE_TYPES and the rotated fraction) against vLLM's
+    get_rope: every type the installed vLLM builds is among those the check takes (it refuses none vLLM knows); an
+    unknown type, a base that is a string, a fraction outside (0, 1] stop get_rope; a fraction that rotates an odd
+    number of features builds tables of another width than it rotates, so rotating fails."""
+    import inspect
+    import re
+
+    from vllm.model_executor.layers import rotary_embedding
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from quantpack_core.pack import Pack
+
+    source = inspect.getsource(rotary_embedding.get_rope)
+    known = set(re.findall(r'scaling_type == "(\w+)"', source))
+    for group in re.findall(r"scaling_type in \[([^\]]*)\]", source):
+        known |= set(re.findall(r'"(\w+)"', group))
+    assert "default" in known and known <= Pack.ROPE_TYPES, sorted(known - Pack.ROPE_TYPES)
+
+    def rope(**params):
+        return get_rope(64, 128, True, {"rope_type": "default", "rope_theta": 10000.0, **params}, dtype=torch.float32)
+
+    with pytest.raises(ValueError, match="Unknown RoPE scaling type"):
+        rope(rope_type="bogus")
+    with pytest.raises(TypeError):
+        rope(rope_theta="10000")
+    for fraction in (0.0, 1.5):
+        with pytest.raises(ValueError):
+            rope(partial_rotary_factor=fraction)
+    positions, q, k = torch.arange(4), torch.randn(4, 128), torch.randn(4, 64)
+    rope(partial_rotary_factor=0.25).forward_native(positions, q, k)  # 16 features: rotated
+    with pytest.raises(RuntimeError):
+        rope(partial_rotary_factor=0.3).forward_native(positions, q, k)  # 19 features
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -394,6 +394,53 @@ KNOWN_LAYERS = (
     "Gemma3ForCausalLM",
     "Qwen3NextForCausalLM",
 )
+#: the activation each class of :data:`KNOWN_LAYERS` builds its MLP with: config.json's key and the values vLLM takes
+#: (compared as vLLM compares them: exactly, but Gemma 3's, which its registry lowercases first); another value
+#: stops vLLM in the worker (Llama, Mistral, Qwen2 / 3 and their MoE classes: "Unsupported activation: ... Only silu
+#: is supported for now."; Gemma 2: "... set `hidden_activation` to `gelu_pytorch_tanh`"; Gemma 3: "Activation
+#: function ... is not supported"). Mixtral's experts take SiLU whatever the config says. Source: vLLM's llama.py,
+#: mistral.py, qwen2.py, qwen2_moe.py, qwen3_moe.py, gemma2.py, gemma3.py (``get_act_and_mul_fn``'s registry in
+#: layers/activation.py), alike in 0.22.1 and 0.32; checked against the classes vLLM builds by quantpack-exl3's
+#: ``test_layer_rules_vllm.py``.
+ACTIVATIONS: dict[str, tuple[str, frozenset[str]]] = {
+    **dict.fromkeys(
+        (
+            "LlamaForCausalLM",
+            "MistralForCausalLM",
+            "Ministral3ForCausalLM",
+            "Qwen2ForCausalLM",
+            "Qwen2MoeForCausalLM",
+            "Qwen3ForCausalLM",
+            "Qwen3MoeForCausalLM",
+            "Qwen3NextForCausalLM",
+        ),
+        ("hidden_act", frozenset({"silu"})),
+    ),
+    "Gemma2ForCausalLM": ("hidden_activation", frozenset({"gelu_pytorch_tanh"})),
+    "Gemma3ForCausalLM": (
+        "hidden_activation",
+        frozenset({"gelu", "gelu_pytorch_tanh", "silu", "swish", "geglu", "swigluoai"}),
+    ),
+}
+
+
+def activation_rule(arch: str, config: dict) -> tuple[str, frozenset[str]] | None:
+    """:data:`ACTIVATIONS`' rule for model class ``arch`` where vLLM builds a module that takes the activation: a
+    dense MLP or a shared expert in some decoder layer (:func:`architecture_layer`, over the first 4,096 layers); None
+    for another class, or a MoE model whose every layer is routed experts only (Qwen2-MoE without a shared expert:
+    vLLM never reads ``hidden_act`` there)."""
+    rule = ACTIVATIONS.get(arch)
+    layers = _count(config, "num_hidden_layers")
+    if rule is None or layers is None:
+        return rule
+    built = ("mlp.gate_proj", "mlp.shared_expert.gate_proj")
+    return (
+        rule
+        if any(set(built) & set(architecture_layer(arch, config, i)[0]) for i in range(min(layers, 4096)))
+        else None
+    )
+
+
 #: the Qwen MoE classes, whose sparse layers the config plans (:func:`qwen_moe_plan`)
 QWEN_MOE = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
 #: the modules of Qwen3-Next's Gated DeltaNet block (its linear-attention layers; vLLM's QwenGatedDeltaNetAttention

@@ -36,6 +36,7 @@ from .layout import (
     DRAFT_FUSION,
     FIX_DENSE,
     LAYER_KEY,
+    activation_rule,
     architecture_problems,
     decoder_layers,
     is_norm,
@@ -931,6 +932,106 @@ class Pack:
         topk = sizes.get("num_experts_per_tok")
         if experts and topk is not None and not 1 <= topk <= experts:
             what = f"num_experts_per_tok is {topk}, but a token can pick 1 to {experts} experts (the expert count)"
+            out.append(Problem("", "config.json", what, fix))
+        return out + self._built_setting_problems(fix)
+
+    #: RoPE types vLLM's ``get_rope`` builds (vllm/model_executor/layers/rotary_embedding/__init__.py: the union of
+    #: 0.22.1's and 0.32's; 0.22 has ``xdrope``, 0.32 ``bailing_mrope``), and the legacy names vLLM's config patch
+    #: renames (``su``: longrope, ``mrope``: default). Another name stopped vLLM in the worker: "Unknown RoPE scaling
+    #: type".
+    ROPE_TYPES = frozenset(
+        {
+            "default",
+            "linear",
+            "dynamic",
+            "ntk",
+            "yarn",
+            "deepseek_yarn",
+            "deepseek_llama_scaling",
+            "longrope",
+            "llama3",
+            "mllama4",
+            "proportional",
+            "openpangu",
+            "xdrope",
+            "bailing_mrope",
+            "su",
+            "mrope",
+        }
+    )
+    #: config.json's names of the RoPE base and of the rotated fraction of a head (vLLM's ``patch_rope_parameters``
+    #: reads the alternatives of older model files)
+    ROPE_BASES = ("rope_theta", "rotary_emb_base")
+    ROTARY_FRACTIONS = ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction")
+
+    def _built_setting_problems(self, fix: str) -> list[Problem]:
+        """Settings of the config vLLM builds (:meth:`_built_config`'s text part: after ``--hf-overrides``) that vLLM
+        takes without a check in the user's process and then stops on in the worker: a RoPE type ``get_rope`` does
+        not build (top level, in ``rope_parameters`` / ``rope_scaling``, per layer type too); a RoPE base or rotated
+        fraction that is no number (``"10000"``: a TypeError in ``get_rope``); a rotated fraction outside (0, 1]
+        (``get_rope`` raises); for the stated classes (:data:`~quantpack_core.layout.KNOWN_LAYERS`), a fraction that
+        rotates an odd number of a head's features (vLLM's rotary tables then disagree with the rotated width: a
+        shape error, and on CPU a crash of the process) and an activation their MLP is not built with
+        (:func:`~quantpack_core.layout.activation_rule`)."""
+        built = self._built_config()
+        text = built.get("text_config") if isinstance(built, dict) else None
+        cfg = text if isinstance(text, dict) and text else built if isinstance(built, dict) else {}
+        out: list[Problem] = []
+
+        def number(v) -> bool:
+            return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+        rope_sets: list[tuple[str, dict]] = [("", cfg)]
+        for key in ("rope_parameters", "rope_scaling"):
+            v = cfg.get(key)
+            if isinstance(v, dict):
+                nested = [(f"{key}.{k}.", d) for k, d in v.items() if isinstance(d, dict)]
+                rope_sets += nested if nested and len(nested) == len(v) else [(f"{key}.", v)]
+        fractions: list[tuple[str, float]] = []  # (where, a fraction in (0, 1])
+        seen_fractions: list = []
+        for where, d in rope_sets:
+            kind = d.get("rope_type", d.get("type")) if where else None
+            kind_key = "rope_type" if "rope_type" in d else "type"
+            if kind is not None and kind not in self.ROPE_TYPES:
+                known = ", ".join(sorted(self.ROPE_TYPES))
+                what = f"{where}{kind_key} is {kind!r}: vLLM builds no such RoPE (it knows {known})"
+                out.append(Problem("", "config.json", what, fix))
+            for key in self.ROPE_BASES:  # (a number that is no positive finite one: _value_setting_problems)
+                v = d.get(key)
+                if v is not None and not (isinstance(v, int | float) and not isinstance(v, bool)):
+                    out.append(Problem("", "config.json", f"{where}{key} is {v!r}, not a number", fix))
+            for key in self.ROTARY_FRACTIONS:
+                v = d.get(key)
+                if v is None or any(v == seen for seen in seen_fractions):  # one problem per value
+                    continue
+                seen_fractions.append(v)
+                if not number(v) or not 0 < v <= 1:
+                    out.append(Problem("", "config.json", f"{where}{key} is {v!r}, not a number in (0, 1]", fix))
+                else:
+                    fractions.append((f"{where}{key}", v))
+        arch = stated_class(built)
+        if arch is None:
+            return out
+        head_dim = cfg.get("head_dim")
+        hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+        if head_dim is None and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (hidden, heads)):
+            head_dim = hidden // heads
+        if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
+            for where, v in fractions:
+                if any("rope_dim" in d for _, d in rope_sets):  # vLLM then rotates rope_dim features
+                    continue
+                rotated = int(head_dim * v)
+                if rotated < 2 or rotated % 2:
+                    what = (
+                        f"{where} is {v!r}: it rotates {rotated} of a head's {head_dim} features, and vLLM's {arch} "
+                        "rotates features in pairs"
+                    )
+                    out.append(Problem("", "config.json", what, fix))
+        key, allowed = activation_rule(arch, cfg) or ("", frozenset())
+        act = cfg.get(key) if key else None
+        lowered = arch == "Gemma3ForCausalLM"  # (get_act_and_mul_fn lowercases the name; the others compare it)
+        if act is not None and not (isinstance(act, str) and (act.lower() if lowered else act) in allowed):
+            what = f"{key} is {act!r}, but vLLM's {arch} builds its MLP with {' / '.join(sorted(allowed))} only"
             out.append(Problem("", "config.json", what, fix))
         return out
 
