@@ -6,6 +6,7 @@ import json
 import math
 import re
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -1231,6 +1232,34 @@ def test_settings_vllm_stops_on_in_the_worker(tmp_path, fixtures_dir, pack, chan
         return
     error = expect_problem(dst, needle)
     assert sum(needle.split(":")[0] in str(p) for p in error.problems) == 1, error.problems
+
+
+@pytest.mark.parametrize("module", ["model.layers.0.input_layernorm", "model.embed_tokens", "model.norm"])
+def test_a_dense_weight_stored_as_integers(tmp_path, fixtures_dir, module):
+    """A dense weight stored as its float16 bits in uint16 (or as any integer type): vLLM's loader converts each
+    integer as a number into its floating parameter and serves without an error, wrongly. The check names the
+    tensor and its dtype; safetensors' unsigned types are read, no longer reported as a malformed header."""
+    src = fixtures_dir / PACK
+    weight = load_file(src / "model.safetensors")[f"{module}.weight"]
+    dst = replace_module(src, tmp_path / "p", module, {"weight": weight.view(torch.uint16)})
+    error = expect_problem(dst, f"{module}.weight: dtype uint16: a dense weight is a floating tensor")
+    assert "malformed" not in str(error)
+
+
+def test_a_dtype_safetensors_does_not_store_here(tmp_path, fixtures_dir):
+    """A header dtype outside the ones the reader knows is named as such (not as a malformed entry)."""
+    src = fixtures_dir / PACK
+    dst = tmp_path / "p"
+    shutil.copytree(src, dst)
+    shard = dst / "model.safetensors"
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header["model.norm.weight"]["dtype"] = "F4"
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(text) == n
+    shard.write_bytes(data[:8] + text + data[8 + n :])
+    expect_problem(dst, "model.norm.weight: dtype 'F4' in model.safetensors's header is none safetensors stores")
 
 
 def test_a_marker_lost_where_the_config_names_no_codebook(tmp_path, fixtures_dir):

@@ -83,8 +83,9 @@ def test_untested_vllm_releases_are_named_not_refused():
     assert untested_vllm(low, "cpu") is None and untested_vllm(high, "cpu") is None
     assert untested_vllm("0.31.0", "cpu") is None and untested_vllm("0.30.0rc1", "cpu") is None
     assert "tests ran on 0.29.0 - 0.32.0" in untested_vllm("0.33.0", "cpu")
-    assert "tests ran on 0.25.1 there" in untested_vllm("0.26.0", "cuda")
-    assert untested_vllm("0.25.1", "cuda") is None
+    assert untested_vllm("0.22.1", "cuda") is None and untested_vllm("0.26.0", "cuda") is None
+    assert "tests ran on 0.22.1 - 0.26.0 there" in untested_vllm("0.27.0", "cuda")
+    assert "tests ran on 0.22.1 - 0.26.0 there" in untested_vllm("0.21.0", "cuda")
     assert "never run on this platform" in untested_vllm("0.25.1", "rocm")
 
 

@@ -65,6 +65,9 @@ SAFETENSORS_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "I16": (torch.int16, 2),
     "I8": (torch.int8, 1),
     "U8": (torch.uint8, 1),
+    "U16": (torch.uint16, 2),
+    "U32": (torch.uint32, 4),
+    "U64": (torch.uint64, 8),
     "BOOL": (torch.bool, 1),
     "F8_E4M3": (torch.float8_e4m3fn, 1),
     "F8_E5M2": (torch.float8_e5m2, 1),
@@ -508,6 +511,14 @@ class Pack:
             size = (self.path / f).stat().st_size
             end_max = 0
             for name, h in header.items():
+                kind = h.get("dtype") if isinstance(h, dict) else None
+                if isinstance(kind, str) and kind not in SAFETENSORS_DTYPES:
+                    what = f"dtype {kind!r} in {f}'s header is none safetensors stores for a model here"
+                    known = ", ".join(SAFETENSORS_DTYPES)
+                    self._problem(
+                        split_tensor_name(name)[0], name, what, f"store it as one of {known}, or re-download {f}"
+                    )
+                    continue
                 try:
                     dtype, esize = SAFETENSORS_DTYPES[h["dtype"]]
                     shape = tuple(int(s) for s in h["shape"])
@@ -673,6 +684,7 @@ class Pack:
                 out.extend(self._escha_problems(m, check_values))
             else:
                 out.extend(self._int8_pair_problems(m))
+                out.extend(self._dense_dtype_problems(m))
                 if check_values and m.format in ("dense", "int8-rows", "other"):
                     out.extend(self._vector_problems(m))
         out.extend(self._escha_meta_problems())
@@ -684,6 +696,24 @@ class Pack:
         named = {p.module for p in out}
         out.extend(p for p in self._layout_problems() if p.module not in named)
         return out
+
+    @staticmethod
+    def _dense_dtype_problems(m: ModuleInfo) -> list[Problem]:
+        """A dense module's ``weight`` or ``bias`` stored as integers or booleans: vLLM's loader copies it into its
+        floating parameter, converting each integer as a number (a float16 norm stored as its bits in uint16 then
+        holds values in the tens of thousands): served without an error, and wrong."""
+        if m.format != "dense":
+            return []
+        return [
+            Problem(
+                m.key,
+                f"{m.key}.{suffix}",
+                f"dtype {_dtype_name(m.tensors[suffix].dtype)}: a dense {suffix} is a floating tensor",
+                "store it as float16, bfloat16 or float32 (as exllamav3's converter does), or re-download the pack",
+            )
+            for suffix in ("weight", "bias")
+            if suffix in m.tensors and not m.tensors[suffix].dtype.is_floating_point
+        ]
 
     @classmethod
     def _main_tensor(cls, m: ModuleInfo) -> str:
