@@ -1213,6 +1213,20 @@ def test_what_a_hostile_user_found(tmp_path, fixtures_dir):
         (PACK, {"partial_rotary_factor": 0}, "partial_rotary_factor is 0, not a number in (0, 1]"),
         (PACK, {"partial_rotary_factor": "0.5"}, "partial_rotary_factor is '0.5', not a number in (0, 1]"),
         (PACK, {"partial_rotary_factor": 0.5}, None),  # 32 of 64 features
+        # Step-3.5 gives one RoPE base per layer; TeleChat3's yarn variant is a type vLLM builds (0.29) or renames
+        (PACK, {"rope_theta": [5e6, 1e4, 1e4, 5e6]}, None),
+        (PACK, {"rope_scaling": {"type": "telechat3-yarn", "factor": 4.0}}, None),
+        (PACK, {"rope_scaling": {"rope_type": None, "factor": 2.0}}, "rope_scaling.rope_type is None"),
+        (PACK, {"rope_scaling": {"rope_type": ["linear"]}}, "rope_scaling.rope_type is ['linear']"),
+        (PACK, {"rope_parameters": {"full": {"rope_type": "foo"}, "sliding": None}}, "rope_parameters.full.rope_type"),
+        (PACK, {"rope_theta": 10**400}, None),  # a huge integer: a number (no float of it is taken)
+        (PACK, {"partial_rotary_factor": 10**400}, "partial_rotary_factor is 1000"),
+        (PACK, {"partial_rotary_factor": 0.5, "head_dim": 10**400}, "head_dim"),  # refused by the size checks
+        (
+            NEXT_PACK,
+            {"layer_types": None, "full_attention_interval": 2, "hidden_act": "gelu"},
+            "hidden_act is 'gelu', but vLLM's Qwen3NextForCausalLM",
+        ),
         (
             NEXT_PACK,
             {"partial_rotary_factor": 0.3, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.3}},
@@ -1231,7 +1245,7 @@ def test_settings_vllm_stops_on_in_the_worker(tmp_path, fixtures_dir, pack, chan
         Pack.open(dst)
         return
     error = expect_problem(dst, needle)
-    assert sum(needle.split(":")[0] in str(p) for p in error.problems) == 1, error.problems
+    assert sum(needle.split(":")[0] in str(p) for p in error.problems) == 1 or needle == "head_dim", error.problems
 
 
 @pytest.mark.parametrize("module", ["model.layers.0.input_layernorm", "model.embed_tokens", "model.norm"])
@@ -1259,7 +1273,7 @@ def test_a_dtype_safetensors_does_not_store_here(tmp_path, fixtures_dir):
     text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
     assert len(text) == n
     shard.write_bytes(data[:8] + text + data[8 + n :])
-    expect_problem(dst, "model.norm.weight: dtype 'F4' in model.safetensors's header is none safetensors stores")
+    expect_problem(dst, "model.norm.weight: dtype 'F4' in model.safetensors's header: not one this check reads")
 
 
 def test_a_marker_lost_where_the_config_names_no_codebook(tmp_path, fixtures_dir):

@@ -239,9 +239,9 @@ def test_the_rope_settings_refused_are_those_vllm_stops_on(vllm_layers):
     from quantpack_core.pack import Pack
 
     source = inspect.getsource(rotary_embedding.get_rope)
-    known = set(re.findall(r'scaling_type == "(\w+)"', source))
+    known = set(re.findall(r'scaling_type == "([\w-]+)"', source))
     for group in re.findall(r"scaling_type in \[([^\]]*)\]", source):
-        known |= set(re.findall(r'"(\w+)"', group))
+        known |= set(re.findall(r'"([\w-]+)"', group))
     assert "default" in known and known <= Pack.ROPE_TYPES, sorted(known - Pack.ROPE_TYPES)
 
     def rope(**params):

@@ -426,13 +426,16 @@ ACTIVATIONS: dict[str, tuple[str, frozenset[str]]] = {
 
 def activation_rule(arch: str, config: dict) -> tuple[str, frozenset[str]] | None:
     """:data:`ACTIVATIONS`' rule for model class ``arch`` where vLLM builds a module that takes the activation: a
-    dense MLP or a shared expert in some decoder layer (:func:`architecture_layer`, over the first 4,096 layers); None
+    dense MLP or a shared expert in some decoder layer (:func:`architecture_layer`, over the first 4,096 layers;
+    Qwen3-Next's shared expert also where the config does not tell its layers' attention kinds); None
     for another class, or a MoE model whose every layer is routed experts only (Qwen2-MoE without a shared expert:
     vLLM never reads ``hidden_act`` there)."""
     rule = ACTIVATIONS.get(arch)
     layers = _count(config, "num_hidden_layers")
     if rule is None or layers is None:
         return rule
+    if arch == "Qwen3NextForCausalLM" and (_count(config, "shared_expert_intermediate_size") or 0) > 0:
+        return rule  # every sparse layer builds its shared expert, whatever kind of attention the layer has
     built = ("mlp.gate_proj", "mlp.shared_expert.gate_proj")
     return (
         rule

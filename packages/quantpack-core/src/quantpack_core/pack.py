@@ -271,7 +271,7 @@ def _read_header(path: Path) -> tuple[dict, int]:
         raw = f.read(n)
     try:
         header = json.loads(raw, object_pairs_hook=_unique_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ValueError(f"header is not valid JSON ({type(e).__name__}): the file is corrupt") from None
     except _DuplicateKey as e:
         raise ValueError(f"header names {e.key!r} twice: the file is corrupt") from None
@@ -321,6 +321,7 @@ class Pack:
         self.files: list[str] = []
         self._problems: list[Problem] = []
         self._in_absent_shards: set[str] = set()  # tensors already reported through their missing shard file
+        self._bad_entries: set[str] = set()  # tensors already reported through their header entry
         self._bad_files: set[str] = set()  # shard files reported unreadable or truncated
         self._config_method = ""  # quant_method as config.json itself says (what vLLM reads)
         self._handles: dict[str, object] = {}
@@ -398,7 +399,7 @@ class Pack:
         else:
             try:
                 self.config = self._object(json.loads(cfg.read_text()), "config.json")
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:
                 self._problem("", "config.json", f"not valid JSON ({type(e).__name__}: {e})", FIX_REDOWNLOAD)
         given = self.config.get("text_config")
         text_config = {} if given is None else self._object(given, "config.json: text_config")
@@ -419,7 +420,7 @@ class Pack:
         if mf.is_file():
             try:
                 extra = self._object(json.loads(mf.read_text()), MANIFEST_FILE)
-            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:
                 self._problem("", MANIFEST_FILE, f"not valid JSON ({type(e).__name__}: {e})", FIX_REDOWNLOAD)
                 extra = {}
             storage = self._object(extra.get("tensor_storage") or {}, f"{MANIFEST_FILE}: tensor_storage")
@@ -513,7 +514,8 @@ class Pack:
             for name, h in header.items():
                 kind = h.get("dtype") if isinstance(h, dict) else None
                 if isinstance(kind, str) and kind not in SAFETENSORS_DTYPES:
-                    what = f"dtype {kind!r} in {f}'s header is none safetensors stores for a model here"
+                    self._bad_entries.add(name)
+                    what = f"dtype {kind!r} in {f}'s header: not one this check reads (float4 / float6 / complex ...)"
                     known = ", ".join(SAFETENSORS_DTYPES)
                     self._problem(
                         split_tensor_name(name)[0], name, what, f"store it as one of {known}, or re-download {f}"
@@ -524,6 +526,7 @@ class Pack:
                     shape = tuple(int(s) for s in h["shape"])
                     a, b = (int(x) for x in h["data_offsets"])
                 except (KeyError, TypeError, ValueError):
+                    self._bad_entries.add(name)
                     self._problem(
                         split_tensor_name(name)[0], name, f"header entry in {f} is malformed: {h!r}", f"re-download {f}"
                     )
@@ -956,7 +959,7 @@ class Pack:
             (f"rope_parameters.{k}.rope_theta", v.get("rope_theta")) for k, v in rope.items() if isinstance(v, dict)
         ]
         for where, v in thetas:
-            if number(v) and not (math.isfinite(v) and v > 0):
+            if number(v) and not (v > 0 and (isinstance(v, int) or math.isfinite(v))):
                 out.append(Problem("", "config.json", f"{where} is {v!r}, not a positive number", fix))
         experts = self._configured_experts()
         topk = sizes.get("num_experts_per_tok")
@@ -966,9 +969,9 @@ class Pack:
         return out + self._built_setting_problems(fix)
 
     #: RoPE types vLLM's ``get_rope`` builds (vllm/model_executor/layers/rotary_embedding/__init__.py: the union of
-    #: 0.22.1's and 0.32's; 0.22 has ``xdrope``, 0.32 ``bailing_mrope``), and the legacy names vLLM's config patch
-    #: renames (``su``: longrope, ``mrope``: default). Another name stopped vLLM in the worker: "Unknown RoPE scaling
-    #: type".
+    #: 0.22.1's to 0.32's; 0.22 has ``xdrope``, 0.29 ``telechat3-yarn``, 0.32 ``bailing_mrope``), and the legacy
+    #: names vLLM's config patch renames (``su``: longrope, ``mrope``: default, ``telechat3-yarn``: yarn from 0.31).
+    #: Another name, or null, stopped vLLM in the worker: "Unknown RoPE scaling type".
     ROPE_TYPES = frozenset(
         {
             "default",
@@ -985,6 +988,7 @@ class Pack:
             "openpangu",
             "xdrope",
             "bailing_mrope",
+            "telechat3-yarn",
             "su",
             "mrope",
         }
@@ -1008,35 +1012,41 @@ class Pack:
         cfg = text if isinstance(text, dict) and text else built if isinstance(built, dict) else {}
         out: list[Problem] = []
 
-        def number(v) -> bool:
-            return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        def number(v) -> bool:  # (a JSON integer of hundreds of digits is a number too: no float of it is taken)
+            return isinstance(v, int | float) and not isinstance(v, bool) and (isinstance(v, int) or math.isfinite(v))
 
         rope_sets: list[tuple[str, dict]] = [("", cfg)]
         for key in ("rope_parameters", "rope_scaling"):
             v = cfg.get(key)
             if isinstance(v, dict):
+                # per layer type (vLLM's is_rope_parameters_nested): dicts under layer-type keys, null ones skipped
                 nested = [(f"{key}.{k}.", d) for k, d in v.items() if isinstance(d, dict)]
-                rope_sets += nested if nested and len(nested) == len(v) else [(f"{key}.", v)]
+                per_type = nested and all(isinstance(d, dict) or d is None for d in v.values())
+                rope_sets += nested if per_type else [(f"{key}.", v)]
         fractions: list[tuple[str, float]] = []  # (where, a fraction in (0, 1])
         seen_fractions: list = []
+        absent = object()
         for where, d in rope_sets:
-            kind = d.get("rope_type", d.get("type")) if where else None
             kind_key = "rope_type" if "rope_type" in d else "type"
-            if kind is not None and kind not in self.ROPE_TYPES:
+            kind = d.get(kind_key, absent) if where else absent
+            if kind is not absent and not (isinstance(kind, str) and kind in self.ROPE_TYPES):
                 known = ", ".join(sorted(self.ROPE_TYPES))
-                what = f"{where}{kind_key} is {kind!r}: vLLM builds no such RoPE (it knows {known})"
+                what = f"{where}{kind_key} is {repr(kind)[:60]}: vLLM builds no such RoPE (it knows {known})"
                 out.append(Problem("", "config.json", what, fix))
             for key in self.ROPE_BASES:  # (a number that is no positive finite one: _value_setting_problems)
                 v = d.get(key)
-                if v is not None and not (isinstance(v, int | float) and not isinstance(v, bool)):
-                    out.append(Problem("", "config.json", f"{where}{key} is {v!r}, not a number", fix))
+                # Step-3.5 gives one base per layer (its model file picks rope_theta[layer_idx])
+                per_layer = isinstance(v, list) and v and all(number(x) for x in v)
+                if v is not None and not (number(v) or per_layer):
+                    out.append(Problem("", "config.json", f"{where}{key} is {repr(v)[:60]}, not a number", fix))
             for key in self.ROTARY_FRACTIONS:
                 v = d.get(key)
                 if v is None or any(v == seen for seen in seen_fractions):  # one problem per value
                     continue
                 seen_fractions.append(v)
                 if not number(v) or not 0 < v <= 1:
-                    out.append(Problem("", "config.json", f"{where}{key} is {v!r}, not a number in (0, 1]", fix))
+                    what = f"{where}{key} is {repr(v)[:60]}, not a number in (0, 1]"
+                    out.append(Problem("", "config.json", what, fix))
                 else:
                     fractions.append((f"{where}{key}", v))
         arch = stated_class(built)
@@ -1046,9 +1056,9 @@ class Pack:
         hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
         if head_dim is None and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (hidden, heads)):
             head_dim = hidden // heads
-        if isinstance(head_dim, int) and not isinstance(head_dim, bool) and head_dim > 0:
+        if isinstance(head_dim, int) and not isinstance(head_dim, bool) and 0 < head_dim < 1 << 31:
             for where, v in fractions:
-                if any("rope_dim" in d for _, d in rope_sets):  # vLLM then rotates rope_dim features
+                if any(d.get("rope_dim") for w, d in rope_sets if w):  # vLLM then rotates rope_dim features
                     continue
                 rotated = int(head_dim * v)
                 if rotated < 2 or rotated % 2:
@@ -1727,7 +1737,7 @@ class Pack:
             for name, desc in stored.items():
                 info = self.tensors.get(name)
                 if info is None:
-                    if name not in self._in_absent_shards and not unreadable:
+                    if name not in self._in_absent_shards and name not in self._bad_entries and not unreadable:
                         out.append(
                             Problem(
                                 module,
