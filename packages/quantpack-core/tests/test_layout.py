@@ -1276,6 +1276,17 @@ def test_a_dtype_safetensors_does_not_store_here(tmp_path, fixtures_dir):
     expect_problem(dst, "model.norm.weight: dtype 'F4' in model.safetensors's header: not one this check reads")
 
 
+def test_a_json_integer_past_pythons_digit_limit(tmp_path, fixtures_dir):
+    """A config.json integer of 5,000 digits: json.loads raises ValueError (Python's int digit limit), not a
+    JSONDecodeError; the check names the file instead of crashing."""
+    dst = tmp_path / "p"
+    shutil.copytree(fixtures_dir / PACK, dst)
+    text = (dst / "config.json").read_text()
+    (dst / "config.json").write_text(text.replace('"vocab_size": 1024', '"vocab_size": 1' + "0" * 5000, 1))
+    assert "0" * 5000 in (dst / "config.json").read_text()
+    expect_problem(dst, "config.json: not valid JSON (ValueError")
+
+
 def test_a_marker_lost_where_the_config_names_no_codebook(tmp_path, fixtures_dir):
     """A module's .mul1 marker removed (from the files and the manifest's tensor list) where neither config names a
     codebook: it would decode as 3INST, silently (vLLM 0.32 served the pack with every marker so removed at KL
