@@ -49,7 +49,7 @@ except Exception as e:
 # (the matrix first: a release's column with its bundle staged; 0.22.1 and 0.26.0 passed on 2026-12-05, 0.25.1's
 # column has not run as one step (its expert-kernel report predates ci/gpu/results/); then the escha Triton
 # kernel's time; the last steps re-check what passed before)
-all=(matrix escha-times escha-kernel nemotron-vl nemotron-twin e2e-moe serve-moe serve-moe-mixed profile-moe profile
+all=(matrix matrix-families escha-times escha-kernel nemotron-vl nemotron-twin e2e-moe serve-moe serve-moe-mixed profile-moe profile
   family-converter families qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated escha-gpu e2e-dense
   linear-kernels escha-vllm serve-8b kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel)
 # the tiny models of the given families (of spark, nemotron-h, nemotron-vl) through exllamav3's own converter, each
@@ -250,6 +250,31 @@ for s in "${@:-${all[@]}}"; do
       QUANTPACK_GPU_JOBS=llama-tiny step matrix-e2e-llama "${T[@]}" "$E2E" > "$logs/lane-llama.log" 2>&1
       wait
       echo "=== matrix $release: each step's exit status"
+      grep -h "^=== .* rc=" "$logs"/lane-*.log
+    ) ;;
+    # the families' GPU files in one release's column (the matrix step runs the plugin's files), three lanes side by
+    # side as there: Spark, Flint, Nemotron-H and the Qwen3.5 vision tower; the whole Qwen3.5 VL pack; the whole
+    # Nemotron VL pack (exllamav3's converter first, about a minute). Written 2026-12-05 after the plugin's files
+    # passed on 0.22.1 and 0.26.0; not yet run (estimated 9-10 minutes a release, the families' lane the longest)
+    matrix-families) (
+      release=$(python3 ci/gpu/matrix_table.py --release)
+      if [ -n "${MATRIX_RELEASE:-}" ] && [ "$release" != "$MATRIX_RELEASE" ]; then
+        echo "matrix-families: vLLM $release is unpacked, not MATRIX_RELEASE=$MATRIX_RELEASE: no column run" >&2
+        exit 2
+      fi
+      logs=$res/matrix-families-$release
+      mkdir -p "$logs"
+      export QUANTPACK_GPU_LLM_KWARGS=${QUANTPACK_GPU_LLM_KWARGS:-'{"kv_cache_memory_bytes": 2147483648}'}
+      F=packages/quantpack-families/tests
+      step matrix-families "${T[@]}" "$F/test_qwen_vision_gpu.py" "$F/test_families_gpu.py" \
+        > "$logs/lane-families.log" 2>&1 &
+      step matrix-qwen-vl "${T[@]}" "$F/test_qwen_vl_gpu.py" > "$logs/lane-qwen-vl.log" 2>&1 &
+      (
+        family_convert nemotron-vl
+        QUANTPACK_FAMILY_CONVERTED=/tmp/family-exl3 step matrix-nemotron-vl "${T[@]}" "$F/test_nemotron_vl_gpu.py"
+      ) > "$logs/lane-nemotron-vl.log" 2>&1
+      wait
+      echo "=== matrix-families $release: each step's exit status"
       grep -h "^=== .* rc=" "$logs"/lane-*.log
     ) ;;
     *) echo "unknown step $s (of: ${all[*]})" >&2 ;;
