@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from quantpack_core.layout import (
-    ACTIVATIONS,
     KNOWN_LAYERS,
+    MLP_ACTIVATIONS,
     OWN_TENSORS,
     activation_rule,
     architecture_layer,
@@ -207,14 +207,14 @@ def build(folder, config: dict, quant_config=None):
         return initialize_model(vllm_config=vc)
 
 
-@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c]["architectures"][0] in ACTIVATIONS))
+@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c]["architectures"][0] in MLP_ACTIVATIONS))
 def test_the_activations_stated_are_those_vllm_builds(vllm_layers, tmp_path, case):
-    """quantpack_core.layout.ACTIVATIONS against vLLM's classes: each value the rule takes builds the class, and a
+    """quantpack_core.layout.MLP_ACTIVATIONS against vLLM's classes: each value the rule takes builds the class, and a
     value it refuses (one of another class's, and one no class takes) stops vLLM's build, as it did in the worker;
     where activation_rule states none (no dense MLP, no shared expert), any value builds."""
     config = {**BASE, **CASES[case]}
     arch = config["architectures"][0]
-    key, allowed = ACTIVATIONS[arch]
+    key, allowed = MLP_ACTIVATIONS[arch].key, MLP_ACTIVATIONS[arch].allowed
     if activation_rule(arch, config) is None:  # no layer builds a module that takes it: any value builds
         build(tmp_path / "relu2", {**config, key: "relu2"})
         return

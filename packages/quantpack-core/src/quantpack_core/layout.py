@@ -35,6 +35,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Container, Iterable
+from typing import NamedTuple
 
 from .errors import Problem
 
@@ -394,43 +395,50 @@ KNOWN_LAYERS = (
     "Gemma3ForCausalLM",
     "Qwen3NextForCausalLM",
 )
-#: the activation each class of :data:`KNOWN_LAYERS` builds its MLP with: config.json's key and the values vLLM takes
-#: (compared as vLLM compares them: exactly, but Gemma 3's, which its registry lowercases first); another value
+
+
+class ActivationRule(NamedTuple):
+    """The activation a model class builds its MLP with: config.json's ``key`` (``hidden_act``, Gemma's
+    ``hidden_activation``) and the names vLLM takes there, compared as vLLM compares them (``any_case``: lowercased
+    first, as Gemma 3's ``get_act_and_mul_fn`` does; else exactly)."""
+
+    key: str
+    allowed: frozenset[str]
+    any_case: bool = False
+
+    def takes(self, value: object) -> bool:
+        """Whether vLLM builds the MLP with config value ``value`` (a name; anything else is refused)."""
+        return isinstance(value, str) and (value.lower() if self.any_case else value) in self.allowed
+
+
+#: the Gemma classes' rules; every other class of :data:`KNOWN_LAYERS` but Mixtral takes SiLU only
+_GEMMA_ACTIVATIONS = {
+    "Gemma2ForCausalLM": ActivationRule("hidden_activation", frozenset({"gelu_pytorch_tanh"})),
+    "Gemma3ForCausalLM": ActivationRule(
+        "hidden_activation", frozenset({"gelu", "gelu_pytorch_tanh", "silu", "swish", "geglu", "swigluoai"}), True
+    ),
+}
+#: the activation each class of :data:`KNOWN_LAYERS` builds its MLP with (:class:`ActivationRule`); another value
 #: stops vLLM in the worker (Llama, Mistral, Qwen2 / 3 and their MoE classes: "Unsupported activation: ... Only silu
 #: is supported for now."; Gemma 2: "... set `hidden_activation` to `gelu_pytorch_tanh`"; Gemma 3: "Activation
 #: function ... is not supported"). Mixtral's experts take SiLU whatever the config says. Source: vLLM's llama.py,
 #: mistral.py, qwen2.py, qwen2_moe.py, qwen3_moe.py, gemma2.py, gemma3.py (``get_act_and_mul_fn``'s registry in
 #: layers/activation.py), alike in 0.22.1 and 0.32; checked against the classes vLLM builds by quantpack-exl3's
 #: ``test_layer_rules_vllm.py``.
-ACTIVATIONS: dict[str, tuple[str, frozenset[str]]] = {
-    **dict.fromkeys(
-        (
-            "LlamaForCausalLM",
-            "MistralForCausalLM",
-            "Ministral3ForCausalLM",
-            "Qwen2ForCausalLM",
-            "Qwen2MoeForCausalLM",
-            "Qwen3ForCausalLM",
-            "Qwen3MoeForCausalLM",
-            "Qwen3NextForCausalLM",
-        ),
-        ("hidden_act", frozenset({"silu"})),
-    ),
-    "Gemma2ForCausalLM": ("hidden_activation", frozenset({"gelu_pytorch_tanh"})),
-    "Gemma3ForCausalLM": (
-        "hidden_activation",
-        frozenset({"gelu", "gelu_pytorch_tanh", "silu", "swish", "geglu", "swigluoai"}),
-    ),
+MLP_ACTIVATIONS: dict[str, ActivationRule] = {
+    arch: _GEMMA_ACTIVATIONS.get(arch, ActivationRule("hidden_act", frozenset({"silu"})))
+    for arch in KNOWN_LAYERS
+    if arch != "MixtralForCausalLM"
 }
 
 
-def activation_rule(arch: str, config: dict) -> tuple[str, frozenset[str]] | None:
-    """:data:`ACTIVATIONS`' rule for model class ``arch`` where vLLM builds a module that takes the activation: a
+def activation_rule(arch: str, config: dict) -> ActivationRule | None:
+    """:data:`MLP_ACTIVATIONS`' rule for model class ``arch`` where vLLM builds a module that takes the activation: a
     dense MLP or a shared expert in some decoder layer (:func:`architecture_layer`, over the first 4,096 layers;
     Qwen3-Next's shared expert also where the config does not tell its layers' attention kinds); None
     for another class, or a MoE model whose every layer is routed experts only (Qwen2-MoE without a shared expert:
     vLLM never reads ``hidden_act`` there)."""
-    rule = ACTIVATIONS.get(arch)
+    rule = MLP_ACTIVATIONS.get(arch)
     layers = _count(config, "num_hidden_layers")
     if rule is None or layers is None:
         return rule

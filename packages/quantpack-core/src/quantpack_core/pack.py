@@ -461,7 +461,7 @@ class Pack:
         if index_path.is_file():
             try:
                 weight_map = dict(json.loads(index_path.read_text())["weight_map"])
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, RecursionError) as e:
+            except (ValueError, UnicodeDecodeError, KeyError, TypeError, RecursionError) as e:
                 self._problem("", INDEX_FILE, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD)
                 weight_map = None
             odd = {n: f for n, f in (weight_map or {}).items() if not isinstance(f, str)}
@@ -953,14 +953,10 @@ class Pack:
             v = cfg.get(key)
             if number(v) and not 0 < v < 1:
                 out.append(Problem("", "config.json", f"{key} is {v!r}, not a number between 0 and 1", fix))
-        rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-        thetas = [("rope_theta", cfg.get("rope_theta")), ("rope_parameters.rope_theta", rope.get("rope_theta"))]
-        thetas += [
-            (f"rope_parameters.{k}.rope_theta", v.get("rope_theta")) for k, v in rope.items() if isinstance(v, dict)
-        ]
-        for where, v in thetas:
+        for where, d in self._rope_settings(cfg):
+            v = d.get("rope_theta")
             if number(v) and not (v > 0 and (isinstance(v, int) or math.isfinite(v))):
-                out.append(Problem("", "config.json", f"{where} is {v!r}, not a positive number", fix))
+                out.append(Problem("", "config.json", f"{where}rope_theta is {v!r}, not a positive number", fix))
         experts = self._configured_experts()
         topk = sizes.get("num_experts_per_tok")
         if experts and topk is not None and not 1 <= topk <= experts:
@@ -998,6 +994,21 @@ class Pack:
     ROPE_BASES = ("rope_theta", "rotary_emb_base")
     ROTARY_FRACTIONS = ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction")
 
+    @staticmethod
+    def _rope_settings(cfg: dict) -> list[tuple[str, dict]]:
+        """The dicts of config ``cfg`` that hold RoPE settings, each with the prefix its keys are named by in a
+        message: the config itself (``""``), ``rope_parameters`` / ``rope_scaling`` (``"rope_scaling."``), or each
+        layer type's dict of a nested one (``"rope_parameters.full_attention."``: vLLM's
+        ``is_rope_parameters_nested``, dicts under layer-type keys, null ones skipped)."""
+        out: list[tuple[str, dict]] = [("", cfg)]
+        for key in ("rope_parameters", "rope_scaling"):
+            v = cfg.get(key)
+            if isinstance(v, dict):
+                nested = [(f"{key}.{k}.", d) for k, d in v.items() if isinstance(d, dict)]
+                per_type = nested and all(isinstance(d, dict) or d is None for d in v.values())
+                out += nested if per_type else [(f"{key}.", v)]
+        return out
+
     def _built_setting_problems(self, fix: str) -> list[Problem]:
         """Settings of the config vLLM builds (:meth:`_built_config`'s text part: after ``--hf-overrides``) that vLLM
         takes without a check in the user's process and then stops on in the worker: a RoPE type ``get_rope`` does
@@ -1015,14 +1026,7 @@ class Pack:
         def number(v) -> bool:  # (a JSON integer of hundreds of digits is a number too: no float of it is taken)
             return isinstance(v, int | float) and not isinstance(v, bool) and (isinstance(v, int) or math.isfinite(v))
 
-        rope_sets: list[tuple[str, dict]] = [("", cfg)]
-        for key in ("rope_parameters", "rope_scaling"):
-            v = cfg.get(key)
-            if isinstance(v, dict):
-                # per layer type (vLLM's is_rope_parameters_nested): dicts under layer-type keys, null ones skipped
-                nested = [(f"{key}.{k}.", d) for k, d in v.items() if isinstance(d, dict)]
-                per_type = nested and all(isinstance(d, dict) or d is None for d in v.values())
-                rope_sets += nested if per_type else [(f"{key}.", v)]
+        rope_sets = self._rope_settings(cfg)
         fractions: list[tuple[str, float]] = []  # (where, a fraction in (0, 1])
         seen_fractions: list = []
         absent = object()
@@ -1067,12 +1071,15 @@ class Pack:
                         "rotates features in pairs"
                     )
                     out.append(Problem("", "config.json", what, fix))
-        key, allowed = activation_rule(arch, cfg) or ("", frozenset())
-        act = cfg.get(key) if key else None
-        lowered = arch == "Gemma3ForCausalLM"  # (get_act_and_mul_fn lowercases the name; the others compare it)
-        if act is not None and not (isinstance(act, str) and (act.lower() if lowered else act) in allowed):
-            what = f"{key} is {act!r}, but vLLM's {arch} builds its MLP with {' / '.join(sorted(allowed))} only"
-            out.append(Problem("", "config.json", what, fix))
+        rule = activation_rule(arch, cfg)
+        act = cfg.get(rule.key) if rule else None
+        if act is not None and not rule.takes(act):
+            names = " / ".join(sorted(rule.allowed))
+            out.append(
+                Problem(
+                    "", "config.json", f"{rule.key} is {act!r}, but vLLM's {arch} builds its MLP with {names} only", fix
+                )
+            )
         return out
 
     #: architecture name prefix -> rows its model adds to the embedding past vocab_size (Mllama's 8 image tokens:
@@ -1271,25 +1278,19 @@ class Pack:
                 plans[i] = layer_sizes(arch, built, i)
             if m.format == "other":  # a block's own parameters (the Gated DeltaNet's A_log, dt_bias)
                 for name, info in sorted(m.tensors.items()):
-                    size, shape = plans[i].get(f"{path}.{name}"), tuple(info.shape)
-                    if size is not None and not (
-                        len(shape) == len(size) and all(w in (None, h) for w, h in zip(size, shape, strict=True))
-                    ):
-                        want = "x".join("?" if w is None else str(w) for w in size)
-                        what = f"is {list(shape)}, but vLLM's {arch} builds {path}.{name} as {want}"
-                        out.append(Problem(key, f"{key}.{name}", what, fix))
+                    size = plans[i].get(f"{path}.{name}")
+                    if size is not None:
+                        out += self._built_shape_problem(key, name, info.shape, size, f"vLLM's {arch}", fix)
                 continue
             expert = re.fullmatch(r"(.+\.experts)\.\d+\.([^.]+)", path)
             size = plans[i].get(f"{expert.group(1)}.{expert.group(2)}" if expert else path)
             if size is None:
                 continue
             if len(size) != 2:  # a norm's or a convolution's weight, as vLLM builds it
-                shape = tuple(m.tensors["weight"].shape) if m.format == "dense" else None
-                fits = shape is not None and len(shape) == len(size)
-                if shape is not None and not (fits and all(w in (None, h) for w, h in zip(size, shape, strict=True))):
-                    want = "x".join("?" if w is None else str(w) for w in size)
-                    what = f"weight is {list(shape)}, but vLLM's {arch} builds {path} as {want}"
-                    out.append(Problem(key, f"{key}.weight", what, fix))
+                if m.format == "dense":
+                    out += self._built_shape_problem(
+                        key, "weight", m.tensors["weight"].shape, size, f"vLLM's {arch}", fix
+                    )
                 continue
             if m.format == "dense" and len(m.tensors["weight"].shape) != 2:
                 out.append(self._not_a_matrix(m, fix))
@@ -1304,6 +1305,19 @@ class Pack:
                     if found_problem:
                         break
         return out
+
+    @staticmethod
+    def _built_shape_problem(key: str, name: str, shape, size: tuple, builder: str, fix: str) -> list[Problem]:
+        """A problem when tensor ``name`` of module ``key`` (shape ``shape``) is not the shape ``size`` that
+        ``builder`` (``"vLLM's Qwen3NextForCausalLM"``) builds it with (None: any size there); named after the
+        module's own path in the layer (a norm's weight) or the tensor's (``linear_attn.A_log``)."""
+        shape = tuple(shape)
+        if len(shape) == len(size) and all(w in (None, h) for w, h in zip(size, shape, strict=True)):
+            return []
+        want = "x".join("?" if w is None else str(w) for w in size)
+        path = re.sub(r"^model\.layers\.\d+\.", "", key)
+        lead, built = ("weight ", path) if name == "weight" else ("", f"{path}.{name}")
+        return [Problem(key, f"{key}.{name}", f"{lead}is {list(shape)}, but {builder} builds {built} as {want}", fix)]
 
     #: a decoder layer's dense MLP projections (not an expert's, not a shared expert's)
     DENSE_MLP = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)$")
