@@ -28,7 +28,7 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope
-from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeMLP
+from vllm.model_executor.models.qwen2_moe import Qwen2MoeForCausalLM, Qwen2MoeMLP, Qwen2MoeModel
 from vllm.model_executor.utils import set_weight_attrs
 
 from quantpack_core.vllm.compat import fused_moe_factory
@@ -189,6 +189,13 @@ class FlintModel(PrenormModel):
     """Embedding, Flint's layers, final norm."""
 
     layer_cls = FlintDecoderLayer
+
+    # vLLM 0.22 (and older): Qwen2-MoE's model, not its layers, maps the checkpoint's q / k / v, gate / up and expert
+    # names onto the fused parameters (its ``Qwen2MoeModel.load_weights``); Flint's names are Qwen2-MoE's, so it
+    # takes that loader where vLLM has one. From 0.25 vLLM's ``AutoWeightsLoader`` and the layers do it
+    if "load_weights" in vars(Qwen2MoeModel):
+        load_weights = Qwen2MoeModel.load_weights
+        get_expert_mapping = Qwen2MoeModel.get_expert_mapping
 
 
 class FlintForCausalLM(PrenormForCausalLM, Qwen2MoeForCausalLM):
