@@ -135,27 +135,44 @@ def served(tmp_path_factory):
     return jobs, results
 
 
+#: the job that is the control of a fault of vLLM's own: the dense Nemotron-H twin (no quantpack method serves it at
+#: TP 1) compiled and run in float16 outside CUDA graphs gives KL 4.6, top-1 7% - on the H200 on 2026-12-05 with
+#: vLLM 0.22.1 and 0.25.1, not 0.26.0, and on 0.25.1 on some runs only (docs/families.md, Nemotron-H; the family
+#: warns when vLLM builds such a model). Its failure alone makes the test an expected failure that names it; any
+#: other job's failure fails the test
+UPSTREAM_FAULT = "nemotron-h-bf16/float16/graphs"
+
+
 def test_family_packs_match_their_references_on_the_gpu(served):
-    """Each pack (EXL3 and bf16 twin) within the bound in both modes; graphs give eager's greedy tokens."""
+    """Each pack (EXL3 and bf16 twin) within the bound in both modes; graphs give eager's greedy tokens. Every job's
+    figures are printed before the failures are reported together (:data:`UPSTREAM_FAULT` alone: xfail)."""
     from e2e_runner import NEAR_TIE, get, greedy_agreement
 
     jobs, results = served
-    failures = list(results["_missing"])  # converter-made packs asked for and not there
-    for key in jobs:  # every job's figures first, then the failures together
+    failures = [("converted", m) for m in results["_missing"]]  # converter-made packs asked for and not there
+    for key in jobs:
         res = results.get(key, {})
         if "kl" not in res:
-            failures.append(f"{key}: {res.get('failed', 'no result')}")
+            failures.append((key, f"{key}: {res.get('failed', 'no result')}"))
             continue
         print(
             f"GPU {key}: KL {res['kl']:.2e}, top-1 {res['top1_decided']:.3f} over the {res['positions'] - res['ties']} "
             f"positions not within {NEAR_TIE} nats of a tie (over all {res['positions']}: {res['top1']:.3f})"
         )
         if not (res["kl"] <= KL_BOUND and res["top1_decided"] >= TOP1_BOUND):
-            failures.append(f"{key}: KL {res['kl']:.3g}, top-1 {res['top1_decided']:.3f} ({res['ties']} near-ties)")
+            failures.append(
+                (key, f"{key}: KL {res['kl']:.3g}, top-1 {res['top1_decided']:.3f} ({res['ties']} near-ties)")
+            )
         eager = key.replace("/graphs", "/eager")
         if key.endswith("/graphs") and eager in jobs and "kl" in results.get(eager, {}):
-            print(f"GPU {key} greedy vs eager: {greedy_agreement(get(results, eager), res)}")
-    assert not failures, "\n".join(failures)
+            try:
+                print(f"GPU {key} greedy vs eager: {greedy_agreement(get(results, eager), res)}")
+            except AssertionError as e:
+                failures.append((key, f"{key}: greedy tokens not eager's: {e}"))
+    messages = "\n".join(m for _, m in failures)
+    assert all(key == UPSTREAM_FAULT for key, _ in failures), messages
+    if failures:
+        pytest.xfail(f"only the control of vLLM's own float16 Nemotron-H compiled-path fault failed: {messages}")
 
 
 def test_exl3_modules_are_served_by_the_exl3_method_on_the_gpu(served):
