@@ -255,7 +255,8 @@ for s in "${@:-${all[@]}}"; do
     # the families' GPU files in one release's column (the matrix step runs the plugin's files), three lanes side by
     # side as there: Spark, Flint, Nemotron-H and the Qwen3.5 vision tower; the whole Qwen3.5 VL pack; the whole
     # Nemotron VL pack (exllamav3's converter first, about a minute). Written 2026-12-05 after the plugin's files
-    # passed on 0.22.1 and 0.26.0; not yet run (estimated 9-10 minutes a release, the families' lane the longest)
+    # passed on 0.22.1 and 0.26.0; first run that afternoon: 6 minutes (0.22.1) and 8.7 (0.26.0), the families'
+    # lane the longest
     matrix-families) (
       release=$(python3 ci/gpu/matrix_table.py --release)
       if [ -n "${MATRIX_RELEASE:-}" ] && [ "$release" != "$MATRIX_RELEASE" ]; then
