@@ -75,6 +75,20 @@ ALL_TESTS = [
 ]
 
 
+def gpu_card() -> list[str]:
+    """pytest's option naming a JUnit report's test suite after the card its tests ran on (``gpu NVIDIA H200``, read
+    back by ci/gpu/matrix_table.py; ci/gpu/env.sh's ``gpu_card_opt`` for the shell steps); none where nvidia-smi
+    names no card."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    card = out.strip().splitlines()[0].strip() if out.strip() else ""
+    return ["-o", f"junit_suite_name=gpu {card}"] if card else []
+
+
 def uv_env(session: nox.Session) -> dict[str, str]:
     """Environment for uv commands: the session's venv, and where torch +cpu comes from."""
     env = {"UV_PROJECT_ENVIRONMENT": session.virtualenv.location}
@@ -460,6 +474,7 @@ def gpu_tests(session: nox.Session, vllm: str) -> None:
         *PYTEST,
         "--durations=15",
         f"--junitxml={GPU_RESULTS / f'vllm-{vllm}-{stamp}.xml'}",
+        *gpu_card(),
         "-m",
         "gpu",
         *tests,

@@ -24,3 +24,10 @@ gpu_report() {
   release=$(python3 "$_qp_root/ci/gpu/matrix_table.py" --release 2>/dev/null || echo none)
   echo "$(gpu_matrix_dir)/vllm-$release-$(date +%Y%m%d-%H%M%S)${1:+-$1}.xml"
 }
+# the card a report's tests ran on, as pytest's option naming the report's test suite (ci/gpu/matrix_table.py reads it
+# back): -o 'junit_suite_name=gpu NVIDIA H100 80GB HBM3'; nothing where nvidia-smi names no card
+gpu_card_opt() {
+  local card
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+  [ -z "$card" ] || echo "-o 'junit_suite_name=gpu $card'"
+}

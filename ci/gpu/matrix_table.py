@@ -6,7 +6,9 @@ given). For each release and test file the newest report that ran the file count
 keeps an older report's outcome (a step that selects jobs by ``QUANTPACK_GPU_JOBS`` skips the others: ``e2e-moe``
 after ``e2e-dense`` gives both halves of ``test_exl3_gpu_vllm.py``); a release with no report of a file is "not run"
 there; a module that failed to import counts as one failed test of its file. A cell names the ``pending.sh`` steps
-its outcomes came from (``(step linear-kernels)``): a step may run a selection of the file (``-k``,
+its outcomes came from (``(step linear-kernels)``) and, where its reports name it (``junit_suite_name=gpu <card>``, set
+by ``ci/gpu/env.sh``'s ``gpu_card_opt`` and the nox session; the reports from before 2026-12-05 name none: all of
+them ran on an H200), the card (``on NVIDIA H100 80GB HBM3``): a step may run a selection of the file (``-k``,
 ``QUANTPACK_GPU_JOBS``), which ci/gpu/pending.sh states per step; ``--no-steps`` leaves the step names out (the
 README's copy). Usage (the reports kept in ``ci/gpu/results/``): ``python3 ci/gpu/matrix_table.py ci/gpu/results
 [--versions 0.22.1,0.25.1,0.26.0] [--no-steps]``.
@@ -63,9 +65,10 @@ def collect(folders: list[Path]) -> dict[str, dict[str, dict[str, str]]]:
     """``{release: {test file: {test id: outcome}}}``: for each release and test file, the outcomes of the newest
     report that ran that file (so a test renamed or removed since drops out), where it skipped a test that an older
     report ran, the older outcome; the pending steps those outcomes came from (comma-separated, in test order) under
-    the test id ``STEP`` (:data:`STEP`); where the newest report of a file skipped every test of it (a run that could
-    not select any, e.g. without a visible GPU), that report under :data:`RAN_NONE`. A file named ``vllm-*.xml``
-    that is not named as a report is reported on stderr and left out.
+    the test id ``STEP`` (:data:`STEP`); the cards they ran on, where the reports name them, under :data:`CARD`;
+    where the newest report of a file skipped every test of it (a run that could not select any, e.g. without a
+    visible GPU), that report under :data:`RAN_NONE`. A file named ``vllm-*.xml`` that is not named as a report is
+    reported on stderr and left out.
 
     Raises:
         SystemExit: a folder that does not exist, or a report that is not JUnit XML (its path named).
@@ -79,33 +82,40 @@ def collect(folders: list[Path]) -> dict[str, dict[str, dict[str, str]]]:
             print(f"{f}: not named vllm-<release>-<YYYYMMDD-HHMMSS>[-<step>].xml, left out", file=sys.stderr)
     reports = sorted((m["version"], m["stamp"], m["step"], f) for f in found if (m := REPORT.search(f.name)))
     ran_none: dict[str, dict[str, str]] = {}  # release -> file -> the newest report that skipped all of it
-    sources: dict[str, dict[str, dict[str, tuple[str, str | None]]]] = {}  # release -> file -> id -> (outcome, step)
+    # release -> file -> test id -> (outcome, step, card)
+    sources: dict[str, dict[str, dict[str, tuple[str, str | None, str | None]]]] = {}
     for version, _, step, path in reports:  # oldest first: a newer report's files replace the older ones'
         try:
             root = ET.parse(path).getroot()
         except ET.ParseError as e:
             raise SystemExit(f"{path}: not a JUnit XML report ({e})") from e
-        ran: dict[str, dict[str, tuple[str, str | None]]] = {}
-        for case in root.iter("testcase"):
-            ran.setdefault(test_file(case), {})[test_id(case)] = (outcome(case), step)
+        ran: dict[str, dict[str, tuple[str, str | None, str | None]]] = {}
+        for suite in root.iter("testsuite"):
+            name = suite.get("name", "")
+            card = name.removeprefix("gpu ") if name.startswith("gpu ") else None
+            for case in suite.iter("testcase"):
+                ran.setdefault(test_file(case), {})[test_id(case)] = (outcome(case), step, card)
         files = sources.setdefault(version, {})
         for name, cases in ran.items():
             before = files.get(name, {})
-            if all(result == "skipped" for result, _ in cases.values()):
+            if all(result == "skipped" for result, *_ in cases.values()):
                 ran_none.setdefault(version, {})[name] = step or path.name
             else:
                 ran_none.get(version, {}).pop(name, None)
-            for key, (result, _) in cases.items():
+            for key, (result, *_) in cases.items():
                 if result == "skipped" and before.get(key, ("skipped",))[0] != "skipped":
                     cases[key] = before[key]  # not selected this time: the run that selected it counts
             files[name] = cases
     out: dict[str, dict[str, dict[str, str]]] = {}
     for version, files in sources.items():
         for name, cases in files.items():
-            cell = out.setdefault(version, {})[name] = {k: o for k, (o, _) in cases.items()}
-            steps = list(dict.fromkeys(s for _, s in cases.values() if s))
+            cell = out.setdefault(version, {})[name] = {k: o for k, (o, *_) in cases.items()}
+            steps = list(dict.fromkeys(s for _, s, _ in cases.values() if s))
             if steps:
                 cell[STEP] = ", ".join(steps)
+            used = list(dict.fromkeys(c for _, _, c in cases.values() if c))
+            if used:
+                cell[CARD] = ", ".join(used)
             if name in ran_none.get(version, {}):
                 cell[RAN_NONE] = ran_none[version][name]
     return out
@@ -114,6 +124,8 @@ def collect(folders: list[Path]) -> dict[str, dict[str, dict[str, str]]]:
 OUTCOMES = ("passed", "failed", "xfailed", "skipped")
 #: the key under which :func:`collect` keeps the pending step a file's report came from (not a test id: no ``::``)
 STEP = "step"
+#: the key under which :func:`collect` keeps the cards a file's outcomes ran on, where their reports name them
+CARD = "card"
 #: the key under which :func:`collect` names a file's newest report when that report skipped all of the file's tests
 RAN_NONE = "ran none"
 
@@ -127,10 +139,11 @@ def table(results: dict[str, dict[str, dict[str, str]]], versions: list[str], st
         cells = []
         for v in versions:
             cases = dict(results.get(v, {}).get(f, {}))
-            step, none = cases.pop(STEP, None), cases.pop(RAN_NONE, None)
+            step, none, card = cases.pop(STEP, None), cases.pop(RAN_NONE, None), cases.pop(CARD, None)
             counts = Counter(cases.values())
             cell = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o])
             cell = f"{cell} (step {step})" if cell and step and steps else cell or "not run"
+            cell = f"{cell} on {card}" if card and counts else cell
             cells.append(f"{cell}; the newest run ({none}) skipped all" if none else cell)
         lines.append(f"| `{f}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -172,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _is_failure(key: str, result: str) -> bool:
     """Whether a :func:`collect` entry is a failed test (not the step or ran-none note)."""
-    return key not in (STEP, RAN_NONE) and result == "failed"
+    return key not in (STEP, RAN_NONE, CARD) and result == "failed"
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ step() {
   local name=$1 dir=${logs:-$res}
   shift
   echo "=== $name $(date +%T)"
-  PYTEST_ADDOPTS="--junitxml=$(gpu_report "$name")" "$@" > "$dir/$name.log" 2>&1
+  PYTEST_ADDOPTS="--junitxml=$(gpu_report "$name") $(gpu_card_opt)" "$@" > "$dir/$name.log" 2>&1
   echo "=== $name rc=$? $(date +%T)"
   tail -15 "$dir/$name.log"
 }

@@ -19,4 +19,4 @@ fi
 paths=(packages/quantpack-core/tests packages/quantpack-exl3/tests packages/quantpack-escha-rocm/tests)
 for a in "$@"; do case "$a" in *.py | *.py::*) paths=() ;; esac; done
 # the same report as the nox session's (ci/gpu/matrix_table.py)
-exec python3 -m pytest -ra -p no:cacheprovider --durations=15 --junitxml="$(gpu_report)" -m gpu "${paths[@]}" "$@"
+PYTEST_ADDOPTS="${PYTEST_ADDOPTS:-} $(gpu_card_opt)" exec python3 -m pytest -ra -p no:cacheprovider --durations=15 --junitxml="$(gpu_report)" -m gpu "${paths[@]}" "$@"

@@ -19,11 +19,12 @@ def load_tool():
     return mod
 
 
-def report(tmp: Path, out: Path, body: str, name: str = "test_gpu_demo.py") -> None:
+def report(tmp: Path, out: Path, body: str, name: str = "test_gpu_demo.py", *args: str) -> None:
     """Run pytest on a module ``name`` holding ``body`` (alone in its folder) and write its JUnit XML to ``out``; the
     test ids (``pkg.tests.<module>``) are the same for every report, as a checkout's are. The folder has its own
     ini file so that pytest's rootdir is that folder even when ``tmp`` lies inside a checkout (CI's basetemp under
-    ``.nox/``), whose pyproject.toml would otherwise make the ids carry the temporary path."""
+    ``.nox/``), whose pyproject.toml would otherwise make the ids carry the temporary path. ``args`` go to pytest
+    (``-o junit_suite_name=gpu <card>``, as ci/gpu/env.sh's ``gpu_card_opt``)."""
     root = tmp / out.stem
     mod = root / "pkg" / "tests"
     mod.mkdir(parents=True, exist_ok=True)
@@ -41,6 +42,7 @@ def report(tmp: Path, out: Path, body: str, name: str = "test_gpu_demo.py") -> N
             str(root / "pytest.ini"),
             f"--rootdir={root}",
             f"--junitxml={out}",
+            *args,
             str(mod),
         ],
         cwd=root,
@@ -99,6 +101,29 @@ def test_cells_count_outcomes_per_release_and_newest_report_wins_but_for_its_ski
     assert tool.main([str(reports)]) == 1  # 0.22.1 still has a failure
     brief = tool.table(results, ["0.25.1"], steps=False)  # the README's copy: no step names
     assert "| `test_gpu_demo.py` | 4 passed, 1 xfailed |" in brief.splitlines()
+
+
+def test_a_cell_names_the_cards_its_outcomes_ran_on(tmp_path):
+    """The card a report names (pytest's suite name ``gpu <card>``) follows each test's counted outcome: a test a
+    later step skipped keeps the card of the run that selected it; a report that names no card (those from before
+    cards were recorded) adds none, and a test it re-ran drops the older report's card."""
+    tool = load_tool()
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    report(tmp_path, reports / "vllm-0.25.1-20261203-120000-e2e-dense.xml", LATER, "test_gpu_demo.py",
+           "-o", f"junit_suite_name=gpu {h100}")  # fmt: skip
+    report(tmp_path, reports / "vllm-0.25.1-20261203-130000-e2e-moe.xml", SELECTED, "test_gpu_demo.py",
+           "-o", f"junit_suite_name=gpu {h200}")  # fmt: skip
+    report(tmp_path, reports / "vllm-0.26.0-20261203-100000.xml", LATER, "test_gpu_demo.py",
+           "-o", f"junit_suite_name=gpu {h100}")  # fmt: skip
+    report(tmp_path, reports / "vllm-0.26.0-20261203-110000.xml", LATER)  # names no card, re-runs every test
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
+        for line in tool.table(tool.collect([reports]), ["0.25.1", "0.26.0"], steps=False).splitlines()
+    }
+    # test_a and test_b from e2e-dense (H100), the rest from e2e-moe (H200); 0.26.0's newest run names no card
+    assert rows["`test_gpu_demo.py`"] == [f"4 passed, 1 xfailed on {h100}, {h200}", "4 passed, 1 xfailed"]
 
 
 def test_a_broken_report_is_named(tmp_path):
