@@ -381,7 +381,25 @@ def test_a_lost_codebook_marker_is_named(fixtures_dir, tmp_path):
     del tensors["model.layers.0.mlp.down_proj.mul1"]
     (dst / "model.safetensors").unlink()
     save_file(tensors, str(dst / "model.safetensors"))
-    expect_problem(dst, "model.layers.0.mlp.down_proj.mul1", "its .mul1 marker is missing", "would decode as 3inst")
+    expect_problem(dst, "model.layers.0.mlp.down_proj.mul1", "its .mul1 marker is missing", "would decode as 3inst",
+                   "re-download the pack's file that holds this layer")  # fmt: skip
+
+
+def test_a_codebook_the_config_misstates_names_the_marker_the_layers_have(fixtures_dir, tmp_path):
+    """quantization_config saying mcg for a mul1 pack: each coded module names its .mul1 marker (a tensor that
+    exists) and the fix is the config's codebook, not a download; nothing in the pack is written."""
+    dst = tmp_path / "p"
+    shutil.copytree(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1", dst)
+    (dst / "quantization_config.json").unlink()
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"]["codebook"] = "mcg"
+    (dst / "config.json").write_text(json.dumps(config))
+    err = expect_problem(
+        dst,
+        "lm_head.mul1: has a .mul1 marker, but quantization_config says codebook mcg",
+        'where every coded layer has that marker, set quantization_config\'s codebook to "mul1"',
+    )
+    assert "lm_head.mcg" not in str(err)
 
 
 def test_nan_in_a_norm_weight_is_named(tmp_path):

@@ -125,8 +125,46 @@ def inspect(pack: Path, show_all: bool, tp: int | None, max_model_len: int | Non
     for m in p.modules.values():
         kinds[m.format] = kinds.get(m.format, 0) + m.nbytes
     click.echo("bytes per storage kind: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(kinds.items())))
+    if (note := _stated_bits_note(p)) is not None:
+        click.echo(note)
     if tp is not None or max_model_len is not None:  # --max-model-len alone: one rank
         _print_tp(p, tp or 1, max_model_len, show_all, kv_cache_dtype)
+
+
+def _size(nbytes: float) -> str:
+    """A byte count in the largest binary unit (KiB, MiB, GiB) that keeps it at 1 or more, 2 decimals."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.2f} {unit}"
+    return f"{nbytes / 2**10:,.2f} KiB"
+
+
+def _stated_bits_note(p) -> str | None:
+    """A note where ``quantization_config``'s ``bits`` / ``head_bits`` (exllamav3's targets when it converted the
+    pack) disagree with the pack's coded tensors: ``bits`` off by more than half a bit from the decoder layers' mean K
+    (weighted by weights; EXL3's layers meet a fractional target with a mix of K, so they straddle it), or
+    ``head_bits`` not the EXL3 head's K. No loader reads those two figures (the tensors say each layer's K), so a
+    wrong one is noted, not refused; None where they agree or are absent."""
+    qc = p.quant_config
+    coded = [(k, m) for k, m in p.modules.items() if m.format == "exl3" and m.k_bits and m.padded_shape]
+    head = [m.k_bits for k, m in coded if k.split(".")[-1] == "lm_head"]
+    body = [(m.k_bits, m.padded_shape[0] * m.padded_shape[1]) for k, m in coded if k.split(".")[-1] != "lm_head"]
+    said, wrong = [], []
+    bits, head_bits = qc.get("bits"), qc.get("head_bits")
+    if isinstance(bits, (int, float)) and not isinstance(bits, bool) and body:
+        mean = sum(k * n for k, n in body) / sum(n for _, n in body)
+        if abs(mean - bits) > 0.5:
+            said.append(f"bits {bits:g}")
+            wrong.append(f"the decoder layers' mean K is {mean:.2f}")
+    if isinstance(head_bits, (int, float)) and not isinstance(head_bits, bool) and head and head[0] != head_bits:
+        said.append(f"head_bits {head_bits:g}")
+        wrong.append(f"lm_head's K is {head[0]:g}")
+    if not said:
+        return None
+    return (
+        f"note: quantization_config says {' and '.join(said)}, but {' and '.join(wrong)}: the tensors are what is "
+        "served (no loader reads those figures); correct the config, or check that this config belongs to this pack"
+    )
 
 
 def _config_quant_method(pack: Path) -> str:
@@ -165,7 +203,7 @@ def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool, kv_cache_dt
         layers = f"{r.attention_layers} attention layer{plural}, {r.kv_element_bytes}-byte elements"
         line = f"KV cache per rank: {per_token / 2**10:.2f} KiB per token ({layers})"
         if max_model_len:
-            line += f", {per_token * max_model_len / 2**30:.3f} GiB for one sequence of {max_model_len} tokens"
+            line += f", {_size(per_token * max_model_len)} for one sequence of {max_model_len} tokens"
         click.echo(line)
     text = p.config.get("text_config") if isinstance(p.config.get("text_config"), dict) else p.config
     longest = text.get("max_position_embeddings")

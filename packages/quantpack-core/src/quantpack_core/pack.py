@@ -1486,17 +1486,23 @@ class Pack:
         elif (said := self._pack_codebook()) is not None and m.codebook is not None and m.codebook is not said:
             # exllamav3 quantizes a whole pack with one codebook, marked per tensor: a lost (or stray) marker would
             # silently decode the layer with another codebook
+            # (the tensor named is the marker the module has, or the one it lacks; where every coded module
+            # disagrees alike, quantization_config is what is wrong)
             if m.codebook is Codebook.INST3:
                 what = f"its .{said.value} marker is missing (quantization_config says codebook {said.value}; without "
                 what += "the marker the layer would decode as 3inst)"
-            elif said is Codebook.INST3:
-                what = f"has a .{m.codebook.value} marker, but quantization_config says codebook 3inst"
+                config_fix = 'where no coded layer has a marker, set quantization_config\'s codebook to "3inst"'
             else:
                 what = f"has a .{m.codebook.value} marker, but quantization_config says codebook {said.value}"
+                config_fix = (
+                    f"where every coded layer has that marker, set quantization_config's codebook to "
+                    f'"{m.codebook.value}"'
+                )
             bad(
-                said.value if said is not Codebook.INST3 else m.codebook.value,
+                said.value if m.codebook is Codebook.INST3 else m.codebook.value,
                 what,
-                "re-download the pack's file that holds this layer",
+                f"{config_fix} (config.json and any quantization_config.json); otherwise re-download the pack's file "
+                "that holds this layer",
             )
         kp, np_ = m.padded_shape or (0, 0)
         for side, legacy, length in (("suh", "su", kp), ("svh", "sv", np_)):
