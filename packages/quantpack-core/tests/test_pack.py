@@ -634,3 +634,4 @@ def test_one_missing_file_is_one_line_of_the_error_not_one_per_tensor(fixtures_d
     assert len(e.value.problems) == 127 and len(lines) == 2, str(e.value)[:2000]
     assert "no safetensors file" in lines[0]
     assert "listed in quantization_config.json but absent" in lines[1] and "(the same for 125 more: " in lines[1]
+    assert "127 problems found in this pack (2 lines: alike ones folded):" in str(e.value)  # the count says so

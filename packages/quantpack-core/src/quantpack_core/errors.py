@@ -51,11 +51,14 @@ class PackError(QuantpackError):
     def __init__(self, path: str, problems: list[Problem]):
         self.path = str(path)
         self.problems = list(problems)
-        lines = "\n".join(f"  - {line}" for line in collapse(self.problems))
+        shown = collapse(self.problems)
+        lines = "\n".join(f"  - {line}" for line in shown)
         n = len(self.problems)
+        # where alike problems fold into one line ("the same for N more"), the count says so
+        folded = f" ({len(shown)} lines: alike ones folded)" if len(shown) < n else ""
         # a path that is no directory has no pack to leave untouched
         tail = "\nNothing in the pack directory was modified." if os.path.isdir(self.path) else ""
-        super().__init__(f"{self.path}: {n} problem{'s' if n != 1 else ''} found in this pack:\n{lines}{tail}")
+        super().__init__(f"{self.path}: {n} problem{'s' if n != 1 else ''} found in this pack{folded}:\n{lines}{tail}")
 
 
 #: tensors named after a collapsed problem before "and N more"
