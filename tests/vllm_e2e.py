@@ -17,7 +17,8 @@ Usage: ``python vllm_e2e.py JOBS.json RESULTS.json``. Each job is a dict with ``
 * ``load_error``: ``pack``; building the engine must fail; the error type and message are returned.
 * ``spec``: ``pack``, ``draft`` (a draft model folder), ``dtype``, ``prompts`` (token-id lists), ``tokens``; greedy
   continuations with speculative decoding (``method``, default ``"eagle"``, ``num_speculative_tokens``, default 3)
-  and without, the draft's acceptance counts, and the quant methods of the draft's vocabulary modules after vLLM
+  and without (``plain_top2``: the run without the draft's two most likely tokens at each step, with their
+  logprobs), the draft's acceptance counts, and the quant methods of the draft's vocabulary modules after vLLM
   shared them with the target.
 
 Every job may add ``llm_kwargs`` (extra ``vllm.LLM`` arguments, e.g. the attention backend on a GPU; the JSON object
@@ -313,7 +314,14 @@ def run_spec(job: dict) -> dict:
     params = SamplingParams(max_tokens=job["tokens"], temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
     llm = make_llm(job, job["dtype"], True)
-    plain = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    # the plain run's top-2 per step: where a 16-bit run with the draft parts from it, it must be at a near-tie
+    plain_params = SamplingParams(max_tokens=job["tokens"], temperature=0, ignore_eos=True, logprobs=2)
+    plain_out = [o.outputs[0] for o in llm.generate(prompts, plain_params, use_tqdm=False)]
+    plain = [list(o.token_ids) for o in plain_out]
+    plain_top2 = [
+        [{str(t): v.logprob for t, v in step.items() if v.rank is not None and v.rank <= 2} for step in o.logprobs]
+        for o in plain_out
+    ]
     release(llm)
     # the engine must be gone before the next one is built: dropping it later would tear down the new engine's
     # distributed groups
@@ -335,6 +343,7 @@ def run_spec(job: dict) -> dict:
     release(llm)
     return {
         "plain": plain,
+        "plain_top2": plain_top2,
         "spec": with_spec,
         "drafted": drafted,
         "accepted": accepted,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_jobs import LLAMA_PACKS, MOE_PACKS, get, run_runner
+from e2e_jobs import DRAFT, LLAMA_PACKS, MAIN_PACK, MOE_PACKS, get, run_runner
 from e2e_runner import greedy_agreement, selected
 
 pytestmark = [
@@ -93,6 +93,18 @@ def gpu_e2e(fixtures_dir, tmp_path_factory):
             "dtype": "float16",
             "eager": True,
         }
+    # speculative decoding: the EAGLE draft (no embedding / lm_head of its own) takes the target's, the head an EXL3
+    # one served by the CUDA kernels; four 32-token slices of the reference prompt, 32 greedy tokens each
+    ids = torch.load(fixtures_dir / MAIN_PACK / "reference_logits.pt")["input_ids"][0].tolist()
+    jobs["spec"] = {
+        "kind": "spec",
+        "pack": str(fixtures_dir / MAIN_PACK),
+        "draft": str(fixtures_dir / DRAFT),
+        "llm_kwargs": LLM_KWARGS,
+        "dtype": "float16",
+        "prompts": [ids[i : i + 32] for i in range(0, 128, 32)],
+        "tokens": 32,
+    }
     # EXL3 expert banks: eager with the routers' picks recorded, and compile + CUDA graphs
     for name in MOE_PACKS:
         base = {"kind": "logits", "pack": str(fixtures_dir / name), "llm_kwargs": LLM_KWARGS, "dtype": "float16"}
@@ -156,6 +168,28 @@ def test_qwen3_5_int8_embedding_on_cuda(gpu_e2e, figures):
     assert emb["params"].get("qweight") == "int8" and emb["params"].get("weight") is None
     assert vocab_module(res, "lm_head")["method"] == "Exl3LinearMethod"
     assert res["kl"] <= 5e-4 and res["top1"] >= 0.99
+
+
+def test_eagle_draft_shares_the_exl3_target_s_vocabulary_on_cuda(gpu_e2e, figures):
+    """An EAGLE draft without embed_tokens / lm_head served beside the 4.0 bpw llama pack (float16, eager): the
+    draft's embedding and head are the target's own modules (the head an EXL3 one), draft tokens are accepted, and
+    each prompt's greedy tokens with the draft are those without it - or part first where the run without it had its
+    top-2 within NEAR_TIE nats (the verify step runs several rows per sequence through the kernels, which may
+    round otherwise than one row)."""
+    res = result(gpu_e2e, "spec")
+    mods = res["draft_vocab_modules"]
+    assert res["drafted"] > 0 and res["accepted"] > 0
+    emb = [v for k, v in mods.items() if k.endswith("embed_tokens")]
+    assert len(emb) == 1 and emb[0]["shared_with_target"], mods
+    assert mods["lm_head"]["shared_with_target"] and mods["lm_head"]["method"] == "Exl3LinearMethod", mods
+    parts = [
+        greedy_agreement({"greedy": plain, "greedy_top2": top2}, {"greedy": spec})
+        for plain, top2, spec in zip(res["plain"], res["plain_top2"], res["spec"], strict=True)
+    ]
+    figures.append(
+        f"GPU EAGLE draft, {MAIN_PACK} float16: {res['accepted']:.0f} of {res['drafted']:.0f} draft tokens accepted; "
+        f"greedy with the draft vs without, per prompt: {'; '.join(parts)}"
+    )
 
 
 #: router scores closer than this (k-th vs (k+1)-th expert of a token) are a near-tie: any fp16 forward may pick
