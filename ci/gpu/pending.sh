@@ -46,10 +46,10 @@ try:
     import torchvision; print('torchvision', torchvision.__version__)
 except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
-# (the matrix first: a release's column with its bundle staged; 0.22.1 and 0.26.0 passed on 2026-12-05, 0.25.1's
+# (the EAGLE draft on CUDA first: its test has not run on a GPU yet; then the matrix: a release's column with its bundle staged; 0.22.1 and 0.26.0 passed on 2026-12-05, 0.25.1's
 # column has not run as one step (its files' reports come from single steps); the families' columns ran on
 # 2026-12-05; then the escha Triton kernel's time; the last steps re-check what passed before)
-all=(matrix matrix-families escha-times escha-kernel nemotron-vl nemotron-twin e2e-moe serve-moe serve-moe-mixed profile-moe profile
+all=(e2e-spec matrix matrix-families escha-times escha-kernel nemotron-vl nemotron-twin e2e-moe serve-moe serve-moe-mixed profile-moe profile
   family-converter families qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated escha-gpu e2e-dense
   linear-kernels escha-vllm serve-8b kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel)
 # the tiny models of the given families (of spark, nemotron-h, nemotron-vl) through exllamav3's own converter, each
@@ -123,6 +123,9 @@ for s in "${@:-${all[@]}}"; do
     moe-kernels) step moe-kernels "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_moe.py ;;
     # the vLLM MoE jobs (eager and graphs) with trellis_mma's experts, the CUDA default since its first run
     e2e-moe) QUANTPACK_GPU_JOBS=moe/ step e2e-moe "${T[@]}" packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py ;;
+    # the EAGLE draft beside the 4.0 bpw llama pack (two engines, plain and with the draft; not yet run on a GPU)
+    e2e-spec) QUANTPACK_GPU_JOBS=spec step e2e-spec "${T[@]}" -k eagle \
+      packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py ;;
     # Spark, Flint and the Nemotron-H text tower (EXL3 packs and bf16 twins) in vLLM's CUDA build, eager and graphs
     # and the tiny EXL3 Qwen3.5 vision tower in vLLM's own Qwen3_VisionTransformer
     families) step families "${T[@]}" packages/quantpack-families/tests/test_qwen_vision_gpu.py \
@@ -200,7 +203,7 @@ for s in "${@:-${all[@]}}"; do
     serve-8b) step serve-8b python3 benchmarks/serve_8b.py --repeats 1 ${SERVE_ENGINES:+--engines "$SERVE_ENGINES"} \
       --json "$res/serve_8b.json" ;;
     # the dense end-to-end jobs with today's kernels (KL / top-1 against exllamav3's reference logits)
-    e2e-dense) QUANTPACK_GPU_JOBS=llama-tiny,qwen3_5,qwen-int8 step e2e-dense "${T[@]}" \
+    e2e-dense) QUANTPACK_GPU_JOBS=llama-tiny,qwen3_5,qwen-int8,spec step e2e-dense "${T[@]}" \
       packages/quantpack-exl3/tests/test_exl3_gpu_vllm.py ;;
     # a decode step's device time by kernel group (torch.profiler), plugin against bf16: the 8B shape at batch 1 and
     # 64, then the 30B-A3B MoE shape (what is not an expert: issue 15's evidence at batch 1)
@@ -247,7 +250,7 @@ for s in "${@:-${all[@]}}"; do
         QUANTPACK_GPU_JOBS=moe/ step matrix-e2e-moe "${T[@]}" "$E2E"
         step matrix-escha-vllm "${T[@]}" packages/quantpack-escha-rocm/tests/test_escha_gpu_vllm.py
       ) > "$logs/lane-moe-escha.log" 2>&1 &
-      QUANTPACK_GPU_JOBS=llama-tiny step matrix-e2e-llama "${T[@]}" "$E2E" > "$logs/lane-llama.log" 2>&1
+      QUANTPACK_GPU_JOBS=llama-tiny,spec step matrix-e2e-llama "${T[@]}" "$E2E" > "$logs/lane-llama.log" 2>&1
       wait
       echo "=== matrix $release: each step's exit status"
       grep -h "^=== .* rc=" "$logs"/lane-*.log

@@ -40,8 +40,16 @@ python3 -m pip download --quiet --only-binary=:all: --python-version 3.12 --impl
   -d "$stage/nox" nox
 # optional: a prebuilt exllamav3_ext.so (xz) from an earlier build on an identical machine (same torch, CUDA and
 # GPU arch: torch.utils.cpp_extension's output under $TORCH_EXTENSIONS_DIR/exllamav3_ext/); never committed
+# default: the one ../shared/gpu holds for the GPU machine (torch 2.11.0+cu130, sm_90), where it exists;
+# EXL3_EXT_SO_XZ= (empty) stages none, and the GPU machine then builds it (about 4.5 minutes of device time)
+shared_ext=$root/../shared/gpu/exllamav3_ext-1.6.5-torch2.11.0-cu130-sm90.so.xz
+if [ -z "${EXL3_EXT_SO_XZ+set}" ] && [ -f "$shared_ext" ]; then
+  EXL3_EXT_SO_XZ=$shared_ext
+fi
 rm -rf "$stage/ext"
-if [ -n "${EXL3_EXT_SO_XZ:-}" ]; then
+if [ -z "${EXL3_EXT_SO_XZ:-}" ]; then
+  echo "stage.sh: no prebuilt exllamav3_ext staged: the GPU machine builds it on first use (about 4.5 minutes)" >&2
+else
   mkdir -p "$stage/ext"
   cp "$EXL3_EXT_SO_XZ" "$stage/ext/exllamav3_ext.so.xz"
 fi
