@@ -234,8 +234,13 @@ def greedy(llm, ids: list[int], n: int) -> tuple[list[int], list[dict[int, float
         use_tqdm=False,
     )
     seq = out[0].outputs[0]
-    top2 = [{tok: v.logprob for tok, v in step.items() if v.rank is not None and v.rank <= 2} for step in seq.logprobs]
-    return list(seq.token_ids), top2
+    return list(seq.token_ids), top2_steps(seq)
+
+
+def top2_steps(seq) -> list[dict[int, float]]:
+    """The two most likely tokens with their logprobs at each step of a vLLM ``CompletionOutput`` generated with
+    ``logprobs=2`` (its ``logprobs`` also hold the sampled token where it ranked lower)."""
+    return [{tok: v.logprob for tok, v in step.items() if v.rank is not None and v.rank <= 2} for step in seq.logprobs]
 
 
 def logit_agreement(ref: dict, lp, tie: float) -> dict:
@@ -318,10 +323,7 @@ def run_spec(job: dict) -> dict:
     plain_params = SamplingParams(max_tokens=job["tokens"], temperature=0, ignore_eos=True, logprobs=2)
     plain_out = [o.outputs[0] for o in llm.generate(prompts, plain_params, use_tqdm=False)]
     plain = [list(o.token_ids) for o in plain_out]
-    plain_top2 = [
-        [{str(t): v.logprob for t, v in step.items() if v.rank is not None and v.rank <= 2} for step in o.logprobs]
-        for o in plain_out
-    ]
+    plain_top2 = [[{str(t): v for t, v in step.items()} for step in top2_steps(o)] for o in plain_out]
     release(llm)
     # the engine must be gone before the next one is built: dropping it later would tear down the new engine's
     # distributed groups

@@ -46,9 +46,10 @@ try:
     import torchvision; print('torchvision', torchvision.__version__)
 except Exception as e:
     print('torchvision: not importable:', type(e).__name__, e)" > "$res/machine.log" 2>&1
-# (the EAGLE draft on CUDA first: its test has not run on a GPU yet; then the matrix: a release's column with its bundle staged; 0.22.1 and 0.26.0 passed on 2026-12-05, 0.25.1's
-# column has not run as one step (its files' reports come from single steps); the families' columns ran on
-# 2026-12-05; then the escha Triton kernel's time; the last steps re-check what passed before)
+# (the EAGLE draft on CUDA first: its test has not run on a GPU yet; then the matrix: a release's column with its
+# bundle staged; 0.22.1 and 0.26.0 passed on 2026-12-05, 0.25.1's column has not run as one step (its files' reports
+# come from single steps); the families' columns ran on 2026-12-05; then the escha Triton kernel's time; the last
+# steps re-check what passed before)
 all=(e2e-spec matrix matrix-families escha-times escha-kernel nemotron-vl nemotron-twin e2e-moe serve-moe serve-moe-mixed profile-moe profile
   family-converter families qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated escha-gpu e2e-dense
   linear-kernels escha-vllm serve-8b kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel)

@@ -241,11 +241,17 @@ def run_tp_jobs(fixtures_dir: Path, tmp: Path) -> dict:
 
 
 def check_draft_shares_target(res: dict) -> dict:
-    """A ``spec`` job's checks: greedy output with the draft equals the output without it, draft tokens were
-    accepted, and the draft's embedding and head are the target's own modules (the head an EXL3 one). Returns the
-    draft's embedding entry of ``draft_vocab_modules``."""
-    mods = res["draft_vocab_modules"]
+    """A ``spec`` job's checks: greedy output with the draft equals the output without it, and
+    :func:`check_draft_vocab`'s. Returns the draft's embedding entry of ``draft_vocab_modules``."""
     assert res["spec"] == res["plain"]
+    return check_draft_vocab(res)
+
+
+def check_draft_vocab(res: dict) -> dict:
+    """A ``spec`` job's checks but the greedy tokens': draft tokens were accepted, and the draft's embedding and head
+    are the target's own modules (the head an EXL3 one). Returns the draft's embedding entry of
+    ``draft_vocab_modules``."""
+    mods = res["draft_vocab_modules"]
     assert res["drafted"] > 0 and res["accepted"] > 0
     emb = [v for k, v in mods.items() if k.endswith("embed_tokens")]
     assert len(emb) == 1 and emb[0]["shared_with_target"], mods

@@ -144,19 +144,20 @@ def _stated_bits_note(p) -> str | None:
     pack) disagree with the pack's coded tensors: ``bits`` off by more than half a bit from the decoder layers' mean K
     (weighted by weights; EXL3's layers meet a fractional target with a mix of K, so they straddle it), or
     ``head_bits`` not the EXL3 head's K. No loader reads those two figures (the tensors say each layer's K), so a
-    wrong one is noted, not refused; None where they agree or are absent."""
+    wrong one is noted, not refused; None where they agree or are absent. ``p`` is an opened
+    :class:`~quantpack_core.pack.Pack`, whose check refused either figure where it is no bit count."""
     qc = p.quant_config
     coded = [(k, m) for k, m in p.modules.items() if m.format == "exl3" and m.k_bits and m.padded_shape]
     head = [m.k_bits for k, m in coded if k.split(".")[-1] == "lm_head"]
     body = [(m.k_bits, m.padded_shape[0] * m.padded_shape[1]) for k, m in coded if k.split(".")[-1] != "lm_head"]
     said, wrong = [], []
     bits, head_bits = qc.get("bits"), qc.get("head_bits")
-    if isinstance(bits, (int, float)) and not isinstance(bits, bool) and body:
+    if bits is not None and body:
         mean = sum(k * n for k, n in body) / sum(n for _, n in body)
         if abs(mean - bits) > 0.5:
             said.append(f"bits {bits:g}")
             wrong.append(f"the decoder layers' mean K is {mean:.2f}")
-    if isinstance(head_bits, (int, float)) and not isinstance(head_bits, bool) and head and head[0] != head_bits:
+    if head_bits is not None and head and head[0] != head_bits:
         said.append(f"head_bits {head_bits:g}")
         wrong.append(f"lm_head's K is {head[0]:g}")
     if not said:
