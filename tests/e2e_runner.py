@@ -1,6 +1,7 @@
 """Running end-to-end vLLM jobs from tests: every package's e2e tests hand their jobs to one run of
 ``vllm_e2e.py`` (this folder) and read its results (the repository's conftest.py puts this folder on the path)."""
 
+import functools
 import json
 import os
 import subprocess
@@ -35,10 +36,11 @@ def unsupported_architecture(pack: Path) -> str | None:
     return None
 
 
-def run_runner(jobs: dict[str, dict], tmp: Path, timeout: float) -> dict:
-    """Hand ``{job id: job}`` to one run of vllm_e2e.py; returns ``{job id: result}`` plus ``_log`` (its stderr
-    tail). Fails the calling test when the runner produced nothing. With ``QUANTPACK_E2E_ONLY`` set
-    (comma-separated), only the jobs whose id contains one of its strings run (select the tests with ``-k``)."""
+def run_runner(jobs: dict[str, dict], tmp: Path, timeout: float, env: dict[str, str] | None = None) -> dict:
+    """Hand ``{job id: job}`` to one run of vllm_e2e.py (``env``: variables set for that process, over this one's);
+    returns ``{job id: result}`` plus ``_log`` (its stderr tail). Fails the calling test when the runner produced
+    nothing. With ``QUANTPACK_E2E_ONLY`` set (comma-separated), only the jobs whose id contains one of its strings run
+    (select the tests with ``-k``)."""
     # re-runs on a GPU: just the jobs whose id contains one of these comma-separated strings
     only = [s for s in os.environ.get("QUANTPACK_E2E_ONLY", "").split(",") if s]
     ids = [i for i in jobs if not only or any(s in i for s in only)]
@@ -49,6 +51,7 @@ def run_runner(jobs: dict[str, dict], tmp: Path, timeout: float) -> dict:
         capture_output=True,
         text=True,
         timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
     if not (tmp / "results.json").exists():
         pytest.fail(f"the vLLM runner produced nothing (rc {proc.returncode}):\n{proc.stderr[-8000:]}")
@@ -56,6 +59,13 @@ def run_runner(jobs: dict[str, dict], tmp: Path, timeout: float) -> dict:
     out = {i: r["result"] for i, r in zip(ids, results, strict=False)}
     out["_log"] = proc.stderr[-8000:]
     return out
+
+
+def recorded(gpu_record, results: dict, key: str) -> tuple[dict, object]:
+    """One job's result (:func:`get`'s checks) and its record (the ``gpu_record`` fixture's ``JobRecord``, written
+    at once with the job's error where it did not run or raised)."""
+    record = gpu_record(key, results.get(key))
+    return get(results, key), record
 
 
 def get(results: dict, key: str) -> dict:
@@ -97,3 +107,43 @@ def greedy_agreement(eager: dict, other: dict, tie: float = NEAR_TIE) -> str:
     gap = abs(top2[a[i]] - top2[b[i]])
     assert gap <= tie, f"greedy tokens part at step {i} ({a[i]} vs {b[i]}) with a {gap:.3g}-nat gap: {a} vs {b}"
     return f"identical up to step {i} of {len(a)}, where the eager top-2 tie within {gap:.2g} nats"
+
+
+@functools.cache
+def exact_router(pack: Path) -> tuple[dict, dict]:
+    """``(picks, margins)`` of the MoE pack's decoded weights in transformers (float32, CPU) on its reference ids:
+    ``{layer: (T, top_k) experts}`` and ``{layer: (T,) router margins}`` (``quantpack_core.reference
+    .router_record``), the reference forward of every router near-tie (``quantpack_core.compare.ROUTER_NEAR_TIE``)."""
+    import torch
+
+    from quantpack_core.reference import dense_transformers_model, router_record
+
+    model = dense_transformers_model(Path(pack))
+    return router_record(model, torch.load(Path(pack) / "reference_logits.pt")["input_ids"])
+
+
+def router_split(pack: Path, res: dict, departs: float):
+    """``quantpack_core.compare.outside_router_ties`` of a logits job ``res`` (its ``kl_positions``) over MoE pack
+    ``pack``'s router margins (:func:`exact_router`); ``departs``: the job's mean KL bound."""
+    import torch
+
+    from quantpack_core.compare import outside_router_ties
+
+    margins = exact_router(Path(pack))[1]
+    stacked = torch.stack([margins[layer] for layer in sorted(margins)])
+    return outside_router_ties(torch.tensor(res["kl_positions"], dtype=torch.float64), stacked, departs)
+
+
+def routing_differences(pack: Path, res: dict) -> list[tuple[int, int, float]]:
+    """``(layer, token, router margin)`` wherever the experts a logits job's routers picked on the prompt
+    (``res["routing"]``, the call over the whole prompt) differ from :func:`exact_router`'s."""
+    import torch
+
+    picks, margins = exact_router(Path(pack))
+    differ = []
+    for layer, calls in res["routing"].items():
+        want = picks[int(layer)].sort(-1).values
+        got = torch.tensor(next(c for c in calls if len(c) == want.shape[0])).sort(-1).values
+        tokens = (got != want).any(-1).nonzero().flatten().tolist()
+        differ += [(int(layer), t, float(margins[int(layer)][t])) for t in tokens]
+    return differ
