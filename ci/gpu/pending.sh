@@ -11,7 +11,8 @@ cd "$root"
 source ci/gpu/env.sh
 res=/tmp/pending
 mkdir -p "$res"
-# every pytest step's report also goes to the GPU matrix's folder (ci/gpu/matrix_table.py), named by the release
+# every pytest step's report also goes to the GPU matrix's folder, named by the release, and its tests' records under
+# its records/ (QUANTPACK_GPU_RECORDS, ci/gpu/env.sh; each run's folder named by the step: ci/gpu/matrix_table.py)
 matrix=$(gpu_matrix_dir)
 if [ "${1:-}" = "--collect" ]; then
   ci/gpu/bg.sh copy "$res" pending 2>/dev/null
@@ -28,7 +29,7 @@ step() {
   local name=$1 dir=${logs:-$res}
   shift
   echo "=== $name $(date +%T)"
-  PYTEST_ADDOPTS="--junitxml=$(gpu_report "$name") $(gpu_card_opt)" "$@" > "$dir/$name.log" 2>&1
+  QUANTPACK_GPU_STEP=$name PYTEST_ADDOPTS="--junitxml=$(gpu_report "$name") $(gpu_card_opt)" "$@" > "$dir/$name.log" 2>&1
   echo "=== $name rc=$? $(date +%T)"
   tail -15 "$dir/$name.log"
 }
