@@ -1,6 +1,6 @@
 """The pass criteria of the GPU tier's end-to-end jobs, one per job kind, each with the measurement behind it.
 
-A ceiling (KL, relative error) is to sit at most 20x above the worst value measured for its kind over the GPU matrix
+A ceiling (KL, relative error) sits at most 20x above the worst value measured for its kind over the GPU matrix
 (docs/results.md's figures of the runs on the H200 and H100, vLLM 0.22.1 / 0.25.1 / 0.26.0): a kernel an order of
 magnitude worse than measured fails. A floor (top-1) sits at or below the lowest value measured. Each bound moves
 only in a commit of its own with the distribution behind it. ``test_gpu_records.py`` checks the 20x rule.
@@ -37,8 +37,8 @@ class Bound:
 #: core codec's weights in transformers for Qwen3.5 and the Qwen3.5 VL pack's text prompt; float64 forwards for
 #: Flint and Nemotron-H, their latent-MoE and converter packs and the dense twin). Measured per pack 2.4e-6 to
 #: 1.15e-5; the worst, 1.15e-5, the Nemotron-H latent-MoE pack eager (0.26.0, H200; 0.22.1, H100; 2026-12-05); the
-#: Llama packs 7.2e-6 to 7.9e-6 eager (0.22.1 / 0.25.1 / 0.26.0, 2026-12-04 / 05).
-F16_KL = Bound(5e-4, "<=", 1.15e-5, "float16 e2e jobs against exact references, GPU matrix 2026-12-04/05")
+#: Llama packs 7.2e-6 to 7.9e-6 eager (0.22.1 / 0.25.1 / 0.26.0, 2026-12-04 / 05). The bound was 5e-4 (43x).
+F16_KL = Bound(1.5e-4, "<=", 1.15e-5, "float16 e2e jobs against exact references, GPU matrix 2026-12-04/05")
 #: top-1 of those jobs: 100% for every Llama, Qwen3.5 and Flint / Nemotron-H pack on every run; the floor allows one
 #: flip in 127 positions
 F16_TOP1 = Bound(0.99, ">=", 1.0, "float16 e2e jobs, GPU matrix 2026-12-04/05: 100% everywhere")
@@ -54,8 +54,8 @@ INT8_KL = Bound(5e-4, "<=", 6.05e-5, "Qwen3.5 int8 embedding rows, float16, H200
 #: Qwen3-MoE packs, float16, eager and graphs, against each pack's reference (exllamav3's float16 forward, whose
 #: router takes another pair at the 3.0 bpw pack's near-tie; the core codec in transformers for the mixed-K pack),
 #: outside the router near-ties that departed: 2.6e-6 to 7.5e-6, and 2.0e-5 for the 3.0 bpw pack (0.22.1 and
-#: 0.26.0, 2026-12-05).
-QWEN3MOE_KL = Bound(5e-4, "<=", 2.0e-5, "Qwen3-MoE packs float16 outside router near-ties, H200, 2026-12-05")
+#: 0.26.0, 2026-12-05). The bound was 5e-4 (25x).
+QWEN3MOE_KL = Bound(4e-4, "<=", 2.0e-5, "Qwen3-MoE packs float16 outside router near-ties, H200, 2026-12-05")
 #: top-1 of those jobs: 99.2-100% (2026-12-05); the 3.0 bpw pack's reference moves two argmaxes of 127 at its
 #: router near-tie, which the floor allows
 QWEN3MOE_TOP1 = Bound(0.98, ">=", 0.992, "Qwen3-MoE packs float16, H200, 2026-12-05")
@@ -79,8 +79,8 @@ SPARK_KL = Bound(5e-4, "<=", 2.2e-4, "Spark packs float16, H200, 2026-12-05")
 FAMILY_TOP1 = Bound(0.99, ">=", 0.992, "families' packs float16, decided positions, H200, 2026-12-03/05")
 #: the Qwen3.5 vision tower in vLLM's own Qwen3_VisionTransformer, float16, relative error of the merged features
 #: against the float64 reference: 7.0e-4 (split q / k / v) and 7.3e-4 (with the dense fused qkv beside), the same
-#: on 0.22.1, 0.25.1 and 0.26.0 (2026-12-05).
-VISION_ERR = Bound(2e-2, "<=", 7.3e-4, "Qwen3.5 vision tower float16, H200 / H100, 2026-12-05")
+#: on 0.22.1, 0.25.1 and 0.26.0 (2026-12-05). The bound was 2e-2 (27x).
+VISION_ERR = Bound(1e-2, "<=", 7.3e-4, "Qwen3.5 vision tower float16, H200 / H100, 2026-12-05")
 #: the whole Nemotron-3.5-Super-VL pack in bfloat16 (vLLM casts the tower's features to bfloat16), text prompt
 #: outside the router near-ties that departed: 4.2e-4 to 6.9e-4, worst the core writer's pack eager (0.22.1 and
 #: 0.26.0, 2026-12-05; 0.25.1, 2026-12-04): 4.3x under the bound

@@ -119,3 +119,16 @@ def test_nothing_is_written_without_the_records_folder(tmp_path):
     proc = run_module(tmp_path / "run", None)
     assert "1 failed, 2 passed" in proc.stdout, proc.stdout + proc.stderr
     assert not list(tmp_path.rglob("*.json"))
+
+
+def test_every_gpu_bound_sits_within_20x_of_its_measurement():
+    """tests/e2e_bounds.py: a ceiling lies between the worst value measured for its kind and 20x that (a kernel an
+    order of magnitude worse fails); a floor at or below the lowest measured (or no run kept one)."""
+    import e2e_bounds
+
+    assert len(e2e_bounds.ALL) >= 10
+    for name, bound in e2e_bounds.ALL.items():
+        if bound.op == "<=":
+            assert bound.measured is not None and bound.measured <= bound.limit <= 20 * bound.measured, name
+        else:
+            assert bound.op == ">=" and (bound.measured is None or bound.limit <= bound.measured), name
