@@ -7,7 +7,8 @@ logprobs are compared with the same independent references as on CPU (spark_refe
 flint_reference.py, nemotron_h_reference.py: float64 forwards written from each architecture's description), within
 the bounds of tests/e2e_bounds.py (Spark's packs their own KL bound, the others the float16 one; top-1 over the
 positions that are not float16 near-ties, ``e2e_runner.NEAR_TIE``); graphs must give eager's greedy tokens (or part
-from them only at an exact near-tie, ``e2e_runner.greedy_agreement``). Each job's record is kept
+from them only at a near-tie within ``e2e_runner.near_tie`` of the job's KL bound, ``e2e_runner.greedy_agreement``).
+Each job's record is kept
 (tests/gpu_records.py).
 
 The Nemotron-H bf16 twin is vLLM's own model: no quantpack method serves it. It is also served by stock vLLM, the
@@ -201,7 +202,7 @@ def judge(jobs: dict, results: dict, gpu_record) -> tuple[list[str], list[str]]:
 
 def record_job(key: str, results: dict, gpu_record):
     """One job's checks into its record (written) and its figures printed; returns the record."""
-    from e2e_runner import NEAR_TIE, get, greedy_agreement
+    from e2e_runner import NEAR_TIE, get, greedy_agreement, near_tie
 
     rec = gpu_record(key, results.get(key))
     res = results.get(key, {})
@@ -212,7 +213,8 @@ def record_job(key: str, results: dict, gpu_record):
         eager = key.replace("/graphs", "/eager")
         if key.endswith("/graphs") and "kl" in results.get(eager, {}):
             try:
-                rec.figures["greedy_vs_eager"] = greedy_agreement(get(results, eager), res)
+                tie = near_tie(kl_bound(key).limit)  # Spark's packs, whose bound is wider, 0.045 nats
+                rec.figures["greedy_vs_eager"] = greedy_agreement(get(results, eager), res, tie)
             except AssertionError as e:
                 rec.error = f"greedy tokens not eager's: {e}"
         print(

@@ -177,17 +177,17 @@ def vl_failures(
 def graphs_vs_eager(name: str, jobs: dict, results: dict, tie: float | None = None) -> None:
     """For every ``.../graphs`` job whose ``.../eager`` twin ran: compile + CUDA graphs give eager's greedy tokens on
     the image prompt, or part only at an eager near-tie within ``tie`` nats (``e2e_runner.greedy_agreement``, which
-    raises otherwise; default ``e2e_runner.NEAR_TIE``); each pair's line printed. Skips the test where no pair was
+    raises otherwise; default ``e2e_runner.GREEDY_TIE``); each pair's line printed. Skips the test where no pair was
     selected."""
     import pytest
-    from e2e_runner import NEAR_TIE, get, greedy_agreement
+    from e2e_runner import GREEDY_TIE, get, greedy_agreement
 
     pairs = [k for k in jobs if k.endswith("/graphs") and k.replace("/graphs", "/eager") in jobs]
     if not pairs:
         pytest.skip("eager and graphs of one pack not both selected")
     for key in pairs:
         eager, graphs = get(results, key.replace("/graphs", "/eager")), get(results, key)
-        agreement = greedy_agreement(eager, graphs, NEAR_TIE if tie is None else tie)
+        agreement = greedy_agreement(eager, graphs, GREEDY_TIE if tie is None else tie)
         print(f"GPU {name} {key} image greedy vs eager: {agreement}")
 
 
