@@ -46,8 +46,9 @@ F16_TOP1 = Bound(0.99, ">=", 1.0, "float16 e2e jobs, GPU matrix 2026-12-04/05: 1
 #: 0.26.0, 2026-12-05): worst 1.8e-4 (2.8x under the bound)
 BF16_KL = Bound(5e-4, "<=", 1.8e-4, "bfloat16 e2e jobs, H200, 2026-12-01 and 2026-12-05")
 #: top-1 of those jobs: bfloat16 rounds every activation vLLM keeps between our ops to 8 mantissa bits, which moves
-#: a near-tie now and then (98.4-100% over the Llama packs, 0.25.1, 2026-12-01)
-BF16_TOP1 = Bound(0.97, ">=", 0.984, "bfloat16 e2e jobs: 98.4% (0.25.1, 2026-12-01)")
+#: a near-tie now and then. Three runs: 98.4-100% over the Llama packs (0.25.1, 2026-12-01; 98.4% is 2 flips in
+#: 127), 99.2-100% (0.22.1 and 0.26.0, 2026-12-05). The floor (0.99 until that first run) allows 3 flips.
+BF16_TOP1 = Bound(0.97, ">=", 0.984, "bfloat16 e2e jobs: 98.4% (0.25.1, 2026-12-01), 99.2% (0.22.1, 0.26.0)")
 #: Qwen3.5's int8 embedding rows, float16: 5.95e-5 (0.22.1) and 6.05e-5 (0.26.0), 2026-12-05 (the bf16 table's
 #: 2.6e-6 / 2.7e-6: the rows' rounding); 8x under the bound
 INT8_KL = Bound(5e-4, "<=", 6.05e-5, "Qwen3.5 int8 embedding rows, float16, H200, 2026-12-05")
