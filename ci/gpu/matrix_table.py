@@ -14,7 +14,8 @@ Usage (from the repository root)::
     python3 ci/gpu/matrix_table.py [--records ci/gpu/records] [--versions 0.22.1,0.25.1,0.26.0] [--collect]
     python3 ci/gpu/matrix_table.py --take pending.tgz   # a GPU run's records (ci/gpu/pending.sh --collect's archive,
                                                         # or a folder) into ci/gpu/records/
-    python3 ci/gpu/matrix_table.py --write              # regenerate the tables in README.md and docs/results.md
+    .venv/bin/python ci/gpu/matrix_table.py --write     # regenerate the tables in README.md and docs/results.md
+                                                        # (an interpreter with pytest and the packages: --collect)
     python3 ci/gpu/matrix_table.py --release            # the vLLM release installed here
 
 Printing exits 1 when a cell holds a failure.
