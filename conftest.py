@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -35,3 +36,41 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section(title)
         for line in FIGURES:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def gpu_record(request):
+    """This test's job records (tests/gpu_records.py): ``gpu_record(job, result)`` -> a ``JobRecord`` of the runner
+    result ``result`` (None or with ``failed``: a job that did not run, recorded as such at once)."""
+    from gpu_records import job_of
+
+    return lambda job, result: job_of(request.node.nodeid, job, result)
+
+
+#: each test's outcome in this run, by node id, where records are kept (QUANTPACK_GPU_RECORDS, the GPU tier)
+OUTCOMES: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Keep the test's outcome: the call's, or a failed / skipped setup's, or a failed teardown's; an expected
+    failure as ``xfailed``."""
+    if not os.environ.get("QUANTPACK_GPU_RECORDS"):
+        return
+    if report.when == "call" or report.outcome != "passed":
+        outcome = "xfailed" if report.skipped and hasattr(report, "wasxfail") else report.outcome
+        if OUTCOMES.get(report.nodeid) != "failed":  # a failed teardown after a call stays a failure
+            OUTCOMES[report.nodeid] = outcome
+
+
+def pytest_collectreport(report):
+    """A test module that does not import counts as one failed test of its file, ``<file>::(collection)``."""
+    if os.environ.get("QUANTPACK_GPU_RECORDS") and report.failed and report.nodeid.endswith(".py"):
+        OUTCOMES[f"{report.nodeid}::(collection)"] = "failed"
+
+
+def pytest_sessionfinish(session):
+    """Write one tests record per test file that ran (tests/gpu_records.py)."""
+    if OUTCOMES:
+        from gpu_records import write_outcomes
+
+        write_outcomes(OUTCOMES)

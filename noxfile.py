@@ -58,7 +58,7 @@ VLLM_CUDA_VERSIONS = {"0.22.1": "2.11.0", "0.25.1": "2.11.0", "0.26.0": "2.11.0"
 #: the GPU tier's vLLM matrix (``gpu-tests``' parameter): 0.22.1, the last release whose MoE layer is ``FusedMoE``;
 #: 0.25.1, the bundle the tier was first measured with; 0.26.0, the newest that pins the machine's torch 2.11.0
 GPU_VLLM_VERSIONS = ["0.22.1", "0.25.1", "0.26.0"]
-#: where ``gpu-tests`` writes each version's pytest report (JUnit XML) for ``ci/gpu/matrix_table.py``
+#: where ``gpu-tests`` writes each version's pytest report (JUnit XML) and, under ``records/``, the tests' records
 GPU_RESULTS = Path(os.environ.get("QUANTPACK_GPU_RESULTS", "/tmp/gpu-matrix"))
 #: exllamav3's kernels beside vLLM's CUDA build (the GPU tier's version)
 EXLLAMAV3 = "exllamav3==1.6.5"
@@ -76,9 +76,8 @@ ALL_TESTS = [
 
 
 def gpu_card() -> list[str]:
-    """pytest's option naming a JUnit report's test suite after the card its tests ran on (``gpu NVIDIA H200``, read
-    back by ci/gpu/matrix_table.py; ci/gpu/env.sh's ``gpu_card_opt`` for the shell steps); none where nvidia-smi
-    names no card."""
+    """pytest's option naming a JUnit report's test suite after the card its tests ran on (``gpu NVIDIA H200``;
+    ci/gpu/env.sh's ``gpu_card_opt`` for the shell steps); none where nvidia-smi names no card."""
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, check=True
@@ -437,12 +436,15 @@ def install(session: nox.Session) -> None:
 def gpu_tests(session: nox.Session, vllm: str) -> None:
     """The GPU tier (exllamav3 kernels, vLLM's CUDA build) in this interpreter, for the vLLM release whose bundle is
     unpacked (ci/gpu/README.md: one release per machine at a time; the others skip, naming the one found). Writes
-    the pytest report to ``GPU_RESULTS/vllm-<release>-<time>.xml`` for ``ci/gpu/matrix_table.py``."""
+    the pytest report to ``GPU_RESULTS/vllm-<release>-<time>.xml`` and the tests' records under
+    ``QUANTPACK_GPU_RECORDS`` (default ``GPU_RESULTS/records``) for ``ci/gpu/matrix_table.py``."""
     # where nox itself was put on PYTHONPATH apart from the machine's packages (ci/gpu/run-tests.sh), the tests run
     # without it, so that nox's dependencies never shadow the machine's own
     nox_site = os.environ.get("QUANTPACK_NOX_SITE")
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != nox_site]
+    # the tests' records (tests/gpu_records.py, ci/gpu/matrix_table.py) beside the reports, unless ci/gpu/env.sh set
     env = {"PYTHONPATH": os.pathsep.join(path)}
+    env["QUANTPACK_GPU_RECORDS"] = os.environ.get("QUANTPACK_GPU_RECORDS") or str(GPU_RESULTS.resolve() / "records")
     found = subprocess.run(
         ["python3", str(ROOT / "ci" / "gpu" / "matrix_table.py"), "--release"],
         capture_output=True, text=True, env={**os.environ, **env},

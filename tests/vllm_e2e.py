@@ -11,8 +11,9 @@ Usage: ``python vllm_e2e.py JOBS.json RESULTS.json``. Each job is a dict with ``
   ids, compared with its logits (KL, top-1), plus 16 greedy tokens from the first 32 ids; with ``save``, the
   log-probability matrix is also written there (``torch.save``). Also reported: the quant method and parameter
   dtypes of every vocabulary module (embedding, lm_head) as vLLM built them, and the process's host RSS before
-  building the engine and after loading. With ``routing``, also the expert ids each MoE layer's router picked
-  during the prompt pass (needs ``eager``).
+  building the engine and after loading, each position's KL (``kl_positions``) and the quantpack plugins this
+  process imported (``plugins``: none where ``VLLM_PLUGINS`` leaves them out). With ``routing``, also the expert ids
+  each MoE layer's router picked during the prompt pass (needs ``eager``).
 * ``nll``: ``pack``, ``dtype``, ``tokens`` (list of token-id lists); mean next-token NLL from prompt logprobs.
 * ``load_error``: ``pack``; building the engine must fail; the error type and message are returned.
 * ``spec``: ``pack``, ``draft`` (a draft model folder), ``dtype``, ``prompts`` (token-id lists), ``tokens``; greedy
@@ -246,13 +247,15 @@ def top2_steps(seq) -> list[dict[int, float]]:
 def logit_agreement(ref: dict, lp, tie: float) -> dict:
     """vLLM's prompt logprobs ``lp`` ``(positions, vocab)`` against the reference's ``logits`` ``(1, T, vocab)``
     (``quantpack_core.compare.agreement``, near-ties within ``tie`` nats set apart) as a result record:
-    the fields of ``quantpack_core.compare.Agreement`` (``kl``, ``top1``, ``positions``, ``ties``, ``top1_decided``,
-    ``kl_max`` and ``kl_worst``, the worst position)."""
+    the fields of ``quantpack_core.compare.Agreement`` (``kl``, ``kl_median``, ``top1``, ``positions``, ``ties``,
+    ``top1_decided``, ``kl_max`` and ``kl_worst``, the worst position) and ``kl_positions``, each position's KL
+    (``compare.outside_router_ties`` takes them)."""
     from dataclasses import asdict
 
-    from quantpack_core.compare import agreement
+    from quantpack_core.compare import agreement, kl_per_position
 
-    return asdict(agreement(ref["logits"][0, : lp.shape[0]], lp, tie=tie))
+    want = ref["logits"][0, : lp.shape[0]]
+    return {**asdict(agreement(want, lp, tie=tie)), "kl_positions": kl_per_position(want, lp).tolist()}
 
 
 def run_logits(job: dict) -> dict:
@@ -280,6 +283,7 @@ def run_logits(job: dict) -> dict:
     tokens, top2 = greedy(llm, ids[:32], 16)
     release(llm)
     return {
+        "plugins": plugin_modules(),
         **scores,
         "greedy": tokens,
         "greedy_top2": [{str(k): v for k, v in step.items()} for step in top2],
@@ -291,6 +295,14 @@ def run_logits(job: dict) -> dict:
         "routing": routing,
         "save": job.get("save"),
     }
+
+
+def plugin_modules() -> list[str]:
+    """The quantpack plugins' packages this process imported (vLLM loads them through its ``vllm.general_plugins``
+    entry points; none where ``VLLM_PLUGINS`` names none of them). quantpack-core, which this runner imports itself,
+    is no plugin."""
+    plugins = ("quantpack_exl3", "quantpack_escha", "quantpack_families")
+    return sorted(name for name in sys.modules if name in plugins)
 
 
 def run_nll(job: dict) -> dict:

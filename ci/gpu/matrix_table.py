@@ -1,157 +1,286 @@
-"""The GPU tier's vLLM matrix as a Markdown table: test file x vLLM release -> passed / failed / xfailed / skipped.
+"""The GPU tier's tables, generated from its records (tests/gpu_records.py; a run's records are kept in
+``ci/gpu/records/vllm-<release>/<run>/``): test file x vLLM release (each test's outcome) and measured job x release
+(each job's figures against its bounds).
 
-Reads the JUnit XML reports ``nox -s gpu-tests`` and ``ci/gpu/pending.sh``'s steps write
-(``vllm-<release>-<time>[-<step>].xml``, in ``$QUANTPACK_GPU_RESULTS``, default ``/tmp/gpu-matrix``, or the folders
-given). For each release and test file the newest report that ran the file counts, except that a test it skipped
-keeps an older report's outcome (a step that selects jobs by ``QUANTPACK_GPU_JOBS`` skips the others: ``e2e-moe``
-after ``e2e-dense`` gives both halves of ``test_exl3_gpu_vllm.py``); a release with no report of a file is "not run"
-there; a module that failed to import counts as one failed test of its file. A cell names the ``pending.sh`` steps
-its outcomes came from (``(step linear-kernels)``) and, where its reports name it (``junit_suite_name=gpu <card>``, set
-by ``ci/gpu/env.sh``'s ``gpu_card_opt`` and the nox session; the reports from before 2026-12-05 name none: all of
-them ran on an H200), the card (``on NVIDIA H100 80GB HBM3``): a step may run a selection of the file (``-k``,
-``QUANTPACK_GPU_JOBS``), which ci/gpu/pending.sh states per step; ``--no-steps`` leaves the step names out (the
-README's copy). Usage (the reports kept in ``ci/gpu/results/``): ``python3 ci/gpu/matrix_table.py ci/gpu/results
-[--versions 0.22.1,0.25.1,0.26.0] [--no-steps]``.
+A test's outcome per release is, per card, its newest record that ran it (a record that skipped it, e.g. a step
+that selected other jobs, leaves an older outcome standing); a test failed on one card stays failed until a later
+record on that card passes it, whatever other cards did. A test of the current tree (``--collect``: pytest's
+collection of the GPU tests; ``--tests FILE``: node ids, one a line) that no record ran is "not run"; a test only
+ever skipped is "skipped". A job's cell is its newest record per card, a failed one shown before a later pass on
+another card. Cells name the commits, dates and cards their records came from.
+
+Usage (from the repository root)::
+
+    python3 ci/gpu/matrix_table.py [--records ci/gpu/records] [--versions 0.22.1,0.25.1,0.26.0] [--collect]
+    python3 ci/gpu/matrix_table.py --take pending.tgz   # a GPU run's records (ci/gpu/pending.sh --collect's archive,
+                                                        # or a folder) into ci/gpu/records/
+    .venv/bin/python ci/gpu/matrix_table.py --write     # regenerate the tables in README.md and docs/results.md
+                                                        # (an interpreter with pytest and the packages: --collect)
+    python3 ci/gpu/matrix_table.py --release            # the vLLM release installed here
+
+Printing exits 1 when a cell holds a failure.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import re
+import shutil
+import subprocess
 import sys
-import xml.etree.ElementTree as ET
+import tarfile
+import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
-REPORT = re.compile(r"vllm-(?P<version>\d+\.\d+\.\d+)-(?P<stamp>\d{8}-\d{6})(-(?P<step>[\w.-]+))?\.xml$")
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS = ROOT / "ci" / "gpu" / "records"
+VERSIONS = "0.22.1,0.25.1,0.26.0"
+#: outcomes in the order a cell counts them; a test's outcome over several cards is the first of these any card has
+OUTCOMES = ("failed", "xfailed", "passed", "skipped", "not run")
+RUN = re.compile(r"^(?P<stamp>\d{8}-\d{6})-(?P<step>.+)$")
 
 
-def test_file(case: ET.Element) -> str:
-    """The test file of one JUnit ``testcase``: pytest writes the module path, dotted, as its ``classname`` (with
-    any class after it), and for a module that failed to import an empty ``classname`` and the module as ``name``.
-    The module is the last ``test_`` part: folders above it may be named ``test_...`` too (pytest's own temporary
-    folders are)."""
-    where = case.get("classname") or case.get("name", "")
-    mods = [p for p in re.split(r"[./]", where) if p.startswith("test_")]
-    return f"{mods[-1]}.py" if mods else where or "?"
+@dataclass(frozen=True)
+class Run:
+    """Where a record came from: its run folder's start and step, the card, the commit and the date."""
+
+    release: str
+    stamp: str
+    step: str
+    card: str
+    commit: str
+    date: str
+
+    def order(self) -> tuple[str, str]:
+        return self.stamp, self.date
+
+    def short(self) -> str:
+        return f"{self.commit[:7]} {self.date[:10]} {self.card}"
 
 
-def test_id(case: ET.Element) -> str:
-    """A ``testcase``'s id from its test module on (``test_x.TestClass::test_y``): the folders above the module in
-    ``classname`` depend on where pytest's rootdir was, so reports of one test from two checkouts (or from a
-    temporary folder inside one) name it alike. A module that failed to import (an empty ``classname``, the module's
-    path as ``name``) is ``test_x::(collection)``, named alike from any rootdir too."""
-    classname = case.get("classname")
-    if not classname:
-        return f"{test_file(case).removesuffix('.py')}::(collection)"
-    parts = classname.split(".")
-    mods = [i for i, p in enumerate(parts) if p.startswith("test_")]
-    return f"{'.'.join(parts[mods[-1] :] if mods else parts)}::{case.get('name')}"
-
-
-def outcome(case: ET.Element) -> str:
-    """``passed``, ``failed`` (a failure or an error, a collection error included), ``xfailed`` or ``skipped``
-    (a non-strict unexpected pass counts as passed)."""
-    if case.find("failure") is not None or case.find("error") is not None:
-        return "failed"
-    skipped = case.find("skipped")
-    if skipped is not None:
-        return "xfailed" if skipped.get("type") == "pytest.xfail" else "skipped"
-    return "passed"
-
-
-def collect(folders: list[Path]) -> dict[str, dict[str, dict[str, str]]]:
-    """``{release: {test file: {test id: outcome}}}``: for each release and test file, the outcomes of the newest
-    report that ran that file (so a test renamed or removed since drops out), where it skipped a test that an older
-    report ran, the older outcome; the pending steps those outcomes came from (comma-separated, in test order) under
-    the test id ``STEP`` (:data:`STEP`); the cards they ran on, where the reports name them, under :data:`CARD`;
-    where the newest report of a file skipped every test of it (a run that could not select any, e.g. without a
-    visible GPU), that report under :data:`RAN_NONE`. A file named ``vllm-*.xml`` that is not named as a report is
-    reported on stderr and left out.
+def load(root: Path) -> list[tuple[Run, dict]]:
+    """Every record under ``root`` (``vllm-<release>/<YYYYMMDD-HHMMSS>-<step>/*.json``) with its :class:`Run`, oldest
+    run first. A file elsewhere, or one that is no record, is named on stderr and left out.
 
     Raises:
-        SystemExit: a folder that does not exist, or a report that is not JUnit XML (its path named).
+        SystemExit: ``root`` is no folder.
     """
-    for d in folders:
-        if not d.is_dir():
-            raise SystemExit(f"{d}: no such folder of GPU test reports")
-    found = [f for d in folders for f in d.glob("vllm-*.xml") if f.is_file()]
-    for f in found:
-        if not REPORT.search(f.name):
-            print(f"{f}: not named vllm-<release>-<YYYYMMDD-HHMMSS>[-<step>].xml, left out", file=sys.stderr)
-    reports = sorted((m["version"], m["stamp"], m["step"], f) for f in found if (m := REPORT.search(f.name)))
-    ran_none: dict[str, dict[str, str]] = {}  # release -> file -> the newest report that skipped all of it
-    # release -> file -> test id -> (outcome, step, card)
-    sources: dict[str, dict[str, dict[str, tuple[str, str | None, str | None]]]] = {}
-    for version, _, step, path in reports:  # oldest first: a newer report's files replace the older ones'
+    if not root.is_dir():
+        raise SystemExit(f"{root}: no such folder of GPU records")
+    out = []
+    for path in sorted(root.rglob("*.json")):
+        rel = path.relative_to(root).parts
+        match = RUN.match(rel[1]) if len(rel) == 3 and rel[0].startswith("vllm-") else None
         try:
-            root = ET.parse(path).getroot()
-        except ET.ParseError as e:
-            raise SystemExit(f"{path}: not a JUnit XML report ({e})") from e
-        ran: dict[str, dict[str, tuple[str, str | None, str | None]]] = {}
-        for suite in root.iter("testsuite"):
-            name = suite.get("name", "")
-            card = name.removeprefix("gpu ") if name.startswith("gpu ") else None
-            for case in suite.iter("testcase"):
-                ran.setdefault(test_file(case), {})[test_id(case)] = (outcome(case), step, card)
-        files = sources.setdefault(version, {})
-        for name, cases in ran.items():
-            before = files.get(name, {})
-            if all(result == "skipped" for result, *_ in cases.values()):
-                ran_none.setdefault(version, {})[name] = step or path.name
-            else:
-                ran_none.get(version, {}).pop(name, None)
-            for key, (result, *_) in cases.items():
-                if result == "skipped" and before.get(key, ("skipped",))[0] != "skipped":
-                    cases[key] = before[key]  # not selected this time: the run that selected it counts
-            files[name] = cases
-    out: dict[str, dict[str, dict[str, str]]] = {}
-    for version, files in sources.items():
-        for name, cases in files.items():
-            cell = out.setdefault(version, {})[name] = {k: o for k, (o, *_) in cases.items()}
-            steps = list(dict.fromkeys(s for _, s, _ in cases.values() if s))
-            if steps:
-                cell[STEP] = ", ".join(steps)
-            used = list(dict.fromkeys(c for _, _, c in cases.values() if c))
-            if used:
-                cell[CARD] = ", ".join(used)
-            if name in ran_none.get(version, {}):
-                cell[RAN_NONE] = ran_none[version][name]
+            record = json.loads(path.read_text()) if match else None
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or record.get("kind") not in ("job", "tests"):
+            print(f"{path}: not a record of vllm-<release>/<YYYYMMDD-HHMMSS>-<step>/, left out", file=sys.stderr)
+            continue
+        release = rel[0].removeprefix("vllm-")
+        run = Run(release, match["stamp"], match["step"], record["card"], record["commit"], record["date"])
+        out.append((run, record))
+    return sorted(out, key=lambda item: item[0].order())
+
+
+def test_outcomes(records: list[tuple[Run, dict]]) -> dict[str, dict[str, dict[str, dict[str, tuple]]]]:
+    """``{release: {file: {test id: {card: (outcome, Run)}}}}``: per card, the newest record's outcome of the test
+    that ran it (passed / failed / xfailed), else the newest that skipped it."""
+    out: dict = {}
+    for run, record in records:  # oldest first: a newer outcome replaces an older one unless it only skipped
+        if record["kind"] != "tests":
+            continue
+        tests = out.setdefault(run.release, {}).setdefault(record["file"], {})
+        for test, outcome in record["tests"].items():
+            cards = tests.setdefault(test, {})
+            if outcome != "skipped" or cards.get(run.card, ("skipped",))[0] == "skipped":
+                cards[run.card] = (outcome, run)
     return out
 
 
-OUTCOMES = ("passed", "failed", "xfailed", "skipped")
-#: the key under which :func:`collect` keeps the pending step a file's report came from (not a test id: no ``::``)
-STEP = "step"
-#: the key under which :func:`collect` keeps the cards a file's outcomes ran on, where their reports name them
-CARD = "card"
-#: the key under which :func:`collect` names a file's newest report when that report skipped all of the file's tests
-RAN_NONE = "ran none"
+def combined(cards: dict[str, tuple]) -> str:
+    """A test's outcome over its cards: the first of :data:`OUTCOMES` that one of them has."""
+    return min((outcome for outcome, _ in cards.values()), key=OUTCOMES.index, default="not run")
 
 
-def table(results: dict[str, dict[str, dict[str, str]]], versions: list[str], steps: bool = True) -> str:
-    """The Markdown table: one row per test file seen in any release, one column per release; ``steps=False`` leaves
-    the cells' ``(step ...)`` out (the README's copy)."""
-    files = sorted({f for r in results.values() for f in r})
+def file_cells(outcomes: dict, release: str, tests: list[str] | None, detail: bool) -> dict[str, str]:
+    """``{file: cell}`` of one release: counts of the tests' outcomes (``tests``: the current tree's test ids, whose
+    files all get a cell, those without a record counting as not run; None: the tests the records name), and with
+    ``detail`` the runs they came from."""
+    files = dict(outcomes.get(release, {}))
+    if tests is not None:
+        wanted: dict[str, list[str]] = {}
+        for test in tests:
+            wanted.setdefault(test.split("::")[0], []).append(test)
+        files = {f: {t: files.get(f, {}).get(t, {}) for t in ids} for f, ids in wanted.items()}
+    cells = {}
+    for name, per_test in files.items():
+        counts = Counter(combined(cards) for cards in per_test.values())
+        ran = set(counts) - {"not run"}  # a file none of whose tests has a record: "not run", uncounted
+        cell = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o]) if ran else "not run"
+        runs = {run for cards in per_test.values() for outcome, run in cards.values() if outcome != "skipped"}
+        if detail and runs:
+            cell += " (" + "; ".join(sorted(r.short() for r in runs)) + ")"
+        cells[name] = cell
+    return cells
+
+
+def failures(outcomes: dict, versions: list[str]) -> list[str]:
+    """One line per test that counts as failed in a release: the release, the test, and each card's failing run."""
+    lines = []
+    for release in versions:
+        for per_test in outcomes.get(release, {}).values():
+            for test, cards in sorted(per_test.items()):
+                bad = [run for outcome, run in cards.values() if outcome == "failed"]
+                if bad:
+                    lines.append(f"- vLLM {release}, `{test}`: failed on " + "; ".join(r.short() for r in bad))
+    return lines
+
+
+def job_records(records: list[tuple[Run, dict]]) -> dict[str, dict[str, dict[str, tuple]]]:
+    """``{release: {"<file>::<job>": {card: (record, Run)}}}``: per card the newest record of the job, but a failed
+    one stands until a newer record on that card passes."""
+    out: dict = {}
+    for run, record in records:
+        if record["kind"] == "job":
+            out.setdefault(run.release, {}).setdefault(f"{record['file']}::{record['job']}", {})[run.card] = (
+                record,
+                run,
+            )
+    return out
+
+
+def job_cell(cards: dict[str, tuple]) -> str:
+    """A job's cell: a failed card's record first, else the newest; its checks as ``name value (op limit)``, the
+    positions it left out of a mean, and its run."""
+    failed = [item for item in cards.values() if not item[0]["passed"]]
+    record, run = max(failed or cards.values(), key=lambda item: item[1].order())
+    if record.get("error"):
+        checks = [f"error: {record['error'][:80]}"]
+    else:
+        checks = [f"{c['name']} {c['value']:.2g} ({c['op']} {c['limit']:.2g})" for c in record["checks"]]
+    if record.get("excluded"):
+        checks.append(f"left out {[e['position'] for e in record['excluded']]}")
+    verdict = "passed" if record["passed"] else "**failed**"
+    return f"{verdict}: {', '.join(checks)} ({run.short()})"
+
+
+def files_table(outcomes: dict, versions: list[str], tests: list[str] | None, detail: bool) -> str:
+    """The Markdown table test file x release (:func:`file_cells`)."""
+    cells = {v: file_cells(outcomes, v, tests, detail) for v in versions}
+    names = sorted({f for c in cells.values() for f in c})
     lines = ["| test file | " + " | ".join(f"vLLM {v}" for v in versions) + " |", "|---" * (len(versions) + 1) + "|"]
-    for f in files:
-        cells = []
-        for v in versions:
-            cases = dict(results.get(v, {}).get(f, {}))
-            step, none, card = cases.pop(STEP, None), cases.pop(RAN_NONE, None), cases.pop(CARD, None)
-            counts = Counter(cases.values())
-            cell = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o])
-            cell = f"{cell} (step {step})" if cell and step and steps else cell or "not run"
-            cell = f"{cell} on {card}" if card and counts else cell
-            cells.append(f"{cell}; the newest run ({none}) skipped all" if none else cell)
-        lines.append(f"| `{f}` | " + " | ".join(cells) + " |")
+    lines += [f"| `{f}` | " + " | ".join(cells[v].get(f, "not run") for v in versions) + " |" for f in names]
     return "\n".join(lines)
+
+
+def jobs_table(jobs: dict, versions: list[str]) -> str:
+    """The Markdown table measured job x release (:func:`job_cell`); "not run" where a release has no record."""
+    names = sorted({j for per in jobs.values() for j in per})
+    lines = ["| job | " + " | ".join(f"vLLM {v}" for v in versions) + " |", "|---" * (len(versions) + 1) + "|"]
+    for name in names:
+        cells = [job_cell(jobs[v][name]) if name in jobs.get(v, {}) else "not run" for v in versions]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) if names else "No job has a record yet."
+
+
+def collected_tests() -> list[str]:
+    """The GPU tests of the current tree as ``<file>::<test>`` ids (pytest's collection, ``-m gpu``, about a minute).
+
+    Raises:
+        SystemExit: pytest collected nothing (its output named).
+    """
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+         *sorted(str(p) for p in ROOT.glob("packages/*/tests"))],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    parts = (line.partition("::") for line in proc.stdout.splitlines())
+    ids = [f"{Path(path).name}::{rest}" for path, sep, rest in parts if sep and rest]
+    if not ids:
+        raise SystemExit(f"pytest collected no GPU test:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return ids
+
+
+#: the generated blocks: (file, block name) -> what fills it; each sits between ``<!-- matrix_table.py NAME -->`` and
+#: ``<!-- matrix_table.py end -->`` lines
+BLOCKS = {
+    ("README.md", "files-brief"): "the test-file table without the runs",
+    ("docs/results.md", "files"): "the test-file table with the runs, then the failures",
+    ("docs/results.md", "jobs"): "the job table",
+}
+
+
+def blocks(records: list[tuple[Run, dict]], versions: list[str], tests: list[str] | None) -> dict[str, str]:
+    """Each block's Markdown by name (:data:`BLOCKS`)."""
+    outcomes = test_outcomes(records)
+    failed = failures(outcomes, versions)
+    return {
+        "files-brief": files_table(outcomes, versions, tests, detail=False),
+        "files": files_table(outcomes, versions, tests, detail=True)
+        + ("\n\nFailed, until a later record on the same card passes:\n" + "\n".join(failed) if failed else ""),
+        "jobs": jobs_table(job_records(records), versions),
+    }
+
+
+def rewrite(text: str, name: str, body: str) -> str:
+    """``text`` with block ``name``'s lines replaced by ``body``.
+
+    Raises:
+        SystemExit: the block's markers are not there exactly once.
+    """
+    begin, end = f"<!-- matrix_table.py {name} -->", "<!-- matrix_table.py end -->"
+    pattern = re.compile(rf"^{re.escape(begin)}\n.*?^{re.escape(end)}$", re.S | re.M)
+    if len(pattern.findall(text)) != 1:
+        raise SystemExit(f"no single '{begin}' ... '{end}' block to write")
+    return pattern.sub(lambda _: f"{begin}\n{body}\n{end}", text)
+
+
+def write_blocks(root: Path, made: dict[str, str]) -> None:
+    """Rewrite every block of :data:`BLOCKS` under ``root`` (the repository)."""
+    for (file, name), _ in BLOCKS.items():
+        path = root / file
+        path.write_text(rewrite(path.read_text(), name, made[name]))
+        print(f"{file}: {name} written")
+
+
+def take(source: Path, dest: Path) -> list[Path]:
+    """Copy every record of ``source`` (a folder, or a ``.tgz`` such as ci/gpu/pending.sh --collect's) into
+    ``dest`` keeping its ``vllm-<release>/<run>/`` folders; returns the files copied. A record already there is
+    left as it is when equal.
+
+    Raises:
+        SystemExit: no record in ``source``, or one that differs from the file already at its place.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        if source.is_file():
+            with tarfile.open(source) as tar:
+                tar.extractall(tmp, filter="data")
+            source = Path(tmp)
+        copied = []
+        for path in sorted(source.rglob("vllm-*/*/*.json")):
+            rel = Path(*path.parts[-3:])
+            if not RUN.match(rel.parts[1]):
+                continue
+            target = dest / rel
+            if target.exists() and target.read_bytes() != path.read_bytes():
+                raise SystemExit(f"{target} exists and differs from {path}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+            copied.append(target)
+    if not copied:
+        raise SystemExit(f"{source}: no record (vllm-<release>/<YYYYMMDD-HHMMSS>-<step>/*.json) in it")
+    return copied
 
 
 def installed_release() -> str:
     """The vLLM release this interpreter imports (``0.25.1``; a local version's ``+...`` dropped), ``none`` without
-    vLLM: the release the GPU tier's reports are named by (``noxfile.py``'s ``gpu-tests``, ``ci/gpu/env.sh``)."""
+    vLLM: the release the GPU tier's reports and records are named by (``noxfile.py``'s ``gpu-tests``,
+    ``ci/gpu/env.sh``)."""
     from importlib import metadata
 
     try:
@@ -161,31 +290,31 @@ def installed_release() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the table; exit 1 when any test failed in any release. ``--release`` prints :func:`installed_release`
-    instead."""
+    """Print the tables (exit 1 with a failure in a cell), or ``--take`` / ``--write`` / ``--release``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("folders", nargs="*", type=Path)
-    ap.add_argument("--versions", default="0.22.1,0.25.1,0.26.0")
+    ap.add_argument("--records", type=Path, default=RECORDS, help="the records' folder (default ci/gpu/records)")
+    ap.add_argument("--versions", default=VERSIONS, help=f"the releases, one column each (default {VERSIONS})")
+    ap.add_argument("--tests", type=Path, help="the current GPU tests, one <file>::<test> id a line")
+    ap.add_argument("--collect", action="store_true", help="the current GPU tests from pytest's collection")
+    ap.add_argument("--take", type=Path, help="copy a run's records (a .tgz or a folder) into --records")
+    ap.add_argument("--write", action="store_true", help="regenerate README.md's and docs/results.md's tables")
     ap.add_argument("--release", action="store_true", help="print the vLLM release installed here and exit")
-    ap.add_argument("--no-steps", action="store_true", help="leave out which pending.sh step each cell came from")
     args = ap.parse_args(argv)
     if args.release:
         print(installed_release())
         return 0
-    folders = args.folders or [Path(os.environ.get("QUANTPACK_GPU_RESULTS", "/tmp/gpu-matrix"))]
-    results = collect(folders)
-    versions = args.versions.split(",")
-    print(table(results, versions, steps=not args.no_steps))
-    failed = sorted({v for v, r in results.items() for f in r.values() for k, o in f.items() if _is_failure(k, o)})
-    hidden = [v for v in failed if v not in versions]
-    if hidden:
-        print(f"failures in releases not in --versions: {', '.join(hidden)}", file=sys.stderr)
-    return int(bool(failed))
-
-
-def _is_failure(key: str, result: str) -> bool:
-    """Whether a :func:`collect` entry is a failed test (not the step or ran-none note)."""
-    return key not in (STEP, RAN_NONE, CARD) and result == "failed"
+    if args.take:
+        for path in take(args.take, args.records):
+            print(f"taken: {path}")
+        return 0
+    tests = args.tests.read_text().split() if args.tests else collected_tests() if args.collect or args.write else None
+    records, versions = load(args.records), args.versions.split(",")
+    made = blocks(records, versions, tests)
+    if args.write:
+        write_blocks(ROOT, made)
+        return 0
+    print(made["files"] + "\n\n" + made["jobs"])
+    return int(bool(failures(test_outcomes(records), versions)))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ cd "$root"
 source ci/gpu/env.sh
 res=/tmp/pending
 mkdir -p "$res"
-# every pytest step's report also goes to the GPU matrix's folder (ci/gpu/matrix_table.py), named by the release
+# every pytest step's report also goes to the GPU matrix's folder, named by the release, and its tests' records under
+# its records/ (QUANTPACK_GPU_RECORDS, ci/gpu/env.sh; each run's folder named by the step: ci/gpu/matrix_table.py)
 matrix=$(gpu_matrix_dir)
 if [ "${1:-}" = "--collect" ]; then
   ci/gpu/bg.sh copy "$res" pending 2>/dev/null
@@ -28,7 +29,7 @@ step() {
   local name=$1 dir=${logs:-$res}
   shift
   echo "=== $name $(date +%T)"
-  PYTEST_ADDOPTS="--junitxml=$(gpu_report "$name") $(gpu_card_opt)" "$@" > "$dir/$name.log" 2>&1
+  QUANTPACK_GPU_STEP=$name PYTEST_ADDOPTS="--junitxml=$(gpu_report "$name") $(gpu_card_opt)" "$@" > "$dir/$name.log" 2>&1
   echo "=== $name rc=$? $(date +%T)"
   tail -15 "$dir/$name.log"
 }
@@ -50,7 +51,7 @@ except Exception as e:
 # bundle staged; 0.22.1 and 0.26.0 passed on 2026-12-05, 0.25.1's column has not run as one step (its files' reports
 # come from single steps); the families' columns ran on 2026-12-05; then the escha Triton kernel's time; the last
 # steps re-check what passed before)
-all=(e2e-spec matrix matrix-families escha-times escha-kernel nemotron-vl nemotron-twin e2e-moe serve-moe serve-moe-mixed profile-moe profile
+all=(tier e2e-spec matrix matrix-families escha-times escha-kernel nemotron-vl nemotron-twin e2e-moe serve-moe serve-moe-mixed profile-moe profile
   family-converter families qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated escha-gpu e2e-dense
   linear-kernels escha-vllm serve-8b kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel)
 # the tiny models of the given families (of spark, nemotron-h, nemotron-vl) through exllamav3's own converter, each
@@ -222,6 +223,60 @@ for s in "${@:-${all[@]}}"; do
             --json "$res/profile_30b_a3b_${e}_b$b.json"
         done
       done ;;
+    # the whole GPU tier of the vLLM release unpacked, with its records: every GPU test file, vllm serve with its
+    # engine in a process of its own (test_exl3_gpu_serve.py), the ring codec against exllamav3's and the Nemotron-H
+    # twin in stock vLLM (in test_families_gpu.py), in six lanes side by side (each engine a fixed 2 GiB KV cache, as
+    # in matrix), then the TP file (two GPUs; it skips on one). Logs under tier-<release>/. Expected on one H100 or
+    # H200: about 12 minutes (the longest lane, the families', took 6.5-9 minutes in three lanes); where time is short
+    # drop, in this order, TIER_DROP=escha (the escha files), kernels-exllamav3 (the kernel file's exllamav3 half),
+    # converter (exllamav3's converter of the Nemotron VL pack)
+    tier) (
+      release=$(python3 ci/gpu/matrix_table.py --release)
+      if [ -n "${MATRIX_RELEASE:-}" ] && [ "$release" != "$MATRIX_RELEASE" ]; then
+        echo "tier: vLLM $release is unpacked, not MATRIX_RELEASE=$MATRIX_RELEASE: no run" >&2
+        exit 2
+      fi
+      logs=$res/tier-$release
+      mkdir -p "$logs"
+      export QUANTPACK_GPU_LLM_KWARGS=${QUANTPACK_GPU_LLM_KWARGS:-'{"kv_cache_memory_bytes": 2147483648}'}
+      drop=",${TIER_DROP:-},"
+      X=packages/quantpack-exl3/tests
+      F=packages/quantpack-families/tests
+      C=packages/quantpack-core/tests
+      E=packages/quantpack-escha-rocm/tests
+      kernels=("${T[@]}")
+      [[ $drop == *,kernels-exllamav3,* ]] && kernels+=(-k trellis_mma)
+      (
+        QUANTPACK_GPU_JOBS=llama-tiny,spec step tier-e2e-llama "${T[@]}" "$X/test_exl3_gpu_vllm.py"
+        step tier-serve "${T[@]}" "$X/test_exl3_gpu_serve.py"
+      ) > "$logs/lane-llama-serve.log" 2>&1 &
+      (
+        QUANTPACK_GPU_JOBS=moe/ step tier-e2e-moe "${T[@]}" "$X/test_exl3_gpu_vllm.py"
+        [[ $drop == *,escha,* ]] || step tier-escha-vllm "${T[@]}" "$E/test_escha_gpu_vllm.py"
+      ) > "$logs/lane-moe-escha.log" 2>&1 &
+      (
+        step tier-kernels "${kernels[@]}" "$X/test_exl3_gpu_kernels.py"
+        step tier-moe-kernels "${T[@]}" "$X/test_exl3_gpu_moe.py"
+        [[ $drop == *,escha,* ]] || step tier-escha-gpu "${T[@]}" "$E/test_escha_gpu.py"
+        step tier-core "${T[@]}" "$C/test_ring_codec.py" "$C/test_int8_logits.py"
+        QUANTPACK_GPU_JOBS=qwen3_5,qwen-int8 step tier-e2e-qwen "${T[@]}" "$X/test_exl3_gpu_vllm.py"
+      ) > "$logs/lane-kernels-qwen.log" 2>&1 &
+      step tier-families "${T[@]}" "$F/test_qwen_vision_gpu.py" "$F/test_families_gpu.py" \
+        > "$logs/lane-families.log" 2>&1 &
+      step tier-qwen-vl "${T[@]}" "$F/test_qwen_vl_gpu.py" > "$logs/lane-qwen-vl.log" 2>&1 &
+      (
+        if [[ $drop == *,converter,* ]]; then
+          step tier-nemotron-vl "${T[@]}" "$F/test_nemotron_vl_gpu.py"
+        else
+          family_convert nemotron-vl
+          QUANTPACK_FAMILY_CONVERTED=/tmp/family-exl3 step tier-nemotron-vl "${T[@]}" "$F/test_nemotron_vl_gpu.py"
+        fi
+      ) > "$logs/lane-nemotron-vl.log" 2>&1
+      wait
+      step tier-tp "${T[@]}" "$X/test_exl3_gpu_tp.py" > "$logs/lane-tp.log" 2>&1
+      echo "=== tier $release: each step's exit status"
+      grep -h "^=== .* rc=" "$logs"/lane-*.log
+    ) ;;
     # one vLLM release's column of the GPU matrix (issue: 0.22.1 and 0.26.0 after 0.25.1), three lanes side by side:
     # the Llama end-to-end jobs; the MoE jobs, then the escha packs; the vLLM-free kernel files, then the Qwen3.5 jobs
     # (whose Triton Gated DeltaNet kernels compile on first use). Each engine takes a fixed 2 GiB KV cache

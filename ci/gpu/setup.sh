@@ -109,6 +109,37 @@ if compgen -G ".stage/nox/*.whl" >/dev/null && ! [ -d /tmp/nox-site/nox ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/nox-site .stage/nox/*.whl
   echo "nox installed into /tmp/nox-site"
 fi
+# the extension's JIT build (below): running while its pid file names a live process group
+building() { [ -f /tmp/ext-build.pid ] && kill -0 "$(cat /tmp/ext-build.pid)" 2>/dev/null; }
+# torch's JIT build holds a lock file in its build folder while it runs; any other process that JIT-loads the extension
+# waits for that file to go, forever where its builder was killed. One left by no running build goes
+clear_stale_lock() {
+  local lock
+  for lock in "$TORCH_EXTENSIONS_DIR"/exllamav3_ext*/lock; do
+    [ -e "$lock" ] || continue
+    if building; then
+      echo "exllamav3 extension: $lock belongs to the JIT build running (pid $(cat /tmp/ext-build.pid))"
+    else
+      rm -f "$lock"
+      echo "exllamav3 extension: removed $lock, left by a JIT build that no longer runs"
+    fi
+  done
+}
+# stop the JIT build (its whole process group: python, ninja, nvcc), wait until it is gone, then clear its lock
+stop_build() {
+  local pid i
+  pid=$(cat /tmp/ext-build.pid)
+  kill -- -"$pid" 2>/dev/null || kill "$pid" 2>/dev/null || true
+  for i in $(seq 20); do
+    pgrep -g "$pid" >/dev/null 2>&1 || break
+    sleep 0.5
+  done
+  pgrep -g "$pid" >/dev/null 2>&1 && kill -9 -- -"$pid" 2>/dev/null
+  rm -f /tmp/ext-build.pid
+  echo "stopped the JIT build started earlier"
+  clear_stale_lock
+}
+clear_stale_lock
 # a prebuilt extension (staged from an earlier build on an identical machine, see stage.sh) saves the build
 if [ -f .stage/ext/exllamav3_ext.so.xz ] && ! [ -f /tmp/ext-built ]; then
   mkdir -p /tmp/ext-prebuilt
@@ -116,11 +147,13 @@ if [ -f .stage/ext/exllamav3_ext.so.xz ] && ! [ -f /tmp/ext-built ]; then
   if python3 -c "from quantpack_exl3.backends.exllamav3.extension import load_extension; load_extension()"; then
     touch /tmp/ext-built
     echo "exllamav3 extension: prebuilt one loaded"
-    # a JIT build started by an earlier run (before the prebuilt one arrived) would only compete for the cores
-    if [ -f /tmp/ext-build.pid ] && kill -0 "$(cat /tmp/ext-build.pid)" 2>/dev/null; then
-      kill -- -"$(cat /tmp/ext-build.pid)" 2>/dev/null || kill "$(cat /tmp/ext-build.pid)" 2>/dev/null || true
-      echo "stopped the JIT build started earlier"
+    # a JIT build started by an earlier run (before the prebuilt one arrived) would only compete for the cores, and
+    # its lock would hold up every later JIT load
+    if building; then
+      stop_build
     fi
+    # a process started as vLLM starts its engine (multiprocessing's spawn) must load this file too, not JIT-build
+    python3 ci/gpu/ext_check.py 120
   else
     rm -f /tmp/ext-prebuilt/exllamav3_ext.so
     echo "exllamav3 extension: the prebuilt one does not load here; building"
@@ -157,7 +190,6 @@ for staged in map(pathlib.Path, sys.argv[1:]):
 fi
 # the extension: JIT-built on first import, cached in $TORCH_EXTENSIONS_DIR; built in the background (setsid) so it
 # survives this command, tracked through its pid file
-building() { [ -f /tmp/ext-build.pid ] && kill -0 "$(cat /tmp/ext-build.pid)" 2>/dev/null; }
 if ! [ -f /tmp/ext-built ]; then
   if ! building; then
     setsid bash -c 'source ci/gpu/env.sh; python3 -c "

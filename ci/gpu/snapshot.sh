@@ -12,6 +12,9 @@ if [ "${1:-}" = "--stage" ]; then
   rm -rf .stage/head
   mkdir -p .stage/head
   git archive --format=tar.gz -o .stage/head/src.tgz HEAD packages benchmarks tests conftest.py ci pyproject.toml noxfile.py
+  # the commit the GPU records name (ci/gpu/env.sh): HEAD, "-dirty" where tracked files differ from it (the snapshot
+  # holds HEAD's files, but a run of the checkout beside it holds the working tree's)
+  echo "$(git rev-parse HEAD)$(git diff --quiet HEAD -- || echo -dirty)" > .stage/head/commit
   echo "snapshot of $(git rev-parse --short HEAD): .stage/head/src.tgz ($(stat -c %s .stage/head/src.tgz) bytes)"
   exit 0
 fi
@@ -20,6 +23,7 @@ dest=${1:?usage: ci/gpu/snapshot.sh --stage | DEST}
 rm -rf "$dest.part"
 mkdir -p "$dest.part"
 tar xzf .stage/head/src.tgz -C "$dest.part"
+cut -d- -f1 .stage/head/commit > "$dest.part/.quantpack-commit" 2>/dev/null || true  # the snapshot is HEAD's
 cp -r fixtures "$dest.part/"
 rm -rf "$dest"
 mv "$dest.part" "$dest"

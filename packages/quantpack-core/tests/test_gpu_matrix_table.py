@@ -1,189 +1,140 @@
-"""ci/gpu/matrix_table.py on reports pytest itself writes: per-release cells, the newest report winning but for the
-tests it skipped (a job selection), "not run"."""
+"""ci/gpu/matrix_table.py on records the GPU tier's writer itself writes (tests/gpu_records.py): per-release cells of
+test outcomes and job figures, "not run" for a test of the tree no record ran, a failure standing until a later
+record on the same card passes, the generated blocks, and a run's records taken from ci/gpu/pending.sh's archive."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
+import json
 import sys
+import tarfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 def load_tool():
+    """ci/gpu/matrix_table.py as a module (registered, as its dataclasses need)."""
     spec = importlib.util.spec_from_file_location("matrix_table", ROOT / "ci" / "gpu" / "matrix_table.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 
 
-def report(tmp: Path, out: Path, body: str, name: str = "test_gpu_demo.py", *args: str) -> None:
-    """Run pytest on a module ``name`` holding ``body`` (alone in its folder) and write its JUnit XML to ``out``; the
-    test ids (``pkg.tests.<module>``) are the same for every report, as a checkout's are. The folder has its own
-    ini file so that pytest's rootdir is that folder even when ``tmp`` lies inside a checkout (CI's basetemp under
-    ``.nox/``), whose pyproject.toml would otherwise make the ids carry the temporary path. ``args`` go to pytest
-    (``-o junit_suite_name=gpu <card>``, as ci/gpu/env.sh's ``gpu_card_opt``)."""
-    root = tmp / out.stem
-    mod = root / "pkg" / "tests"
-    mod.mkdir(parents=True, exist_ok=True)
-    (mod / name).write_text(body)
-    (root / "pytest.ini").write_text("[pytest]\n")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-c",
-            str(root / "pytest.ini"),
-            f"--rootdir={root}",
-            f"--junitxml={out}",
-            *args,
-            str(mod),
-        ],
-        cwd=root,
-        env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
-        capture_output=True,
-        check=False,
+H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+
+
+def write_run(monkeypatch, records: Path, stamp: str, card: str, commit: str, tests: dict, jobs: dict) -> None:
+    """One GPU run's records through the writer: ``tests`` ``{node id: outcome}``, ``jobs`` ``{job: KL}`` (each a
+    job of test_gpu_demo.py checked against a 1e-3 ceiling), as vLLM 0.25.1 on ``card`` at ``commit``."""
+    import gpu_records
+    from e2e_bounds import Bound
+
+    monkeypatch.setenv("QUANTPACK_GPU_RECORDS", str(records))
+    monkeypatch.setattr(gpu_records, "_STARTED", stamp)
+    where = {"card": card, "vllm": "0.25.1", "torch": "2.11.0+cu130", "commit": commit, "step": "matrix"}
+    monkeypatch.setattr(gpu_records, "environment", lambda: where)
+    gpu_records.write_outcomes(tests)
+    for job, kl in jobs.items():
+        rec = gpu_records.job_of("pkg/tests/test_gpu_demo.py::test_job", job, {"kl": kl, "top1": 1.0})
+        rec.check("kl", kl, Bound(1e-3, "<=", 5e-5, "measured"))
+        rec.write()
+
+
+A, B = "pkg/tests/test_gpu_demo.py", "pkg/tests/test_gpu_other.py"
+#: the tree's GPU tests now: test_new never ran, test_gpu_never.py has no record at all
+TREE = [
+    *(f"test_gpu_demo.py::{t}" for t in ("test_a", "test_b", "test_c", "test_new")),
+    "test_gpu_other.py::test_d",
+    "test_gpu_never.py::test_e",
+]
+
+
+@pytest.fixture
+def records(tmp_path, monkeypatch):
+    """Two runs: on the H200 test_b and the job fail; then on the H100 both pass, test_a not selected (skipped)."""
+    root = tmp_path / "records"
+    first = {f"{A}::test_a": "passed", f"{A}::test_b": "failed", f"{A}::test_c": "skipped", f"{B}::test_d": "passed"}
+    write_run(monkeypatch, root, "20261206-100000", H200, "a" * 40, first, {"moe/pack/eager": 0.5})
+    second = {f"{A}::test_a": "skipped", f"{A}::test_b": "passed", f"{A}::test_c": "skipped"}
+    write_run(monkeypatch, root, "20261206-110000", H100, "b" * 40, second, {"moe/pack/eager": 1e-5})
+    return root
+
+
+def test_a_failure_stands_until_the_same_card_passes_and_untested_tests_are_not_run(records, monkeypatch):
+    tool = load_tool()
+    loaded = tool.load(records)
+    made = tool.blocks(loaded, ["0.25.1", "0.26.0"], TREE)
+    rows = {line.split("|")[1].strip(): line for line in made["files-brief"].splitlines()[2:]}
+    assert rows["`test_gpu_demo.py`"] == "| `test_gpu_demo.py` | 1 failed, 1 passed, 1 skipped, 1 not run | not run |"
+    assert rows["`test_gpu_other.py`"] == "| `test_gpu_other.py` | 1 passed | not run |"
+    assert rows["`test_gpu_never.py`"] == "| `test_gpu_never.py` | not run | not run |"
+    assert "aaaaaaa" in made["files"] and "bbbbbbb" in made["files"] and H100 in made["files"]
+    assert "`test_gpu_demo.py::test_b`: failed on aaaaaaa" in made["files"] and H200 in made["files"]
+    job = next(line for line in made["jobs"].splitlines() if "moe/pack/eager" in line)
+    assert "**failed**: kl 0.5 (<= 0.001)" in job and "aaaaaaa" in job and job.endswith("| not run |"), job
+    assert tool.main(["--records", str(records), "--tests", str(write_tree(records.parent))]) == 1
+    # a later pass on the H200 clears the failure; the job's newest record is then a pass on each card
+    write_run(
+        monkeypatch, records, "20261206-120000", H200, "c" * 40, {f"{A}::test_b": "passed"}, {"moe/pack/eager": 2e-5}
     )
-    assert out.is_file(), "pytest wrote no report"
+    made = tool.blocks(tool.load(records), ["0.25.1"], TREE)
+    assert "| `test_gpu_demo.py` | 2 passed, 1 skipped, 1 not run |" in made["files-brief"]
+    assert "Failed" not in made["files"]
+    job = next(line for line in made["jobs"].splitlines() if "moe/pack/eager" in line)
+    assert job.startswith("| `test_gpu_demo.py::moe/pack/eager` | passed: kl 2e-05 (<= 0.001)") and "ccccccc" in job
+    assert tool.main(["--records", str(records), "--tests", str(write_tree(records.parent))]) == 0
 
 
-FIRST = """
-import pytest
-def test_a(): pass
-def test_b(): assert False
-@pytest.mark.skip(reason="no GPU of that kind")
-def test_c(): pass
-@pytest.mark.xfail(reason="known")
-def test_d(): assert False
-class TestOne:
-    def test_same(self): pass
-class TestTwo:
-    def test_same(self): pass
-"""
-#: test_b fixed, test_c removed
-SKIPPED_C = '@pytest.mark.skip(reason="no GPU of that kind")\ndef test_c(): pass\n'
-LATER = FIRST.replace("assert False", "pass", 1).replace(SKIPPED_C, "")
-#: a step that selects other jobs: test_a and test_b skipped (as QUANTPACK_GPU_JOBS skips the jobs it leaves out)
-SELECTED = LATER.replace("def test_a", '@pytest.mark.skip(reason="not selected")\ndef test_a').replace(
-    "def test_b", '@pytest.mark.skip(reason="not selected")\ndef test_b'
-)
+def write_tree(folder: Path) -> Path:
+    path = folder / "tests.txt"
+    path.write_text("\n".join(TREE) + "\n")
+    return path
 
 
-def test_cells_count_outcomes_per_release_and_newest_report_wins_but_for_its_skips(tmp_path):
+def test_without_a_test_list_the_records_name_the_tests(records):
     tool = load_tool()
-    reports = tmp_path / "reports"
-    reports.mkdir()
-    report(tmp_path, reports / "vllm-0.22.1-20261203-100000.xml", FIRST)
-    report(tmp_path, reports / "vllm-0.25.1-20261203-100000.xml", FIRST)
-    # run again by a pending.sh step (its name after the time), test_b fixed and test_c removed since
-    report(tmp_path, reports / "vllm-0.25.1-20261203-120000-e2e-dense.xml", LATER)
-    # then a step that selected the other tests: test_a and test_b keep e2e-dense's outcomes
-    report(tmp_path, reports / "vllm-0.25.1-20261203-130000-e2e-moe.xml", SELECTED)
-    # a module that does not import on 0.26.0
-    report(tmp_path, reports / "vllm-0.26.0-20261203-100000.xml", "import no_such_module_here\n", "test_gpu_other.py")
-    results = tool.collect([reports])
-    text = tool.table(results, ["0.22.1", "0.25.1", "0.26.0"])
-    cells = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()]
-    rows = {row[0]: row[1:] for row in cells}
-    # the two classes' test_same count twice; test_d is an expected failure
-    assert rows["`test_gpu_demo.py`"] == [
-        "3 passed, 1 failed, 1 xfailed, 1 skipped",
-        "4 passed, 1 xfailed (step e2e-dense, e2e-moe)",
-        "not run",
-    ]
-    assert rows["`test_gpu_other.py`"] == ["not run", "not run", "1 failed"]
-    assert tool.main([str(reports)]) == 1  # 0.22.1 still has a failure
-    brief = tool.table(results, ["0.25.1"], steps=False)  # the README's copy: no step names
-    assert "| `test_gpu_demo.py` | 4 passed, 1 xfailed |" in brief.splitlines()
+    made = tool.blocks(tool.load(records), ["0.25.1"], None)
+    assert "| `test_gpu_demo.py` | 1 failed, 1 passed, 1 skipped |" in made["files-brief"]
+    assert "test_gpu_never.py" not in made["files-brief"]
 
 
-def test_a_cell_names_the_cards_its_outcomes_ran_on(tmp_path):
-    """The card a report names (pytest's suite name ``gpu <card>``) follows each test's counted outcome: a test a
-    later step skipped keeps the card of the run that selected it; a report that names no card (those from before
-    cards were recorded) adds none, and a test it re-ran drops the older report's card."""
+def test_no_record_is_not_run_everywhere(tmp_path):
     tool = load_tool()
-    reports = tmp_path / "reports"
-    reports.mkdir()
-    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
-    report(tmp_path, reports / "vllm-0.25.1-20261203-120000-e2e-dense.xml", LATER, "test_gpu_demo.py",
-           "-o", f"junit_suite_name=gpu {h100}")  # fmt: skip
-    report(tmp_path, reports / "vllm-0.25.1-20261203-130000-e2e-moe.xml", SELECTED, "test_gpu_demo.py",
-           "-o", f"junit_suite_name=gpu {h200}")  # fmt: skip
-    report(tmp_path, reports / "vllm-0.26.0-20261203-100000.xml", LATER, "test_gpu_demo.py",
-           "-o", f"junit_suite_name=gpu {h100}")  # fmt: skip
-    report(tmp_path, reports / "vllm-0.26.0-20261203-110000.xml", LATER)  # names no card, re-runs every test
-    rows = {
-        line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
-        for line in tool.table(tool.collect([reports]), ["0.25.1", "0.26.0"], steps=False).splitlines()
-    }
-    # test_a and test_b from e2e-dense (H100), the rest from e2e-moe (H200); 0.26.0's newest run names no card
-    assert rows["`test_gpu_demo.py`"] == [f"4 passed, 1 xfailed on {h100}, {h200}", "4 passed, 1 xfailed"]
+    (tmp_path / "records").mkdir()
+    made = tool.blocks(tool.load(tmp_path / "records"), ["0.25.1"], TREE)
+    assert "| `test_gpu_demo.py` | not run |" in made["files-brief"] and made["jobs"] == "No job has a record yet."
 
 
-def test_a_broken_report_is_named(tmp_path):
+def test_blocks_are_written_between_their_markers(tmp_path):
     tool = load_tool()
-    (tmp_path / "vllm-0.26.0-20261203-100000.xml").write_text("<testsuites><testcase")
-    try:
-        tool.collect([tmp_path])
-    except SystemExit as e:
-        assert "vllm-0.26.0-20261203-100000.xml" in str(e) and "not a JUnit XML report" in str(e)
-    else:
-        raise AssertionError("a truncated report was accepted")
+    text = "intro\n<!-- matrix_table.py files-brief -->\nold table\n<!-- matrix_table.py end -->\nafter\n"
+    assert tool.rewrite(text, "files-brief", "| new |") == (
+        "intro\n<!-- matrix_table.py files-brief -->\n| new |\n<!-- matrix_table.py end -->\nafter\n"
+    )
+    with pytest.raises(SystemExit, match=r"no single '<!-- matrix_table\.py jobs -->'"):
+        tool.rewrite(text, "jobs", "x")
 
 
-def test_a_run_that_skipped_everything_is_flagged_and_odd_files_named(tmp_path, capsys):
-    """A newest report that skipped all of a file's tests (no GPU visible, say) keeps the older outcomes but says so;
-    a folder or a misnamed file among the reports is left out with a line on stderr (not a traceback); failures of
-    a release outside ``--versions`` set the exit code and are named; a missing folder is named."""
+def test_a_run_s_records_are_taken_from_the_collected_archive(records, tmp_path, capsys):
     tool = load_tool()
-    reports = tmp_path / "reports"
-    reports.mkdir()
-    report(tmp_path, reports / "vllm-0.25.1-20261203-100000.xml", LATER)
-    every = 'import pytest\npytestmark = pytest.mark.skip(reason="no CUDA")\n' + LATER
-    report(tmp_path, reports / "vllm-0.25.1-20261203-110000-e2e-dense.xml", every)
-    report(tmp_path, reports / "vllm-0.24.0-20261203-100000.xml", FIRST)  # test_b fails there
-    (reports / "vllm-0.25.1-20261203-120000.xml.d").mkdir()
-    (reports / "vllm-0.25.1-20261203-130000-x.xml").mkdir()  # a folder named as a report
-    (reports / "vllm-0.26.0rc1-20261203-100000.xml").write_text("<testsuites/>")
-    rows = {
-        line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
-        for line in tool.table(tool.collect([reports]), ["0.25.1"]).splitlines()
-    }
-    assert rows["`test_gpu_demo.py`"] == ["4 passed, 1 xfailed; the newest run (e2e-dense) skipped all"]
-    assert "vllm-0.26.0rc1-20261203-100000.xml: not named" in capsys.readouterr().err
-    assert tool.main([str(reports), "--versions", "0.25.1"]) == 1
-    assert "failures in releases not in --versions: 0.24.0" in capsys.readouterr().err
-    try:
-        tool.collect([tmp_path / "absent"])
-    except SystemExit as e:
-        assert "absent: no such folder" in str(e)
-    else:
-        raise AssertionError("a missing folder was read as an empty one")
-
-
-def test_a_test_is_named_alike_from_any_rootdir():
-    """The folders above the test module in a report's classname depend on pytest's rootdir (a checkout, or a
-    temporary folder inside one): the test id starts at the module."""
-    import xml.etree.ElementTree as ET
-
-    tool = load_tool()
-    ids = {
-        tool.test_id(ET.fromstring(f'<testcase classname="{c}" name="test_y[a.b]"/>'))
-        for c in (
-            "packages.quantpack-exl3.tests.test_x.TestC",
-            "tmp.test_run0.packages.quantpack-exl3.tests.test_x.TestC",
-        )
-    }
-    assert ids == {"test_x.TestC::test_y[a.b]"}
-    # a module that failed to import: empty classname, the module as the name, dotted or as a path
-    ids = {
-        tool.test_id(ET.fromstring(f'<testcase classname="" name="{n}"/>'))
-        for n in ("packages.tests.test_x", "tmp.test_run0.packages.tests.test_x", "packages/tests/test_x.py")
-    }
-    assert ids == {"test_x::(collection)"}
+    archive = tmp_path / "pending.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(records, arcname="gpu-matrix/records")
+        tar.add(ROOT / "README.md", arcname="pending/lane.log")  # the logs beside them are no records
+    dest = tmp_path / "kept"
+    copied = tool.take(archive, dest)
+    assert sorted(p.relative_to(dest).as_posix() for p in copied) == sorted(
+        p.relative_to(records).as_posix() for p in records.rglob("*.json")
+    )
+    assert tool.take(archive, dest)  # the same records again: left as they are
+    stray = dest / "vllm-0.25.1" / "notes.json"
+    stray.write_text(json.dumps({"kind": "job"}))
+    assert len(tool.load(dest)) == len(copied)
+    assert "notes.json: not a record" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no record"):
+        tool.take(tmp_path / "empty", dest)

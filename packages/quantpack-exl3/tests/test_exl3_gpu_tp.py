@@ -12,9 +12,11 @@ skip."""
 
 import os
 
+import e2e_bounds as bounds
 import pytest
 import torch
-from e2e_jobs import LLAMA_PACKS, MIXED_PACK, MOE_PACKS, NEXT_PACK, get, per_position_kl, run_runner
+from e2e_jobs import LLAMA_PACKS, MIXED_PACK, MOE_PACKS, NEXT_PACK, run_runner
+from e2e_runner import recorded, router_split
 from test_exl3_gpu_vllm import LLM_KWARGS, QWEN_LLM_KWARGS, QWEN_PACK, qwen_reference
 
 pytestmark = [
@@ -26,8 +28,12 @@ pytestmark = [
 ]
 
 PACKS = [*LLAMA_PACKS, QWEN_PACK, *MOE_PACKS, NEXT_PACK]
-#: packs with a router: a rounding difference can flip a near-tie of two expert scores and move that one token
-ROUTED = {*MOE_PACKS, NEXT_PACK}
+#: packs with a router (a rounding difference can flip a near-tie of two expert scores and move that one token) and
+#: their bounds (tests/e2e_bounds.py); the others are dense float16 jobs as at size 1
+ROUTED = {
+    **dict.fromkeys(MOE_PACKS, (bounds.QWEN3MOE_KL, bounds.QWEN3MOE_TOP1)),
+    NEXT_PACK: (bounds.QWEN3NEXT_KL, bounds.QWEN3NEXT_TOP1),
+}
 #: job-name substrings to run (all jobs when empty)
 ONLY = [s for s in os.environ.get("QUANTPACK_GPU_TP_ONLY", "").split(",") if s]
 
@@ -40,60 +46,60 @@ def gpu_tp(fixtures_dir, tmp_path_factory):
     # Qwen3-Next at size 1 first, on GPUs no size-2 engine has used yet (those engines' worker processes once held
     # their memory after the job; vllm_e2e.release now shuts them down)
     next_kwargs = {"kind": "logits", "pack": str(fixtures_dir / NEXT_PACK), "llm_kwargs": QWEN_LLM_KWARGS}
-    jobs[f"{NEXT_PACK}/tp1/eager"] = dict(next_kwargs, dtype="float16", eager=True, save=str(tmp / "next-tp1.lp.pt"))
+    jobs[f"{NEXT_PACK}/tp1/eager"] = dict(next_kwargs, dtype="float16", eager=True)
     for name in PACKS:
         kwargs = QWEN_LLM_KWARGS if name in (QWEN_PACK, NEXT_PACK) else LLM_KWARGS
         base = {"kind": "logits", "pack": str(fixtures_dir / name), "llm_kwargs": kwargs, "dtype": "float16"}
         if name == QWEN_PACK:
             base["reference"] = str(qref)
-        jobs[f"{name}/tp2/eager"] = dict(base, eager=True, tp=2, save=str(tmp / f"{name}-tp2.lp.pt"))
+        jobs[f"{name}/tp2/eager"] = dict(base, eager=True, tp=2)
     # under graph capture: the fallbacks' index_select / zero-extension, and the expert split's -1 picks
     for name in (LLAMA_PACKS[0], MIXED_PACK, NEXT_PACK):
-        jobs[f"{name}/tp2/graphs"] = dict(jobs[f"{name}/tp2/eager"], eager=False, save=str(tmp / f"{name}-g.lp.pt"))
+        jobs[f"{name}/tp2/graphs"] = dict(jobs[f"{name}/tp2/eager"], eager=False)
     jobs = {k: v for k, v in jobs.items() if not ONLY or any(s in k for s in ONLY)}
     out = run_runner(jobs, tmp, timeout=1800)
     out["_jobs"] = sorted(jobs)
-    out["_qref"] = str(qref)
     return out
 
 
-def result(results: dict, key: str) -> dict:
-    """The job's result; skips a job left out by ``QUANTPACK_GPU_TP_ONLY``."""
+def result(results: dict, key: str, gpu_record) -> tuple[dict, object]:
+    """The job's result and record; skips a job left out by ``QUANTPACK_GPU_TP_ONLY``."""
     if key not in results["_jobs"]:
         pytest.skip(f"{key} not selected by QUANTPACK_GPU_TP_ONLY={','.join(ONLY)}")
-    return get(results, key)
+    return recorded(gpu_record, results, key)
 
 
-def check(res: dict, name: str, reference, figures, label: str) -> None:
-    """KL against the reference as at size 1 (5e-4, top-1 >= 99%); for routed packs the bound holds without the
-    worst position (a router near-tie) and top-1 >= 97%."""
-    kl = per_position_kl(torch.load(reference)["logits"], torch.load(res["save"]))
-    trimmed = kl.sort().values[:-1].mean().item()
-    figures.append(
-        f"GPU {name} {label} float16: KL {res['kl']:.3g} (all but the worst position {trimmed:.3g}), "
-        f"top-1 {100 * res['top1']:.2f}%, load {res['load_s']:.0f} s"
-    )
+def check(res: dict, rec, name: str, fixtures_dir, figures, label: str) -> None:
+    """The bounds as at size 1: a dense pack's float16 ones; a routed pack's outside the router near-ties that
+    departed (``quantpack_core.compare.outside_router_ties``, each position left out recorded with its margin)."""
     if name in ROUTED:
-        assert trimmed <= 5e-4
-        assert res["top1"] >= 0.97
+        kl_bound, top1_bound = ROUTED[name]
+        split = router_split(fixtures_dir / name, res, kl_bound.limit)
+        rec.outside_router_ties(split)
+        rec.check("kl_outside_router_ties", split.kl, kl_bound)
+        rec.check("top1", res["top1"], top1_bound)
+        kl = f"{res['kl']:.3g} ({split.kl:.3g} outside the departed router near-ties {list(split.excluded)})"
     else:
-        assert res["kl"] <= 5e-4
-        assert res["top1"] >= 0.99
+        rec.check("kl", res["kl"], bounds.F16_KL)
+        rec.check("top1", res["top1"], bounds.F16_TOP1)
+        kl = f"{res['kl']:.3g}"
+    rec.figures["load_s"] = res["load_s"]
+    figures.append(f"GPU {name} {label} float16: KL {kl}, top-1 {100 * res['top1']:.2f}%, load {res['load_s']:.0f} s")
+    rec.assert_passed()
 
 
 @pytest.mark.parametrize("name", PACKS)
-def test_tp2_matches_reference(gpu_tp, figures, fixtures_dir, name):
-    res = result(gpu_tp, f"{name}/tp2/eager")
-    ref = gpu_tp["_qref"] if name == QWEN_PACK else fixtures_dir / name / "reference_logits.pt"
-    check(res, name, ref, figures, "TP 2 eager")
+def test_tp2_matches_reference(gpu_tp, figures, fixtures_dir, gpu_record, name):
+    res, rec = result(gpu_tp, f"{name}/tp2/eager", gpu_record)
+    check(res, rec, name, fixtures_dir, figures, "TP 2 eager")
 
 
 @pytest.mark.parametrize("name", [LLAMA_PACKS[0], MIXED_PACK, NEXT_PACK])
-def test_tp2_graphs(gpu_tp, figures, fixtures_dir, name):
-    res = result(gpu_tp, f"{name}/tp2/graphs")
-    check(res, name, fixtures_dir / name / "reference_logits.pt", figures, "TP 2 compile + graphs")
+def test_tp2_graphs(gpu_tp, figures, fixtures_dir, gpu_record, name):
+    res, rec = result(gpu_tp, f"{name}/tp2/graphs", gpu_record)
+    check(res, rec, name, fixtures_dir, figures, "TP 2 compile + graphs")
 
 
-def test_qwen3_next_tp1_on_cuda(gpu_tp, figures, fixtures_dir):
-    res = result(gpu_tp, f"{NEXT_PACK}/tp1/eager")
-    check(res, NEXT_PACK, fixtures_dir / NEXT_PACK / "reference_logits.pt", figures, "TP 1 eager")
+def test_qwen3_next_tp1_on_cuda(gpu_tp, figures, fixtures_dir, gpu_record):
+    res, rec = result(gpu_tp, f"{NEXT_PACK}/tp1/eager", gpu_record)
+    check(res, rec, NEXT_PACK, fixtures_dir, figures, "TP 1 eager")

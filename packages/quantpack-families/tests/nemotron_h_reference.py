@@ -147,7 +147,11 @@ def router_margin(choice: torch.Tensor, top_k: int, other: torch.Tensor | None =
     """Per token ``(T,)`` of a router's ``choice`` scores ``(T, experts)``: how far the ``top_k``-th expert's score
     lies above the next one's. With ``other`` (another forward's choice scores of the same tokens), the same two
     experts' difference there instead: how far that forward moved the margin. A margin below what a forward moves
-    it lets that forward pick the other expert."""
+    it lets that forward pick the other expert. Without ``other``, ``quantpack_core.compare.router_margin``."""
+    if other is None:
+        from quantpack_core.compare import router_margin as margin
+
+        return margin(choice, top_k)
     pair = choice.topk(top_k + 1, dim=-1).indices[:, -2:]
     top = (choice if other is None else other).gather(1, pair)
     return top[:, 0] - top[:, 1]

@@ -363,10 +363,10 @@ def reference(seed: int = 0, image=None, weights: tuple[dict, dict] | None = Non
     """The float64 reference of the pack: ``input_ids`` ``(1, TEXT_LENGTH)`` and ``logits`` of a text-only prompt
     (words only), ``image_ids`` (the image prompt as expanded), ``greedy`` (GREEDY_TOKENS ids) and ``greedy_top2``
     (per step ``{str(id): logprob}`` of the two best) of the image prompt, ``image_tokens`` (the projected rows), and
-    ``router_margin`` / ``router_noise`` / ``router_swaps`` of the text prompt (:func:`router_near_ties`, against
-    an all-bfloat16 forward: KL 1.4e-3 from this one on the core writer's pack, within the served pack's 3e-3
-    bound, which moves a margin by up to 1.0e-2 / 1.5e-2 in the two MoE layers; it flips no route itself, so this
-    is a worst-case allowance, not an observed flip).
+    ``router_margin`` / ``router_noise`` / ``router_swaps`` of the text prompt (:func:`router_near_ties`; the
+    rounding forward is an all-bfloat16 one: KL 1.4e-3 from this one on the core writer's pack, within the served
+    pack's 3e-3 bound, which moves a margin by up to 1.0e-2 / 1.5e-2 in the two MoE layers; it flips no route
+    itself).
     ``weights``: ``(language, vision)`` dense weights in :func:`dense_weights`' names (default: the pack's own; a
     converter-made pack's decoded ones)."""
     language, vision = weights if weights is not None else dense_weights(seed)
@@ -400,13 +400,13 @@ def reference(seed: int = 0, image=None, weights: tuple[dict, dict] | None = Non
 
 
 def router_near_ties(routers: list, rounded: list, top_k: int, swapped) -> dict:
-    """A prompt's router near-ties, from the float64 forward's choice scores ``routers`` (a list of ``(T,
-    experts)``, one per MoE layer) and a forward's that rounds (``rounded``, the same layout):
+    """A prompt's router near-ties (``quantpack_core.compare.ROUTER_NEAR_TIE``), from the float64 forward's choice
+    scores ``routers`` (a list of ``(T, experts)``, one per MoE layer) and a forward's that rounds (``rounded``, the
+    same layout):
 
     - ``router_margin`` ``(layers, T)`` float64, each layer's :func:`nemotron_h_reference.router_margin`;
-    - ``router_noise`` ``(layers,)``, the most ``rounded`` moved one of that layer's margins. A token whose margin at
-      some layer is below that layer's noise is a router near-tie: a forward that rounds as much may take the
-      other expert there;
+    - ``router_noise`` ``(layers,)``, the most ``rounded`` moved one of that layer's margins: the measurement the
+      one near-tie threshold must cover (``test_nemotron_vl_pack.py`` checks it does);
     - ``router_swaps`` ``{token: (n, vocab) float32}``, per near-tie token its logits row with the token routed to
       its ``(k+1)``-th expert, one row per layer where it is a near-tie (``swapped((moe_layer, token))`` gives the
       logits ``(T, vocab)`` of the forward with that swap).
@@ -414,6 +414,8 @@ def router_near_ties(routers: list, rounded: list, top_k: int, swapped) -> dict:
     Raises:
         ValueError: a margin or a noise that is not finite (a broken reference, which would set positions apart
             unseen)."""
+    from quantpack_core.compare import ROUTER_NEAR_TIE
+
     margin = torch.stack([router_margin(c, top_k) for c in routers])
     moved = torch.stack([router_margin(a, top_k, b.double()) for a, b in zip(routers, rounded, strict=True)])
     noise = (margin - moved).abs().amax(-1)
@@ -421,7 +423,7 @@ def router_near_ties(routers: list, rounded: list, top_k: int, swapped) -> dict:
         raise ValueError("router margins of the reference are not finite: its forward is broken")
     moe_layers = [i for i, kind in enumerate(SUPER["layers_block_type"]) if kind == "moe"]
     swaps: dict[int, list] = {}
-    for layer, token in (margin < noise[:, None]).nonzero().tolist():
+    for layer, token in (margin < ROUTER_NEAR_TIE).nonzero().tolist():
         swaps.setdefault(token, []).append(swapped((moe_layers[layer], token))[token].float())
     return {
         "router_margin": margin,

@@ -12,6 +12,7 @@ A whole VL model with an image request is not covered here (it needs a tiny pack
 import importlib
 import tempfile
 
+import e2e_bounds as bounds
 import pytest
 import torch
 
@@ -20,8 +21,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier: nox -s gpu-tests)"),
 ]
 
-#: relative error bound of the float16 tower against the float64 reference (two blocks, LayerNorms, attention)
-BOUND = 2e-2
+#: relative error bound of the float16 tower against the float64 reference (two blocks, LayerNorms, attention):
+#: tests/e2e_bounds.py, with the measurement behind it
+BOUND = bounds.VISION_ERR
 GRID = [[1, 4, 4], [1, 8, 4]]
 
 
@@ -61,7 +63,7 @@ def tower_module():
 
 
 @pytest.mark.parametrize("dense_qkv", [False, True], ids=["split", "split+dense-qkv"])
-def test_exl3_tower_matches_the_reference_on_the_gpu(tower_module, dense_qkv):
+def test_exl3_tower_matches_the_reference_on_the_gpu(tower_module, gpu_record, dense_qkv):
     from qwen_vision_reference import TINY_VISION, image_patches, reference_features, tiny_tower
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
 
@@ -89,6 +91,10 @@ def test_exl3_tower_matches_the_reference_on_the_gpu(tower_module, dense_qkv):
     with torch.no_grad():
         got = tower(pixels.to("cuda", torch.float16), grid_thw=GRID).double().cpu()
     want = reference_features(dense, pixels, GRID)
+    assert got.shape == want.shape
     err = ((got - want).norm() / want.norm()).item()
     print(f"GPU qwen vision tower ({'split + dense qkv' if dense_qkv else 'split'}): rel err {err:.3g}")
-    assert got.shape == want.shape and err < BOUND
+    rec = gpu_record(f"qwen-vision-tower/{'split+dense-qkv' if dense_qkv else 'split'}/float16", {})
+    rec.figures["rel_err"] = err
+    rec.check("rel_err", err, BOUND)
+    rec.assert_passed()

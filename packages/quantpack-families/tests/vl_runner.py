@@ -45,7 +45,7 @@ def run_vl(job: dict) -> dict:
         ``quant_methods`` of the modules whose names start with the job's ``methods_prefix`` (default
         ``"visual."``, Qwen's tower); ``family_log`` (the family's log lines while the engine was built that contain
         the job's ``log_match``, default :data:`DROPPED`, from the job's ``logger``, default :data:`FAMILY_LOGGER`);
-        ``load_s``; with a reference that records its routers, :func:`router_decided`'s fields.
+        ``load_s``; with a reference that records its routers, ``router_tie_rows`` (:func:`router_tie_rows`).
     """
     import time
 
@@ -69,7 +69,7 @@ def run_vl(job: dict) -> dict:
     load_s = time.time() - t0
     methods = llm.apply_model(e2e.quant_methods)[0]
     lp = e2e.prompt_logprob_matrix(llm, ref["input_ids"][0].tolist(), vocab)
-    scores = {**e2e.logit_agreement(ref, lp, job.get("tie", 0.0)), **router_decided(ref, lp)}
+    scores = {**e2e.logit_agreement(ref, lp, job.get("tie", 0.0)), **router_tie_rows(ref, lp)}
     image = Image.open(job["image"]).convert("RGB")
     params = SamplingParams(max_tokens=job["tokens"], temperature=0, ignore_eos=True, logprobs=2)
     out = llm.generate([{"prompt": job["prompt"], "multi_modal_data": {"image": image}}], params, use_tqdm=False)[0]
@@ -89,35 +89,24 @@ def run_vl(job: dict) -> dict:
     }
 
 
-#: one position's KL may reach this many times a run's mean bound (the Nemotron VL packs' worst single positions,
-#: 2026-12-04: 0.93x and 0.54x the 3e-3 bound); a row of the wrong expert lies at tenths of a nat to nats
-TIE_ROW_FACTOR = 10
-
-
-def router_decided(ref: dict, lp: torch.Tensor) -> dict:
-    """Where the reference records its router near-ties (``router_margin`` ``(layers, T)``, ``router_noise``
-    ``(layers,)``, ``router_swaps``: ``nemotron_vl_pack.router_near_ties``), vLLM's prompt logprobs ``lp``
-    ``(positions, vocab)`` (row i: after token i) against it: ``kl_router_decided``, the mean KL over the positions
-    that are no router near-tie at any layer; ``router_ties``, the others (a token there may take another expert in
-    a forward that rounds as bfloat16 does); ``kl_router_tie_max``, over those, the largest KL of vLLM's row to the
-    nearest of the reference's row and its rows with the token routed to the other expert (0.0 with none). An empty
-    dict for a reference without routers."""
-    from quantpack_core.compare import agreement
+def router_tie_rows(ref: dict, lp: torch.Tensor) -> dict:
+    """Where the reference records its routers (``router_margin`` ``(layers, T)``, ``router_swaps``:
+    ``nemotron_vl_pack.router_near_ties``), ``router_tie_rows``: for each router near-tie (a token whose margin at
+    some layer is below ``quantpack_core.compare.ROUTER_NEAR_TIE``) among vLLM's prompt logprob rows ``lp``
+    ``(positions, vocab)`` (row i: after token i), the KL of vLLM's row to the nearest of the reference's row and its
+    rows with the token routed to the other expert, by token (a string, as JSON keys go). An empty dict for a
+    reference without routers."""
+    from quantpack_core.compare import ROUTER_NEAR_TIE, agreement
 
     if "router_margin" not in ref:
         return {}
     n = lp.shape[0]
-    tie = (ref["router_margin"][:, :n] < ref["router_noise"][:, None]).any(0)
-    ties = tie.nonzero().flatten().tolist()
-    ref_rows = ref["logits"][0, :n]
-    nearest = [
-        min(agreement(row[None], lp[t][None]).kl for row in (ref_rows[t], *ref["router_swaps"][t])) for t in ties
-    ]
-    return {
-        "kl_router_decided": agreement(ref_rows[~tie], lp[~tie]).kl,
-        "router_ties": ties,
-        "kl_router_tie_max": max(nearest, default=0.0),
+    ties = (ref["router_margin"][:, :n] < ROUTER_NEAR_TIE).any(0).nonzero().flatten().tolist()
+    rows = ref["logits"][0, :n]
+    nearest = {
+        str(t): min(agreement(row[None], lp[t][None]).kl for row in (rows[t], *ref["router_swaps"][t])) for t in ties
     }
+    return {"router_tie_rows": nearest}
 
 
 def reference_agreement(ref: dict, got: list[int], tie: float) -> str:
@@ -144,60 +133,61 @@ def reference_agreement(ref: dict, got: list[int], tie: float) -> str:
 
 
 def vl_failures(
-    name: str, key: str, res: dict, ref: dict, kl_bound: float, top1_bound: float = 0.0, tie: float | None = None
+    name: str, key: str, res: dict, ref: dict, rec, kl_bound, top1_bound, tie: float, tie_row=None
 ) -> list[str]:
-    """The checks every ``vl`` job shares, its figures printed (``name``: the model, for the lines): the text
-    prompt's KL (outside the router near-ties where the result has :func:`router_decided`'s fields; each of those
-    within :data:`TIE_ROW_FACTOR` times the bound of the reference's row with either expert) and top-1 over
-    the positions not within ``tie`` nats of a tie (the job's own ``tie``) within the bounds, the image prompt
-    expanded as the reference's, the greedy tokens the reference's or parting at a tie within ``tie``
-    (:func:`reference_agreement`; default ``e2e_runner.NEAR_TIE``). Returns the failures; a job with no result is
-    one."""
-    from e2e_runner import NEAR_TIE
-
-    tie = NEAR_TIE if tie is None else tie
+    """The checks every ``vl`` job shares, into its record ``rec`` (a ``gpu_records.JobRecord``, written here) and
+    its figures printed (``name``: the model, for the lines): the text prompt's KL within ``kl_bound`` - where the
+    reference records its routers, outside the router near-ties that departed (``quantpack_core.compare
+    .outside_router_ties``), each of those within ``tie_row`` of the reference's row with either expert
+    (:func:`router_tie_rows`) -; top-1 over the positions not within ``tie`` nats of a tie (the job's own ``tie``)
+    within ``top1_bound``; the image prompt expanded as the reference's; the greedy tokens the reference's or parting
+    at a tie within ``tie`` (:func:`reference_agreement`). Bounds: ``e2e_bounds.Bound``. Returns the failures; a
+    job with no result is one."""
     if "kl" not in res:
-        return [f"{key}: {res.get('failed', 'no result')}"]
-    worst = f" (worst position {res['kl_worst']}: {res['kl_max']:.2e})" if "kl_max" in res else ""
-    kl, where = res["kl"], ""
-    failures = []
-    if "kl_router_decided" in res:  # a reference with routers: the bound holds outside the router near-ties
-        kl, where = res["kl_router_decided"], f" outside the router near-ties at {res['router_ties']}"
-        worst += f", {kl:.2e}{where}, at most {res['kl_router_tie_max']:.2e} at one of them"
-        if not res["kl_router_tie_max"] <= TIE_ROW_FACTOR * kl_bound:
-            failures.append(
-                f"{key}: at a router near-tie vLLM's row is {res['kl_router_tie_max']:.3g} nats from the reference's "
-                f"with either expert (bound {TIE_ROW_FACTOR} x {kl_bound})"
-            )
-    print(
-        f"GPU {name} {key}: text KL {res['kl']:.2e}{worst}, top-1 {res['top1_decided']:.3f} over the "
-        f"{res['positions'] - res['ties']} positions not within {tie:.3g} nats of a tie; load {res['load_s']:.0f} s"
-    )
-    if not (kl <= kl_bound and res["top1_decided"] >= top1_bound):
-        failures.append(f"{key}: text prompt KL {kl:.3g}{where} (bound {kl_bound}), top-1 {res['top1_decided']:.3f}")
+        return rec.write().failures()
+    if "router_tie_rows" in res:  # a reference with routers: the bound holds outside the router near-ties
+        from quantpack_core.compare import outside_router_ties
+
+        kl = torch.tensor(res["kl_positions"], dtype=torch.float64)
+        split = outside_router_ties(kl, ref["router_margin"], kl_bound.limit)
+        rec.outside_router_ties(split)
+        rec.check("kl_outside_router_ties", split.kl, kl_bound)
+        for e in split.excluded:
+            rec.check(f"router_tie_row[{e['position']}]", res["router_tie_rows"][str(e["position"])], tie_row)
+    else:
+        rec.check("kl", res["kl"], kl_bound)
+    rec.check("top1_decided", res["top1_decided"], top1_bound)
+    rec.figures["load_s"] = res["load_s"]
     if res["prompt_ids"] != ref["image_ids"]:
-        failures.append(f"{key}: vLLM's image prompt {res['prompt_ids']} != the reference's {ref['image_ids']}")
+        rec.error = f"vLLM's image prompt {res['prompt_ids']} != the reference's {ref['image_ids']}"
     try:
-        print(f"GPU {name} {key} image greedy vs reference: {reference_agreement(ref, res['greedy'], tie)}")
+        rec.figures["image_greedy_vs_reference"] = reference_agreement(ref, res["greedy"], tie)
     except AssertionError as e:
-        failures.append(f"{key}: {e}")
-    return failures
+        rec.error = f"{rec.error or ''} {e}".strip()
+    print(
+        f"GPU {name} {key}: text KL {res['kl']:.2e} (worst position {res['kl_worst']}: {res['kl_max']:.2e}; outside "
+        f"the departed router near-ties {rec.figures.get('kl_outside_router_ties', res['kl']):.2e}, left out "
+        f"{rec.excluded}), top-1 {res['top1_decided']:.3f} over the {res['positions'] - res['ties']} positions not "
+        f"within {tie:.3g} nats of a tie; image greedy vs reference: {rec.figures.get('image_greedy_vs_reference')}; "
+        f"load {res['load_s']:.0f} s"
+    )
+    return rec.write().failures()
 
 
 def graphs_vs_eager(name: str, jobs: dict, results: dict, tie: float | None = None) -> None:
     """For every ``.../graphs`` job whose ``.../eager`` twin ran: compile + CUDA graphs give eager's greedy tokens on
     the image prompt, or part only at an eager near-tie within ``tie`` nats (``e2e_runner.greedy_agreement``, which
-    raises otherwise; default ``e2e_runner.NEAR_TIE``); each pair's line printed. Skips the test where no pair was
+    raises otherwise; default ``e2e_runner.GREEDY_TIE``); each pair's line printed. Skips the test where no pair was
     selected."""
     import pytest
-    from e2e_runner import NEAR_TIE, get, greedy_agreement
+    from e2e_runner import GREEDY_TIE, get, greedy_agreement
 
     pairs = [k for k in jobs if k.endswith("/graphs") and k.replace("/graphs", "/eager") in jobs]
     if not pairs:
         pytest.skip("eager and graphs of one pack not both selected")
     for key in pairs:
         eager, graphs = get(results, key.replace("/graphs", "/eager")), get(results, key)
-        agreement = greedy_agreement(eager, graphs, NEAR_TIE if tie is None else tie)
+        agreement = greedy_agreement(eager, graphs, GREEDY_TIE if tie is None else tie)
         print(f"GPU {name} {key} image greedy vs eager: {agreement}")
 
 

@@ -98,7 +98,19 @@ def dense_transformers_model(
 
 
 def router_top_k(model, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Run ``model(input_ids)`` and record each MoE layer's chosen experts.
+    """Run ``model(input_ids)`` and record each MoE layer's chosen experts (:func:`router_record`'s picks)."""
+    return router_record(model, input_ids)[0]
+
+
+def router_margins(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """``(MoE layers, T)`` float64: per layer (in order) and token, ``compare.router_margin`` of the router's softmax
+    probabilities, the margins ``compare.outside_router_ties`` takes (:func:`router_record`)."""
+    margins = router_record(model, input_ids)[1]
+    return torch.stack([margins[layer] for layer in sorted(margins)])
+
+
+def router_record(model, input_ids: torch.Tensor) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """Run ``model(input_ids)`` and record each MoE layer's chosen experts and router margins.
 
     Args:
         model: a transformers model whose MoE blocks call a router module named ``mlp.gate`` that returns
@@ -106,12 +118,16 @@ def router_top_k(model, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
         input_ids: ``(1, T)`` token ids.
 
     Returns:
-        ``{layer index: int64 (T, top_k)}``, experts in the router's order (descending score).
+        ``({layer index: int64 (T, top_k)}, {layer index: float64 (T,)})``: the experts in the router's order
+        (descending score), and ``compare.router_margin`` of the router's softmax probabilities.
 
     Raises:
         ValueError: the model has no such router.
     """
+    from .compare import router_margin
+
     picks: dict[int, torch.Tensor] = {}
+    margins: dict[int, torch.Tensor] = {}
     handles = []
     for name, module in model.named_modules():
         m = re.search(r"layers\.(\d+)\.mlp\.gate$", name)
@@ -120,6 +136,8 @@ def router_top_k(model, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
 
             def hook(_mod, _inp, output, layer=layer):
                 picks[layer] = output[2].detach().reshape(-1, output[2].shape[-1]).long().clone()
+                probs = output[0].detach().double().reshape(-1, output[0].shape[-1]).softmax(-1)
+                margins[layer] = router_margin(probs, picks[layer].shape[-1])
 
             handles.append(module.register_forward_hook(hook))
     if not handles:
@@ -130,4 +148,4 @@ def router_top_k(model, input_ids: torch.Tensor) -> dict[int, torch.Tensor]:
     finally:
         for h in handles:
             h.remove()
-    return picks
+    return picks, margins

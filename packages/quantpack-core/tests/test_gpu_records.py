@@ -1,0 +1,134 @@
+"""The GPU tier's records (tests/gpu_records.py and the repository conftest's hooks) as a GPU run writes them: a pytest
+run of a small module, the records folder set, writes a job record with every field the tables and a reader need and
+a tests record with every test's outcome; without the folder set it writes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+MODULE = """
+import pytest
+import torch
+from e2e_bounds import Bound
+from quantpack_core.compare import outside_router_ties
+
+KL = Bound(1e-3, "<=", 5e-5, "measured here")
+TOP1 = Bound(0.9, ">=", 0.95, "measured here")
+
+
+def test_moe_job(gpu_record):
+    res = {"kl": 0.1, "kl_median": 1e-5, "kl_max": 0.4, "kl_worst": 1, "top1": 0.95, "top1_decided": 1.0,
+           "positions": 4, "ties": 1, "kl_positions": [1e-5, 0.4, 2e-5, 1e-5]}
+    rec = gpu_record("moe/pack/eager", res)
+    kl = torch.tensor(res["kl_positions"], dtype=torch.float64)
+    margins = torch.tensor([[0.2, 1e-3, 0.3, 0.2]], dtype=torch.float64)
+    split = outside_router_ties(kl, margins, KL.limit)
+    rec.outside_router_ties(split)
+    rec.check("kl_outside_router_ties", split.kl, KL)
+    rec.check("top1", res["top1"], TOP1)
+    rec.assert_passed()
+
+
+def test_failing_job(gpu_record):
+    rec = gpu_record("dense/pack/eager", {"kl": 0.5, "top1": 0.5})
+    rec.check("kl", 0.5, KL)
+    rec.assert_passed()
+
+
+def test_job_that_did_not_run(gpu_record):
+    gpu_record("dense/other/eager", {"failed": "RuntimeError: engine core died"})
+
+
+@pytest.mark.skip(reason="not selected")
+def test_skipped():
+    pass
+
+
+@pytest.mark.xfail(reason="known", strict=True)
+def test_expected_failure():
+    assert False
+"""
+
+
+def run_module(tmp: Path, records: Path | None) -> subprocess.CompletedProcess:
+    """pytest on :data:`MODULE` (``test_gpu_demo.py``) with the repository's conftest.py as a plugin, records kept in
+    ``records`` (none when None), as GPU step ``demo`` of commit ``abc123``."""
+    mod = tmp / "pkg" / "tests"
+    mod.mkdir(parents=True, exist_ok=True)
+    (mod / "test_gpu_demo.py").write_text(MODULE)
+    (tmp / "pytest.ini").write_text("[pytest]\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "QUANTPACK_GPU_RECORDS")}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), QUANTPACK_GPU_STEP="demo")
+    env["QUANTPACK_COMMIT"] = "abc123"
+    if records is not None:
+        env["QUANTPACK_GPU_RECORDS"] = str(records)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+         "-c", str(tmp / "pytest.ini"), f"--rootdir={tmp}", str(mod)],
+        cwd=tmp, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+
+
+def test_a_run_writes_every_field_of_its_records(tmp_path):
+    proc = run_module(tmp_path / "run", tmp_path / "records")
+    assert "1 failed, 2 passed, 1 skipped, 1 xfailed" in proc.stdout, proc.stdout + proc.stderr
+    runs = list((tmp_path / "records").glob("vllm-*/*-demo"))
+    assert len(runs) == 1, runs
+    files = {p.name: json.loads(p.read_text()) for p in runs[0].glob("*.json")}
+    assert sorted(files) == [
+        "job-test_gpu_demo-dense_other_eager.json",
+        "job-test_gpu_demo-dense_pack_eager.json",
+        "job-test_gpu_demo-moe_pack_eager.json",
+        "tests-test_gpu_demo.py.json",
+    ]
+    where = {"card", "vllm", "torch", "commit", "date", "step"}
+    for record in files.values():
+        assert where <= set(record), record
+        assert record["commit"] == "abc123" and record["step"] == "demo" and record["date"].endswith("Z")
+    moe = files["job-test_gpu_demo-moe_pack_eager.json"]
+    assert moe["kind"] == "job" and moe["job"] == "moe/pack/eager" and moe["passed"] is True
+    assert moe["test"] == "test_gpu_demo.py::test_moe_job" and moe["file"] == "test_gpu_demo.py"
+    for key in ("kl", "kl_median", "kl_max", "kl_worst", "top1", "kl_outside_router_ties"):
+        assert key in moe["figures"], key
+    assert moe["excluded"] == [{"position": 1, "margin": 1e-3, "kl": 0.4}]
+    check = moe["checks"][0]
+    assert check["name"] == "kl_outside_router_ties" and check["ok"] is True
+    assert {check["limit"], check["op"], check["measured"], check["basis"]} == {1e-3, "<=", 5e-5, "measured here"}
+    failed = files["job-test_gpu_demo-dense_pack_eager.json"]
+    assert failed["passed"] is False and failed["checks"][0]["ok"] is False
+    lost = files["job-test_gpu_demo-dense_other_eager.json"]
+    assert lost["passed"] is False and lost["error"] == "RuntimeError: engine core died"
+    tests = files["tests-test_gpu_demo.py.json"]
+    assert tests["kind"] == "tests" and tests["file"] == "test_gpu_demo.py"
+    assert tests["tests"] == {
+        "test_gpu_demo.py::test_moe_job": "passed",
+        "test_gpu_demo.py::test_failing_job": "failed",
+        "test_gpu_demo.py::test_job_that_did_not_run": "passed",
+        "test_gpu_demo.py::test_skipped": "skipped",
+        "test_gpu_demo.py::test_expected_failure": "xfailed",
+    }
+
+
+def test_nothing_is_written_without_the_records_folder(tmp_path):
+    proc = run_module(tmp_path / "run", None)
+    assert "1 failed, 2 passed" in proc.stdout, proc.stdout + proc.stderr
+    assert not list(tmp_path.rglob("*.json"))
+
+
+def test_every_gpu_bound_sits_within_20x_of_its_measurement():
+    """tests/e2e_bounds.py: a ceiling lies between the worst value measured for its kind and 20x that (a kernel an
+    order of magnitude worse fails); a floor at or below the lowest measured (or no run kept one)."""
+    import e2e_bounds
+
+    assert len(e2e_bounds.ALL) >= 10
+    for name, bound in e2e_bounds.ALL.items():
+        if bound.op == "<=":
+            assert bound.measured is not None and bound.measured <= bound.limit <= 20 * bound.measured, name
+        else:
+            assert bound.op == ">=" and (bound.measured is None or bound.limit <= bound.measured), name
