@@ -21,6 +21,7 @@ import contextlib
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,7 +78,11 @@ class Display:
                 from tqdm import tqdm
 
                 fmt = "{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} [{elapsed}]" if total else "{desc} [{elapsed}]"
-                self.bar = tqdm(total=total, desc=f"{PREFIX}{name}", bar_format=fmt, file=self.stream, leave=True)
+                size = shutil.get_terminal_size()  # 80 x 24 where the terminal reports none (tqdm would draw nothing)
+                self.bar = tqdm(
+                    total=total, desc=f"{PREFIX}{name}", bar_format=fmt, file=self.stream, ncols=size.columns,
+                    nrows=size.lines,
+                )  # fmt: skip
         if self.bar is not None:
             if total is not None:
                 self.bar.total, self.bar.n = total, done or 0
@@ -125,6 +130,31 @@ def _read_lines(pipe, log, out: queue.Queue) -> None:
     out.put(None)
 
 
+def _drain(lines: queue.Queue) -> list[str | None]:
+    """The lines queued now, after waiting up to half a second for the first."""
+    try:
+        got = [lines.get(timeout=0.5)]
+    except queue.Empty:
+        return []
+    while got[-1] is not None:
+        try:
+            got.append(lines.get_nowait())
+        except queue.Empty:
+            break
+    return got
+
+
+def _die_with_parent() -> None:
+    """In the child before it runs vLLM (Linux): SIGTERM when quantpack serve dies, even by SIGKILL, so that no
+    server is left running without it; elsewhere nothing."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
@@ -162,8 +192,9 @@ class Supervisor:
         started = time.monotonic()
         with self.log_path.open("ab") as log:
             proc = subprocess.Popen(
-                self.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-            )
+                self.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )  # fmt: skip
             reader = threading.Thread(target=_read_lines, args=(proc.stdout, log, lines), daemon=True)
             reader.start()
             previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -191,17 +222,13 @@ class Supervisor:
                     proc.send_signal(signal.SIGTERM)
             if stop_sent is not None and (self.stops > 1 or time.monotonic() - stop_sent > STOP_TIMEOUT_S):
                 self._kill_group(proc, signal.SIGKILL)
-            try:
-                line = lines.get(timeout=0.5)
-            except queue.Empty:
-                line = ""
-            if line is None:
-                ended = True
-                proc.wait()
-                continue
-            if line:
-                self._on_line(line, stopping=stop_sent is not None)
-            if not self.ready and stop_sent is None:
+            for line in _drain(lines):  # every line already read, before the progress file is looked at
+                if line is None:
+                    ended = True
+                    proc.wait()
+                else:
+                    self._on_line(line, stopping=stop_sent is not None)
+            if not self.ready and stop_sent is None and not ended:
                 if (found := read_progress(progress)) is not None and found != decoded:
                     decoded = found
                     self.display.phase("decoding layers on CPU" if self.cpu else "preparing layers", *found)
