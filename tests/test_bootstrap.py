@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 #: the commands scripts/setup-env, scripts/test and scripts/lib/uv.sh call besides Python and uv (realpath: the
 #: launcher of a tool uv installs)
-SHELL_TOOLS = ("bash", "env", "dirname", "basename", "realpath")
+SHELL_TOOLS = ("bash", "env", "dirname", "basename", "realpath", "cat", "cksum")
 STDLIB_DIR = f"python{sys.version_info.major}.{sys.version_info.minor}"
 
 
@@ -166,7 +166,7 @@ def test_scripts_test_fetches_uv_and_runs_nox(python, request):
 
 def test_setup_env_builds_the_venv(with_pip):
     """``scripts/setup-env`` with no uv on PATH: .venv synced from uv.lock on the managed interpreter (3.11) and
-    vLLM importable from it; the interpreter untouched."""
+    vLLM importable from it; run again, it leaves the synced environment as it is; the interpreter untouched."""
     checkout, env, site = with_pip
     untouched = _untouched(site)
     setup = subprocess.run(["scripts/setup-env"], cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
@@ -176,4 +176,6 @@ def test_setup_env_builds_the_venv(with_pip):
         [str(checkout / ".venv/bin/python"), "-c", probe], capture_output=True, text=True, env=env, check=True
     ).stdout.split()
     assert Path(out[0]) == site.parents[2] and out[1] == "0.32.0"
+    again = subprocess.run(["scripts/setup-env"], cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0 and again.stderr == "", again.stderr[-3000:]  # in sync: nothing reinstalled
     untouched()
