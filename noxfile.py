@@ -192,10 +192,7 @@ CPU_INSTALL = (
     " --torch-backend cpu"
 )
 CORE_INSTALL = "uv pip install ./packages/quantpack-core -c constraints/cpu-vllm-{vllm}.txt --torch-backend cpu"
-CPU_SERVE = (
-    "VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model {pack}"
-    " --served-model-name llama-tiny-exl3 --max-model-len 1024"
-)
+CPU_SERVE = "quantpack serve {pack} --served-model-name llama-tiny-exl3"
 DEMO_PACK = "fixtures/llama-tiny-exl3-4.0bpw-mul1"
 #: the CPU server answers after about 2 minutes on 2 cores (most of it torch.compile)
 SERVE_TIMEOUT_S = 420
@@ -350,15 +347,12 @@ def pins(session: nox.Session) -> None:
 
 
 def _serve_and_ask(session: nox.Session, python: Path, src: Path, log: Path) -> str:
-    """Start :data:`CPU_SERVE` with ``python`` in ``src``, wait for /health, ask for a completion and return its text;
-    the server (its process group) is stopped either way."""
+    """Start :data:`CPU_SERVE` from ``python``'s environment in ``src``, wait for /health, ask for a completion and
+    return its text; the server (its process group) is stopped either way."""
     port = free_port()
     words = CPU_SERVE.format(pack=DEMO_PACK).split()
     env = {**os.environ, "VIRTUAL_ENV": str(python.parent.parent), "PATH": f"{python.parent}:{os.environ['PATH']}"}
-    while "=" in words[0]:  # the line's leading VAR=value assignments
-        name, value = words.pop(0).split("=", 1)
-        env[name] = value
-    argv = [str(python), *words[1:], "--host", "127.0.0.1", "--port", str(port)]
+    argv = [str(python.parent / words[0]), *words[1:], "--host", "127.0.0.1", "--port", str(port)]
     session.log(" ".join(argv))
     with log.open("w") as out:
         proc = subprocess.Popen(argv, cwd=src, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -371,7 +365,7 @@ def _serve_and_ask(session: nox.Session, python: Path, src: Path, log: Path) -> 
         body = {"model": "llama-tiny-exl3", "prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}
         return post_json(f"{url}/v1/completions", body)["choices"][0]["text"]
     finally:
-        stop_group(proc, wait_s=30)
+        stop_group(proc, wait_s=60)  # beyond quantpack serve's own 30 s for vLLM's stop
 
 
 @nox.session(venv_backend="none")

@@ -47,7 +47,9 @@ def test_cpu_defaults_fit_the_memory():
     assert big.args == ["--max-model-len", "40960", "--served-model-name", "m"]
     small = cpu_defaults(sizes, "m", [], {}, available=20 * GIB)
     assert small.env == {"VLLM_CPU_KVCACHE_SPACE": "1"} and small.args[:2] == ["--max-model-len", "7280"]
-    assert "VLLM_CPU_KVCACHE_SPACE=1" in small.summary and "20.0 GiB" in small.summary
+    assert "VLLM_CPU_KVCACHE_SPACE=1" in small.summary and "20.0 GiB" in small.summary and "note" not in small.summary
+    short = cpu_defaults(sizes, "m", [], {}, available=16 * GIB)  # less than the weights and the reserve
+    assert short.env == {"VLLM_CPU_KVCACHE_SPACE": "1"} and "need about 19.4 GiB" in short.summary
 
 
 def test_cpu_defaults_keep_what_is_given():

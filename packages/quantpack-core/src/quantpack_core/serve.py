@@ -157,34 +157,35 @@ class CpuDefaults:
     summary: str
 
 
-def cpu_defaults(sizes: PackSizes, name: str, args: list[str], env: dict[str, str], available: int) -> CpuDefaults:
-    """Settings for what the user left out, fitting ``available`` bytes of memory.
-
-    The KV cache (``VLLM_CPU_KVCACHE_SPACE``, whole GiB, at least 1) takes :data:`KV_SHARE` of what is left beside the
-    weights and :data:`CPU_RESERVE` (rounded down), and no more than :data:`KV_SEQUENCES` sequences of the model's
-    whole length;
-    ``--max-model-len`` is the longest one sequence that fits it (at most the config's ``max_position_embeddings``,
-    a multiple of :data:`BLOCK`); ``--served-model-name`` is ``name``. A value the user gave (argument or
-    environment) is kept, and the KV cache grows to hold a given ``--max-model-len``.
-    """
-    given_len = option(args, "--max-model-len")
+def kv_cache_gib(sizes: PackSizes, available: int, length: int | None) -> int:
+    """Whole GiB of KV cache: :data:`KV_SHARE` of the memory left beside the weights and :data:`CPU_RESERVE`
+    (rounded down), no more than :data:`KV_SEQUENCES` sequences of the model's whole length, at least 1, and room for
+    one sequence of ``length`` tokens where one is given."""
     per_token = sizes.kv_per_token
+    want = max(available - sizes.weights - CPU_RESERVE, 0) * KV_SHARE
+    if per_token and sizes.max_positions:
+        want = min(want, per_token * sizes.max_positions * KV_SEQUENCES)
+    kv = max(1, int(want // GIB))
+    if per_token and length:
+        kv = max(kv, -(-per_token * length // GIB))
+    return kv
+
+
+def cpu_defaults(sizes: PackSizes, name: str, args: list[str], env: dict[str, str], available: int) -> CpuDefaults:
+    """Settings for what the user left out, fitting ``available`` bytes of memory: ``VLLM_CPU_KVCACHE_SPACE``
+    (:func:`kv_cache_gib`), ``--max-model-len`` the longest one sequence that fits it (at most the config's
+    ``max_position_embeddings``, a multiple of :data:`BLOCK`), ``--served-model-name`` ``name``. A value the user gave
+    (argument or environment) is kept, and the KV cache grows to hold a given ``--max-model-len``."""
+    given_len = option(args, "--max-model-len")
     chosen_env, chosen_args, said = {}, [], []
-    kv_gib = env.get("VLLM_CPU_KVCACHE_SPACE")
-    if kv_gib is None:
-        spare = max(available - sizes.weights - CPU_RESERVE, 0)
-        want = spare * KV_SHARE
-        if per_token and sizes.max_positions:
-            want = min(want, per_token * sizes.max_positions * KV_SEQUENCES)
-        kv = max(1, int(want // GIB))
-        if per_token and given_len and given_len.isdigit():  # room for one sequence of the given length
-            kv = max(kv, -(-per_token * int(given_len) // GIB))
+    if "VLLM_CPU_KVCACHE_SPACE" in env:
+        kv = float(env["VLLM_CPU_KVCACHE_SPACE"])
+    else:
+        kv = kv_cache_gib(sizes, available, int(given_len) if given_len and given_len.isdigit() else None)
         chosen_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv)
         said.append(f"VLLM_CPU_KVCACHE_SPACE={kv} (GiB of KV cache)")
-    else:
-        kv = float(kv_gib)
-    if given_len is None and per_token:
-        fits = int(kv * GIB) // per_token // BLOCK * BLOCK
+    if given_len is None and sizes.kv_per_token:
+        fits = int(kv * GIB) // sizes.kv_per_token // BLOCK * BLOCK
         length = min(fits, sizes.max_positions) if sizes.max_positions else fits
         chosen_args += ["--max-model-len", str(length)]
         said.append(f"--max-model-len {length}")
@@ -197,7 +198,30 @@ def cpu_defaults(sizes: PackSizes, name: str, args: list[str], env: dict[str, st
         if said
         else f"CPU settings as given ({weights})"
     )
+    if available < sizes.weights + CPU_RESERVE:
+        summary += (
+            f"; note: the weights and vLLM's processes need about {(sizes.weights + CPU_RESERVE) / GIB:.1f} GiB, more "
+            "than is available: the server may run out of memory"
+        )
     return CpuDefaults(chosen_env, chosen_args, summary)
+
+
+def compile_cache_env(env: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """vllm-cpu's compile cache, that a second start of the same pack reuses (docs/troubleshooting.md): (variables
+    to set, what to print). vllm-cpu 0.32 saves its torch.compile result as an AOT artifact it then cannot load
+    ("Compiling model again due to a load failure ... 'function' object has no attribute 'finalize_loading'", with or
+    without the plugins), so ``VLLM_USE_AOT_COMPILE=0``; the compiled kernels come from inductor's own cache, kept
+    under vLLM's cache root (``TORCHINDUCTOR_CACHE_DIR``) rather than in /tmp. Values the user set are kept."""
+    chosen, said = {}, []
+    if "VLLM_USE_AOT_COMPILE" not in env:
+        chosen["VLLM_USE_AOT_COMPILE"] = "0"
+        said.append("VLLM_USE_AOT_COMPILE=0 (vllm-cpu cannot reload its AOT artifact)")
+    if "TORCHINDUCTOR_CACHE_DIR" not in env:
+        cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.expanduser(env.get("VLLM_CACHE_ROOT") or os.path.join(cache, "vllm"))
+        chosen["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "torch_compile_cache", "inductor")
+        said.append(f"TORCHINDUCTOR_CACHE_DIR={chosen['TORCHINDUCTOR_CACHE_DIR']}")
+    return chosen, said
 
 
 def vllm_serve_argv(model: str, args: list[str]) -> list[str]:
@@ -250,9 +274,13 @@ def serve(model: str, revision: str | None, args: list[str], verbose: bool, log_
         folder, option(args, "--dtype"), int(tp) if tp.isdigit() else 1, option(args, "--kv-cache-dtype")
     )
     chosen = cpu_defaults(sizes, name, args, dict(os.environ), available_memory())
+    cache_env, cache_said = compile_cache_env(dict(os.environ))
     slug = re.sub(r"[^\w.-]+", "-", name)
     log = log_file or Path(tempfile.gettempdir()) / f"quantpack-serve-{slug}-{os.getpid()}.log"
-    print(f"{PREFIX}{dist} {release}; {chosen.summary}\n{PREFIX}vLLM's log: {log}", file=sys.stderr)
+    lines = [f"{dist} {release}; {chosen.summary}", f"compile cache: {', '.join(cache_said)}" if cache_said else "",
+             f"vLLM's log: {log}"]  # fmt: skip
+    print("\n".join(PREFIX + line for line in lines if line), file=sys.stderr)
+    env = {**os.environ, **chosen.env, **cache_env}
     argv = api_server_argv(folder, [*chosen.args, *args])
-    supervisor = Supervisor(argv, {**os.environ, **chosen.env}, health_url(args), log, cpu=True, verbose=verbose)
+    supervisor = Supervisor(argv, env, health_url(args), log, cpu=True, verbose=verbose)
     return supervisor.run()
