@@ -29,7 +29,8 @@ STDLIB_DIR = f"python{sys.version_info.major}.{sys.version_info.minor}"
 
 
 def _managed_python(prefix: Path, with_pip: bool) -> Path:
-    """An externally managed copy of the running interpreter under ``prefix``; its ``bin`` folder."""
+    """An externally managed copy of the running interpreter under ``prefix``; the folder it installs packages into
+    (its ``purelib``: ``lib/python3.X/site-packages``, Debian's ``local/lib/python3.X/dist-packages``)."""
     base = Path(sys.base_prefix)
     binary = Path(os.path.realpath(sys._base_executable))
     (prefix / "bin").mkdir(parents=True)
@@ -46,11 +47,14 @@ def _managed_python(prefix: Path, with_pip: bool) -> Path:
     (stdlib / "EXTERNALLY-MANAGED").write_text(
         "[externally-managed]\nError=This Python is managed by the system: use a virtual environment.\n"
     )
-    site = stdlib / "site-packages"
-    site.mkdir()
+    probe = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    site = Path(subprocess.run([str(prefix / "bin" / "python3"), "-c", probe], capture_output=True, text=True,
+                               check=True).stdout.strip())  # fmt: skip
+    assert site.is_relative_to(prefix), site
+    site.mkdir(parents=True, exist_ok=True)
     if with_pip:  # where Debian's python3-pip puts it: importable from the interpreter's own paths
         _add_pip(site, binary)
-    return prefix / "bin"
+    return site
 
 
 def _add_pip(site: Path, base_python: Path) -> None:
@@ -106,10 +110,10 @@ def _listing(folder: Path) -> list[str]:
 
 def _managed(tmp: Path, with_pip: bool) -> tuple[Path, dict[str, str], Path]:
     """(checkout copy, environment, the interpreter's site-packages) for a managed Python without / with pip."""
-    python_bin = _managed_python(tmp / "python", with_pip)
+    site = _managed_python(tmp / "python", with_pip)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "UV_", "PYTHON", "NOX"))}
-    env["PATH"] = _tools_path(tmp, python_bin)
-    return _checkout_copy(tmp / "checkout"), env, tmp / "python" / "lib" / STDLIB_DIR / "site-packages"
+    env["PATH"] = _tools_path(tmp, tmp / "python" / "bin")
+    return _checkout_copy(tmp / "checkout"), env, site
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +147,8 @@ def test_the_interpreters_are_externally_managed(with_pip, no_pip):
     for _, env, site in (with_pip, no_pip):
         out = subprocess.run(["python3", "-c", probe], env=env, capture_output=True, text=True, check=True).stdout
         prefix, stdlib = out.split()
-        assert Path(prefix) == site.parents[2] and (Path(stdlib) / "EXTERNALLY-MANAGED").is_file()
+        assert Path(prefix).name == "python" and site.is_relative_to(prefix)  # the copy's own prefix
+        assert (Path(stdlib) / "EXTERNALLY-MANAGED").is_file()
     env = with_pip[1]
     pip = subprocess.run(["python3", "-m", "pip", "install", "nox"], env=env, capture_output=True, text=True)
     assert pip.returncode != 0 and "externally-managed-environment" in pip.stderr, pip.stderr
@@ -175,7 +180,7 @@ def test_setup_env_builds_the_venv(with_pip):
     out = subprocess.run(
         [str(checkout / ".venv/bin/python"), "-c", probe], capture_output=True, text=True, env=env, check=True
     ).stdout.split()
-    assert Path(out[0]) == site.parents[2] and out[1] == "0.32.0"
+    assert site.is_relative_to(out[0]) and Path(out[0]).name == "python" and out[1] == "0.32.0"
     again = subprocess.run(["scripts/setup-env"], cwd=checkout, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and again.stderr == "", again.stderr[-3000:]  # in sync: nothing reinstalled
     untouched()
