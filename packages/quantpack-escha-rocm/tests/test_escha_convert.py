@@ -33,7 +33,7 @@ def converted(fixtures_dir, tmp_path_factory):
     src = fixtures_dir / SOURCE
     before = digest(src)
     out = tmp_path_factory.mktemp("escha") / "pack"
-    report = escha_from_exl3(src, out, biases=True)
+    report = escha_from_exl3(src, out, biases=True, random_split=True)
     assert digest(src) == before, "the source pack was modified"
     return src, out, report
 
@@ -57,6 +57,23 @@ def test_every_coded_module_computes_the_exl3_module(converted):
         x = torch.randn(3, t.padded_shape[0], dtype=torch.float64)
         y, ref = reference_linear(x, e, torch.float64), exl3_linear(x, t, torch.float64)
         assert float((y - ref).norm() / ref.norm()) < 3e-3, key
+
+
+def test_the_default_split_is_plain_and_the_output_the_same_each_time(fixtures_dir, tmp_path):
+    """Without --random-split: s_in = s_out = 1 and rin / rout the EXL3 scales over sqrt(128) in float16, no biases,
+    and two conversions of the same pack give the same files byte for byte."""
+    first = escha_from_exl3(fixtures_dir / SOURCE, tmp_path / "a").out_dir
+    second = escha_from_exl3(fixtures_dir / SOURCE, tmp_path / "b").out_dir
+    assert digest(first) == digest(second)
+    pack, got = Pack.open(fixtures_dir / SOURCE), tensors(first)
+    coded = [k for k, m in pack.modules.items() if m.format == "exl3" and not k.endswith("lm_head")]
+    for key in coded:
+        t = pack.exl3_tensors(key)
+        assert torch.equal(got[f"{key}.escha_s_in"], torch.ones_like(got[f"{key}.escha_s_in"]))
+        assert torch.equal(got[f"{key}.escha_s_out"], torch.ones_like(got[f"{key}.escha_s_out"]))
+        assert torch.equal(got[f"{key}.escha_rin"], (t.suh.float() / math.sqrt(128)).half())
+        assert torch.equal(got[f"{key}.escha_rout"], (t.svh.float() / math.sqrt(128)).half())
+        assert f"{key}.bias" not in got
 
 
 def test_tables_are_int8_rows_with_float16_scales(converted, fixtures_dir):
@@ -147,6 +164,12 @@ def test_the_quantpack_cli_runs_the_converter(fixtures_dir, tmp_path):
     res = CliRunner().invoke(main, ["escha-from-exl3", str(fixtures_dir / SOURCE), "--out", str(tmp_path / "p")])
     assert res.exit_code == 0, res.output
     assert "28 coded modules (K 4)" in res.output and (tmp_path / "p" / "config.json").exists()
+    assert "random" not in res.output
+    res = CliRunner().invoke(
+        main, ["escha-from-exl3", str(fixtures_dir / SOURCE), "--out", str(tmp_path / "r"), "--random-split"]
+    )
+    assert res.exit_code == 0 and "random scale split" in res.output, res.output
+    assert digest(tmp_path / "r")["model.safetensors"] != digest(tmp_path / "p")["model.safetensors"]
     res = CliRunner().invoke(main, ["escha-from-exl3", str(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1"),
                                     "--out", str(tmp_path / "q")])  # fmt: skip
     assert res.exit_code == 2 and "error:" in res.output and "mcg" in res.output
@@ -222,3 +245,21 @@ def test_moe_packs_and_int8_tables_are_refused_before_anything_is_written(fixtur
     with pytest.raises(ConversionError, match=r"embed_tokens: already int8 rows \(quantpack embed-int8\); convert"):
         escha_from_exl3(int8, tmp_path / "out-int8")
     assert not (tmp_path / "out-int8").exists()
+
+
+@pytest.mark.parametrize("options", [[], ["--random-split", "--biases"]], ids=["plain", "random-split-biases"])
+def test_quantpack_verify_accepts_the_converted_pack(fixtures_dir, tmp_path, options):
+    """``quantpack verify`` takes the escha pack the converter writes (decoded by this plugin's dense decoder, its
+    biases not applied as escha serves it) against the source EXL3 pack's exllamav3 logits: within verify's bounds
+    for logits (KL <= 1e-2, top-1 >= 95%); the escha pack carries no reference of its own, which verify names."""
+    pytest.importorskip("transformers")
+    from quantpack_core.cli import main
+
+    out = tmp_path / "escha"
+    res = CliRunner().invoke(main, ["escha-from-exl3", str(fixtures_dir / SOURCE), "--out", str(out), *options])
+    assert res.exit_code == 0, res.output
+    reference = fixtures_dir / SOURCE / "reference_logits.pt"
+    res = CliRunner().invoke(main, ["verify", str(out), "--against", str(reference)])
+    assert res.exit_code == 0 and "within the bounds" in res.output, res.output
+    res = CliRunner().invoke(main, ["verify", str(out)])
+    assert res.exit_code == 2 and "no reference to verify against" in res.output, res.output

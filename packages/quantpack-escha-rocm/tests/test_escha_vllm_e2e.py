@@ -48,8 +48,8 @@ def edited(src: Path, dst: Path, config=None, drop=(), tensors_fn=None) -> Path:
 def results(fixtures_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("escha_e2e")
     src = fixtures_dir / SOURCE
-    plain = escha_from_exl3(src, tmp / "plain").out_dir
-    biased = escha_from_exl3(src, tmp / "biased", seed=1, biases=True).out_dir
+    plain = escha_from_exl3(src, tmp / "plain", random_split=True).out_dir
+    biased = escha_from_exl3(src, tmp / "biased", seed=1, biases=True, random_split=True).out_dir
     layer0 = "model.layers.0"
 
     def drop_k(qc):
@@ -70,7 +70,7 @@ def results(fixtures_dir, tmp_path_factory):
     def bad_k(qc):
         qc["layer_meta"][f"{layer0}.mlp.down_proj"]["K"] = 0
 
-    merged = escha_from_exl3(fixtures_dir / MERGED, tmp / "merged").out_dir
+    merged = escha_from_exl3(fixtures_dir / MERGED, tmp / "merged", random_split=True).out_dir
     reference = str(src / "reference_logits.pt")
     jobs = {
         "plain": {"kind": "logits", "pack": str(plain), "dtype": "float32", "eager": True, "reference": reference},

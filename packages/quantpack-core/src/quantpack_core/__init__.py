@@ -2,51 +2,40 @@
 
 The reference trellis codec (:mod:`.codebook`, :mod:`.trellis`, :mod:`.hadamard`, :mod:`.codec`), the pack reader and
 validator (:mod:`.pack`), the naming rules between checkpoints and vLLM (:mod:`.names`) and a writer of small packs
-(:mod:`.synthetic`). Importing it imports torch and safetensors only.
+(:mod:`.synthetic`). The names below are loaded on first use (PEP 562), so that importing the package, or its
+``quantpack`` command line, imports no torch until a command needs it; using one imports torch and safetensors only.
 """
 
-from .codec import (
-    LEGAL_K,
-    Codebook,
-    Exl3Tensors,
-    codebook_table,
-    codebook_values,
-    decode_matrix,
-    decode_tiles,
-    dequantize,
-    had128,
-    hadamard_matrix,
-    k_from_width,
-    reference_linear,
-    unpack_signs,
-    width_from_k,
-)
-from .errors import CodecError, GeometryError, PackError, Problem, QuantpackError
-from .pack import ModuleInfo, Pack, TensorInfo
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LEGAL_K",
-    "Codebook",
-    "CodecError",
-    "Exl3Tensors",
-    "GeometryError",
-    "ModuleInfo",
-    "Pack",
-    "PackError",
-    "Problem",
-    "QuantpackError",
-    "TensorInfo",
-    "codebook_table",
-    "codebook_values",
-    "decode_matrix",
-    "decode_tiles",
-    "dequantize",
-    "had128",
-    "hadamard_matrix",
-    "k_from_width",
-    "reference_linear",
-    "unpack_signs",
-    "width_from_k",
-]
+#: public name -> the submodule that defines it
+_EXPORTS = {
+    **dict.fromkeys(
+        (
+            "LEGAL_K", "Codebook", "Exl3Tensors", "codebook_table", "codebook_values", "decode_matrix",
+            "decode_tiles", "dequantize", "had128", "hadamard_matrix", "k_from_width", "reference_linear",
+            "unpack_signs", "width_from_k",
+        ),
+        ".codec",
+    ),
+    **dict.fromkeys(("CodecError", "GeometryError", "PackError", "Problem", "QuantpackError"), ".errors"),
+    **dict.fromkeys(("ModuleInfo", "Pack", "TensorInfo"), ".pack"),
+}  # fmt: skip
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

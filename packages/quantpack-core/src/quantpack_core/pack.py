@@ -92,6 +92,29 @@ ESCHA_IN_SCALES = ("escha_rin", "escha_s_in")
 ESCHA_OUT_SCALES = ("escha_rout", "escha_s_out")
 #: storage kinds holding a trellis (K and codebook known)
 CODED_FORMATS = ("exl3", "escha")
+#: entry-point group of the plugins' dense decoders (``quantpack verify``, the reference model): a coded format's name
+#: -> ``decode(tensors, dtype)``, a module's stored tensors by suffix -> the dense tensors of transformers' layer by
+#: suffix (``weight`` as ``(out, in)``, ...)
+DENSE_DECODERS = "quantpack.dense_decoders"
+
+
+def dense_decoder(fmt: str):
+    """The dense decoder an installed plugin registers for coded format ``fmt`` (:data:`DENSE_DECODERS`).
+
+    Raises:
+        CodecError: no installed package registers one.
+    """
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=DENSE_DECODERS):
+        if ep.name == fmt:
+            return ep.load()
+    raise CodecError(
+        f"no installed package decodes {fmt!r} modules (entry point group {DENSE_DECODERS}): install the plugin that "
+        f"serves {fmt} packs"
+    )
+
+
 FIX_ESCHA_META = "re-download or re-convert the pack"
 
 
@@ -1852,7 +1875,8 @@ class Pack:
         self, dtype: torch.dtype = torch.float32, shapes: dict[str, tuple[int, ...]] | None = None
     ) -> dict[str, torch.Tensor]:
         """The whole pack as a dense HF state dict: every EXL3 module dequantized to ``<key>.weight`` (``(out, in)``,
-        nn.Linear layout), every int8-row table to ``<key>.weight = rows * scales``
+        nn.Linear layout), a module of another coded format by its plugin's decoder (:func:`dense_decoder`), every
+        int8-row table to ``<key>.weight = rows * scales``
         (:func:`quantpack_core.codec.int8_rows.dequantize_rows`), everything else cast to ``dtype``.
 
         Args:
@@ -1865,6 +1889,7 @@ class Pack:
 
         Raises:
             GeometryError: a target shape larger than the stored one.
+            CodecError: no installed package decodes a module's format.
         """
         from .codec import dequantize
         from .codec.int8_rows import dequantize_rows
@@ -1880,6 +1905,10 @@ class Pack:
                 for suffix, info in m.tensors.items():
                     if suffix not in (rows_name, scales_name):
                         out[info.name] = self.get_tensor(info.name).to(dtype)
+                continue
+            if m.format in CODED_FORMATS and m.format != "exl3":  # another plugin's format: its decoder
+                stored = {suffix: self.get_tensor(info.name) for suffix, info in m.tensors.items()}
+                out |= {f"{key}.{suffix}": v for suffix, v in dense_decoder(m.format)(stored, dtype).items()}
                 continue
             if m.format != "exl3":
                 for info in m.tensors.values():

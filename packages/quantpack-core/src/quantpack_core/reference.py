@@ -1,9 +1,10 @@
 """A pack as a dense transformers model: the test oracle of every serving path.
 
-Every EXL3 tensor of a pack is decoded by the core codec (:meth:`quantpack_core.pack.Pack.dense_state_dict`),
-trimmed to the model's logical shapes, and loaded into transformers' own model class in float32 (or float64), so a
-forward pass gives reference logits that depend only on the pack's weights and transformers' model code - no kernel
-of exllamav3 or vLLM. :func:`router_top_k` records which experts each MoE layer picks.
+Every EXL3 tensor of a pack is decoded by the core codec (:meth:`quantpack_core.pack.Pack.dense_state_dict`; a module
+of another coded format by its plugin's decoder), trimmed to the model's logical shapes, and loaded into transformers'
+own model class in float32 (or float64), so a forward pass gives reference logits that depend only on the pack's
+weights and transformers' model code - no kernel of exllamav3 or vLLM. :func:`router_top_k` records which experts each
+MoE layer picks.
 
 Needs ``transformers`` (not a dependency of quantpack-core; the test environments install it). Follows transformers
 5's checkpoint layout: MoE experts as fused ``experts.gate_up_proj (E, 2I, H)`` / ``experts.down_proj (E, H, I)``
@@ -71,7 +72,7 @@ def dense_transformers_model(
     """
     import transformers
 
-    pack = Pack.open(pack_dir)
+    pack = Pack.open(pack_dir, require_exl3=False)  # EXL3, or another plugin's coded format (Pack.dense_state_dict)
     cfg = transformers.AutoConfig.from_pretrained(pack_dir)
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config

@@ -179,7 +179,9 @@ def verify_pack(
     if min_top1 is not None and not (math.isfinite(min_top1) and 0 <= min_top1 <= 1):
         raise VerifyError(f"--min-top1 {min_top1}: give a fraction between 0 and 1 (0.95 for 95%)")
     pack = Path(pack)
-    Pack.open(pack)  # a missing or unsound pack is named first
+    qc = _config_top(pack).get("quantization_config")
+    method = str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else ""
+    Pack.open(pack, require_exl3=method != "escha")  # a missing or unsound pack is named first
     source = Path(against) if against is not None else pack / REFERENCE_FILE
     if not source.exists():
         raise VerifyError(

@@ -132,6 +132,21 @@ def dequantize(t: EschaTensors, dtype: torch.dtype = torch.float32) -> torch.Ten
     return t.input_scale(dtype)[:, None] * w * t.output_scale(dtype)[None, :]
 
 
+def dense_tensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """One escha module as transformers' linear layer holds it (the ``quantpack.dense_decoders`` entry point:
+    ``quantpack verify`` and the reference model): ``weight`` ``(out, in)``, and a zero ``bias`` where the pack stores
+    one (escha never applies it, and the model's layer then has one).
+
+    Raises:
+        CodecError: a missing or malformed tensor (:meth:`EschaTensors.from_tensors`).
+    """
+    t = EschaTensors.from_tensors(tensors)
+    out = {"weight": dequantize(t, dtype).T.contiguous()}
+    if t.bias is not None:
+        out["bias"] = torch.zeros(t.bias.shape, dtype=dtype)
+    return out
+
+
 def reference_linear(
     x: torch.Tensor, t: EschaTensors, dtype: torch.dtype = torch.float32, out_features: int | None = None
 ) -> torch.Tensor:

@@ -3,8 +3,10 @@
 escha's codes are EXL3 trellis tiles decoded with mcg (docs/escha-format.md), so each EXL3 module becomes an escha
 module with the same code: ``escha_code = trellis``, and the EXL3 scales (applied around normalized transforms)
 split into escha's four (applied around unnormalized ones): ``s_in * rin = suh / sqrt(128)`` and
-``rout * s_out = svh / sqrt(128)``, with ``s_in`` / ``s_out`` drawn at random in [0.5, 2] so that a reader who
-swaps the pre- and post-scales, or drops one, gets a different layer. ``embed_tokens`` and ``lm_head`` (an EXL3 head
+``rout * s_out = svh / sqrt(128)``. By default the split is the plain one, ``s_in = s_out = 1`` (the same pack for the
+same source, byte for byte); ``random_split`` (a test device) draws ``s_in`` / ``s_out`` at random in [0.5, 2] so that
+a reader who swaps the pre- and post-scales, or drops one, gets a different layer. ``embed_tokens`` and ``lm_head``
+(an EXL3 head
 is decoded first) are stored as int8 rows ``weight_int8`` with a float16 per-row ``weight_scale``, as escha packs
 store them. ``layer_meta`` lists every coded module with its K; optionally each coded module gets a random nonzero
 ``bias`` (which escha never applies) and the config switches the model's biases on so that they are loaded.
@@ -58,22 +60,28 @@ class ConversionReport:
     biases: bool
 
 
-def split_scale(total: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``total`` (float32) as ``(r, s)`` float16 with ``r * s ~= total``: ``s`` random in [0.5, 2], ``r`` the rest."""
+def split_scale(total: torch.Tensor, g: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``total`` (float32) as ``(r, s)`` float16 with ``r * s ~= total``: ``s`` random in [0.5, 2] drawn from ``g``,
+    or 1 without a generator; ``r`` the rest."""
+    if g is None:
+        return total.half(), torch.ones_like(total, dtype=torch.float16)
     s = torch.exp2(torch.rand(total.shape, generator=g) * 2 - 1).half()
     r = (total / s.float()).half()
     return r, s
 
 
-def escha_from_exl3(src: str | Path, out: str | Path, *, seed: int = 0, biases: bool = False) -> ConversionReport:
+def escha_from_exl3(
+    src: str | Path, out: str | Path, *, seed: int = 0, biases: bool = False, random_split: bool = False
+) -> ConversionReport:
     """Write the escha pack of an mcg-coded EXL3 pack (see the module).
 
     Args:
         src: the EXL3 pack (validated first; only read).
         out: the new escha pack's directory (created; must not exist or be empty).
-        seed: seed of the scale split and the biases.
+        seed: seed of the random scale split and the biases.
         biases: write a random nonzero ``bias`` for every coded module and set the config's ``attention_bias`` /
-            ``mlp_bias``.
+            ``mlp_bias`` (a test device).
+        random_split: split each scale at random (a test device; see the module) instead of ``s_in = s_out = 1``.
 
     Returns:
         a :class:`ConversionReport`.
@@ -136,8 +144,9 @@ def escha_from_exl3(src: str | Path, out: str | Path, *, seed: int = 0, biases: 
         t = pack.exl3_tensors(key)
         k_in, n_out = t.padded_shape
         k_bits = int(t.k_bits)
-        rin, s_in = split_scale(t.suh.float() / math.sqrt(HAD_BLOCK), g)
-        rout, s_out = split_scale(t.svh.float() / math.sqrt(HAD_BLOCK), g)
+        split = g if random_split else None
+        rin, s_in = split_scale(t.suh.float() / math.sqrt(HAD_BLOCK), split)
+        rout, s_out = split_scale(t.svh.float() / math.sqrt(HAD_BLOCK), split)
         tensors.update(
             {
                 f"{key}.{CODE}": t.trellis.contiguous(),

@@ -1,0 +1,134 @@
+"""``quantpack serve``'s supervision of vLLM's server (quantpack_core.supervise) on a child that prints what vLLM
+0.32's CPU server prints at start and at stop (its lines copied from a real log) and answers /health like it: what the
+user sees while it starts, once ready and after Ctrl-C, and a server that dies before it is ready. The real server:
+quantpack-exl3's test_exl3_serve.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+#: vLLM 0.32's lines, the plugins' progress and vLLM's shutdown noise, then /health; SIGTERM ends it
+SERVER = textwrap.dedent("""
+    import http.server, os, signal, sys, threading, time
+    from quantpack_core.progress import report_modules
+
+    def say(line):
+        print(line, flush=True)
+
+    port, fail = int(sys.argv[1]), sys.argv[2] == "fail"
+    say("(APIServer pid=1) INFO 12-06 04:03:16 [api_utils.py:286] non-default args: {}")
+    say("(APIServer pid=1) WARNING 12-06 04:04:07 [cpu.py:224] Triton is not installed.")
+    if fail:
+        say("Traceback (most recent call last):")
+        say("RuntimeError: Engine core initialization failed. See root cause above.")
+        sys.exit(3)
+    sys.stdout.write("Loading safetensors checkpoint shards:   0% Completed | 0/2 [00:00<?, ?it/s]\\r")
+    sys.stdout.write("Loading safetensors checkpoint shards: 100% Completed | 2/2 [00:00<00:00, 140.44it/s]\\n")
+    for done in range(1, 6):
+        report_modules(done, 5)
+        time.sleep(0.6)
+    say("(Worker pid=2) INFO 12-06 03:58:48 [cpu_model_runner.py:87] Warming up model for the compilation...")
+    say("(EngineCore pid=3) INFO 12-06 03:59:49 [shm_broadcast.py:871] No available shared memory broadcast block "
+        "found in 60 seconds. This typically happens when some processes are hanging or doing some time-consuming work")
+    say("(EngineCore pid=3) INFO 12-06 03:59:50 [shm_broadcast.py:871] No available shared memory broadcast block "
+        "found in 60 seconds.")
+    say("(Worker pid=2) INFO 12-06 04:00:16 [cpu_model_runner.py:91] Warming up done.")
+    say("(EngineCore pid=3) INFO 12-06 04:00:19 [core.py:402] init engine (profile, create kv cache, warmup model) "
+        "took 90.63 s")
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            say('INFO:     127.0.0.1:1 - "GET /health HTTP/1.1" 200 OK')
+
+        def log_message(self, *args):
+            pass
+
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    stopped.wait()
+    say("(APIServer pid=1) INFO 12-06 04:08:27 [launcher.py:282] [shutdown] API server: signalling HTTP server")
+    print("nanobind: leaked 4 instances!", file=sys.stderr, flush=True)
+    print("Traceback (most recent call last):\\nvllm.v1.engine.exceptions.EngineDeadError: dead", file=sys.stderr)
+""")
+RUN = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from quantpack_core.supervise import Supervisor
+    port, mode, log = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    argv = [sys.executable, sys.argv[4], port, mode]
+    sys.exit(Supervisor(argv, {}, f"http://127.0.0.1:{port}", log, cpu=True, verbose=False).run())
+""")
+
+
+def _start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, Path, Path]:
+    from http_server import free_port
+
+    (tmp_path / "server.py").write_text(SERVER)
+    out, log = tmp_path / "out.txt", tmp_path / "vllm.log"
+    argv = [sys.executable, "-c", RUN, str(free_port()), mode, str(log), str(tmp_path / "server.py")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with out.open("w") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, out, log
+
+
+def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in path.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no {text!r} (exit {proc.poll()}):\n{path.read_text()}")
+        time.sleep(0.2)
+
+
+def test_phases_warnings_ready_and_a_one_line_stop(tmp_path):
+    proc, out, log = _start(tmp_path, "serve")
+    try:
+        _wait_for(out, "ready at", proc)
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the foreground group, the supervisor's
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = out.read_text().splitlines()
+    want = [
+        "quantpack serve: starting vLLM",
+        "(APIServer pid=1) WARNING 12-06 04:04:07 [cpu.py:224] Triton is not installed.",
+        "quantpack serve: reading shards 0/2",
+        "quantpack serve: reading shards 2/2",
+        "quantpack serve: decoding layers on CPU",  # its first count depends on when it was read: prefix only
+        "quantpack serve: decoding layers on CPU 5/5",
+        "quantpack serve: compiling (torch.compile) and warming up",
+        "(EngineCore pid=3) INFO 12-06 03:59:49 [shm_broadcast.py:871] No available shared memory broadcast block",
+        "quantpack serve: vLLM's shared-memory warning above means",
+        "(EngineCore pid=3) INFO 12-06 03:59:50 [shm_broadcast.py:871] No available shared memory broadcast block",
+        "quantpack serve: starting the server",
+        "quantpack serve: ready at http://127.0.0.1:",
+        f"quantpack serve: stopped (vLLM's log: {log})",
+    ]
+    assert len(lines) == len(want) and all(a.startswith(b) for a, b in zip(lines, want, strict=True)), lines
+    whole = log.read_text()
+    for kept in ("non-default args", "nanobind: leaked", "EngineDeadError", "GET /health", "signalling HTTP server"):
+        assert kept in whole and (kept == "non-default args" or kept not in out.read_text()), kept
+
+
+def test_a_server_that_dies_before_it_is_ready(tmp_path):
+    """Its exit status, and the end of its log with the error, then where the whole log is."""
+    proc, out, log = _start(tmp_path, "fail")
+    assert proc.wait(timeout=60) == 3
+    text = out.read_text()
+    assert "RuntimeError: Engine core initialization failed" in text
+    assert text.rstrip().endswith(
+        f"quantpack serve: vLLM exited with status 3 before it was ready; its whole log: {log}"
+    )
