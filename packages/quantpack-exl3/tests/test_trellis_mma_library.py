@@ -1,4 +1,4 @@
-"""The trellis_mma kernels' library on a machine without a GPU: nvcc compiles ``csrc/trellis_mma.cu`` for sm_90 (a
+"""The trellis_mma kernels' library on a machine without a GPU: nvcc compiles ``csrc/`` for sm_90 (a
 compile error fails here, before any GPU run); the kernels' own decode (window, state extraction, codebook hash,
 fp16 arithmetic, fragment placement), built for the host from the same source, equals the project's codec bit for
 bit on random tiles of every K and codebook; the host-side launch plan (how k is split over CTAs) keeps the rules the
@@ -14,9 +14,9 @@ from quantpack_core.codec.trellis import HALF_K, LEGAL_K, decode_tiles, tile_wor
 from quantpack_exl3.backends.trellis_mma import library
 from quantpack_exl3.backends.trellis_mma.ops import COUNTERS, PARTIAL_FLOATS
 
-#: partial rows a column block's last CTA sums at most (TAIL_ROWS in csrc/trellis_mma.cu)
+#: partial rows a column block's last CTA sums at most (TAIL_ROWS in csrc/common.cuh)
 TAIL_ROWS = 128
-#: parts of one column block under stream-K above 16 rows (WIDE_PARTS in csrc/trellis_mma.cu)
+#: parts of one column block under stream-K above 16 rows (WIDE_PARTS in csrc/linear.cu)
 WIDE_PARTS = 8
 
 needs_nvcc = pytest.mark.skipif(library.nvcc_path() is None, reason="needs nvcc (the CUDA toolkit's compiler)")

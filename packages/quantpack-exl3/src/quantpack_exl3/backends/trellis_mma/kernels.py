@@ -4,7 +4,7 @@ Each lane of a warp decodes 8 weights of a 16x16 trellis tile straight into its 
 fragment, so a tile is read and decoded once for up to 64 rows and the decoded weights never leave registers; k is
 split over CTAs until the GPU is full, and the input / output Hadamard transforms run inside the same launch for up
 to 16 rows (the decode case), for all shards of a layer that share its input in one launch (:meth:`fuse`).
-``csrc/trellis_mma.cu`` describes the kernels; :mod:`.library` builds them with nvcc
+``csrc/`` (linear.cu, moe.cu, common.cuh) describes the kernels; :mod:`.library` builds them with nvcc
 (once per GPU architecture, cached) and loads them with ctypes. The trellis stays as the pack stores it (memory = the
 pack's size). Every K (1..8, 1.5 / 2.5 / 3.5 with mul1) and codebook; float16 and bfloat16 models (the activations
 are rounded to fp16 after the input transform, which keeps bf16 models' range in the kernels' own calls; float32

@@ -1,9 +1,10 @@
-"""Building and loading the trellis_mma kernels (``csrc/trellis_mma.cu``): nvcc alone, no torch headers, loaded with
-ctypes.
+"""Building and loading the trellis_mma kernels (``csrc/``): nvcc alone, no torch headers, loaded with ctypes.
 
-The source is compiled once per (source, nvcc version, flags, GPU architecture) into a shared library cached under
-``$QUANTPACK_CACHE_DIR`` (default ``$XDG_CACHE_HOME/quantpack`` or ``~/.cache/quantpack``): nvcc runs on one core,
-for about 2 minutes on a 2-core CI machine and less on a fast core.
+The sources are compiled once per (sources, nvcc version, flags, GPU architecture) into a shared library cached under
+``$QUANTPACK_CACHE_DIR`` (default ``$XDG_CACHE_HOME/quantpack`` or ``~/.cache/quantpack``). Each ``.cu`` of
+:data:`UNITS` is its own translation unit, compiled by its own nvcc process, all at once, then linked into one
+library; a unit may ask for the arch-specific target on Hopper (``sm_90a``: wgmma and the other instructions only
+that architecture has) while the others build for the plain architecture.
 Its entry points take device pointers and a ``cudaStream_t``, so the library does not depend on the torch build.
 ``QUANTPACK_NVCC`` names the compiler; otherwise ``$CUDA_HOME/bin/nvcc``, then ``nvcc`` on ``PATH``.
 """
@@ -18,18 +19,43 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger("vllm.quantpack.exl3")
 
-SOURCE = Path(__file__).with_name("csrc") / "trellis_mma.cu"
+CSRC = Path(__file__).with_name("csrc")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One translation unit of the library.
+
+    Attributes:
+        source: its file under ``csrc/``.
+        hopper_specific: built for ``sm_90a`` on Hopper (compute capability 9.0), for instructions only that
+            architecture has (wgmma); for the plain architecture on every other GPU.
+    """
+
+    source: str
+    hopper_specific: bool = False
+
+    def gencode(self, arch: int) -> str:
+        """Its nvcc ``-gencode`` option for compute capability ``arch``."""
+        target = f"{arch}a" if self.hopper_specific and arch == 90 else str(arch)
+        return f"-gencode=arch=compute_{target},code=sm_{target}"
+
+
+#: the library's translation units (each includes ``csrc/common.cuh``)
+UNITS = (Unit("linear.cu"), Unit("moe.cu"))
 #: what to install when nvcc is missing
 NVCC_HINT = (
     "install the CUDA toolkit's nvcc (one that knows your GPU's architecture, and no newer than your driver) and put "
     "it on PATH, or set CUDA_HOME or QUANTPACK_NVCC; or serve with QUANTPACK_EXL3_BACKEND=exllamav3"
 )
-#: nvcc flags besides the architecture (part of the cache key)
-FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
+#: nvcc flags of each unit's compilation besides its architecture, and of the link (part of the cache key)
+COMPILE_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC")
+LINK_FLAGS = ("-shared",)
 #: return codes of the library's entry points below 0
 ERRORS = {
     -1: "bad geometry (k and n must be multiples of 128, the input no wider than k, out_features at most n)",
@@ -80,7 +106,8 @@ def cache_dir() -> Path:
 
 def library_path(arch: int, nvcc: str | None = None) -> Path:
     """Where :func:`build` keeps (or finds) the library for ``arch`` built by ``nvcc``: under :func:`cache_dir`,
-    named by a hash of the source, ``nvcc --version``'s output, the flags and the architecture, so a library built on
+    named by a hash of the sources (every ``.cu`` and ``.cuh``), ``nvcc --version``'s output, the flags (each unit's
+    architecture option too) and the architecture, so a library built on
     another machine with the same compiler and copied there is used as is (``ci/gpu/stage.sh`` stages one).
 
     Args:
@@ -97,8 +124,13 @@ def library_path(arch: int, nvcc: str | None = None) -> Path:
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise LibraryError(f"trellis_mma: {nvcc} --version failed ({e}); {NVCC_HINT}") from None
-    ident = SOURCE.read_bytes() + version.encode() + str(arch).encode() + " ".join(FLAGS).encode()
-    return cache_dir() / f"trellis_mma-sm{arch}-{hashlib.sha256(ident).hexdigest()[:16]}.so"
+    ident = hashlib.sha256()
+    for source in sorted(CSRC.iterdir()):  # every source and header, by name
+        if source.suffix in (".cu", ".cuh"):
+            ident.update(source.name.encode() + b"\0" + source.read_bytes())
+    flags = (*COMPILE_FLAGS, *LINK_FLAGS, *(f"{u.source}:{u.gencode(arch)}" for u in UNITS))
+    ident.update(version.encode() + str(arch).encode() + " ".join(flags).encode())
+    return cache_dir() / f"trellis_mma-sm{arch}-{ident.hexdigest()[:16]}.so"
 
 
 def build(arch: int, nvcc: str | None = None) -> Path:
@@ -127,15 +159,46 @@ def build(arch: int, nvcc: str | None = None) -> Path:
     logger.info("quantpack-exl3: building the trellis_mma kernels for sm_%d with %s (once, 1-2 minutes)", arch, nvcc)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [nvcc, *FLAGS, f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", str(out), str(SOURCE)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise LibraryError(
-                f"trellis_mma: building its kernels failed ({' '.join(cmd)}); QUANTPACK_EXL3_BACKEND=exllamav3 "
-                f"serves without them:\n{done.stderr[-4000:]}"
-            )
+        objects = _compile_units(nvcc, arch, Path(tmp))
+        _run([nvcc, *LINK_FLAGS, "-o", str(out), *map(str, objects)])
         os.replace(out, target)  # atomic: another process building the same key sees a whole file or none
     return target
+
+
+def _compile_units(nvcc: str, arch: int, tmp: Path) -> list[Path]:
+    """Compile each unit of :data:`UNITS` to an object in ``tmp``: one nvcc process per unit, all running at once.
+
+    Raises:
+        LibraryError: a unit failed to compile (the first failing one's command and output).
+    """
+    objects, running = [], []
+    for unit in UNITS:
+        obj = tmp / f"{unit.source}.o"
+        cmd = [nvcc, *COMPILE_FLAGS, unit.gencode(arch), "-c", "-o", str(obj), str(CSRC / unit.source)]
+        running.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+        objects.append(obj)
+    failed = None
+    for cmd, proc in running:
+        _, stderr = proc.communicate()
+        if proc.returncode != 0 and failed is None:
+            failed = (cmd, stderr)
+    if failed is not None:
+        _fail(*failed)
+    return objects
+
+
+def _run(cmd: list[str]) -> None:
+    """Run one build command (the link); :class:`LibraryError` with its output when it fails."""
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        _fail(cmd, done.stderr)
+
+
+def _fail(cmd: list[str], stderr: str) -> None:
+    raise LibraryError(
+        f"trellis_mma: building its kernels failed ({' '.join(cmd)}); QUANTPACK_EXL3_BACKEND=exllamav3 "
+        f"serves without them:\n{stderr[-4000:]}"
+    )
 
 
 @functools.cache

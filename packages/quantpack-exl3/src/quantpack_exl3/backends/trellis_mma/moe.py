@@ -1,5 +1,5 @@
 """The trellis_mma backend's expert-bank op, ``quantpack::trellis_moe_``: one MoE layer's EXL3 experts over the routed
-tokens through the grouped kernels of ``csrc/trellis_mma.cu`` (the route launch, one gate/up and one down launch for
+tokens through the grouped kernels of ``csrc/moe.cu`` (the route launch, one gate/up and one down launch for
 every K group of the bank, each CTA at its work item's K, the reduction), and the per-GPU buffers those launches
 share.
 
@@ -8,7 +8,7 @@ one chunk of :data:`SLOTS` picks: the route's arrays, the gate / up outputs (fp1
 A call of more tokens runs in chunks of ``SLOTS // top_k`` tokens (a loop whose length depends on the token count
 only). The split-K partials and counters are the linear kernels' workspace (:func:`.ops.reserve`).
 
-Source: docs/moe-bank.md (slots, K groups, pointer tables), docs/exl3-format.md ("The math"); ``csrc/trellis_mma.cu``
+Source: docs/moe-bank.md (slots, K groups, pointer tables), docs/exl3-format.md ("The math"); ``csrc/moe.cu``
 describes the kernels.
 """
 
@@ -27,7 +27,7 @@ from .ops import reserve, workspace
 
 #: picks (token x choice) one chunk of launches routes: bounds every buffer below
 SLOTS = 2048
-#: rows of one work item (MOE_ROWS in csrc/trellis_mma.cu)
+#: rows of one work item (MOE_ROWS in csrc/moe.cu)
 ITEM_ROWS = 16
 #: K groups one bank may have (MOE_MAX_GROUPS)
 MAX_GROUPS = 16
@@ -222,7 +222,7 @@ def trellis_moe_(
         quantpack_exl3.backends.trellis_mma.library.LibraryError: no buffers reserved on this GPU, unsupported dtypes,
             or a launch failed (the message names the step).
 
-    Source: docs/moe-bank.md; ``csrc/trellis_mma.cu`` (expert banks).
+    Source: docs/moe-bank.md; ``csrc/moe.cu`` (expert banks).
     """
     torch.ops.quantpack.trellis_moe_(
         x, topk_ids, topk_weights, perm, tables, w13_trellis, w2_trellis, w13_suh, w13_svh, w2_suh, w2_svh,

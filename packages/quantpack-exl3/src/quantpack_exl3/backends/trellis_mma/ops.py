@@ -235,7 +235,7 @@ def _exllamav3_gemm():
     return run_exl3_gemm
 
 
-#: shards one launch runs (MAX_SHARDS in csrc/trellis_mma.cu)
+#: shards one launch runs (MAX_SHARDS in csrc/linear.cu)
 MAX_SHARDS = 8
 
 
@@ -389,6 +389,6 @@ def trellis_mma_(
     Raises:
         quantpack_exl3.backends.trellis_mma.library.LibraryError: a launch failed (the message names the shape).
 
-    Source: docs/exl3-format.md ("The math"); ``csrc/trellis_mma.cu`` describes the kernels.
+    Source: docs/exl3-format.md ("The math"); ``csrc/linear.cu`` describes the kernels.
     """
     torch.ops.quantpack.trellis_mma_(x, [trellis], [suh], [svh], codebook, k_bits, [out_features], route, out, col)

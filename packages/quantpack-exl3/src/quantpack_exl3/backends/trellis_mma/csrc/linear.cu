@@ -1,0 +1,670 @@
+// EXL3 linear layer for few rows: the trellis is decoded in registers straight into tensor-core fragments.
+//
+// y = had128(had128(x * suh) @ What) * svh for one EXL3 shard (docs/exl3-format.md, "The math"), where What is stored
+// as 16x16 trellis tiles; up to 16 rows, one launch runs several shards that share the input (a layer's q / k / v or
+// gate / up, same K and codebook) from a table of shards, each CTA finding its shard from its column block. One CTA owns 128 output columns (one Hadamard block, 8 tile columns, one per warp) and a
+// slice of the reduction dimension k; every lane of a warp decodes 8 of the 256 weights of each tile, which land
+// exactly in its B fragment of two mma.m16n8k16 (the format's tensor-core placement, step 4), so the decoded weights
+// never touch memory and each tile is decoded once for up to 64 rows (MB fragments of 16 rows).
+//
+// Per CTA:
+//   1. The transformed input had128(x * suh) (fp16): with FUSED (one row, when inline_rows allows) a one-row panel
+//      of up to 1024 columns is built in shared memory from x by the CTA itself; otherwise the
+//      transform kernel below wrote it once for all column blocks and it streams into a ring of A slices in the
+//      CTA's shared memory, one slice per trellis group, in the same cp.async groups (ARing).
+//   2. Each warp streams its tile column's trellis through a private cp.async ring (GROUPS_IN_FLIGHT groups of GROUP
+//      tiles along k, one group per cp.async instruction per lane), decodes each tile (state extraction by funnel shifts from a lane's 16 + 8K bit window, the codebook hash, one fp16
+//      add / fma per pair of weights) and multiplies it with the panel's A fragments into fp32 accumulators.
+//   3. The 128-column partial sums go to shared memory. With a split of k over several CTAs (split-K, for parallelism
+//      when there are few column blocks), each CTA stores its partial to a workspace and the last CTA of the column
+//      block (an arrival counter) sums the partials in split order, so results are deterministic and a CUDA-graph
+//      replay is bit-identical to an eager call.
+//   4. The CTA that holds the full sums applies the output Hadamard transform, svh, and writes the shard's columns
+//      of the output in the model dtype.
+//
+// Host entry points are plain C (extern "C") and take device pointers and a cudaStream_t, so the library builds
+// with nvcc alone and loads with ctypes (quantpack_exl3/backends/trellis_mma/library.py).
+
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "common.cuh"
+
+namespace qp {
+
+constexpr int MAX_SHARDS = 8;  // shards one launch runs
+constexpr int WIDE_PARTS = 8;   // stream-K above 16 rows: at most this many parts of a column block (the split plan's
+                                // splits at 64 rows with 2 CTAs per SM on the 8B shapes)
+constexpr int PANEL_BATCH = 2;  // input blocks a warp loads before transforming them (memory-level parallelism)
+
+// One shard of a launch: its tensors and where its columns go.
+struct Shard {
+    const uint8_t* trellis;  // (k/16, n/16, tile bytes)
+    const __half* suh;       // (k,)
+    const __half* svh;       // (n,)
+    int n;                   // stored output features (a multiple of 128)
+    int col;                 // first output column it writes
+    int out_features;        // columns it writes (<= n)
+    int block0;              // its first column block in the launch's grid
+};
+
+struct Params {
+    const void* x;   // (rows, x_width) activations, fp16 or bf16, row stride x_stride elements
+    const void* xh;  // (shards, rows, k) fp16 had128(x * suh) of each shard, row stride k (non-fused kernels only)
+    void* out;       // (rows, *) model dtype, row stride out_stride
+    float* partials;  // split-K partial sums: (chunks, splits, mrows, n), n = the shards' stored columns in order
+    int* counters;    // (chunks, n / 128) arrival counters, zero between launches
+    Shard shard[MAX_SHARDS];
+    int shards;
+    int rows, x_width, x_stride, k, n, out_stride;
+    int slice_tiles;  // k tiles per split (a multiple of 8)
+    int splits;
+    long long units;  // stream-K: k units (128 columns) of the launch's column blocks, per chunk
+    int ctas;         // stream-K: CTAs per chunk
+    int mrows;  // rows per chunk in the partials (min(rows, 16 * MB))
+    int bf16;   // x and out are bf16 (else fp16)
+};
+
+// x * suh of one row's 128-column block (lane holds 4 values), zero beyond x_width.
+__device__ __forceinline__ void input_load(const Params& p, const __half* suh, int row, int kc, int lane,
+                                           float (&v)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int c = kc + lane * 4 + i;
+        v[i] = c < p.x_width ? load_act(p.x, (size_t)row * p.x_stride + c, p.bf16) * __half2float(suh[c]) : 0.0f;
+    }
+}
+
+// A field of shard i of the launch's table, by unrolled selects (no local-memory copy of the table).
+template <class V>
+__device__ __forceinline__ V field(const Params& p, int i, V Shard::*member) {
+    V v = p.shard[0].*member;
+#pragma unroll
+    for (int j = 1; j < MAX_SHARDS; ++j)
+        if (j == i) v = p.shard[j].*member;
+    return v;
+}
+
+// A CTA's k units (k / 128 per column block, blocks in order) under stream-K (up to 64 rows, one chunk): CTA c of `ctas` takes units
+// [c * units / ctas, (c + 1) * units / ctas); owner() is the CTA whose range holds unit u.
+struct StreamKPlan {
+    long long units;
+    int ctas;
+    __host__ __device__ long long start(int c) const { return (long long)c * units / ctas; }
+    __host__ __device__ int owner(long long u) const { return (int)(((u + 1) * ctas - 1) / units); }
+};
+
+// One item of a stream-K CTA: column block nb, its k units [k0, k1), the slot its partial goes to (2 per CTA: its
+// first item, and its last when that is a part of a block too), and the CTAs whose parts the block sums.
+struct StreamKItem {
+    int nb, k0, k1, slot, seg_first, seg_last;
+};
+
+// The item of CTA c (of `plan`, kunits units per block) that starts at unit u, its `item`-th.
+__host__ __device__ __forceinline__ StreamKItem streamk_item(const StreamKPlan& plan, int kunits, int c, long long u,
+                                                             int item) {
+    StreamKItem it;
+    it.nb = (int)(u / kunits);
+    it.k0 = (int)(u % kunits);
+    const long long left = plan.start(c + 1) - u;
+    it.k1 = left < kunits - it.k0 ? it.k0 + (int)left : kunits;
+    it.slot = 2 * c + (item == 0 ? 0 : 1);
+    it.seg_first = plan.owner((long long)it.nb * kunits);
+    it.seg_last = plan.owner((long long)(it.nb + 1) * kunits - 1);
+    return it;
+}
+
+// The slot where CTA c left its part of block nb: its first item's, unless nb is a later (its last) item.
+__host__ __device__ __forceinline__ int streamk_slot(const StreamKPlan& plan, int kunits, int c, int nb) {
+    return 2 * c + (plan.start(c) / kunits == nb ? 0 : 1);
+}
+
+// The CTA's work on one item: the chunk's rows x column block nb x k tiles [kt0, kt0 + ktiles), then the item's
+// end. With the split plan (STREAMK false) the item is (column block, split): its partial goes to the split's rows
+// of the workspace and the block's last CTA sums the p.splits partials. With stream-K the item is a CTA's share of
+// a block (a CTA's range of k units may span blocks: StreamKPlan): a whole block writes its output directly, a
+// part goes to the CTA's slot (`slot`: 2 per CTA, its first and its last item) and the last of the block's CTAs
+// `seg_first`..`seg_last` sums their slots in that order. Returns early (nothing left to do) when another CTA sums.
+// Dynamic shared memory of one kernel instantiation: the A panel (or, after it, the 128-column partial sums) and the
+// warps' trellis rings.
+template <int KA, bool HALFK, int MB, bool FUSED>
+__host__ __device__ constexpr int smem_bytes() {
+    constexpr int MROWS = 16 * MB;
+    constexpr int A_BYTES = FUSED ? (64 * 16 + 8) * 2 : ARing<MB>::BYTES;  // FUSED: one row (cta_item)
+    constexpr int F_BYTES = MROWS * F_STRIDE * 4;
+    return (A_BYTES > F_BYTES ? A_BYTES : F_BYTES) + WARPS * GROUPS_IN_FLIGHT * GROUP * Tile<KA, HALFK>::BYTES;
+}
+
+template <int CB, int KA, bool HALFK, int MB, bool FUSED, bool STREAMK>
+__device__ __forceinline__ void cta_item(const Params& p, uint8_t* smem, int& last_arrival, const int nb, const int kt0,
+                                         const int ktiles, const int chunk, const int split, const int slot,
+                                         const int seg_first, const int seg_last) {
+    using T = Tile<KA, HALFK>;
+    constexpr int MROWS = 16 * MB;
+    static_assert(!FUSED || MB == 1, "the in-CTA transform builds one row of one 16-row fragment");
+    constexpr int PANEL = 64;                 // FUSED: k tiles of A held in shared memory at once
+    static_assert(PANEL % (GROUPS_IN_FLIGHT * GROUP) == 0, "TileStream::panel() needs panels of whole ring rounds");
+    constexpr int A_STRIDE = PANEL * 16 + 8;  // halves; +16 bytes keeps ldmatrix rows on distinct banks
+    // FUSED serves one row (the panel holds it once; every lane's ldmatrix row address is that row, so the 16-row
+    // fragment is the row repeated and only its first output row is kept)
+    constexpr int A_BYTES = FUSED ? A_STRIDE * 2 : ARing<MB>::BYTES;
+    constexpr int F_BYTES = MROWS * F_STRIDE * 4;
+    constexpr int AF_BYTES = A_BYTES > F_BYTES ? A_BYTES : F_BYTES;
+
+    __half* A = reinterpret_cast<__half*>(smem);
+    float* F = reinterpret_cast<float*>(smem);
+    uint32_t* ring = reinterpret_cast<uint32_t*>(smem + AF_BYTES);
+    static_assert(AF_BYTES + WARPS * GROUPS_IN_FLIGHT * GROUP * T::BYTES == smem_bytes<KA, HALFK, MB, FUSED>(),
+                  "smem_bytes() sizes this CTA's shared memory");
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row0 = chunk * MROWS;
+    const int rows = min(p.rows - row0, MROWS);
+
+    // this CTA's shard: only its index stays live, its fields are read where they are used (fewer registers)
+    int si = 0;
+#pragma unroll
+    for (int i = 1; i < MAX_SHARDS; ++i)
+        if (i < p.shards && nb >= p.shard[i].block0) si = i;
+    const int lnb = nb - field(p, si, &Shard::block0);  // column block within the shard
+    const int ntiles_n = field(p, si, &Shard::n) / 16;
+    const uint8_t* trellis = field(p, si, &Shard::trellis);
+
+    // this warp's tile column
+    const int tn = lnb * (BLOCK_N / 16) + warp;
+    const size_t tile_stride = (size_t)ntiles_n * T::BYTES;
+    uint32_t* warp_ring = ring + warp * GROUPS_IN_FLIGHT * TileStream<CB, KA, HALFK>::GROUP_WORDS;
+    const uint8_t* warp_tiles = trellis + ((size_t)kt0 * ntiles_n + tn) * T::BYTES;
+
+    float acc[MB][2][4];
+#pragma unroll
+    for (int m = 0; m < MB; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[m][h][e] = 0.0f;
+
+    if constexpr (FUSED) {
+        TileStream<CB, KA, HALFK> stream(warp_ring, warp_tiles, tile_stride, ktiles, lane);
+        const __half* a_lane = A + (lane / 16) * 8;  // row 0 for every lane: see A_BYTES
+        const __half* suh = field(p, si, &Shard::suh);
+        for (int p0 = 0; p0 < ktiles; p0 += PANEL) {
+            const int ptiles = min(PANEL, ktiles - p0);
+            // 1. the A panel had128(x * suh): one row of ptiles * 16 fp16 (rows is 1 here), its blocks of 128
+            // columns PANEL_BATCH per warp loaded before any is transformed; every lane's fragment row reads it
+            __syncthreads();
+            const int kc0 = (kt0 + p0) * 16;
+            const int blocks = ptiles / 8, items = rows * blocks;
+            for (int item0 = warp * PANEL_BATCH; item0 < items; item0 += WARPS * PANEL_BATCH) {
+                float v[PANEL_BATCH][4];
+#pragma unroll
+                for (int j = 0; j < PANEL_BATCH; ++j) {
+                    const int item = item0 + j;
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) v[j][i] = 0.0f;
+                    if (item < items) input_load(p, suh, row0 + item / blocks, kc0 + item % blocks * 128, lane, v[j]);
+                }
+#pragma unroll
+                for (int j = 0; j < PANEL_BATCH; ++j) {
+                    const int item = item0 + j;
+                    if (item < items) {  // warp-uniform
+                        input_transform(v[j], lane);
+                        __half2* dst = reinterpret_cast<__half2*>(A + item / blocks * A_STRIDE + item % blocks * 128 +
+                                                                  lane * 4);
+                        dst[0] = __floats2half2_rn(v[j][0], v[j][1]);
+                        dst[1] = __floats2half2_rn(v[j][2], v[j][3]);
+                    }
+                }
+            }
+            __syncthreads();
+
+            // 2. decode and multiply the panel's tiles
+            stream.template panel<MB, A_STRIDE>(a_lane, ptiles, acc);
+        }
+    } else {
+        // 1-2. the transformed input (xh, written by the transform launch) streams into the CTA's A ring in step
+        // with the trellis groups; decode and multiply
+        using AR = ARing<MB>;
+        const __half* xh = static_cast<const __half*>(p.xh) + ((size_t)si * p.rows + row0) * p.k + (size_t)kt0 * 16;
+        TileStream<CB, KA, HALFK, AR> stream(warp_ring, warp_tiles, tile_stride, ktiles, lane, AR(A, xh, p.k, rows));
+        stream.template streamed<MB, AR::STRIDE, AR::SLOT>(A + (lane % 16) * AR::STRIDE + (lane / 16) * 8, ktiles,
+                                                           acc);
+    }
+    cp_async_wait<0>();
+
+    // 3. partial sums of the 128 columns into shared memory
+    __syncthreads();
+    {
+        const int g = lane / 4, c = warp * 16 + 2 * (lane % 4);
+#pragma unroll
+        for (int m = 0; m < MB; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                F[(m * 16 + g) * F_STRIDE + c + h * 8] = acc[m][h][0];
+                F[(m * 16 + g) * F_STRIDE + c + h * 8 + 1] = acc[m][h][1];
+                F[(m * 16 + g + 8) * F_STRIDE + c + h * 8] = acc[m][h][2];
+                F[(m * 16 + g + 8) * F_STRIDE + c + h * 8 + 1] = acc[m][h][3];
+            }
+    }
+    __syncthreads();
+
+    const int segments = STREAMK ? seg_last - seg_first + 1 : p.splits;
+    if (segments > 1) {
+        // partials and their sum move as float4 (a row's 128 columns are 32 of them; rows start 16-byte aligned in
+        // the workspace, n being a multiple of 128, and in F, F_STRIDE a multiple of 4). Split plan: (chunk, split,
+        // mrows, n); stream-K: (chunk, slot, mrows, 128)
+        const size_t n0 = (size_t)nb * BLOCK_N;
+        const size_t stride = STREAMK ? BLOCK_N : p.n;
+        float* mine = STREAMK ? p.partials + (size_t)(chunk * 2 * p.ctas + slot) * p.mrows * BLOCK_N
+                              : p.partials + ((size_t)(chunk * p.splits + split) * p.mrows) * p.n + n0;
+        for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4)
+            *reinterpret_cast<float4*>(mine + (size_t)(e / BLOCK_N) * stride + e % BLOCK_N) =
+                *reinterpret_cast<const float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N);
+        __threadfence();
+        __syncthreads();
+        int* counter = p.counters + (size_t)chunk * (p.n / BLOCK_N) + nb;
+        if (threadIdx.x == 0) last_arrival = atomicAdd(counter, 1) == segments - 1;
+        __syncthreads();
+        if (!last_arrival) return;
+        __threadfence();
+        if constexpr (STREAMK) {
+            // the block's parts in CTA order (deterministic), each from the slot its CTA wrote it to
+            __shared__ int part_slot[TAIL_ROWS];
+            const StreamKPlan plan{p.units, p.ctas};
+            for (int i = threadIdx.x; i < segments; i += THREADS)
+                part_slot[i] = streamk_slot(plan, p.k / 128, seg_first + i, nb);
+            __syncthreads();
+            const float* slots = p.partials + (size_t)chunk * 2 * p.ctas * p.mrows * BLOCK_N;
+            for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4) {
+                float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+                for (int i = 0; i < segments; ++i) {
+                    const float4 v =
+                        __ldcg(reinterpret_cast<const float4*>(slots + (size_t)part_slot[i] * p.mrows * BLOCK_N + e));
+                    s.x += v.x;
+                    s.y += v.y;
+                    s.z += v.z;
+                    s.w += v.w;
+                }
+                *reinterpret_cast<float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N) = s;
+            }
+        } else {
+            const float* all = p.partials + ((size_t)chunk * p.splits * p.mrows) * p.n + n0;
+            for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4) {
+                const size_t at = (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N;
+                float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // summed in split order: deterministic
+#pragma unroll 8
+                for (int sp = 0; sp < p.splits; ++sp) {
+                    const float4 v = __ldcg(reinterpret_cast<const float4*>(all + (size_t)sp * p.mrows * p.n + at));
+                    s.x += v.x;
+                    s.y += v.y;
+                    s.z += v.z;
+                    s.w += v.w;
+                }
+                *reinterpret_cast<float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N) = s;
+            }
+        }
+        if (threadIdx.x == 0) *counter = 0;
+        __syncthreads();
+    }
+
+    // 4. output Hadamard transform, svh, the shard's columns of the output
+    const __half* svh = field(p, si, &Shard::svh);
+    const int shard_col = field(p, si, &Shard::col), shard_out = field(p, si, &Shard::out_features);
+    for (int m = warp; m < rows; m += WARPS) {
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = F[m * F_STRIDE + lane * 4 + i];
+        fwht128(v, lane);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int c = lnb * BLOCK_N + lane * 4 + i;
+            if (c < shard_out)
+                store_act(p.out, (size_t)(row0 + m) * p.out_stride + shard_col + c,
+                          v[i] * HAD_SCALE * __half2float(svh[c]), p.bf16);
+        }
+    }
+}
+
+
+// The split plan: a CTA per (column block, split, row chunk).
+template <int CB, int KA, bool HALFK, int MB, bool FUSED>
+__global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    __shared__ int last_arrival;
+    const int split = blockIdx.y, kt0 = split * p.slice_tiles;
+    cta_item<CB, KA, HALFK, MB, FUSED, false>(p, smem, last_arrival, blockIdx.x, kt0,
+                                              min(p.slice_tiles, p.k / 16 - kt0), blockIdx.z, split, 0, 0, 0);
+}
+
+// Stream-K (up to 64 rows, one chunk): CTA blockIdx.x walks its range of the launch's k units (StreamKPlan), an item
+// per column block it meets. Up to 16 rows at most 64 registers, so that 4 CTAs fit an SM as with the split plan
+// (the item loop's state would otherwise take 80; a few bytes spill); the 64-row kernel 2 CTAs per SM, as the split
+// plan's default there (3 would spill 68 bytes in the k loop).
+template <int CB, int KA, bool HALFK, int MB, bool FUSED>
+__global__ void __launch_bounds__(THREADS, MB == 1 ? 4 : 2) trellis_mma_streamk_kernel(const Params p) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    __shared__ int last_arrival;
+    const StreamKPlan plan{p.units, p.ctas};
+    const int c = blockIdx.x, kunits = p.k / 128;
+    const long long u1 = plan.start(c + 1);
+    long long u = plan.start(c);
+    for (int item = 0; u < u1; ++item) {
+        const StreamKItem it = streamk_item(plan, kunits, c, u, item);
+        __syncthreads();  // the last item's output transform has read its sums (which alias the A panel)
+        cta_item<CB, KA, HALFK, MB, FUSED, true>(p, smem, last_arrival, it.nb, it.k0 * 8, (it.k1 - it.k0) * 8, 0, 0,
+                                                 it.slot, it.seg_first, it.seg_last);
+        u += it.k1 - it.k0;
+    }
+}
+
+// The kernel of an instantiation.
+template <int CB, int KA, bool HALFK, int MB, bool FUSED, bool STREAMK>
+inline auto kernel_of() {
+    if constexpr (STREAMK) {
+        return trellis_mma_streamk_kernel<CB, KA, HALFK, MB, FUSED>;
+    } else {
+        return trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>;
+    }
+}
+
+// had128(x * suh) / sqrt(128) of every row into xh (fp16, row stride k) for each of the launch's shards (shard i's
+// rows at i * rows): one warp per 128-column block.
+__global__ void __launch_bounds__(THREADS) input_transform_kernel(const Params p) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int blocks = p.k / 128;
+    const long item = (long)blockIdx.x * WARPS + warp;
+    if (item >= (long)p.shards * p.rows * blocks) return;
+    const int si = item / ((long)p.rows * blocks), row = item / blocks % p.rows, b = item % blocks;
+    float v[4];
+    input_load(p, field(p, si, &Shard::suh), row, b * 128, lane, v);
+    input_transform(v, lane);
+    __half2* dst = reinterpret_cast<__half2*>(static_cast<__half*>(const_cast<void*>(p.xh)) +
+                                              ((size_t)si * p.rows + row) * p.k + b * 128 + lane * 4);
+    dst[0] = __floats2half2_rn(v[0], v[1]);
+    dst[1] = __floats2half2_rn(v[2], v[3]);
+}
+
+
+// Raises a kernel instantiation's shared-memory limit once per device (at warm-up, before any CUDA-graph capture)
+// and gives how many of its CTAs fit in one SM at once (*fit; cached with the limit). Returns 0 or a CUDA error code.
+template <int CB, int KA, bool HALFK, int MB, bool FUSED, bool STREAMK>
+int configure(int* fit) {
+    static int fits[64] = {};  // per device; 0 = not configured yet
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e != cudaSuccess) return (int)e;
+    int& cached = fits[device & 63];
+    if (cached == 0) {
+        auto kernel = kernel_of<CB, KA, HALFK, MB, FUSED, STREAMK>();
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<KA, HALFK, MB, FUSED>());
+        if (e != cudaSuccess) return (int)e;
+        int n = 0;
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, THREADS, smem_bytes<KA, HALFK, MB, FUSED>());
+        if (e != cudaSuccess) return (int)e;
+        cached = n > 0 ? n : 1;
+    }
+    *fit = cached;
+    return 0;
+}
+
+template <int CB, int KA, bool HALFK, int MB, bool FUSED, bool STREAMK>
+int launch(const Params& p, dim3 grid, cudaStream_t stream) {
+    int fit = 0;
+    const int e = configure<CB, KA, HALFK, MB, FUSED, STREAMK>(&fit);
+    if (e != 0) return e;
+    kernel_of<CB, KA, HALFK, MB, FUSED, STREAMK>()<<<grid, THREADS, smem_bytes<KA, HALFK, MB, FUSED>(), stream>>>(p);
+    return (int)cudaGetLastError();
+}
+
+
+template <int MB, bool FUSED, bool STREAMK = false>
+int dispatch(const Params& p, int codebook, int k2, dim3 grid, cudaStream_t s) {
+    return with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
+        return launch<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, MB, FUSED, STREAMK>(p, grid, s);
+    });
+}
+
+// CTAs of the kernel a launch of (codebook, 2K, MB, FUSED) uses that fit in one SM at once (*fit). Returns 0, a CUDA
+// error code, -2 (no such K) or -3 (bad codebook).
+template <int MB, bool FUSED, bool STREAMK = false>
+int resident_ctas(int codebook, int k2, int* fit) {
+    return with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
+        return configure<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, MB, FUSED, STREAMK>(fit);
+    });
+}
+
+}  // namespace qp
+
+// Plan of one call: how many CTAs split k, given the column blocks (n: all shards' stored columns) and row chunks.
+// As many splits as keep the grid within target_ctas CTAs (one wave: a grid just above it, e.g. 560 CTAs for 528
+// slots, would run a second wave of a few CTAs that the whole call waits for), whole 128-column blocks per split, up
+// to 16 rows at most TAIL_ROWS partial rows summed by a column block's last CTA (splits x rows), and the partials and
+// counters within the workspace.
+QP_API int qp_trellis_mma_splits(int rows, int k, int n, int target_ctas, long long partial_floats,
+                                 long long counters) {
+    const int mb_rows = rows <= 16 ? 16 : 64;
+    const int chunks = (rows + mb_rows - 1) / mb_rows;
+    const int ktiles = k / 16, nbk = n / qp::BLOCK_N;
+    const int mrows = rows < mb_rows ? rows : mb_rows;
+    const long long ctas = (long long)nbk * chunks;
+    int splits = (int)(target_ctas / ctas);
+    const int max_splits = ktiles / 8;
+    if (splits > max_splits) splits = max_splits;
+    if (rows <= 16 && splits > qp::TAIL_ROWS / mrows) splits = qp::TAIL_ROWS / mrows;
+    if (splits < 1) splits = 1;
+    // equal slices of whole 128-column blocks, then no more splits than slices
+    int slice = (ktiles / 8 + splits - 1) / splits * 8;
+    splits = (ktiles + slice - 1) / slice;
+    while (splits > 1 && ((long long)chunks * splits * mrows * n > partial_floats || ctas > counters)) {
+        splits = splits / 2;
+        slice = (ktiles / 8 + splits - 1) / splits * 8;
+        splits = (ktiles + slice - 1) / slice;
+    }
+    return splits;
+}
+
+// Most parts (CTA ranges) any column block of a stream-K plan meets.
+static long long streamk_max_parts(const qp::StreamKPlan& plan, int kunits, int nbk) {
+    long long most = 0;
+    for (int b = 0; b < nbk; ++b) {
+        const long long parts =
+            plan.owner((long long)(b + 1) * kunits - 1) - plan.owner((long long)b * kunits) + 1;
+        if (parts > most) most = parts;
+    }
+    return most;
+}
+
+// The items of every CTA of a stream-K plan of `ctas` CTAs over nbk column blocks of kunits units, as the kernel
+// walks them, for the CPU tests: rows of 8 ints (cta, nb, k0, k1, slot, seg_first, seg_last, the slot the block's
+// summing CTA reads for this CTA's part) into out (room for max_items rows). Returns the item count, or -1 when
+// out is too small.
+QP_API int qp_trellis_mma_streamk_items_host(int kunits, int nbk, int ctas, int* out, int max_items) {
+    const qp::StreamKPlan plan{(long long)kunits * nbk, ctas};
+    int count = 0;
+    for (int c = 0; c < ctas; ++c) {
+        long long u = plan.start(c);
+        for (int item = 0; u < plan.start(c + 1); ++item) {
+            const qp::StreamKItem it = qp::streamk_item(plan, kunits, c, u, item);
+            if (count >= max_items) return -1;
+            int* row = out + 8 * count++;
+            row[0] = c;
+            row[1] = it.nb;
+            row[2] = it.k0;
+            row[3] = it.k1;
+            row[4] = it.slot;
+            row[5] = it.seg_first;
+            row[6] = it.seg_last;
+            row[7] = qp::streamk_slot(plan, kunits, c, it.nb);
+            u += it.k1 - it.k0;
+        }
+    }
+    return count;
+}
+
+// Stream-K plan of one call of up to 64 rows (one chunk): how many CTAs share the launch's k units (k / 128 of each
+// 128-column block of n, blocks in order; qp::StreamKPlan), the most, up to target_ctas and one unit each, with
+// which no column block meets more CTAs than its last CTA should sum (up to 16 rows TAIL_ROWS / rows partials, above
+// WIDE_PARTS) and the partial slots (2 per CTA x rows x 128 floats) fit the workspace when any block is in parts.
+// *parts: the most parts of one block (1: every block whole in one CTA). Each shape is planned once per process.
+// Returns the CTA count (>= 1), or 0 above 64 rows or for a bad geometry.
+static int streamk_plan(int rows, int k, int n, int target_ctas, long long partial_floats, int* parts) {
+    if (rows <= 0 || rows > 64 || k <= 0 || k % 128 || n <= 0 || n % qp::BLOCK_N) return 0;
+    using Key = std::tuple<int, int, int, int, long long>;
+    static std::mutex lock;
+    static std::map<Key, std::pair<int, int>> planned;
+    const Key key{rows, k, n, target_ctas, partial_floats};
+    {
+        std::lock_guard<std::mutex> guard(lock);
+        const auto hit = planned.find(key);
+        if (hit != planned.end()) {
+            *parts = hit->second.second;
+            return hit->second.first;
+        }
+    }
+    const int kunits = k / 128, nbk = n / qp::BLOCK_N;
+    const long long units = (long long)kunits * nbk;
+    const long long max_parts = rows <= 16 ? qp::TAIL_ROWS / rows : qp::WIDE_PARTS;
+    long long ctas = target_ctas < 1 ? 1 : target_ctas;
+    if (ctas > units) ctas = units;
+    long long most = 1;
+    for (; ctas >= 1; --ctas) {
+        most = streamk_max_parts(qp::StreamKPlan{units, (int)ctas}, kunits, nbk);
+        if (most == 1 || (most <= max_parts && 2 * ctas * rows * qp::BLOCK_N <= partial_floats)) break;
+    }
+    if (ctas < 1) ctas = 1, most = 1;  // one CTA: every block whole
+    std::lock_guard<std::mutex> guard(lock);
+    if (planned.size() > 4096) planned.clear();
+    planned[key] = {(int)ctas, (int)most};
+    *parts = (int)most;
+    return (int)ctas;
+}
+
+QP_API int qp_trellis_mma_streamk_ctas(int rows, int k, int n, int target_ctas, long long partial_floats) {
+    int parts = 0;
+    return streamk_plan(rows, k, n, target_ctas, partial_floats, &parts);
+}
+
+// `shards` EXL3 shards sharing the input x, in one launch: out[:, col[i]:col[i] + out_features[i]] = (x @ W_i)[:,
+// :out_features[i]]. trellis / suh / svh / n / col / out_features are host arrays of `shards` entries (device
+// pointers in the first three). xh holds shards x rows rows of k. At one row with `inline_rows` >= 1 each CTA
+// transforms its own input panel; otherwise up to 16 rows one transform launch writes every shard's had128(x * suh)
+// to xh (shards x rows x k fp16) and the GEMM streams its slices from there; above 16 rows likewise in 64-row
+// chunks. With `stream_k` (up to 64 rows) the CTAs that fit share the k units of every column block evenly
+// (qp_trellis_mma_streamk_ctas) instead of whole splits. Returns 0, a CUDA error code, or -1 (bad geometry), -2 (no
+// kernel for this K), -3 (bad codebook), -4 (workspace too small, or no xh where one is needed), -5 (no shard or more
+// than MAX_SHARDS).
+QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, const void* const* suh,
+                          const void* const* svh, const int* n, const int* col, const int* out_features, int shards,
+                          void* out, float* partials, long long partial_floats, int* counters, long long counters_len,
+                          int rows, int x_width, int x_stride, int k, int out_stride, int codebook, int k2, int bf16,
+                          int target_ctas, int inline_rows, int stream_k, void* stream) {
+    if (rows <= 0) return 0;
+    const int small = rows <= 16;                    // one 16-row fragment (MB = 1), several shards allowed
+    const int fused = rows == 1 && inline_rows >= 1;  // the input transform inside the GEMM's CTAs (one row)
+    if (shards < 1 || shards > qp::MAX_SHARDS) return -5;
+    if (k % 128 || k <= 0 || x_width > k) return -1;
+    qp::Params p{};
+    int n_total = 0;
+    for (int i = 0; i < shards; ++i) {
+        if (n[i] % 128 || n[i] <= 0 || out_features[i] > n[i]) return -1;
+        p.shard[i] = qp::Shard{static_cast<const uint8_t*>(trellis[i]), static_cast<const __half*>(suh[i]),
+                               static_cast<const __half*>(svh[i]), n[i], col[i], out_features[i],
+                               n_total / qp::BLOCK_N};
+        n_total += n[i];
+    }
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int mb_rows = small ? 16 : 64;
+    // one wave is what fits at once (a target above what fits would split k more finely for a grid of two waves,
+    // measured slower: docs/kernels.md)
+    const bool streamk = stream_k && rows <= 64;
+    int fit = 0, sms = 0;
+    int e = streamk ? (fused   ? qp::resident_ctas<1, true, true>(codebook, k2, &fit)
+                       : small ? qp::resident_ctas<1, false, true>(codebook, k2, &fit)
+                               : qp::resident_ctas<4, false, true>(codebook, k2, &fit))
+            : fused ? qp::resident_ctas<1, true>(codebook, k2, &fit)
+            : small ? qp::resident_ctas<1, false>(codebook, k2, &fit)
+                    : qp::resident_ctas<4, false>(codebook, k2, &fit);
+    if (e != 0) return e;
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+        return (int)cudaGetLastError();
+    if ((long long)fit * sms < target_ctas) target_ctas = fit * sms;
+    const int splits = qp_trellis_mma_splits(rows, k, n_total, target_ctas, partial_floats, counters_len);
+    const int ktiles = k / 16;
+    const int slice = (ktiles / 8 + splits - 1) / splits * 8;  // a multiple of 8 tiles (TileStream::panel())
+    p.x = x;
+    p.xh = xh;
+    p.out = out;
+    p.partials = partials;
+    p.counters = counters;
+    p.shards = shards;
+    p.rows = rows;
+    p.x_width = x_width;
+    p.x_stride = x_stride;
+    p.k = k;
+    p.n = n_total;
+    p.out_stride = out_stride;
+    p.slice_tiles = slice;
+    p.splits = splits;
+    p.mrows = rows < mb_rows ? rows : mb_rows;
+    p.bf16 = bf16;
+    const int chunks = (rows + mb_rows - 1) / mb_rows;
+    if (splits > 1 && ((long long)chunks * splits * p.mrows * n_total > partial_floats ||
+                       (long long)chunks * (n_total / qp::BLOCK_N) > counters_len))
+        return -4;
+    dim3 grid(n_total / qp::BLOCK_N, splits, chunks);
+    if (streamk) {
+        int parts = 0;
+        p.ctas = streamk_plan(rows, k, n_total, target_ctas, partial_floats, &parts);
+        p.units = (long long)(k / 128) * (n_total / qp::BLOCK_N);
+        if (p.ctas < 1 || (parts > 1 && (2LL * p.ctas * p.mrows * qp::BLOCK_N > partial_floats ||
+                                         (long long)(n_total / qp::BLOCK_N) > counters_len)))
+            return -4;
+        grid = dim3(p.ctas, 1, 1);
+    }
+    if (fused)
+        return streamk ? qp::dispatch<1, true, true>(p, codebook, k2, grid, s)
+                       : qp::dispatch<1, true>(p, codebook, k2, grid, s);
+    if (xh == nullptr) return -4;
+    const long items = (long)shards * rows * (k / 128);
+    qp::input_transform_kernel<<<(unsigned)((items + qp::WARPS - 1) / qp::WARPS), qp::THREADS, 0, s>>>(p);
+    e = (int)cudaGetLastError();
+    if (e != 0) return e;
+    if (streamk)
+        return small ? qp::dispatch<1, false, true>(p, codebook, k2, grid, s)
+                     : qp::dispatch<4, false, true>(p, codebook, k2, grid, s);
+    return small ? qp::dispatch<1, false>(p, codebook, k2, grid, s) : qp::dispatch<4, false>(p, codebook, k2, grid, s);
+}
+
+namespace qp {
+
+template <int CB, int KA, bool HALFK>
+void decode_tile_host(const uint32_t* words, uint16_t* out) {
+    for (int lane = 0; lane < 32; ++lane) {
+        int widx[Tile<KA, HALFK>::NORM + 1], shift;
+        lane_window<KA, HALFK>(lane, widx, shift);
+        uint32_t b[4];
+        decode_lane<CB, KA, HALFK>(words, widx, shift, b);
+        // the mma.m16n8k16 B fragment: b[h] holds rows 2 * (lane % 4) (+1) (+8 for odd h) of column lane / 4 (+8 for
+        // h >= 2), low half first
+        const int r0 = 2 * (lane % 4), c0 = lane / 4;
+        for (int h = 0; h < 4; ++h)
+            for (int e = 0; e < 2; ++e)
+                out[(r0 + 8 * (h & 1) + e) * 16 + c0 + 8 * (h >> 1)] = (uint16_t)(b[h] >> (16 * e));
+    }
+}
+
+}  // namespace qp
+
+// The kernels' decode of one tile, run on the host: `words` are the tile's uint32 words, `out` receives the 256 fp16
+// bit patterns at [row * 16 + column] as the kernels place them in their mma fragments. Returns 0, -2 (no such K) or
+// -3 (bad codebook). For tests without a GPU.
+QP_API int qp_decode_tile_host(const uint32_t* words, int codebook, int k2, uint16_t* out) {
+    return qp::with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
+        qp::decode_tile_host<decltype(cb)::value, decltype(ka)::value, decltype(half)::value>(words, out);
+        return 0;
+    });
+}
