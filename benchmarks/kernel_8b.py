@@ -225,13 +225,13 @@ def time_stack(label: str, prepared, rows_list, device) -> dict:
 
 def bench_served(kernel, stack, rows_list, device) -> dict:
     """The stack as a model is served with trellis_mma selected: fused runs whose row buckets go to exllamav3 where the
-    load-time measurement found it faster (``trellis_mma.kernels.measure_route``). Returns the fused stack's times
-    (``stack_ms``, ``class_ms``) and ``routes``: per run shape, both kernels' microseconds per call at each row
-    bucket and the kernel that serves it."""
+    load-time measurement found it faster (``quantpack_core.trellis_mma.delegation.measure_route``). Returns the fused
+    stack's times (``stack_ms``, ``class_ms``) and ``routes``: per run shape, both kernels' microseconds per call at
+    each row bucket and the kernel that serves it."""
     from dataclasses import asdict
 
-    from quantpack_exl3.backends.trellis_mma import kernels as tm
-    from quantpack_exl3.backends.trellis_mma import ops
+    from quantpack_core.trellis_mma import delegation as tm
+    from quantpack_core.trellis_mma import ops
 
     saved, ops.delegate_rows = ops.delegate_rows, None
     try:
@@ -240,10 +240,10 @@ def bench_served(kernel, stack, rows_list, device) -> dict:
         ops.delegate_rows = saved
     routes = []
     for record in tm.route_records():
-        if record.trellis_mma_us:
+        if record.own_us:
             print(f"  route {record.describe()}", flush=True)
             r = asdict(record) | {"dtype": str(record.dtype).removeprefix("torch.")}
-            r["serves"] = ["exllamav3" if (r["route"] >> i) & 1 else "trellis_mma" for i in range(len(r["rows"]))]
+            r["serves"] = [record.delegate if (r["route"] >> i) & 1 else "trellis_mma" for i in range(len(r["rows"]))]
             routes.append(r)
     result["routes"] = routes
     return result
@@ -327,7 +327,7 @@ def main() -> None:
         "kernels": {},
     }
     classes = kernel_classes()
-    from quantpack_exl3.backends.trellis_mma import ops
+    from quantpack_core.trellis_mma import ops
 
     ops.delegate_rows = 0  # trellis_mma's own kernels at every row count (the served op hands large calls over)
     if args.inline_transform_rows is not None:

@@ -107,7 +107,7 @@ def current_platform():
 def backend(request):
     """Each CUDA linear kernel; on a GPU machine it must be available (a failure here fails the tier). trellis_mma
     runs every row count itself here (no hand-over of large calls to exllamav3)."""
-    from quantpack_exl3.backends.trellis_mma import ops
+    from quantpack_core.trellis_mma import ops
 
     assert request.param.kernel().available(current_platform()) == (True, None)
     saved, ops.delegate_rows = ops.delegate_rows, 0
@@ -263,7 +263,8 @@ def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, wide_fused, monke
     within fp32 summation order (the split of k depends on the launch's column blocks), and within the fp64
     reference's bound; a graph replay is bit-identical to eager; shards of another K are not fused; the fused op passes
     opcheck."""
-    from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel, ops
+    from quantpack_core.trellis_mma import ops
+    from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel
 
     monkeypatch.setattr(ops, "delegate_rows", 0)  # every row count in trellis_mma's own launches
     monkeypatch.setattr(ops, "WIDE_FUSED", wide_fused)
@@ -304,7 +305,7 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch):
     fp32 summation order and the fp64 reference's bound, writes every column, and a graph replay is bit-identical to
     eager. Inputs of 72 and 144 tiles run as one split (a low CTA target): several 64-tile panels per CTA, the last
     one ending in a partial round of the cp.async ring."""
-    from quantpack_exl3.backends.trellis_mma import ops
+    from quantpack_core.trellis_mma import ops
 
     monkeypatch.setattr(ops, "delegate_rows", 0)
     dev = torch.device("cuda")
@@ -340,7 +341,7 @@ def test_trellis_mma_stream_k_matches_the_fp64_reference(k_bits, codebook, rows,
     """QUANTPACK_TRELLIS_MMA_STREAM_K (off by default until measured): up to 64 rows the CTAs share every column
     block's k units evenly; single shards of several shapes (a CTA's range spanning blocks, whole blocks, parts of
     one) stay within 1.1x exllamav3's error against the fp64 reference, write every column and nothing else."""
-    from quantpack_exl3.backends.trellis_mma import ops
+    from quantpack_core.trellis_mma import ops
 
     monkeypatch.setattr(ops, "STREAM_K", True)
     monkeypatch.setattr(ops, "delegate_rows", 0)
@@ -358,7 +359,7 @@ def test_trellis_mma_stream_k_equals_the_split_plan(dtype, target, monkeypatch):
     targets from one CTA (every block whole in one CTA) and a CTA with three items (part, whole block, part: 5) to
     more CTAs than column blocks (blocks in parts), writing its columns and no others; a graph replay is
     bit-identical to eager."""
-    from quantpack_exl3.backends.trellis_mma import ops
+    from quantpack_core.trellis_mma import ops
 
     monkeypatch.setattr(ops, "delegate_rows", 0)
     dev = torch.device("cuda")
@@ -403,13 +404,13 @@ def test_trellis_mma_routes_each_row_bucket_to_the_kernel_its_route_names(settin
     hands it over, within the fp64 reference's bound either way."""
     import logging
 
-    from quantpack_exl3.backends.trellis_mma import kernels as tm
-    from quantpack_exl3.backends.trellis_mma import ops
+    from quantpack_core.trellis_mma import delegation as tm
+    from quantpack_core.trellis_mma import ops
 
     monkeypatch.setattr(ops, "delegate_rows", setting)
     dev = torch.device("cuda")
     t = Exl3Tensors.from_tensors(random_exl3_layer(1024, 2048, 3, "mcg", generator=torch.Generator().manual_seed(31)))
-    with caplog.at_level(logging.INFO, logger="vllm.quantpack.exl3"):
+    with caplog.at_level(logging.INFO, logger="vllm.quantpack"):
         p = TrellisMmaShards.prepare_shard(t, 1024, 2048, dtype, dev)
     route = p.static[3]
     key = (1024, (2048,), 3, 1, dtype)
@@ -417,12 +418,12 @@ def test_trellis_mma_routes_each_row_bucket_to_the_kernel_its_route_names(settin
     assert record and record[-1].route == route
     record = record[-1]
     if setting is None:
-        assert len(record.trellis_mma_us) == len(record.exllamav3_us) == len(ops.ROW_BUCKETS)
-        assert all(0 < us < 1e5 for us in record.trellis_mma_us + record.exllamav3_us)
-        times = zip(record.trellis_mma_us, record.exllamav3_us, strict=True)
+        assert len(record.own_us) == len(record.delegate_us) == len(ops.ROW_BUCKETS)
+        assert all(0 < us < 1e5 for us in record.own_us + record.delegate_us)
+        times = zip(record.own_us, record.delegate_us, strict=True)
         assert route == sum(1 << i for i, (mine, theirs) in enumerate(times) if theirs <= tm.ROUTE_MARGIN * mine)
     else:
-        assert route == ops.fixed_route(16) == 0b111111100000 and record.trellis_mma_us == ()
+        assert route == ops.fixed_route(16) == 0b111111100000 and record.own_us == ()
     assert record.describe() in caplog.text
     args = tuple(p.tensors.values())
     for i, bound in enumerate(ops.ROW_BUCKETS):

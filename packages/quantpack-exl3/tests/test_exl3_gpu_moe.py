@@ -188,7 +188,7 @@ def test_mixed_banks_over_several_panels(backend, exllamav3_banks, figures, monk
     """A mixed-K bank whose gate / up reduce over 72 or 144 tiles, run by trellis_mma as one split (a low CTA target):
     each CTA takes several 64-tile panels, the last ending in a partial round of its cp.async ring, at each work
     item's own K in one launch per projection."""
-    from quantpack_exl3.backends.trellis_mma import ops
+    from quantpack_core.trellis_mma import ops
 
     ks, cb = RANDOM["mul1-mixed"]
     bank = random_bank(ks, hidden, 384, cb, seed=3)

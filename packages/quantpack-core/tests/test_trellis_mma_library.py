@@ -3,7 +3,7 @@ compile error fails here, before any GPU run); the kernels' own decode (window, 
 fp16 arithmetic, fragment placement), built for the host from the same source, equals the project's codec bit for
 bit on random tiles of every K and codebook; the host-side launch plan (how k is split over CTAs) keeps the rules the
 kernels rely on; a missing compiler or bad geometry gives errors that name the fix. The kernels' results as a whole
-are checked on the GPU (``test_exl3_gpu_kernels.py``)."""
+are checked on the GPU (quantpack-exl3's ``test_exl3_gpu_kernels.py``)."""
 
 import ctypes
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from quantpack_core.codec.trellis import HALF_K, LEGAL_K, decode_tiles, tile_words, width_from_k
-from quantpack_exl3.backends.trellis_mma import library
-from quantpack_exl3.backends.trellis_mma.ops import COUNTERS, PARTIAL_FLOATS
+from quantpack_core.trellis_mma import library
+from quantpack_core.trellis_mma.ops import COUNTERS, PARTIAL_FLOATS
 
 #: partial rows a column block's last CTA sums at most (TAIL_ROWS in csrc/common.cuh)
 TAIL_ROWS = 128
@@ -226,7 +226,7 @@ def test_row_buckets_and_fixed_routes():
     """Calls fall into the power-of-two row buckets a route names (the last one open-ended), and a fixed
     QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS sends exactly the buckets whose smallest row count exceeds it, a threshold
     above 1024 counting as 1024 (the open-ended bucket above 1024 rows goes to exllamav3)."""
-    from quantpack_exl3.backends.trellis_mma.ops import ROW_BUCKETS, fixed_route, row_bucket
+    from quantpack_core.trellis_mma.ops import ROW_BUCKETS, fixed_route, row_bucket
 
     for rows in range(1, 5000):
         i = row_bucket(rows)
@@ -241,7 +241,7 @@ def test_row_buckets_and_fixed_routes():
 def test_a_bad_delegate_rows_setting_measures_instead(monkeypatch, caplog):
     """QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS: unset or not an integer >= 0 -> measured routes (None, with a warning for
     the latter); an integer -> that threshold."""
-    from quantpack_exl3.backends.trellis_mma.ops import _delegate_rows_setting
+    from quantpack_core.trellis_mma.ops import _delegate_rows_setting
 
     for raw, want in (("", None), ("abc", None), ("-3", None), ("0", 0), ("300", 300)):
         monkeypatch.setenv("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", raw)
@@ -273,7 +273,7 @@ def test_moe_route_plan(lib, seed):
     """The route kernel's plan (the one serial step, built for the host from the same source) equals the written-out
     plan; the bank's work items stay within the grid extent the op launches for every K group at once
     (``group_items`` of all slots = ``qp_moe_items``), and so does each group's share, however the picks fall."""
-    from quantpack_exl3.backends.trellis_mma.moe import group_items
+    from quantpack_core.trellis_mma.moe import group_items
 
     g = torch.Generator().manual_seed(seed)
     experts = [8, 64, 128, 256, 3, 128][seed]

@@ -1,4 +1,4 @@
-"""The trellis_mma backend's expert-bank op, ``quantpack::trellis_moe_``: one MoE layer's EXL3 experts over the routed
+"""The trellis_mma kernels' expert-bank op, ``quantpack::trellis_moe_``: one MoE layer's trellis experts over the routed
 tokens through the grouped kernels of ``csrc/moe.cu`` (the route launch, one gate/up and one down launch for
 every K group of the bank, each CTA at its work item's K, the reduction), and the per-GPU buffers those launches
 share.
@@ -8,8 +8,7 @@ one chunk of :data:`SLOTS` picks: the route's arrays, the gate / up outputs (fp1
 A call of more tokens runs in chunks of ``SLOTS // top_k`` tokens (a loop whose length depends on the token count
 only). The split-K partials and counters are the linear kernels' workspace (:func:`.ops.reserve`).
 
-Source: docs/moe-bank.md (slots, K groups, pointer tables), docs/exl3-format.md ("The math"); ``csrc/moe.cu``
-describes the kernels.
+Source: docs/moe-bank.md (slots, K groups, pointer tables); ``csrc/moe.cu`` describes the kernels.
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ def reserve_moe(device: torch.device, experts: int, hidden: int, intermediate: i
     ``intermediate`` sizes (call at load), and the linear workspace the launches share.
 
     Raises:
-        quantpack_exl3.backends.trellis_mma.library.LibraryError: the kernels cannot be built or loaded for this GPU.
+        quantpack_core.trellis_mma.library.LibraryError: the kernels cannot be built or loaded for this GPU.
     """
     reserve(device, max(hidden, intermediate))
     index = torch.device(device).index
@@ -219,10 +218,10 @@ def trellis_moe_(
         out: ``(T, hidden)`` in ``x``'s dtype, written in place.
 
     Raises:
-        quantpack_exl3.backends.trellis_mma.library.LibraryError: no buffers reserved on this GPU, unsupported dtypes,
+        quantpack_core.trellis_mma.library.LibraryError: no buffers reserved on this GPU, unsupported dtypes,
             or a launch failed (the message names the step).
 
-    Source: docs/moe-bank.md; ``csrc/moe.cu`` (expert banks).
+    Source: docs/moe-bank.md; ``csrc/moe.cu``.
     """
     torch.ops.quantpack.trellis_moe_(
         x, topk_ids, topk_weights, perm, tables, w13_trellis, w2_trellis, w13_suh, w13_svh, w2_suh, w2_svh,

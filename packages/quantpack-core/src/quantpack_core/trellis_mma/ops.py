@@ -1,5 +1,6 @@
-"""The trellis_mma backend's custom op, ``quantpack::trellis_mma_`` (one or more EXL3 shards sharing the layer's input,
-each into its columns of the layer's output), its CUDA implementation, and the per-GPU workspace its launches share.
+"""The trellis_mma kernels' custom op, ``quantpack::trellis_mma_`` (one or more trellis shards sharing the layer's
+input, each into its columns of the layer's output), its CUDA implementation, and the per-GPU workspace its launches
+share.
 
 The workspace is allocated when a shard is prepared (before any CUDA-graph capture) and only read by the op:
 split-K partial sums (float32), the arrival counters of the split-K reduction (int32, zero between launches), and
@@ -22,7 +23,7 @@ from quantpack_core.ops import define_op
 
 from .library import LibraryError, check, load
 
-logger = logging.getLogger("vllm.quantpack.exl3")
+logger = logging.getLogger("vllm.quantpack")
 
 #: split-K partial sums the workspace holds (float32): 16 MiB
 PARTIAL_FLOATS = 4 << 20
@@ -45,7 +46,7 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
         if value < minimum:
             raise ValueError
     except ValueError:
-        logger.warning("quantpack-exl3: %s=%r is not an integer >= %d; using %d", name, raw, minimum, default)
+        logger.warning("quantpack: %s=%r is not an integer >= %d; using %d", name, raw, minimum, default)
         return default
     return value
 
@@ -101,13 +102,13 @@ def inline_transform_rows_now() -> int:
 #: upper row counts of the row buckets a run's route names: bucket i holds calls of ROW_BUCKETS[i - 1] + 1 ..
 #: ROW_BUCKETS[i] rows, the last bucket every call above 1024 rows (timed at 2048)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-#: a route sending every bucket to exllamav3
+#: a route sending every bucket to the delegate
 ALL_BUCKETS = (1 << len(ROW_BUCKETS)) - 1
 
 
 def _delegate_rows_setting() -> int | None:
     """``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS``: None (unset, or not an integer >= 0: each run's route is measured at
-    load; the latter with a warning), or a fixed row count above which every run's calls go to exllamav3 (0: none
+    load; the latter with a warning), or a fixed row count above which every run's calls go to its delegate (0: none
     do)."""
     raw = os.environ.get("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", "").strip()
     if raw == "":
@@ -118,7 +119,7 @@ def _delegate_rows_setting() -> int | None:
             raise ValueError
     except ValueError:
         logger.warning(
-            "quantpack-exl3: QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS=%r is not an integer >= 0; measuring each layer's "
+            "quantpack: QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS=%r is not an integer >= 0; measuring each layer's "
             "routes instead",
             raw,
         )
@@ -126,9 +127,9 @@ def _delegate_rows_setting() -> int | None:
     return value
 
 
-#: None: each run's route (which row buckets go to exllamav3's kernels) is measured when it is prepared
-#: (kernels.measure_route); an integer N: a fixed route for every run (:func:`fixed_route`; 0 keeps every call
-#: here). From QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS.
+#: None: each run's route (which row buckets go to its delegate, another implementation its format's adapter gives) is
+#: measured when it is prepared (delegation.measure_route); an integer N: a fixed route for every run
+#: (:func:`fixed_route`; 0 keeps every call here). From QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS.
 delegate_rows: int | None = _delegate_rows_setting()
 
 
@@ -144,9 +145,9 @@ def row_bucket(rows: int) -> int:
 
 
 def fixed_route(above: int) -> int:
-    """The route (bit i set: bucket i goes to exllamav3) for a row threshold ``above``: every bucket whose smallest
-    row count exceeds it, i.e. ``above`` rounded up to a bucket bound; above 1024 it counts as 1024 (the last bucket,
-    every call above 1024 rows, goes to exllamav3); 0 for ``above`` = 0 (every call here)."""
+    """The route (bit i set: bucket i goes to the delegate) for a row threshold ``above``: every bucket whose
+    smallest row count exceeds it, i.e. ``above`` rounded up to a bucket bound; above 1024 it counts as 1024 (the
+    last bucket, every call above 1024 rows, is delegated); 0 for ``above`` = 0 (every call here)."""
     if above <= 0:
         return 0
     above = min(above, ROW_BUCKETS[-2])
@@ -164,8 +165,9 @@ class Workspace:
         arch: compute capability (``major * 10 + minor``), which library to load.
         target_ctas: CTAs a launch aims at, up to :data:`FUSED_ROWS` rows.
         target_ctas_wide: the same above :data:`FUSED_ROWS` rows.
-        delegate: exllamav3's implementation of the same call (``run_exl3_gemm``) when its extension imports, for
-            the row buckets a run's route sends there; None otherwise.
+        delegate: another implementation of one shard's call (:class:`.delegation.Delegate`'s ``gemm``), given by
+            the adapter that prepared this GPU's runs, for the row buckets a run's route sends there; None
+            otherwise.
     """
 
     partials: torch.Tensor
@@ -180,11 +182,13 @@ class Workspace:
 _workspaces: dict[int, Workspace] = {}
 
 
-def reserve(device: torch.device, k: int) -> Workspace:
-    """The workspace of ``device``, created or widened for shards of ``k`` stored input features (call at load).
+def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
+    """The workspace of ``device``, created or widened for shards of ``k`` stored input features (call at load), with
+    ``delegate`` (a shard call, see :class:`Workspace`) as its delegate where one is given.
 
     Raises:
-        quantpack_exl3.backends.trellis_mma.library.LibraryError: the kernels cannot be built or loaded for this GPU.
+        quantpack_core.trellis_mma.library.LibraryError: the kernels cannot be built or loaded for this GPU, or
+            another delegate was given for it before (one per GPU).
     """
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
@@ -206,11 +210,17 @@ def reserve(device: torch.device, k: int) -> Workspace:
             arch=arch,
             target_ctas=per_sm * props.multi_processor_count,
             target_ctas_wide=per_sm_wide * props.multi_processor_count,
-            delegate=_exllamav3_gemm(),
         )
         _workspaces[index] = ws
     elif ws.xh.shape[1] < k:
         ws.xh = torch.empty((XH_ROWS, k), dtype=torch.float16, device=ws.xh.device)
+    if delegate is not None and ws.delegate is not delegate:
+        if ws.delegate is not None:
+            raise LibraryError(
+                f"trellis_mma: a second delegate ({delegate!r}) for cuda:{index}, which delegates to "
+                f"{ws.delegate!r}: one per GPU"
+            )
+        ws.delegate = delegate
     return ws
 
 
@@ -220,19 +230,6 @@ def workspace(device: torch.device) -> Workspace | None:
     if device.type != "cuda":
         return None
     return _workspaces.get(torch.cuda.current_device() if device.index is None else device.index)
-
-
-def _exllamav3_gemm():
-    """exllamav3's shard GEMM (the arguments of :func:`trellis_mma_`, one shard), or None when its extension does not
-    import."""
-    try:
-        from ..exllamav3.extension import load_extension
-        from ..exllamav3.gemm import run_exl3_gemm
-
-        load_extension()
-    except Exception:
-        return None
-    return run_exl3_gemm
 
 
 #: shards one launch runs (MAX_SHARDS in csrc/linear.cu)
@@ -329,7 +326,7 @@ define_op(
 
 
 def trellis_mma_shards_(x: torch.Tensor, *args) -> None:
-    """Several EXL3 shards of one layer that share its input (q / k / v, gate / up; same K and codebook) through one
+    """Several trellis shards of one layer that share its input (q / k / v, gate / up; same K and codebook) through one
     ``quantpack::trellis_mma_`` call: up to :data:`FUSED_ROWS` rows one launch runs them all.
 
     Args:
@@ -339,7 +336,7 @@ def trellis_mma_shards_(x: torch.Tensor, *args) -> None:
             ``out[:, col + sum(out_features[:i]):][:, :out_features[i]]``.
 
     Raises:
-        quantpack_exl3.backends.trellis_mma.library.LibraryError: a launch failed (the message names the shape).
+        quantpack_core.trellis_mma.library.LibraryError: a launch failed (the message names the shape).
     """
     *tensors, codebook, k_bits, out_features, route, out, col = args
     torch.ops.quantpack.trellis_mma_(
@@ -368,12 +365,12 @@ def trellis_mma_(
     out: torch.Tensor,
     col: int,
 ) -> None:
-    """One EXL3 shard through the trellis_mma kernels: ``out[:, col:col + out_features] = (x @ W)[:, :out_features]``
+    """One trellis shard through the trellis_mma kernels: ``out[:, col:col + out_features] = (x @ W)[:, :out_features]``
     (the op with one shard; :func:`trellis_mma_shards_` runs several).
 
-    A call whose row bucket (:func:`row_bucket`) has its bit set in ``route`` runs exllamav3's kernels instead, when
-    they are importable (the route is measured per shape at load: :func:`.kernels.measure_route`); every other call
-    runs here (more than 16 rows: 64-row chunks, the input transform in its own launch).
+    A call whose row bucket (:func:`row_bucket`) has its bit set in ``route`` runs the GPU's delegate instead (the
+    route is measured per shape at load: :func:`.delegation.measure_route`); every other call runs here (more than
+    16 rows: 64-row chunks, the input transform in its own launch).
 
     Args:
         x: ``(rows, in)`` float16 or bfloat16 activations (zero-extended to k inside the kernel).
@@ -382,13 +379,13 @@ def trellis_mma_(
         codebook: 0 = 3INST, 1 = mcg, 2 = mul1.
         k_bits: bits per weight K.
         out_features: logical output width (<= n).
-        route: bit i set: calls in row bucket i go to exllamav3 (:data:`ROW_BUCKETS`).
+        route: bit i set: calls in row bucket i go to the delegate (:data:`ROW_BUCKETS`).
         out: ``(rows, total)`` layer output in ``x``'s dtype, unit column stride, written in place.
         col: first output column of this shard.
 
     Raises:
-        quantpack_exl3.backends.trellis_mma.library.LibraryError: a launch failed (the message names the shape).
+        quantpack_core.trellis_mma.library.LibraryError: a launch failed (the message names the shape).
 
-    Source: docs/exl3-format.md ("The math"); ``csrc/linear.cu`` describes the kernels.
+    Source: docs/kernels.md; ``csrc/linear.cu`` describes the kernels.
     """
     torch.ops.quantpack.trellis_mma_(x, [trellis], [suh], [svh], codebook, k_bits, [out_features], route, out, col)

@@ -1,6 +1,6 @@
-// EXL3 linear layer for few rows: the trellis is decoded in registers straight into tensor-core fragments.
+// Trellis linear layers for few rows: the trellis is decoded in registers straight into tensor-core fragments.
 //
-// y = had128(had128(x * suh) @ What) * svh for one EXL3 shard (docs/exl3-format.md, "The math"), where What is stored
+// y = had128(had128(x * suh) @ What) * svh for one trellis shard (docs/exl3-format.md, "The math"), where What is stored
 // as 16x16 trellis tiles; up to 16 rows, one launch runs several shards that share the input (a layer's q / k / v or
 // gate / up, same K and codebook) from a table of shards, each CTA finding its shard from its column block. One CTA owns 128 output columns (one Hadamard block, 8 tile columns, one per warp) and a
 // slice of the reduction dimension k; every lane of a warp decodes 8 of the 256 weights of each tile, which land
@@ -23,7 +23,7 @@
 //      of the output in the model dtype.
 //
 // Host entry points are plain C (extern "C") and take device pointers and a cudaStream_t, so the library builds
-// with nvcc alone and loads with ctypes (quantpack_exl3/backends/trellis_mma/library.py).
+// with nvcc alone and loads with ctypes (quantpack_core/trellis_mma/library.py).
 
 #include <map>
 #include <mutex>
@@ -546,7 +546,7 @@ QP_API int qp_trellis_mma_streamk_ctas(int rows, int k, int n, int target_ctas, 
     return streamk_plan(rows, k, n, target_ctas, partial_floats, &parts);
 }
 
-// `shards` EXL3 shards sharing the input x, in one launch: out[:, col[i]:col[i] + out_features[i]] = (x @ W_i)[:,
+// `shards` trellis shards sharing the input x, in one launch: out[:, col[i]:col[i] + out_features[i]] = (x @ W_i)[:,
 // :out_features[i]]. trellis / suh / svh / n / col / out_features are host arrays of `shards` entries (device
 // pointers in the first three). xh holds shards x rows rows of k. At one row with `inline_rows` >= 1 each CTA
 // transforms its own input panel; otherwise up to 16 rows one transform launch writes every shard's had128(x * suh)

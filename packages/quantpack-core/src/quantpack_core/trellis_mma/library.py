@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-logger = logging.getLogger("vllm.quantpack.exl3")
+logger = logging.getLogger("vllm.quantpack")
 
 CSRC = Path(__file__).with_name("csrc")
 
@@ -51,7 +51,7 @@ UNITS = (Unit("linear.cu"), Unit("moe.cu"))
 #: what to install when nvcc is missing
 NVCC_HINT = (
     "install the CUDA toolkit's nvcc (one that knows your GPU's architecture, and no newer than your driver) and put "
-    "it on PATH, or set CUDA_HOME or QUANTPACK_NVCC; or serve with QUANTPACK_EXL3_BACKEND=exllamav3"
+    "it on PATH, or set CUDA_HOME or QUANTPACK_NVCC"
 )
 #: nvcc flags of each unit's compilation besides its architecture, and of the link (part of the cache key)
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC")
@@ -68,6 +68,27 @@ ERRORS = {
 
 class LibraryError(RuntimeError):
     """nvcc is missing, the build failed, or a kernel launch returned an error; the message says which and the fix."""
+
+
+#: the settings that serve without these kernels, one per format whose adapter uses them (:func:`add_fallback`)
+_fallbacks: list[str] = []
+
+
+def add_fallback(setting: str) -> None:
+    """Name ``setting`` (e.g. a format's backend variable forcing another kernel) in the messages of a missing
+    compiler, a failed build and a failed launch, as what serves without these kernels."""
+    if setting not in _fallbacks:
+        _fallbacks.append(setting)
+
+
+def nvcc_hint() -> str:
+    """What to do when nvcc is missing: :data:`NVCC_HINT`, and the fallbacks where adapters named some."""
+    return f"{NVCC_HINT}; or serve with {' or '.join(_fallbacks)}" if _fallbacks else NVCC_HINT
+
+
+def _serves_without(template: str) -> str:
+    """``template`` with the fallbacks (``{}``), or an empty string where no adapter named one."""
+    return template.format(" or ".join(_fallbacks)) if _fallbacks else ""
 
 
 def nvcc_path() -> str | None:
@@ -87,11 +108,11 @@ def compiler_reason() -> str | None:
     process; runs ``nvcc --version`` only (no CUDA initialization, no build)."""
     nvcc = nvcc_path()
     if nvcc is None:
-        return f"no nvcc; {NVCC_HINT}"
+        return f"no nvcc; {nvcc_hint()}"
     try:
         subprocess.run([nvcc, "--version"], capture_output=True, check=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as e:
-        return f"{nvcc} --version failed ({e}); {NVCC_HINT}"
+        return f"{nvcc} --version failed ({e}); {nvcc_hint()}"
     return None
 
 
@@ -119,11 +140,11 @@ def library_path(arch: int, nvcc: str | None = None) -> Path:
     """
     nvcc = nvcc or nvcc_path()
     if nvcc is None:
-        raise LibraryError(f"trellis_mma: no nvcc to build its kernels; {NVCC_HINT}")
+        raise LibraryError(f"trellis_mma: no nvcc to build its kernels; {nvcc_hint()}")
     try:
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
-        raise LibraryError(f"trellis_mma: {nvcc} --version failed ({e}); {NVCC_HINT}") from None
+        raise LibraryError(f"trellis_mma: {nvcc} --version failed ({e}); {nvcc_hint()}") from None
     ident = hashlib.sha256()
     for source in sorted(CSRC.iterdir()):  # every source and header, by name
         if source.suffix in (".cu", ".cuh"):
@@ -156,7 +177,7 @@ def build(arch: int, nvcc: str | None = None) -> Path:
         raise LibraryError(
             f"trellis_mma: cannot create its build cache {target.parent} ({e}); set QUANTPACK_CACHE_DIR"
         ) from None
-    logger.info("quantpack-exl3: building the trellis_mma kernels for sm_%d with %s (once, 1-2 minutes)", arch, nvcc)
+    logger.info("quantpack: building the trellis_mma kernels for sm_%d with %s (once, 1-2 minutes)", arch, nvcc)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         objects = _compile_units(nvcc, arch, Path(tmp))
@@ -196,8 +217,8 @@ def _run(cmd: list[str]) -> None:
 
 def _fail(cmd: list[str], stderr: str) -> None:
     raise LibraryError(
-        f"trellis_mma: building its kernels failed ({' '.join(cmd)}); QUANTPACK_EXL3_BACKEND=exllamav3 "
-        f"serves without them:\n{stderr[-4000:]}"
+        f"trellis_mma: building its kernels failed ({' '.join(cmd)})"
+        f"{_serves_without('; {} serves without them')}:\n{stderr[-4000:]}"
     )
 
 
@@ -263,4 +284,4 @@ def check(code: int, what: str) -> None:
     if code == 0:
         return
     why = ERRORS.get(code, f"CUDA error {code} (a cudaError_t; 35: the driver is older than the nvcc that built it)")
-    raise LibraryError(f"trellis_mma: {what}: {why} (QUANTPACK_EXL3_BACKEND=exllamav3 serves without these kernels)")
+    raise LibraryError(f"trellis_mma: {what}: {why}{_serves_without(' ({} serves without these kernels)')}")
