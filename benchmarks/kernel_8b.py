@@ -335,7 +335,6 @@ def main() -> None:
     record["inline_transform_rows"] = ops.INLINE_TRANSFORM_ROWS
     record["ctas_per_sm"] = args.ctas_per_sm or ops.CTAS_PER_SM
     record["ctas_per_sm_wide"] = args.ctas_per_sm_wide or ops.CTAS_PER_SM_WIDE
-    record["stream_k"] = ops.STREAM_K  # QUANTPACK_TRELLIS_MMA_STREAM_K
     for name in args.kernels.split(","):
         kernel = classes.get(name)
         if kernel is None:

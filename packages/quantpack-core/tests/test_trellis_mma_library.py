@@ -16,8 +16,6 @@ from quantpack_core.trellis_mma.ops import COUNTERS, PARTIAL_FLOATS
 
 #: partial rows a column block's last CTA sums at most (TAIL_ROWS in csrc/common.cuh)
 TAIL_ROWS = 128
-#: parts of one column block under stream-K above 16 rows (WIDE_PARTS in csrc/linear.cu)
-WIDE_PARTS = 8
 
 needs_nvcc = pytest.mark.skipif(library.nvcc_path() is None, reason="needs nvcc (the CUDA toolkit's compiler)")
 
@@ -95,87 +93,13 @@ def test_split_plan_fills_the_gpu_when_k_allows(lib):
     assert lib.qp_trellis_mma_splits(16, 4096, 1024, 264, PARTIAL_FLOATS, COUNTERS) == 8
 
 
-def streamk_items(lib, kunits: int, nbk: int, ctas: int) -> torch.Tensor:
-    """The kernel's stream-K items, as its host twin walks them: (items, 8) int32 rows of (cta, block, k0, k1,
-    slot, first CTA of the block, last CTA of the block, slot the block's summing CTA reads for this CTA's part)."""
-    out = torch.zeros((ctas + nbk + 1, 8), dtype=torch.int32)
-    count = lib.qp_trellis_mma_streamk_items_host(kunits, nbk, ctas, ctypes.c_void_p(out.data_ptr()), out.shape[0])
-    assert count > 0
-    return out[:count]
-
-
-@needs_nvcc
-@pytest.mark.parametrize("k,n", [*SHAPES, (4096, 4096 + 1024 + 1024), (4096, 2 * 14336)])
-@pytest.mark.parametrize("rows", [1, 4, 16, 17, 64])
-@pytest.mark.parametrize("target", [1, 5, 264, 528, 4096])
-def test_streamk_plan_covers_every_k_unit_once_and_sums_each_block_in_order(lib, k, n, rows, target):
-    """Stream-K: every 128-column k unit of every column block belongs to exactly one CTA's item; a CTA writes at
-    most two parts (its first and its last item), each to its own slot; a block split over several CTAs is summed
-    from exactly the slots its CTAs wrote, in CTA order, by CTAs first..last; at most TAIL_ROWS partial rows per
-    block up to 16 rows (WIDE_PARTS parts above); the slots fit the workspace; whole blocks and parts together write
-    every column block."""
-    ctas = lib.qp_trellis_mma_streamk_ctas(rows, k, n, target, PARTIAL_FLOATS)
-    kunits, nbk = k // 128, n // 128
-    assert 1 <= ctas <= max(1, min(target, kunits * nbk))
-    items = streamk_items(lib, kunits, nbk, ctas)
-    covered = torch.zeros((nbk, kunits), dtype=torch.int32)
-    parts: dict[int, list[tuple[int, int]]] = {}
-    slots_written = set()
-    for c, nb, k0, k1, slot, first, last, read in items.tolist():
-        assert 0 <= k0 < k1 <= kunits
-        covered[nb, k0:k1] += 1
-        assert first <= c <= last
-        if (k0, k1) == (0, kunits):
-            assert first == last == c  # a whole block: output written directly, no partial
-            continue
-        assert slot in (2 * c, 2 * c + 1) and slot not in slots_written
-        slots_written.add(slot)
-        assert read == slot  # the summing CTA reads where this part was written
-        parts.setdefault(nb, []).append((c, k0))
-    assert torch.equal(covered, torch.ones_like(covered))
-    for nb, ps in parts.items():
-        cs = [c for c, _ in ps]
-        first, last = items[items[:, 1] == nb][0, 5:7].tolist()
-        assert cs == list(range(first, last + 1))  # one part per CTA, in CTA order: the summing order
-        assert [k0 for _, k0 in ps] == sorted(k0 for _, k0 in ps)
-        assert len(ps) * rows <= TAIL_ROWS if rows <= 16 else len(ps) <= WIDE_PARTS
-    if parts:
-        assert 2 * ctas * rows * 128 <= PARTIAL_FLOATS
-
-
-@needs_nvcc
-@pytest.mark.parametrize("k,n", [*SHAPES[:5], (4096, 4096 + 1024 + 1024), (4096, 2 * 14336)])
-@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16])
-def test_streamk_plan_takes_at_least_the_split_plans_ctas(lib, k, n, rows):
-    """On the 8B shapes at the default target (4 CTAs per SM of 132), stream-K runs at least as many CTAs as the
-    split plan, up to the target (the point of it: the grid the split plan leaves below a wave; the head's 1002
-    column blocks are more than a wave either way)."""
-    target = 528
-    splits = lib.qp_trellis_mma_splits(rows, k, n, target, PARTIAL_FLOATS, COUNTERS)
-    assert lib.qp_trellis_mma_streamk_ctas(rows, k, n, target, PARTIAL_FLOATS) >= min(splits * (n // 128), target)
-
-
-@needs_nvcc
-def test_streamk_plan_fills_the_gpu(lib):
-    """The gate shard at one row (112 column blocks x 32 units) takes every one of 528 slots, where whole splits
-    take 448, and at 64 rows 256 of its wide target of 264 (as many as the workspace holds the slots of), where
-    whole splits take 224; above 64 rows there is no stream-K plan."""
-    assert lib.qp_trellis_mma_streamk_ctas(1, 4096, 14336, 528, PARTIAL_FLOATS) == 528
-    assert lib.qp_trellis_mma_streamk_ctas(64, 4096, 14336, 264, PARTIAL_FLOATS) == 256
-    assert lib.qp_trellis_mma_streamk_ctas(65, 4096, 14336, 528, PARTIAL_FLOATS) == 0
-    # 16 rows: at most 8 CTAs meet one column block
-    ctas = lib.qp_trellis_mma_streamk_ctas(16, 4096, 1024, 528, PARTIAL_FLOATS)
-    items = streamk_items(lib, 32, 8, ctas)
-    assert int((items[:, 6] - items[:, 5]).max()) + 1 <= 8
-
-
 @needs_nvcc
 def test_bad_geometry_is_refused_before_any_launch(lib):
     """k or n not a multiple of 128 returns -1 (no CUDA call is made), and check() names it."""
     ptrs, ints = ctypes.c_void_p * 1, ctypes.c_int * 1
     code = lib.qp_trellis_mma(
         None, None, ptrs(None), ptrs(None), ptrs(None), ints(256), ints(0), ints(256), 1,
-        None, None, 0, None, 0, 1, 100, 100, 100, 256, 2, 8, 0, 264, 16, 0, None,
+        None, None, 0, None, 0, 1, 100, 100, 100, 256, 2, 8, 0, 264, 16, None,
     )  # fmt: skip
     assert code == -1
     with pytest.raises(library.LibraryError, match="multiples of 128"):
@@ -189,7 +113,7 @@ def test_shard_table_limits_are_refused_before_any_launch(lib, shards, rows):
     ptrs, ints = ctypes.c_void_p * 9, ctypes.c_int * 9
     code = lib.qp_trellis_mma(
         None, None, ptrs(), ptrs(), ptrs(), ints(*[256] * 9), ints(), ints(*[256] * 9), shards,
-        None, None, 0, None, 0, rows, 256, 256, 256, 512, 2, 8, 0, 264, 16, 0, None,
+        None, None, 0, None, 0, rows, 256, 256, 256, 512, 2, 8, 0, 264, 16, None,
     )  # fmt: skip
     assert code == -5
     with pytest.raises(library.LibraryError, match="1-8 shards"):

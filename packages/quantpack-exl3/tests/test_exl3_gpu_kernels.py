@@ -332,65 +332,6 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch):
         assert_replay_is_eager(fused, 1, k_in, 896, dtype)
 
 
-STREAMK_CASES = [(4, "mul1"), (2.5, "mul1"), (3, "mcg"), (6, "3inst"), (8, "mul1")]
-
-
-@pytest.mark.parametrize("k_bits,codebook", STREAMK_CASES, ids=[f"K{k:g}-{cb}" for k, cb in STREAMK_CASES])
-@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 64])
-def test_trellis_mma_stream_k_matches_the_fp64_reference(k_bits, codebook, rows, monkeypatch):
-    """QUANTPACK_TRELLIS_MMA_STREAM_K (off by default until measured): up to 64 rows the CTAs share every column
-    block's k units evenly; single shards of several shapes (a CTA's range spanning blocks, whole blocks, parts of
-    one) stay within 1.1x exllamav3's error against the fp64 reference, write every column and nothing else."""
-    from quantpack_core.trellis_mma import ops
-
-    monkeypatch.setattr(ops, "STREAM_K", True)
-    monkeypatch.setattr(ops, "delegate_rows", 0)
-    g = torch.Generator().manual_seed(31 + rows)
-    for i, o in [(4096, 1024), (1024, 4096), (2304, 640), (14336, 512)]:
-        t = Exl3Tensors.from_tensors(random_exl3_layer(i, o, k_bits, codebook, generator=g))
-        check_shard(TrellisMmaShards, t, rows, seed=rows)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("target", [1, 5, 7, 132, 528])
-def test_trellis_mma_stream_k_equals_the_split_plan(dtype, target, monkeypatch):
-    """A fused q / k / v call (three shards, 7 column blocks; a launch per shard above 16 rows) through stream-K
-    equals the split plan's within fp32 summation order at 1-64 rows, in-CTA and once-per-call transforms, for CTA
-    targets from one CTA (every block whole in one CTA) and a CTA with three items (part, whole block, part: 5) to
-    more CTAs than column blocks (blocks in parts), writing its columns and no others; a graph replay is
-    bit-identical to eager."""
-    from quantpack_core.trellis_mma import ops
-
-    monkeypatch.setattr(ops, "delegate_rows", 0)
-    dev = torch.device("cuda")
-    ts, prepared, fused = fused_layer([(2304, 512), (2304, 256), (2304, 128)], 23, dtype)
-    ws = ops.workspace(dev)
-    default_target, default_wide = ws.target_ctas, ws.target_ctas_wide
-
-    def plan(stream_k: bool) -> None:
-        monkeypatch.setattr(ops, "STREAM_K", stream_k)
-        monkeypatch.setattr(ws, "target_ctas", target if stream_k else default_target)
-        monkeypatch.setattr(ws, "target_ctas_wide", target if stream_k else default_wide)
-
-    for inline in (1, 0):
-        monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", inline)
-        for rows in (1, 3, 16, 40, 64):
-            x = torch.randn((rows, 2304), device=dev).to(dtype)
-            plan(False)
-            split = torch.empty((rows, 896), dtype=dtype, device=dev)
-            fused.run(x, *fused.tensors.values(), *fused.static, split, 0)
-            plan(True)
-            streamed = torch.full((rows, 960), float("nan"), dtype=dtype, device=dev)
-            fused.run(x, *fused.tensors.values(), *fused.static, streamed, 32)
-            assert torch.isnan(streamed[:, :32]).all() and torch.isnan(streamed[:, 928:]).all()
-            mine = streamed[:, 32:928]
-            assert torch.isfinite(mine).all(), (inline, rows, target)
-            assert rel_err(mine.float(), split.double()) < 2e-3, (inline, rows, target)
-            assert_shards_match_reference(mine, x, ts, prepared, (inline, rows, target))
-        plan(True)
-        assert_replay_is_eager(fused, 5, 2304, 896, dtype)
-
-
 @pytest.mark.parametrize(
     "setting,dtype",
     [(None, torch.float16), (None, torch.bfloat16), (16, torch.float16)],

@@ -238,14 +238,10 @@ def load(arch: int) -> ctypes.CDLL:
         ptr, ptr, i64, ptr, i64,  # out, partials, capacity, counters, capacity
         i32, i32, i32, i32, i32,  # rows, x_width, x_stride, k, out_stride
         i32, i32, i32, i32, i32,  # codebook, 2K, bf16, target CTAs, rows transformed in the GEMM
-        i32, ptr,  # stream-K, stream
+        ptr,  # stream
     ]  # fmt: skip
     lib.qp_trellis_mma_splits.restype = i32
     lib.qp_trellis_mma_splits.argtypes = [i32, i32, i32, i32, i64, i64]
-    lib.qp_trellis_mma_streamk_ctas.restype = i32
-    lib.qp_trellis_mma_streamk_ctas.argtypes = [i32, i32, i32, i32, i64]
-    lib.qp_trellis_mma_streamk_items_host.restype = i32
-    lib.qp_trellis_mma_streamk_items_host.argtypes = [i32, i32, i32, ptr, i32]
     lib.qp_decode_tile_host.restype = i32
     lib.qp_decode_tile_host.argtypes = [ptr, i32, i32, ptr]
     # expert banks

@@ -71,15 +71,6 @@ CTAS_PER_SM_WIDE = 2
 INLINE_TRANSFORM_ROWS = min(env_int("QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS", 1), 1)
 
 
-#: up to 64 rows (one row chunk), split k by stream-K (the CTAs that fit share every column block's k units evenly, a
-#: block's parts summed by its last CTA) instead of whole splits per column block. Measured on the H200
-#: (docs/kernels.md, 2026-12-03) slower than the split plan: the 8B stack at 1 / 16 / 64 rows took 3.92 / 4.15 /
-#: 8.57 ms against 3.51 / 3.90 / 8.51 (its few-row kernels are held to 64 registers for 4 CTAs per SM, and its
-#: profile shows the integer pipes, not idle SMs, setting the pace). Off by default; QUANTPACK_TRELLIS_MMA_STREAM_K=1
-#: turns it on; read when the module is imported.
-STREAM_K = env_int("QUANTPACK_TRELLIS_MMA_STREAM_K", 0) > 0
-
-
 def _in_cta(rows: int) -> bool:
     """Whether a call of ``rows`` rows transforms its input in the GEMM's CTAs (one row, with
     :data:`INLINE_TRANSFORM_ROWS` read now: benchmarks and tests set it at run time), as ``qp_trellis_mma`` decides."""
@@ -311,7 +302,7 @@ def _launch(
         out.data_ptr(), ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
         rows, width, x.stride(0), k, out.stride(0),
         codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16),
-        ws.target_ctas if rows <= FUSED_ROWS else ws.target_ctas_wide, INLINE_TRANSFORM_ROWS, int(STREAM_K),
+        ws.target_ctas if rows <= FUSED_ROWS else ws.target_ctas_wide, INLINE_TRANSFORM_ROWS,
         torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     check(code, f"rows {rows}, k {k}, n {ns}, K {k_bits:g}, codebook {codebook}")

@@ -25,17 +25,11 @@
 // Host entry points are plain C (extern "C") and take device pointers and a cudaStream_t, so the library builds
 // with nvcc alone and loads with ctypes (quantpack_core/trellis_mma/library.py).
 
-#include <map>
-#include <mutex>
-#include <tuple>
-
 #include "common.cuh"
 
 namespace qp {
 
 constexpr int MAX_SHARDS = 8;  // shards one launch runs
-constexpr int WIDE_PARTS = 8;   // stream-K above 16 rows: at most this many parts of a column block (the split plan's
-                                // splits at 64 rows with 2 CTAs per SM on the 8B shapes)
 constexpr int PANEL_BATCH = 2;  // input blocks a warp loads before transforming them (memory-level parallelism)
 
 // One shard of a launch: its tensors and where its columns go.
@@ -60,8 +54,6 @@ struct Params {
     int rows, x_width, x_stride, k, n, out_stride;
     int slice_tiles;  // k tiles per split (a multiple of 8)
     int splits;
-    long long units;  // stream-K: k units (128 columns) of the launch's column blocks, per chunk
-    int ctas;         // stream-K: CTAs per chunk
     int mrows;  // rows per chunk in the partials (min(rows, 16 * MB))
     int bf16;   // x and out are bf16 (else fp16)
 };
@@ -86,46 +78,6 @@ __device__ __forceinline__ V field(const Params& p, int i, V Shard::*member) {
     return v;
 }
 
-// A CTA's k units (k / 128 per column block, blocks in order) under stream-K (up to 64 rows, one chunk): CTA c of `ctas` takes units
-// [c * units / ctas, (c + 1) * units / ctas); owner() is the CTA whose range holds unit u.
-struct StreamKPlan {
-    long long units;
-    int ctas;
-    __host__ __device__ long long start(int c) const { return (long long)c * units / ctas; }
-    __host__ __device__ int owner(long long u) const { return (int)(((u + 1) * ctas - 1) / units); }
-};
-
-// One item of a stream-K CTA: column block nb, its k units [k0, k1), the slot its partial goes to (2 per CTA: its
-// first item, and its last when that is a part of a block too), and the CTAs whose parts the block sums.
-struct StreamKItem {
-    int nb, k0, k1, slot, seg_first, seg_last;
-};
-
-// The item of CTA c (of `plan`, kunits units per block) that starts at unit u, its `item`-th.
-__host__ __device__ __forceinline__ StreamKItem streamk_item(const StreamKPlan& plan, int kunits, int c, long long u,
-                                                             int item) {
-    StreamKItem it;
-    it.nb = (int)(u / kunits);
-    it.k0 = (int)(u % kunits);
-    const long long left = plan.start(c + 1) - u;
-    it.k1 = left < kunits - it.k0 ? it.k0 + (int)left : kunits;
-    it.slot = 2 * c + (item == 0 ? 0 : 1);
-    it.seg_first = plan.owner((long long)it.nb * kunits);
-    it.seg_last = plan.owner((long long)(it.nb + 1) * kunits - 1);
-    return it;
-}
-
-// The slot where CTA c left its part of block nb: its first item's, unless nb is a later (its last) item.
-__host__ __device__ __forceinline__ int streamk_slot(const StreamKPlan& plan, int kunits, int c, int nb) {
-    return 2 * c + (plan.start(c) / kunits == nb ? 0 : 1);
-}
-
-// The CTA's work on one item: the chunk's rows x column block nb x k tiles [kt0, kt0 + ktiles), then the item's
-// end. With the split plan (STREAMK false) the item is (column block, split): its partial goes to the split's rows
-// of the workspace and the block's last CTA sums the p.splits partials. With stream-K the item is a CTA's share of
-// a block (a CTA's range of k units may span blocks: StreamKPlan): a whole block writes its output directly, a
-// part goes to the CTA's slot (`slot`: 2 per CTA, its first and its last item) and the last of the block's CTAs
-// `seg_first`..`seg_last` sums their slots in that order. Returns early (nothing left to do) when another CTA sums.
 // Dynamic shared memory of one kernel instantiation: the A panel (or, after it, the 128-column partial sums) and the
 // warps' trellis rings.
 template <int KA, bool HALFK, int MB, bool FUSED>
@@ -136,10 +88,12 @@ __host__ __device__ constexpr int smem_bytes() {
     return (A_BYTES > F_BYTES ? A_BYTES : F_BYTES) + WARPS * GROUPS_IN_FLIGHT * GROUP * Tile<KA, HALFK>::BYTES;
 }
 
-template <int CB, int KA, bool HALFK, int MB, bool FUSED, bool STREAMK>
+// The CTA's work: the chunk's rows x column block nb x k tiles [kt0, kt0 + ktiles) of split `split`; its partial goes
+// to the split's rows of the workspace and the block's last CTA sums the p.splits partials. Returns early (nothing
+// left to do) when another CTA sums.
+template <int CB, int KA, bool HALFK, int MB, bool FUSED>
 __device__ __forceinline__ void cta_item(const Params& p, uint8_t* smem, int& last_arrival, const int nb, const int kt0,
-                                         const int ktiles, const int chunk, const int split, const int slot,
-                                         const int seg_first, const int seg_last) {
+                                         const int ktiles, const int chunk, const int split) {
     using T = Tile<KA, HALFK>;
     constexpr int MROWS = 16 * MB;
     static_assert(!FUSED || MB == 1, "the in-CTA transform builds one row of one 16-row fragment");
@@ -249,61 +203,35 @@ __device__ __forceinline__ void cta_item(const Params& p, uint8_t* smem, int& la
     }
     __syncthreads();
 
-    const int segments = STREAMK ? seg_last - seg_first + 1 : p.splits;
-    if (segments > 1) {
+    if (p.splits > 1) {
         // partials and their sum move as float4 (a row's 128 columns are 32 of them; rows start 16-byte aligned in
-        // the workspace, n being a multiple of 128, and in F, F_STRIDE a multiple of 4). Split plan: (chunk, split,
-        // mrows, n); stream-K: (chunk, slot, mrows, 128)
+        // the workspace, n being a multiple of 128, and in F, F_STRIDE a multiple of 4): (chunk, split, mrows, n)
         const size_t n0 = (size_t)nb * BLOCK_N;
-        const size_t stride = STREAMK ? BLOCK_N : p.n;
-        float* mine = STREAMK ? p.partials + (size_t)(chunk * 2 * p.ctas + slot) * p.mrows * BLOCK_N
-                              : p.partials + ((size_t)(chunk * p.splits + split) * p.mrows) * p.n + n0;
+        const size_t stride = p.n;
+        float* mine = p.partials + ((size_t)(chunk * p.splits + split) * p.mrows) * p.n + n0;
         for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4)
             *reinterpret_cast<float4*>(mine + (size_t)(e / BLOCK_N) * stride + e % BLOCK_N) =
                 *reinterpret_cast<const float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N);
         __threadfence();
         __syncthreads();
         int* counter = p.counters + (size_t)chunk * (p.n / BLOCK_N) + nb;
-        if (threadIdx.x == 0) last_arrival = atomicAdd(counter, 1) == segments - 1;
+        if (threadIdx.x == 0) last_arrival = atomicAdd(counter, 1) == p.splits - 1;
         __syncthreads();
         if (!last_arrival) return;
         __threadfence();
-        if constexpr (STREAMK) {
-            // the block's parts in CTA order (deterministic), each from the slot its CTA wrote it to
-            __shared__ int part_slot[TAIL_ROWS];
-            const StreamKPlan plan{p.units, p.ctas};
-            for (int i = threadIdx.x; i < segments; i += THREADS)
-                part_slot[i] = streamk_slot(plan, p.k / 128, seg_first + i, nb);
-            __syncthreads();
-            const float* slots = p.partials + (size_t)chunk * 2 * p.ctas * p.mrows * BLOCK_N;
-            for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4) {
-                float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const float* all = p.partials + ((size_t)chunk * p.splits * p.mrows) * p.n + n0;
+        for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4) {
+            const size_t at = (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N;
+            float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // summed in split order: deterministic
 #pragma unroll 8
-                for (int i = 0; i < segments; ++i) {
-                    const float4 v =
-                        __ldcg(reinterpret_cast<const float4*>(slots + (size_t)part_slot[i] * p.mrows * BLOCK_N + e));
-                    s.x += v.x;
-                    s.y += v.y;
-                    s.z += v.z;
-                    s.w += v.w;
-                }
-                *reinterpret_cast<float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N) = s;
+            for (int sp = 0; sp < p.splits; ++sp) {
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(all + (size_t)sp * p.mrows * p.n + at));
+                s.x += v.x;
+                s.y += v.y;
+                s.z += v.z;
+                s.w += v.w;
             }
-        } else {
-            const float* all = p.partials + ((size_t)chunk * p.splits * p.mrows) * p.n + n0;
-            for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4) {
-                const size_t at = (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N;
-                float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // summed in split order: deterministic
-#pragma unroll 8
-                for (int sp = 0; sp < p.splits; ++sp) {
-                    const float4 v = __ldcg(reinterpret_cast<const float4*>(all + (size_t)sp * p.mrows * p.n + at));
-                    s.x += v.x;
-                    s.y += v.y;
-                    s.z += v.z;
-                    s.w += v.w;
-                }
-                *reinterpret_cast<float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N) = s;
-            }
+            *reinterpret_cast<float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N) = s;
         }
         if (threadIdx.x == 0) *counter = 0;
         __syncthreads();
@@ -334,39 +262,8 @@ __global__ void __launch_bounds__(THREADS) trellis_mma_kernel(const Params p) {
     extern __shared__ __align__(16) uint8_t smem[];
     __shared__ int last_arrival;
     const int split = blockIdx.y, kt0 = split * p.slice_tiles;
-    cta_item<CB, KA, HALFK, MB, FUSED, false>(p, smem, last_arrival, blockIdx.x, kt0,
-                                              min(p.slice_tiles, p.k / 16 - kt0), blockIdx.z, split, 0, 0, 0);
-}
-
-// Stream-K (up to 64 rows, one chunk): CTA blockIdx.x walks its range of the launch's k units (StreamKPlan), an item
-// per column block it meets. Up to 16 rows at most 64 registers, so that 4 CTAs fit an SM as with the split plan
-// (the item loop's state would otherwise take 80; a few bytes spill); the 64-row kernel 2 CTAs per SM, as the split
-// plan's default there (3 would spill 68 bytes in the k loop).
-template <int CB, int KA, bool HALFK, int MB, bool FUSED>
-__global__ void __launch_bounds__(THREADS, MB == 1 ? 4 : 2) trellis_mma_streamk_kernel(const Params p) {
-    extern __shared__ __align__(16) uint8_t smem[];
-    __shared__ int last_arrival;
-    const StreamKPlan plan{p.units, p.ctas};
-    const int c = blockIdx.x, kunits = p.k / 128;
-    const long long u1 = plan.start(c + 1);
-    long long u = plan.start(c);
-    for (int item = 0; u < u1; ++item) {
-        const StreamKItem it = streamk_item(plan, kunits, c, u, item);
-        __syncthreads();  // the last item's output transform has read its sums (which alias the A panel)
-        cta_item<CB, KA, HALFK, MB, FUSED, true>(p, smem, last_arrival, it.nb, it.k0 * 8, (it.k1 - it.k0) * 8, 0, 0,
-                                                 it.slot, it.seg_first, it.seg_last);
-        u += it.k1 - it.k0;
-    }
-}
-
-// The kernel of an instantiation.
-template <int CB, int KA, bool HALFK, int MB, bool FUSED, bool STREAMK>
-inline auto kernel_of() {
-    if constexpr (STREAMK) {
-        return trellis_mma_streamk_kernel<CB, KA, HALFK, MB, FUSED>;
-    } else {
-        return trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>;
-    }
+    cta_item<CB, KA, HALFK, MB, FUSED>(p, smem, last_arrival, blockIdx.x, kt0, min(p.slice_tiles, p.k / 16 - kt0),
+                                       blockIdx.z, split);
 }
 
 // had128(x * suh) / sqrt(128) of every row into xh (fp16, row stride k) for each of the launch's shards (shard i's
@@ -389,7 +286,7 @@ __global__ void __launch_bounds__(THREADS) input_transform_kernel(const Params p
 
 // Raises a kernel instantiation's shared-memory limit once per device (at warm-up, before any CUDA-graph capture)
 // and gives how many of its CTAs fit in one SM at once (*fit; cached with the limit). Returns 0 or a CUDA error code.
-template <int CB, int KA, bool HALFK, int MB, bool FUSED, bool STREAMK>
+template <int CB, int KA, bool HALFK, int MB, bool FUSED>
 int configure(int* fit) {
     static int fits[64] = {};  // per device; 0 = not configured yet
     int device = 0;
@@ -397,7 +294,7 @@ int configure(int* fit) {
     if (e != cudaSuccess) return (int)e;
     int& cached = fits[device & 63];
     if (cached == 0) {
-        auto kernel = kernel_of<CB, KA, HALFK, MB, FUSED, STREAMK>();
+        auto kernel = trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>;
         e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<KA, HALFK, MB, FUSED>());
         if (e != cudaSuccess) return (int)e;
         int n = 0;
@@ -409,29 +306,29 @@ int configure(int* fit) {
     return 0;
 }
 
-template <int CB, int KA, bool HALFK, int MB, bool FUSED, bool STREAMK>
+template <int CB, int KA, bool HALFK, int MB, bool FUSED>
 int launch(const Params& p, dim3 grid, cudaStream_t stream) {
     int fit = 0;
-    const int e = configure<CB, KA, HALFK, MB, FUSED, STREAMK>(&fit);
+    const int e = configure<CB, KA, HALFK, MB, FUSED>(&fit);
     if (e != 0) return e;
-    kernel_of<CB, KA, HALFK, MB, FUSED, STREAMK>()<<<grid, THREADS, smem_bytes<KA, HALFK, MB, FUSED>(), stream>>>(p);
+    trellis_mma_kernel<CB, KA, HALFK, MB, FUSED><<<grid, THREADS, smem_bytes<KA, HALFK, MB, FUSED>(), stream>>>(p);
     return (int)cudaGetLastError();
 }
 
 
-template <int MB, bool FUSED, bool STREAMK = false>
+template <int MB, bool FUSED>
 int dispatch(const Params& p, int codebook, int k2, dim3 grid, cudaStream_t s) {
     return with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
-        return launch<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, MB, FUSED, STREAMK>(p, grid, s);
+        return launch<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, MB, FUSED>(p, grid, s);
     });
 }
 
 // CTAs of the kernel a launch of (codebook, 2K, MB, FUSED) uses that fit in one SM at once (*fit). Returns 0, a CUDA
 // error code, -2 (no such K) or -3 (bad codebook).
-template <int MB, bool FUSED, bool STREAMK = false>
+template <int MB, bool FUSED>
 int resident_ctas(int codebook, int k2, int* fit) {
     return with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
-        return configure<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, MB, FUSED, STREAMK>(fit);
+        return configure<decltype(cb)::value, decltype(ka)::value, decltype(half)::value, MB, FUSED>(fit);
     });
 }
 
@@ -465,101 +362,64 @@ QP_API int qp_trellis_mma_splits(int rows, int k, int n, int target_ctas, long l
     return splits;
 }
 
-// Most parts (CTA ranges) any column block of a stream-K plan meets.
-static long long streamk_max_parts(const qp::StreamKPlan& plan, int kunits, int nbk) {
-    long long most = 0;
-    for (int b = 0; b < nbk; ++b) {
-        const long long parts =
-            plan.owner((long long)(b + 1) * kunits - 1) - plan.owner((long long)b * kunits) + 1;
-        if (parts > most) most = parts;
+namespace qp {
+
+// The launch's table of shards (n_total: their stored columns). Returns 0 or -1 (bad geometry).
+inline int fill_shards(Params& p, const void* const* trellis, const void* const* suh, const void* const* svh,
+                       const int* n, const int* col, const int* out_features, int shards, int& n_total) {
+    n_total = 0;
+    for (int i = 0; i < shards; ++i) {
+        if (n[i] % 128 || n[i] <= 0 || out_features[i] > n[i]) return -1;
+        p.shard[i] = Shard{static_cast<const uint8_t*>(trellis[i]), static_cast<const __half*>(suh[i]),
+                           static_cast<const __half*>(svh[i]), n[i], col[i], out_features[i], n_total / BLOCK_N};
+        n_total += n[i];
     }
-    return most;
+    return 0;
 }
 
-// The items of every CTA of a stream-K plan of `ctas` CTAs over nbk column blocks of kunits units, as the kernel
-// walks them, for the CPU tests: rows of 8 ints (cta, nb, k0, k1, slot, seg_first, seg_last, the slot the block's
-// summing CTA reads for this CTA's part) into out (room for max_items rows). Returns the item count, or -1 when
-// out is too small.
-QP_API int qp_trellis_mma_streamk_items_host(int kunits, int nbk, int ctas, int* out, int max_items) {
-    const qp::StreamKPlan plan{(long long)kunits * nbk, ctas};
-    int count = 0;
-    for (int c = 0; c < ctas; ++c) {
-        long long u = plan.start(c);
-        for (int item = 0; u < plan.start(c + 1); ++item) {
-            const qp::StreamKItem it = qp::streamk_item(plan, kunits, c, u, item);
-            if (count >= max_items) return -1;
-            int* row = out + 8 * count++;
-            row[0] = c;
-            row[1] = it.nb;
-            row[2] = it.k0;
-            row[3] = it.k1;
-            row[4] = it.slot;
-            row[5] = it.seg_first;
-            row[6] = it.seg_last;
-            row[7] = qp::streamk_slot(plan, kunits, c, it.nb);
-            u += it.k1 - it.k0;
-        }
-    }
-    return count;
+// The split plan of a launch of p.rows rows over p.n columns (p.splits, p.slice_tiles, p.mrows), within one wave of
+// the kernel instantiation it uses (`fused`, `small`): what fits at once (a target above what fits would split k more
+// finely for a grid of two waves, measured slower: docs/kernels.md) and target_ctas. Returns 0, a CUDA error code,
+// -2 (no kernel for this K), -3 (bad codebook) or -4 (workspace too small).
+inline int plan_splits(Params& p, bool fused, bool small, int codebook, int k2, int target_ctas,
+                       long long partial_floats, long long counters_len) {
+    int fit = 0, sms = 0;
+    const int e = fused ? resident_ctas<1, true>(codebook, k2, &fit)
+                  : small ? resident_ctas<1, false>(codebook, k2, &fit)
+                          : resident_ctas<4, false>(codebook, k2, &fit);
+    if (e != 0) return e;
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+        return (int)cudaGetLastError();
+    if ((long long)fit * sms < target_ctas) target_ctas = fit * sms;
+    const int mb_rows = small ? 16 : 64;
+    const int splits = qp_trellis_mma_splits(p.rows, p.k, p.n, target_ctas, partial_floats, counters_len);
+    const int ktiles = p.k / 16;
+    p.slice_tiles = (ktiles / 8 + splits - 1) / splits * 8;  // a multiple of 8 tiles (TileStream::panel())
+    p.splits = splits;
+    p.mrows = p.rows < mb_rows ? p.rows : mb_rows;
+    const int chunks = (p.rows + mb_rows - 1) / mb_rows;
+    if (splits > 1 && ((long long)chunks * splits * p.mrows * p.n > partial_floats ||
+                       (long long)chunks * (p.n / BLOCK_N) > counters_len))
+        return -4;
+    return 0;
 }
 
-// Stream-K plan of one call of up to 64 rows (one chunk): how many CTAs share the launch's k units (k / 128 of each
-// 128-column block of n, blocks in order; qp::StreamKPlan), the most, up to target_ctas and one unit each, with
-// which no column block meets more CTAs than its last CTA should sum (up to 16 rows TAIL_ROWS / rows partials, above
-// WIDE_PARTS) and the partial slots (2 per CTA x rows x 128 floats) fit the workspace when any block is in parts.
-// *parts: the most parts of one block (1: every block whole in one CTA). Each shape is planned once per process.
-// Returns the CTA count (>= 1), or 0 above 64 rows or for a bad geometry.
-static int streamk_plan(int rows, int k, int n, int target_ctas, long long partial_floats, int* parts) {
-    if (rows <= 0 || rows > 64 || k <= 0 || k % 128 || n <= 0 || n % qp::BLOCK_N) return 0;
-    using Key = std::tuple<int, int, int, int, long long>;
-    static std::mutex lock;
-    static std::map<Key, std::pair<int, int>> planned;
-    const Key key{rows, k, n, target_ctas, partial_floats};
-    {
-        std::lock_guard<std::mutex> guard(lock);
-        const auto hit = planned.find(key);
-        if (hit != planned.end()) {
-            *parts = hit->second.second;
-            return hit->second.first;
-        }
-    }
-    const int kunits = k / 128, nbk = n / qp::BLOCK_N;
-    const long long units = (long long)kunits * nbk;
-    const long long max_parts = rows <= 16 ? qp::TAIL_ROWS / rows : qp::WIDE_PARTS;
-    long long ctas = target_ctas < 1 ? 1 : target_ctas;
-    if (ctas > units) ctas = units;
-    long long most = 1;
-    for (; ctas >= 1; --ctas) {
-        most = streamk_max_parts(qp::StreamKPlan{units, (int)ctas}, kunits, nbk);
-        if (most == 1 || (most <= max_parts && 2 * ctas * rows * qp::BLOCK_N <= partial_floats)) break;
-    }
-    if (ctas < 1) ctas = 1, most = 1;  // one CTA: every block whole
-    std::lock_guard<std::mutex> guard(lock);
-    if (planned.size() > 4096) planned.clear();
-    planned[key] = {(int)ctas, (int)most};
-    *parts = (int)most;
-    return (int)ctas;
-}
-
-QP_API int qp_trellis_mma_streamk_ctas(int rows, int k, int n, int target_ctas, long long partial_floats) {
-    int parts = 0;
-    return streamk_plan(rows, k, n, target_ctas, partial_floats, &parts);
-}
+}  // namespace qp
 
 // `shards` trellis shards sharing the input x, in one launch: out[:, col[i]:col[i] + out_features[i]] = (x @ W_i)[:,
 // :out_features[i]]. trellis / suh / svh / n / col / out_features are host arrays of `shards` entries (device
 // pointers in the first three). xh holds shards x rows rows of k. At one row with `inline_rows` >= 1 each CTA
 // transforms its own input panel; otherwise up to 16 rows one transform launch writes every shard's had128(x * suh)
 // to xh (shards x rows x k fp16) and the GEMM streams its slices from there; above 16 rows likewise in 64-row
-// chunks. With `stream_k` (up to 64 rows) the CTAs that fit share the k units of every column block evenly
-// (qp_trellis_mma_streamk_ctas) instead of whole splits. Returns 0, a CUDA error code, or -1 (bad geometry), -2 (no
-// kernel for this K), -3 (bad codebook), -4 (workspace too small, or no xh where one is needed), -5 (no shard or more
-// than MAX_SHARDS).
+// chunks. Returns 0, a CUDA error code, or -1 (bad geometry), -2 (no kernel for this K), -3 (bad codebook), -4
+// (workspace too small, or no xh where one is needed), -5 (no shard or more than MAX_SHARDS).
 QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, const void* const* suh,
                           const void* const* svh, const int* n, const int* col, const int* out_features, int shards,
                           void* out, float* partials, long long partial_floats, int* counters, long long counters_len,
                           int rows, int x_width, int x_stride, int k, int out_stride, int codebook, int k2, int bf16,
-                          int target_ctas, int inline_rows, int stream_k, void* stream) {
+                          int target_ctas, int inline_rows, void* stream) {
     if (rows <= 0) return 0;
     const int small = rows <= 16;                    // one 16-row fragment (MB = 1), several shards allowed
     const int fused = rows == 1 && inline_rows >= 1;  // the input transform inside the GEMM's CTAs (one row)
@@ -567,34 +427,8 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
     if (k % 128 || k <= 0 || x_width > k) return -1;
     qp::Params p{};
     int n_total = 0;
-    for (int i = 0; i < shards; ++i) {
-        if (n[i] % 128 || n[i] <= 0 || out_features[i] > n[i]) return -1;
-        p.shard[i] = qp::Shard{static_cast<const uint8_t*>(trellis[i]), static_cast<const __half*>(suh[i]),
-                               static_cast<const __half*>(svh[i]), n[i], col[i], out_features[i],
-                               n_total / qp::BLOCK_N};
-        n_total += n[i];
-    }
-    const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    const int mb_rows = small ? 16 : 64;
-    // one wave is what fits at once (a target above what fits would split k more finely for a grid of two waves,
-    // measured slower: docs/kernels.md)
-    const bool streamk = stream_k && rows <= 64;
-    int fit = 0, sms = 0;
-    int e = streamk ? (fused   ? qp::resident_ctas<1, true, true>(codebook, k2, &fit)
-                       : small ? qp::resident_ctas<1, false, true>(codebook, k2, &fit)
-                               : qp::resident_ctas<4, false, true>(codebook, k2, &fit))
-            : fused ? qp::resident_ctas<1, true>(codebook, k2, &fit)
-            : small ? qp::resident_ctas<1, false>(codebook, k2, &fit)
-                    : qp::resident_ctas<4, false>(codebook, k2, &fit);
+    int e = qp::fill_shards(p, trellis, suh, svh, n, col, out_features, shards, n_total);
     if (e != 0) return e;
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-        return (int)cudaGetLastError();
-    if ((long long)fit * sms < target_ctas) target_ctas = fit * sms;
-    const int splits = qp_trellis_mma_splits(rows, k, n_total, target_ctas, partial_floats, counters_len);
-    const int ktiles = k / 16;
-    const int slice = (ktiles / 8 + splits - 1) / splits * 8;  // a multiple of 8 tiles (TileStream::panel())
     p.x = x;
     p.xh = xh;
     p.out = out;
@@ -607,35 +441,17 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
     p.k = k;
     p.n = n_total;
     p.out_stride = out_stride;
-    p.slice_tiles = slice;
-    p.splits = splits;
-    p.mrows = rows < mb_rows ? rows : mb_rows;
     p.bf16 = bf16;
-    const int chunks = (rows + mb_rows - 1) / mb_rows;
-    if (splits > 1 && ((long long)chunks * splits * p.mrows * n_total > partial_floats ||
-                       (long long)chunks * (n_total / qp::BLOCK_N) > counters_len))
-        return -4;
-    dim3 grid(n_total / qp::BLOCK_N, splits, chunks);
-    if (streamk) {
-        int parts = 0;
-        p.ctas = streamk_plan(rows, k, n_total, target_ctas, partial_floats, &parts);
-        p.units = (long long)(k / 128) * (n_total / qp::BLOCK_N);
-        if (p.ctas < 1 || (parts > 1 && (2LL * p.ctas * p.mrows * qp::BLOCK_N > partial_floats ||
-                                         (long long)(n_total / qp::BLOCK_N) > counters_len)))
-            return -4;
-        grid = dim3(p.ctas, 1, 1);
-    }
-    if (fused)
-        return streamk ? qp::dispatch<1, true, true>(p, codebook, k2, grid, s)
-                       : qp::dispatch<1, true>(p, codebook, k2, grid, s);
+    e = qp::plan_splits(p, fused, small, codebook, k2, target_ctas, partial_floats, counters_len);
+    if (e != 0) return e;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const dim3 grid(n_total / qp::BLOCK_N, p.splits, (rows + (small ? 16 : 64) - 1) / (small ? 16 : 64));
+    if (fused) return qp::dispatch<1, true>(p, codebook, k2, grid, s);
     if (xh == nullptr) return -4;
     const long items = (long)shards * rows * (k / 128);
     qp::input_transform_kernel<<<(unsigned)((items + qp::WARPS - 1) / qp::WARPS), qp::THREADS, 0, s>>>(p);
     e = (int)cudaGetLastError();
     if (e != 0) return e;
-    if (streamk)
-        return small ? qp::dispatch<1, false, true>(p, codebook, k2, grid, s)
-                     : qp::dispatch<4, false, true>(p, codebook, k2, grid, s);
     return small ? qp::dispatch<1, false>(p, codebook, k2, grid, s) : qp::dispatch<4, false>(p, codebook, k2, grid, s);
 }
 
