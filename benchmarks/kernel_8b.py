@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -231,13 +230,10 @@ def bench_served(kernel, stack, rows_list, device) -> dict:
     from dataclasses import asdict
 
     from quantpack_core.trellis_mma import delegation as tm
-    from quantpack_core.trellis_mma import ops
+    from quantpack_core.trellis_mma import settings
 
-    saved, ops.delegate_rows = ops.delegate_rows, None
-    try:
+    with settings.using(delegate_rows=None):
         result = bench_kernel(kernel, stack, rows_list, device, unfused=False)["fused"]
-    finally:
-        ops.delegate_rows = saved
     routes = []
     for record in tm.route_records():
         if record.own_us:
@@ -290,21 +286,41 @@ def main() -> None:
         "--ctas-per-sm",
         type=int,
         default=None,
-        help="trellis_mma: split-K target in CTAs per SM up to 16 rows (default: the library's, CTAS_PER_SM; capped "
+        help="trellis_mma: split-K target in CTAs per SM up to 16 rows (default: the settings', 4; capped "
         "by what fits)",
     )
     ap.add_argument(
         "--ctas-per-sm-wide",
         type=int,
         default=None,
-        help="trellis_mma: split-K target in CTAs per SM above 16 rows (default: the library's, CTAS_PER_SM_WIDE)",
+        help="trellis_mma: split-K target in CTAs per SM above 16 rows (default: the settings', 2)",
     )
     ap.add_argument("--json", type=Path, default=Path(__file__).with_name("results") / "kernel_8b.json")
     args = ap.parse_args()
-    if args.ctas_per_sm is not None:  # read when the kernel's workspace is made, below
-        os.environ["QUANTPACK_TRELLIS_MMA_CTAS_PER_SM"] = str(args.ctas_per_sm)
+    from quantpack_core.trellis_mma import settings
+
+    with settings.using(**trellis_settings(args)):
+        run(args)
+
+
+def trellis_settings(args) -> dict:
+    """The trellis_mma settings the run changes: trellis_mma's own kernels at every row count (the served op hands
+    large calls over: ``bench_served`` measures that), and the options given (``--ctas-per-sm`` sets the wide target
+    too unless ``--ctas-per-sm-wide`` is given, as the environment variables do)."""
+    changes = {"delegate_rows": 0}
+    if args.inline_transform_rows is not None:
+        changes["inline_transform_rows"] = max(0, min(args.inline_transform_rows, 1))
+    if args.ctas_per_sm is not None:  # read when the kernel's workspace is made
+        changes["ctas_per_sm"] = changes["ctas_per_sm_wide"] = args.ctas_per_sm
     if args.ctas_per_sm_wide is not None:
-        os.environ["QUANTPACK_TRELLIS_MMA_CTAS_PER_SM_WIDE"] = str(args.ctas_per_sm_wide)
+        changes["ctas_per_sm_wide"] = args.ctas_per_sm_wide
+    return changes
+
+
+def run(args) -> None:
+    """Measure under the settings of :func:`trellis_settings` (see :func:`main`)."""
+    from quantpack_core.trellis_mma import settings
+
     device = torch.device("cuda")
     rows_list = [int(r) for r in args.rows.split(",")]
     bw = copy_bandwidth(device)
@@ -327,14 +343,9 @@ def main() -> None:
         "kernels": {},
     }
     classes = kernel_classes()
-    from quantpack_core.trellis_mma import ops
-
-    ops.delegate_rows = 0  # trellis_mma's own kernels at every row count (the served op hands large calls over)
-    if args.inline_transform_rows is not None:
-        ops.INLINE_TRANSFORM_ROWS = max(0, min(args.inline_transform_rows, 1))
-    record["inline_transform_rows"] = ops.INLINE_TRANSFORM_ROWS
-    record["ctas_per_sm"] = args.ctas_per_sm or ops.CTAS_PER_SM
-    record["ctas_per_sm_wide"] = args.ctas_per_sm_wide or ops.CTAS_PER_SM_WIDE
+    record["inline_transform_rows"] = settings.current().inline_transform_rows
+    record["ctas_per_sm"] = settings.current().ctas_per_sm
+    record["ctas_per_sm_wide"] = settings.current().ctas_per_sm_wide
     for name in args.kernels.split(","):
         kernel = classes.get(name)
         if kernel is None:

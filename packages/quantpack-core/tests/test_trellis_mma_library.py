@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from quantpack_core.codec.trellis import HALF_K, LEGAL_K, decode_tiles, tile_words, width_from_k
-from quantpack_core.trellis_mma import library
+from quantpack_core.trellis_mma import library, settings
 from quantpack_core.trellis_mma.ops import COUNTERS, PARTIAL_FLOATS
 
 #: partial rows a column block's last CTA sums at most (TAIL_ROWS in csrc/common.cuh)
@@ -120,20 +120,23 @@ def test_shard_table_limits_are_refused_before_any_launch(lib, shards, rows):
         library.check(code, "test")
 
 
-def test_missing_nvcc_names_the_fix(monkeypatch, tmp_path):
-    monkeypatch.setenv("QUANTPACK_NVCC", str(tmp_path / "no-nvcc"))
-    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
-    with pytest.raises(library.LibraryError, match="CUDA_HOME or QUANTPACK_NVCC"):
-        library.build(90)
+def test_missing_nvcc_names_the_fix(tmp_path):
+    with settings.using(nvcc=str(tmp_path / "no-nvcc"), cache_dir=tmp_path):
+        with pytest.raises(library.LibraryError, match="CUDA_HOME or QUANTPACK_NVCC"):
+            library.build(90)
 
 
-def test_a_library_at_its_key_is_used_without_building(monkeypatch, tmp_path):
+def test_a_library_at_its_key_is_used_without_building(tmp_path):
     """build() returns a library found at library_path() (what ci/gpu/stage.sh stages from another machine with the
     same compiler) without running the compiler; another compiler's --version output keys another path."""
     nvcc = tmp_path / "nvcc"
     nvcc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'release 13.0, V13.0.88'; exit 0; }\nexit 7\n")
     nvcc.chmod(0o755)
-    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path / "cache"))
+    with settings.using(cache_dir=tmp_path / "cache"):
+        _check_the_key(nvcc, tmp_path)
+
+
+def _check_the_key(nvcc, tmp_path) -> None:
     target = library.library_path(90, str(nvcc))
     assert target.parent == tmp_path / "cache" and target.name.startswith("trellis_mma-sm90-")
     with pytest.raises(library.LibraryError, match="building its kernels failed"):
@@ -162,15 +165,69 @@ def test_row_buckets_and_fixed_routes():
     assert fixed_route(1024) == fixed_route(1500) == fixed_route(10**6) == 0b100000000000
 
 
-def test_a_bad_delegate_rows_setting_measures_instead(monkeypatch, caplog):
+def test_a_bad_delegate_rows_setting_measures_instead(caplog):
     """QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS: unset or not an integer >= 0 -> measured routes (None, with a warning for
     the latter); an integer -> that threshold."""
-    from quantpack_core.trellis_mma.ops import _delegate_rows_setting
+    from quantpack_core.trellis_mma.settings import Settings
 
     for raw, want in (("", None), ("abc", None), ("-3", None), ("0", 0), ("300", 300)):
-        monkeypatch.setenv("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", raw)
-        assert _delegate_rows_setting() == want, raw
+        assert Settings.from_env({"QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS": raw}).delegate_rows == want, raw
     assert "is not an integer >= 0; measuring each layer's routes instead" in caplog.text
+
+
+def test_settings_from_the_environment():
+    """Each knob from its variable; a bad value keeps the default with a warning naming the variable; the wide CTA
+    target follows QUANTPACK_TRELLIS_MMA_CTAS_PER_SM where only that is set; the cache under XDG_CACHE_HOME."""
+    from quantpack_core.trellis_mma.settings import Settings
+
+    default = Settings.from_env({})
+    assert (default.delegate_rows, default.inline_transform_rows, default.wide_fused) == (None, 1, True)
+    assert (default.ctas_per_sm, default.ctas_per_sm_wide, default.nvcc) == (4, 2, None)
+    env = {
+        "QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS": "16",
+        "QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS": "7",
+        "QUANTPACK_TRELLIS_MMA_CTAS_PER_SM": "5",
+        "QUANTPACK_TRELLIS_MMA_WIDE_FUSED": "0",
+        "QUANTPACK_NVCC": "/opt/nvcc",
+        "XDG_CACHE_HOME": "/xdg",
+    }
+    s = Settings.from_env(env)
+    assert (s.delegate_rows, s.inline_transform_rows, s.ctas_per_sm, s.ctas_per_sm_wide) == (16, 1, 5, 5)
+    assert (s.wide_fused, s.nvcc, str(s.cache_dir)) == (False, "/opt/nvcc", "/xdg/quantpack")
+    s = Settings.from_env({**env, "QUANTPACK_TRELLIS_MMA_CTAS_PER_SM_WIDE": "3", "QUANTPACK_CACHE_DIR": "/c"})
+    assert (s.ctas_per_sm_wide, str(s.cache_dir)) == (3, "/c")
+    assert Settings.from_env({"QUANTPACK_TRELLIS_MMA_CTAS_PER_SM": "0"}).ctas_per_sm == 4  # below the minimum
+
+
+def test_settings_are_read_once_and_replaced_only_inside_using(monkeypatch):
+    """current() reads the environment once (a later change of it is not seen); using() replaces fields for its block
+    and restores them, also when the block raises; the settings are frozen; an unknown field is refused."""
+    import dataclasses
+
+    from quantpack_core.trellis_mma import settings
+
+    monkeypatch.setattr(settings, "_current", None)
+    monkeypatch.setenv("QUANTPACK_TRELLIS_MMA_CTAS_PER_SM", "6")
+    first = settings.current()
+    monkeypatch.setenv("QUANTPACK_TRELLIS_MMA_CTAS_PER_SM", "7")
+    assert settings.current() is first and first.ctas_per_sm == 6
+    with settings.using(delegate_rows=0, wide_fused=False) as inside:
+        assert settings.current() is inside and (inside.delegate_rows, inside.wide_fused, inside.ctas_per_sm) == (
+            0,
+            False,
+            6,
+        )
+        with settings.using(delegate_rows=32):
+            assert settings.current().delegate_rows == 32 and not settings.current().wide_fused
+        assert settings.current() is inside
+    assert settings.current() is first
+    with pytest.raises(RuntimeError), settings.using(delegate_rows=8):
+        raise RuntimeError
+    assert settings.current() is first
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.delegate_rows = 3
+    with pytest.raises(TypeError), settings.using(no_such_knob=1):
+        pass
 
 
 # ---------------------------------------------------------------------------------------------------- expert banks

@@ -8,6 +8,7 @@ no other. Plus opcheck, torch.compile without graph breaks, and CUDA-graph captu
 eager call for the deterministic trellis_mma kernels).
 """
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from ops_check import opcheck
 from quantpack_core import Exl3Tensors, Pack, reference_linear
 from quantpack_core.codec.trellis import HALF_K
 from quantpack_core.synthetic import random_exl3_layer
+from quantpack_core.trellis_mma import settings
 
 pytestmark = [
     pytest.mark.gpu,
@@ -107,12 +109,17 @@ def current_platform():
 def backend(request):
     """Each CUDA linear kernel; on a GPU machine it must be available (a failure here fails the tier). trellis_mma
     runs every row count itself here (no hand-over of large calls to exllamav3)."""
-    from quantpack_core.trellis_mma import ops
-
     assert request.param.kernel().available(current_platform()) == (True, None)
-    saved, ops.delegate_rows = ops.delegate_rows, 0
-    yield request.param
-    ops.delegate_rows = saved
+    with settings.using(delegate_rows=0):
+        yield request.param
+
+
+@pytest.fixture
+def use():
+    """``use(**changes)``: the rest of the test runs under the trellis_mma settings with ``changes``
+    (:func:`quantpack_core.trellis_mma.settings.using`), each call on top of the ones before; restored after it."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(settings.using(**changes))
 
 
 def exllamav3_forward(t: Exl3Tensors, x16: torch.Tensor) -> torch.Tensor:
@@ -256,18 +263,16 @@ def assert_shards_match_reference(out: torch.Tensor, x: torch.Tensor, ts, prepar
 
 @pytest.mark.parametrize("wide_fused", [False, True], ids=["per-shard-above-16", "wide-fused"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, wide_fused, monkeypatch):
+def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, wide_fused, use):
     """q / k / v of one K and codebook fused (one launch up to 16 rows; above, a launch per shard, or with
     QUANTPACK_TRELLIS_MMA_WIDE_FUSED one launch per 128 rows, the whole 64-row chunks that three shards' inputs fit
     in the workspace's 512 rows, so 400 rows take four launches) give each shard's columns as its own launch does,
     within fp32 summation order (the split of k depends on the launch's column blocks), and within the fp64
     reference's bound; a graph replay is bit-identical to eager; shards of another K are not fused; the fused op passes
     opcheck."""
-    from quantpack_core.trellis_mma import ops
     from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel
 
-    monkeypatch.setattr(ops, "delegate_rows", 0)  # every row count in trellis_mma's own launches
-    monkeypatch.setattr(ops, "WIDE_FUSED", wide_fused)
+    use(delegate_rows=0, wide_fused=wide_fused)  # every row count in trellis_mma's own launches
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(121)
     ts, prepared, fused = fused_layer([(768, 512), (768, 128), (768, 128)], 21, dtype)
@@ -298,7 +303,7 @@ def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, wide_fused, monke
 
 @pytest.mark.parametrize("k_in", [1024, 1152, 2304])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch):
+def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch, use):
     """A fused q / k / v call of 1-16 rows whose input one launch transforms first (every call from two rows on; at one
     row with QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS=0), the GEMM streaming its slices from the workspace, equals
     the one-row kernel's in-CTA transform (its panel holds the one row, every lane's fragment row reading it) within
@@ -307,18 +312,18 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch):
     one ending in a partial round of the cp.async ring."""
     from quantpack_core.trellis_mma import ops
 
-    monkeypatch.setattr(ops, "delegate_rows", 0)
+    use(delegate_rows=0)
     dev = torch.device("cuda")
     ts, prepared, fused = fused_layer([(k_in, 512), (k_in, 256), (k_in, 128)], 22, dtype)
     if k_in != 1024:
         monkeypatch.setattr(ops.workspace(dev), "target_ctas", 8)  # 7 column blocks: one split, the whole k per CTA
     x = torch.randn((1, k_in), device=dev).to(dtype)
-    monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", 1)
+    use(inline_transform_rows=1)
     in_cta = torch.full((1, 896), float("nan"), dtype=dtype, device=dev)
     fused.run(x, *fused.tensors.values(), *fused.static, in_cta, 0)
     assert torch.isfinite(in_cta).all()
     assert_shards_match_reference(in_cta, x, ts, prepared, "in-CTA")
-    monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", 0)
+    use(inline_transform_rows=0)
     for rows in (1, 2, 5, 16):
         x_rows = torch.cat([x, torch.randn((rows - 1, k_in), device=dev).to(dtype)])
         once = torch.full((rows, 896), float("nan"), dtype=dtype, device=dev)
@@ -328,7 +333,7 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch):
         assert_shards_match_reference(once, x_rows, ts, prepared, rows)
     assert_replay_is_eager(fused, 7, k_in, 896, dtype)
     for inline in (0, 1):
-        monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", inline)
+        use(inline_transform_rows=inline)
         assert_replay_is_eager(fused, 1, k_in, 896, dtype)
 
 
@@ -337,7 +342,7 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch):
     [(None, torch.float16), (None, torch.bfloat16), (16, torch.float16)],
     ids=["measured-float16", "measured-bfloat16", "fixed-16"],
 )
-def test_trellis_mma_routes_each_row_bucket_to_the_kernel_its_route_names(setting, dtype, monkeypatch, caplog):
+def test_trellis_mma_routes_each_row_bucket_to_the_kernel_its_route_names(setting, dtype, use, caplog):
     """A prepared run's route (which row buckets go to exllamav3's kernels) is the one its load-time timings give
     (exllamav3 where it takes at most ROUTE_MARGIN of trellis_mma's time; a fixed QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS
     sends the buckets above it), the timings are logged, and every call runs the kernel its bucket names: bit-equal to
@@ -348,7 +353,7 @@ def test_trellis_mma_routes_each_row_bucket_to_the_kernel_its_route_names(settin
     from quantpack_core.trellis_mma import delegation as tm
     from quantpack_core.trellis_mma import ops
 
-    monkeypatch.setattr(ops, "delegate_rows", setting)
+    use(delegate_rows=setting)
     dev = torch.device("cuda")
     t = Exl3Tensors.from_tensors(random_exl3_layer(1024, 2048, 3, "mcg", generator=torch.Generator().manual_seed(31)))
     with caplog.at_level(logging.INFO, logger="vllm.quantpack"):

@@ -14,13 +14,11 @@ delegate, the warm-up, the records), :mod:`.library` (the nvcc build of ``csrc/`
 
 from .delegation import Delegate
 from .kernels import NAME, available, fuse_shards, prepare_bank, prepare_shard, unsupported
-from .ops import delegate_rows_now
 
 __all__ = [
     "NAME",
     "Delegate",
     "available",
-    "delegate_rows_now",
     "fuse_shards",
     "prepare_bank",
     "prepare_shard",

@@ -24,11 +24,10 @@ from .ops import (
     ALL_BUCKETS,
     FUSED_ROWS,
     ROW_BUCKETS,
-    delegate_rows_now,
     fixed_route,
-    inline_transform_rows_now,
     workspace,
 )
+from .settings import current
 
 logger = logging.getLogger("vllm.quantpack")
 
@@ -131,7 +130,7 @@ def measure_route(run: PreparedShard, dtype: torch.dtype, delegate: Delegate | N
     codebook, k_bits, outs = run.static[:3]
     outs = tuple(outs) if isinstance(outs, tuple) else (outs,)
     k = trellis[0].shape[0] * 16
-    setting = delegate_rows_now()
+    setting = current().delegate_rows
     name = None if delegate is None else delegate.name
     key = (k, tuple(tuple(t.shape) for t in trellis), codebook, k_bits, dtype, device, setting, name)
     known = _routes.get(key)
@@ -203,10 +202,10 @@ def warm_up(run: PreparedShard, in_features: int, delegate: Delegate | None, dty
     trellis = _trellis_of(run)
     device = trellis[0].device
     name = None if delegate is None else delegate.name
-    key = (tuple(tuple(t.shape) for t in trellis), run.static[0], dtype, device, name, inline_transform_rows_now())
+    key = (tuple(tuple(t.shape) for t in trellis), run.static[0], dtype, device, name, current().inline_transform_rows)
     if key in _warmed:
         return
-    # one row (the in-CTA transform's kernel, unless INLINE_TRANSFORM_ROWS is 0), two rows (the few-row kernel that
+    # one row (the in-CTA transform's kernel, unless inline_transform_rows is 0), two rows (the few-row kernel that
     # streams the transformed input), FUSED_ROWS + 1 (the 64-row kernel)
     calls = [(1, 0), (2, 0), (FUSED_ROWS + 1, 0)]
     if delegate is not None:

@@ -6,7 +6,8 @@ The sources are compiled once per (sources, nvcc version, flags, GPU architectur
 library; a unit may ask for the arch-specific target on Hopper (``sm_90a``: wgmma and the other instructions only
 that architecture has) while the others build for the plain architecture.
 Its entry points take device pointers and a ``cudaStream_t``, so the library does not depend on the torch build.
-``QUANTPACK_NVCC`` names the compiler; otherwise ``$CUDA_HOME/bin/nvcc``, then ``nvcc`` on ``PATH``.
+``QUANTPACK_NVCC`` names the compiler; otherwise ``$CUDA_HOME/bin/nvcc``, then ``nvcc`` on ``PATH`` (both variables
+read once, with the kernels' other settings: :mod:`.settings`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from .settings import current
 
 logger = logging.getLogger("vllm.quantpack")
 
@@ -92,8 +95,8 @@ def _serves_without(template: str) -> str:
 
 
 def nvcc_path() -> str | None:
-    """The nvcc to build with (``QUANTPACK_NVCC``, ``$CUDA_HOME/bin/nvcc``, ``PATH``), or None."""
-    explicit = os.environ.get("QUANTPACK_NVCC")
+    """The nvcc to build with (the settings' ``nvcc``, ``$CUDA_HOME/bin/nvcc``, ``PATH``), or None."""
+    explicit = current().nvcc
     if explicit:
         return explicit
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
@@ -117,12 +120,8 @@ def compiler_reason() -> str | None:
 
 
 def cache_dir() -> Path:
-    """Where built libraries are kept (created on demand)."""
-    root = os.environ.get("QUANTPACK_CACHE_DIR")
-    if root:
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "quantpack"
+    """Where built libraries are kept (created on demand): the settings' ``cache_dir``."""
+    return current().cache_dir
 
 
 def library_path(arch: int, nvcc: str | None = None) -> Path:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ import torch
 from quantpack_core.ops import define_op
 
 from .library import LibraryError, check, load
+from .settings import current
 
 logger = logging.getLogger("vllm.quantpack")
 
@@ -35,59 +35,10 @@ XH_ROWS = 512
 FUSED_ROWS = 16
 
 
-def env_int(name: str, default: int, minimum: int = 0) -> int:
-    """An integer setting from the environment; a value that is not an integer >= ``minimum`` is ignored with a
-    warning naming the variable (a bad setting never stops a server from starting)."""
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-        if value < minimum:
-            raise ValueError
-    except ValueError:
-        logger.warning("quantpack: %s=%r is not an integer >= %d; using %d", name, raw, minimum, default)
-        return default
-    return value
-
-
-#: CTAs a launch aims at per SM (split-K fills the GPU with them) up to FUSED_ROWS rows;
-#: QUANTPACK_TRELLIS_MMA_CTAS_PER_SM overrides (both row classes)
-CTAS_PER_SM = 4
-
-#: the same above FUSED_ROWS rows (the 64-row kernel, whose split-K partials are 4x as many rows: fewer splits trade
-#: parallelism for a shorter partial sum). 2: measured on the H200 (docs/results.md, 2026-12-03, later), the 8B
-#: stack at 32 / 64 / 128 / 256 rows took 7.14 / 8.50 / 12.88 / 21.12 ms with 2, 7.44 / 9.11 / 13.26 / 21.62 with 3
-#: and 9.07 / 22.14 at 64 / 256 with 4. QUANTPACK_TRELLIS_MMA_CTAS_PER_SM_WIDE overrides
-CTAS_PER_SM_WIDE = 2
-
-#: 1: a one-row call's CTAs each transform their own input panel (had128(x * suh)); 0: one transform launch writes
-#: every shard's transformed input to the workspace first at one row too, as it always does from two rows on (the
-#: transform is then done once, not once per column block and split; the in-CTA transform was measured slower from
-#: two rows on: docs/results.md, 2026-12-03, the 8B stack fused at 4 / 16 rows took 3.85 / 4.17 ms once per call
-#: against 3.98 / 6.34 in-CTA, so since then the in-CTA kernel holds one row and its panel takes 2 KB of shared
-#: memory instead of 33). QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS (0 or 1; larger values count as 1) overrides;
-#: read when the module is imported.
-INLINE_TRANSFORM_ROWS = min(env_int("QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS", 1), 1)
-
-
 def _in_cta(rows: int) -> bool:
     """Whether a call of ``rows`` rows transforms its input in the GEMM's CTAs (one row, with
-    :data:`INLINE_TRANSFORM_ROWS` read now: benchmarks and tests set it at run time), as ``qp_trellis_mma`` decides."""
-    return rows == 1 and INLINE_TRANSFORM_ROWS >= 1
-
-
-#: above FUSED_ROWS, a layer's shards (q / k / v, gate / up) in one launch too, each 64-row chunk's transformed input
-#: per shard in the workspace (XH_ROWS // shards rows a launch, whole 64-row chunks), instead of a launch per shard:
-#: the narrow k / v shards then ride in q's grid as they do up to 16 rows. Measured on the H200 (docs/kernels.md,
-#: 2026-12-03): the 8B stack at 32 / 64 / 128 rows took 5.85 / 6.64 / 11.32 ms against 7.14 / 8.51 / 12.90 with a
-#: launch per shard. QUANTPACK_TRELLIS_MMA_WIDE_FUSED=0 restores a launch per shard; read when the module is imported.
-WIDE_FUSED = env_int("QUANTPACK_TRELLIS_MMA_WIDE_FUSED", 1) > 0
-
-
-def inline_transform_rows_now() -> int:
-    """:data:`INLINE_TRANSFORM_ROWS` as it is now (benchmarks set it at run time)."""
-    return INLINE_TRANSFORM_ROWS
+    ``inline_transform_rows`` 1 in the settings in force), as ``qp_trellis_mma`` decides."""
+    return rows == 1 and current().inline_transform_rows >= 1
 
 
 #: upper row counts of the row buckets a run's route names: bucket i holds calls of ROW_BUCKETS[i - 1] + 1 ..
@@ -95,38 +46,6 @@ def inline_transform_rows_now() -> int:
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 #: a route sending every bucket to the delegate
 ALL_BUCKETS = (1 << len(ROW_BUCKETS)) - 1
-
-
-def _delegate_rows_setting() -> int | None:
-    """``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS``: None (unset, or not an integer >= 0: each run's route is measured at
-    load; the latter with a warning), or a fixed row count above which every run's calls go to its delegate (0: none
-    do)."""
-    raw = os.environ.get("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", "").strip()
-    if raw == "":
-        return None
-    try:
-        value = int(raw)
-        if value < 0:
-            raise ValueError
-    except ValueError:
-        logger.warning(
-            "quantpack: QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS=%r is not an integer >= 0; measuring each layer's "
-            "routes instead",
-            raw,
-        )
-        return None
-    return value
-
-
-#: None: each run's route (which row buckets go to its delegate, another implementation its format's adapter gives) is
-#: measured when it is prepared (delegation.measure_route); an integer N: a fixed route for every run
-#: (:func:`fixed_route`; 0 keeps every call here). From QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS.
-delegate_rows: int | None = _delegate_rows_setting()
-
-
-def delegate_rows_now() -> int | None:
-    """:data:`delegate_rows` as it is now (tests and benchmarks set it at run time)."""
-    return delegate_rows
 
 
 def row_bucket(rows: int) -> int:
@@ -188,12 +107,7 @@ def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
         props = torch.cuda.get_device_properties(index)
         arch = props.major * 10 + props.minor
         load(arch)
-        per_sm = env_int("QUANTPACK_TRELLIS_MMA_CTAS_PER_SM", CTAS_PER_SM, minimum=1)
-        per_sm_wide = env_int(
-            "QUANTPACK_TRELLIS_MMA_CTAS_PER_SM_WIDE",
-            per_sm if "QUANTPACK_TRELLIS_MMA_CTAS_PER_SM" in os.environ else CTAS_PER_SM_WIDE,
-            minimum=1,
-        )
+        per_sm, per_sm_wide = current().ctas_per_sm, current().ctas_per_sm_wide
         ws = Workspace(
             partials=torch.empty(PARTIAL_FLOATS, dtype=torch.float32, device=f"cuda:{index}"),
             counters=torch.zeros(COUNTERS, dtype=torch.int32, device=f"cuda:{index}"),
@@ -262,7 +176,7 @@ def run_trellis_mma(
     if rows <= FUSED_ROWS:  # one launch for every shard
         _launch(ws, x, trellis, suh, svh, codebook, k_bits, out_features, out, cols)
         return
-    if WIDE_FUSED and len(trellis) > 1:  # every shard in each launch (the workspace holds each one's input)
+    if current().wide_fused and len(trellis) > 1:  # every shard in each launch (the workspace holds each one's input)
         step = XH_ROWS // len(trellis) // 64 * 64
         for r0 in range(0, rows, step):
             _launch(ws, x[r0 : r0 + step], trellis, suh, svh, codebook, k_bits, out_features, out[r0 : r0 + step], cols)
@@ -286,7 +200,7 @@ def _launch(
     cols: list[int],
 ) -> None:
     """One ``qp_trellis_mma`` launch: several shards at up to :data:`FUSED_ROWS` rows (from two rows on, and at
-    one row with :data:`INLINE_TRANSFORM_ROWS` 0, through the workspace's transformed input), or one shard at up to
+    one row with ``inline_transform_rows`` 0, through the workspace's transformed input), or one shard at up to
     :data:`XH_ROWS` rows (through the workspace's transformed input)."""
     lib = load(ws.arch)
     rows, width = x.shape
@@ -302,7 +216,7 @@ def _launch(
         out.data_ptr(), ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
         rows, width, x.stride(0), k, out.stride(0),
         codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16),
-        ws.target_ctas if rows <= FUSED_ROWS else ws.target_ctas_wide, INLINE_TRANSFORM_ROWS,
+        ws.target_ctas if rows <= FUSED_ROWS else ws.target_ctas_wide, current().inline_transform_rows,
         torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     check(code, f"rows {rows}, k {k}, n {ns}, K {k_bits:g}, codebook {codebook}")

@@ -26,6 +26,7 @@ from quantpack_core.kernels import (
     PreparedShard,
 )
 from quantpack_core.moe import Exl3MoeBank, grouped_inputs
+from quantpack_core.trellis_mma import settings
 from quantpack_core.trellis_mma.delegation import Delegate
 from quantpack_core.trellis_mma.library import add_fallback
 from quantpack_core.trellis_mma.moe import MAX_EXPERTS as MOE_MAX_EXPERTS
@@ -65,7 +66,7 @@ def _common_reason(spec: LinearSpec | ExpertSpec) -> str | None:
 def _warn_bf16_once(spec: LinearSpec, delegate: Delegate | None) -> None:
     """exllamav3 takes float16 activations: a bfloat16 model's delegated calls are cast (said once per process)."""
     global _warned_bf16
-    if spec.act_dtype != torch.bfloat16 or delegate is None or trellis_mma.delegate_rows_now() == 0 or _warned_bf16:
+    if spec.act_dtype != torch.bfloat16 or delegate is None or settings.current().delegate_rows == 0 or _warned_bf16:
         return
     _warned_bf16 = True
     logger.warning(
