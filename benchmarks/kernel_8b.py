@@ -6,12 +6,12 @@ The stack is 32 layers x (q 4096->4096, k and v 4096->1024, o 4096->4096, gate a
 ``decode_8b.py``), with random trellis words (every bit pattern is a legal trellis; decode speed does not depend on
 the values). For each kernel and row count the whole stack (225 shard launches) is captured in one CUDA graph and
 replayed; the time is the median over replays. Each shape class (the 32 layers' q shards, ...) is also timed alone,
-which is what the per-shard kernel choice rests on. A kernel that fuses a layer's shards (``fuse``: q / k / v and
-gate / up in one launch) is also timed as the linear method runs it, fused (record key ``fused``, classes qkv, o,
-gate_up, down, head); trellis_mma also as served, each fused run's row buckets routed to exllamav3 where the load-time
-measurement found it faster (key ``served``, with the measured ``routes``). Dense bf16 (``torch.matmul`` on the same
-shapes) is timed the same way, and the GPU's copy bandwidth is measured in the same run: the bandwidth floor of a
-stack is its bytes (trellis + suh + svh; bf16 weights for dense) over that bandwidth.
+which is what the per-shard kernel choice rests on. A kernel that fuses a layer's shards (``fuse``: q / k / v and gate /
+up in one launch) is also timed as the linear method runs it, fused (record key ``fused``, classes qkv, o, gate_up,
+down, head); trellis_mma also as served, each fused run's row buckets delegated to exllamav3 where the load-time
+measurement found it faster (key ``served``, with the measured ``delegated`` row buckets). Dense bf16 (``torch.matmul``
+on the same shapes) is timed the same way, and the GPU's copy bandwidth is measured in the same run: the bandwidth floor
+of a stack is its bytes (trellis + suh + svh; bf16 weights for dense) over that bandwidth.
 
 Writes a JSON record (``--json``, default ``benchmarks/results/kernel_8b.json``); ``benchmarks/plot_kernels.py``
 draws it. Usage (GPU machine, after ci/gpu/setup.sh): ``source ci/gpu/env.sh && python3 benchmarks/kernel_8b.py
@@ -224,9 +224,9 @@ def time_stack(label: str, prepared, rows_list, device) -> dict:
 
 def bench_served(kernel, stack, rows_list, device) -> dict:
     """The stack as a model is served with trellis_mma selected: fused runs whose row buckets go to exllamav3 where the
-    load-time measurement found it faster (``quantpack_core.trellis_mma.delegation.measure_route``). Returns the fused
-    stack's times (``stack_ms``, ``class_ms``) and ``routes``: per run shape, both kernels' microseconds per call at
-    each row bucket and the kernel that serves it."""
+    load-time measurement found it faster (``quantpack_core.trellis_mma.delegation.measure_delegated``). Returns the
+    fused stack's times (``stack_ms``, ``class_ms``) and ``delegated``: per run shape, both kernels' microseconds per
+    call at each row bucket and the kernel that serves it."""
     from dataclasses import asdict
 
     from quantpack_core.trellis_mma import delegation as tm
@@ -234,14 +234,16 @@ def bench_served(kernel, stack, rows_list, device) -> dict:
 
     with settings.using(delegate_rows=None):
         result = bench_kernel(kernel, stack, rows_list, device, unfused=False)["fused"]
-    routes = []
-    for record in tm.route_records():
+    delegated = []
+    for record in tm.delegation_records():
         if record.own_us:
-            print(f"  route {record.describe()}", flush=True)
+            print(f"  delegated {record.describe()}", flush=True)
             r = asdict(record) | {"dtype": str(record.dtype).removeprefix("torch.")}
-            r["serves"] = [record.delegate if (r["route"] >> i) & 1 else "trellis_mma" for i in range(len(r["rows"]))]
-            routes.append(r)
-    result["routes"] = routes
+            r["serves"] = [
+                record.delegate if (r["delegated"] >> i) & 1 else "trellis_mma" for i in range(len(r["rows"]))
+            ]
+            delegated.append(r)
+    result["delegated"] = delegated
     return result
 
 

@@ -149,30 +149,30 @@ def _check_the_key(nvcc, tmp_path) -> None:
     assert library.library_path(90, str(nvcc)) != target
 
 
-def test_row_buckets_and_fixed_routes():
-    """Calls fall into the power-of-two row buckets a route names (the last one open-ended), and a fixed
+def test_row_buckets_and_fixed_delegation():
+    """Calls fall into the power-of-two row buckets a delegated mask names (the last one open-ended), and a fixed
     QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS sends exactly the buckets whose smallest row count exceeds it, a threshold
     above 1024 counting as 1024 (the open-ended bucket above 1024 rows goes to exllamav3)."""
-    from quantpack_core.trellis_mma.ops import ROW_BUCKETS, fixed_route, row_bucket
+    from quantpack_core.trellis_mma.ops import ROW_BUCKETS, fixed_delegated, row_bucket
 
     for rows in range(1, 5000):
         i = row_bucket(rows)
         low = ROW_BUCKETS[i - 1] + 1 if i else 1
         assert low <= rows and (rows <= ROW_BUCKETS[i] or i == len(ROW_BUCKETS) - 1), rows
-    assert fixed_route(0) == 0 and fixed_route(16) == 0b111111100000 and fixed_route(20) == 0b111111000000
-    assert fixed_route(1) == 0b111111111110 and fixed_route(512) == 0b110000000000
+    assert fixed_delegated(0) == 0 and fixed_delegated(16) == 0b111111100000 and fixed_delegated(20) == 0b111111000000
+    assert fixed_delegated(1) == 0b111111111110 and fixed_delegated(512) == 0b110000000000
     # a threshold above the last bounded bucket still sends the open-ended one (every call above 1024 rows)
-    assert fixed_route(1024) == fixed_route(1500) == fixed_route(10**6) == 0b100000000000
+    assert fixed_delegated(1024) == fixed_delegated(1500) == fixed_delegated(10**6) == 0b100000000000
 
 
 def test_a_bad_delegate_rows_setting_measures_instead(caplog):
-    """QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS: unset or not an integer >= 0 -> measured routes (None, with a warning for
-    the latter); an integer -> that threshold."""
+    """QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS: unset or not an integer >= 0 -> measured delegated row buckets (None, with a
+    warning for the latter); an integer -> that threshold."""
     from quantpack_core.trellis_mma.settings import Settings
 
     for raw, want in (("", None), ("abc", None), ("-3", None), ("0", 0), ("300", 300)):
         assert Settings.from_env({"QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS": raw}).delegate_rows == want, raw
-    assert "is not an integer >= 0; measuring each layer's routes instead" in caplog.text
+    assert "is not an integer >= 0; measuring each layer's delegated row buckets instead" in caplog.text
 
 
 def test_settings_from_the_environment():
@@ -234,7 +234,7 @@ def test_settings_are_read_once_and_replaced_only_inside_using(monkeypatch):
 
 
 def _plan_model(counts: list[int], group_lo: list[int]):
-    """The route step's plan, written out: slots in order, each slot's picks at consecutive sorted positions and cut
+    """The sort step's plan, written out: slots in order, each slot's picks at consecutive sorted positions and cut
     into 16-row work items, the items of a K group contiguous."""
     offsets, item_base, group_work, pos, item = [], [], [], 0, 0
     bounds = [*group_lo, len(counts)]
@@ -250,8 +250,8 @@ def _plan_model(counts: list[int], group_lo: list[int]):
 
 @needs_nvcc
 @pytest.mark.parametrize("seed", range(6))
-def test_moe_route_plan(lib, seed):
-    """The route kernel's plan (the one serial step, built for the host from the same source) equals the written-out
+def test_moe_sort_plan(lib, seed):
+    """The sort kernel's plan (the one serial step, built for the host from the same source) equals the written-out
     plan; the bank's work items stay within the grid extent the op launches for every K group at once
     (``group_items`` of all slots = ``qp_moe_items``), and so does each group's share, however the picks fall."""
     from quantpack_core.trellis_mma.moe import group_items
@@ -337,5 +337,5 @@ def test_moe_bad_arguments_are_refused_before_any_launch(lib):
     assert gemm(1, k8, 4, 256, codebook=7) == -3
     for group_lo in ([0] * 17, [1, 2], [0, 3, 2]):
         lo = (ctypes.c_int * len(group_lo))(*group_lo)
-        code = lib.qp_moe_route(None, 0, None, 8, 8, lo, len(group_lo), None, None, None, None, None, None)
+        code = lib.qp_moe_sort(None, 0, None, 8, 8, lo, len(group_lo), None, None, None, None, None, None)
         assert code == -1

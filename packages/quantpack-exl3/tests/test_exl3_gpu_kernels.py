@@ -91,8 +91,8 @@ class TrellisMmaShards(Exllamav3Shards):
     def op_args(kernel, x: torch.Tensor, out: torch.Tensor, col: int) -> tuple:
         """The op takes lists of shards: one here."""
         t = kernel.tensors
-        codebook, k_bits, out_features, route = kernel.static
-        return (x, [t["trellis"]], [t["suh"]], [t["svh"]], codebook, k_bits, [out_features], route, out, col)
+        codebook, k_bits, out_features, delegated = kernel.static
+        return (x, [t["trellis"]], [t["suh"]], [t["svh"]], codebook, k_bits, [out_features], delegated, out, col)
 
 
 BACKENDS = [Exllamav3Shards, TrellisMmaShards]
@@ -342,12 +342,12 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch, u
     [(None, torch.float16), (None, torch.bfloat16), (16, torch.float16)],
     ids=["measured-float16", "measured-bfloat16", "fixed-16"],
 )
-def test_trellis_mma_routes_each_row_bucket_to_the_kernel_its_route_names(setting, dtype, use, caplog):
-    """A prepared run's route (which row buckets go to exllamav3's kernels) is the one its load-time timings give
-    (exllamav3 where it takes at most ROUTE_MARGIN of trellis_mma's time; a fixed QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS
-    sends the buckets above it), the timings are logged, and every call runs the kernel its bucket names: bit-equal to
-    trellis_mma's own launch where the route keeps it, equal to exllamav3's call (and not to trellis_mma's) where it
-    hands it over, within the fp64 reference's bound either way."""
+def test_trellis_mma_runs_each_row_bucket_on_the_kernel_its_delegated_mask_names(setting, dtype, use, caplog):
+    """A prepared run's delegated mask (which row buckets go to exllamav3's kernels) is the one its load-time timings
+    give (exllamav3 where it takes at most DELEGATE_MARGIN of trellis_mma's time; a fixed
+    QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS sends the buckets above it), the timings are logged, and every call runs the
+    kernel its bucket names: bit-equal to trellis_mma's own launch where the mask keeps it, equal to exllamav3's call
+    (and not to trellis_mma's) where it hands it over, within the fp64 reference's bound either way."""
     import logging
 
     from quantpack_core.trellis_mma import delegation as tm
@@ -358,18 +358,18 @@ def test_trellis_mma_routes_each_row_bucket_to_the_kernel_its_route_names(settin
     t = Exl3Tensors.from_tensors(random_exl3_layer(1024, 2048, 3, "mcg", generator=torch.Generator().manual_seed(31)))
     with caplog.at_level(logging.INFO, logger="vllm.quantpack"):
         p = TrellisMmaShards.prepare_shard(t, 1024, 2048, dtype, dev)
-    route = p.static[3]
+    delegated = p.static[3]
     key = (1024, (2048,), 3, 1, dtype)
-    record = [r for r in tm.route_records() if (r.k, r.out_features, r.k_bits, r.codebook, r.dtype) == key]
-    assert record and record[-1].route == route
+    record = [r for r in tm.delegation_records() if (r.k, r.out_features, r.k_bits, r.codebook, r.dtype) == key]
+    assert record and record[-1].delegated == delegated
     record = record[-1]
     if setting is None:
         assert len(record.own_us) == len(record.delegate_us) == len(ops.ROW_BUCKETS)
         assert all(0 < us < 1e5 for us in record.own_us + record.delegate_us)
         times = zip(record.own_us, record.delegate_us, strict=True)
-        assert route == sum(1 << i for i, (mine, theirs) in enumerate(times) if theirs <= tm.ROUTE_MARGIN * mine)
+        assert delegated == sum(1 << i for i, (mine, theirs) in enumerate(times) if theirs <= tm.DELEGATE_MARGIN * mine)
     else:
-        assert route == ops.fixed_route(16) == 0b111111100000 and record.own_us == ()
+        assert delegated == ops.fixed_delegated(16) == 0b111111100000 and record.own_us == ()
     assert record.describe() in caplog.text
     args = tuple(p.tensors.values())
     for i, bound in enumerate(ops.ROW_BUCKETS):
@@ -380,7 +380,7 @@ def test_trellis_mma_routes_each_row_bucket_to_the_kernel_its_route_names(settin
             p.run(x, *args, *p.static, served, 0)
             p.run(x, *args, *p.static[:3], 0, mine, 0)
             p.run(x, *args, *p.static[:3], ops.ALL_BUCKETS, theirs, 0)
-            if (route >> i) & 1:
+            if (delegated >> i) & 1:
                 same = 1e-3 if dtype == torch.float16 else 8e-3  # exllamav3's split-K may sum in any order
                 assert not torch.equal(served, mine) and rel_err(served.float(), theirs.double()) < same, rows
             else:

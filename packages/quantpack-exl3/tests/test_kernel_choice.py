@@ -225,7 +225,7 @@ def test_trellis_mma_fuses_shards_of_one_k_and_codebook_into_one_run():
     q, k, v = (_trellis_mma_shard(256, o, 2, 4.0) for o in (4096, 1024, 1024))
     fused = TrellisMmaLinearKernel.fuse([q, k, v])
     assert fused.run is trellis_mma_shards_ and fused.out_features == 6144
-    assert fused.static == (2, 4.0, (4096, 1024, 1024), 0)  # route 0: no GPU workspace, nothing measured
+    assert fused.static == (2, 4.0, (4096, 1024, 1024), 0)  # delegated 0: no GPU workspace, nothing measured
     assert list(fused.tensors) == [f"{n}{i}" for i in range(3) for n in ("trellis", "suh", "svh")]
     assert fused.tensors["trellis1"] is k.tensors["trellis"] and fused.tensors["svh2"] is v.tensors["svh"]
     for odd in (

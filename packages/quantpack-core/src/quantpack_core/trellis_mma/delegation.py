@@ -1,11 +1,12 @@
-"""Which row buckets of a trellis_mma run go to another implementation of the same call (the run's route), measured
-when the run is prepared; and the warm-up of every launch shape a CUDA-graph capture would otherwise meet first.
+"""Which row buckets of a trellis_mma run go to another implementation of the same call (the run's ``delegated``
+mask), measured when the run is prepared; and the warm-up of every launch shape a CUDA-graph capture would otherwise
+meet first.
 
 The other implementation is the run's format's to give (:class:`Delegate`: its adapter kernel passes it to
 :func:`.kernels.prepare_shard`): a callable with the arguments of one shard of ``quantpack::trellis_mma_``. Each run
 (a shard, or a layer's fused shards) is timed at load against it on its own shape, once per row bucket
-(:data:`.ops.ROW_BUCKETS`), and the buckets where it is faster go to it (:func:`measure_route`; the run's
-``route``). The table is logged per shape and kept (:func:`route_records`).
+(:data:`.ops.ROW_BUCKETS`), and the buckets where it is faster go to it (:func:`measure_delegated`; the run's
+``delegated`` mask). The table is logged per shape and kept (:func:`delegation_records`).
 
 Source: docs/kernels.md ("The selection").
 """
@@ -24,7 +25,7 @@ from .ops import (
     ALL_BUCKETS,
     FUSED_ROWS,
     ROW_BUCKETS,
-    fixed_route,
+    fixed_delegated,
     workspace,
 )
 from .settings import current
@@ -33,9 +34,9 @@ logger = logging.getLogger("vllm.quantpack")
 
 #: the delegate takes a row bucket when its calls there take at most this fraction of trellis_mma's time (near-ties
 #: stay here, where a CUDA-graph replay is bit-identical to an eager call)
-ROUTE_MARGIN = 0.97
-#: calls per timed CUDA graph, and replays of it (the best replay counts) when a route is measured
-ROUTE_CALLS, ROUTE_REPLAYS = 8, 3
+DELEGATE_MARGIN = 0.97
+#: calls per timed CUDA graph, and replays of it (the best replay counts) when the delegated row buckets are measured
+TIMED_CALLS, TIMED_REPLAYS = 8, 3
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,8 @@ class Delegate:
 
 
 @dataclass(frozen=True)
-class RouteRecord:
-    """How one run shape was routed at load.
+class DelegationRecord:
+    """Which row buckets of one run shape were delegated at load.
 
     Attributes:
         k: stored input features.
@@ -66,9 +67,9 @@ class RouteRecord:
         delegate: the delegate's name.
         rows: the row count timed per bucket (:data:`.ops.ROW_BUCKETS`).
         own_us, delegate_us: microseconds per call (CUDA-graph replay) of trellis_mma's launches and of the
-            delegate, per bucket; empty when the route was not measured (a fixed
+            delegate, per bucket; empty when nothing was measured (a fixed
             ``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS``).
-        route: bit i set: bucket i goes to the delegate.
+        delegated: bit i set: bucket i goes to the delegate.
     """
 
     k: int
@@ -80,14 +81,14 @@ class RouteRecord:
     rows: tuple[int, ...]
     own_us: tuple[float, ...]
     delegate_us: tuple[float, ...]
-    route: int
+    delegated: int
 
     def describe(self) -> str:
         """One log line: the shape, then per bucket both times and the implementation that serves it."""
         outs = "+".join(str(n) for n in self.out_features)
         cells = []
         for i, rows in enumerate(self.rows):
-            mark = self.delegate if (self.route >> i) & 1 else "trellis_mma"
+            mark = self.delegate if (self.delegated >> i) & 1 else "trellis_mma"
             if self.own_us:
                 cells.append(f"{rows}: {self.own_us[i]:.1f}/{self.delegate_us[i]:.1f} us {mark}")
             else:
@@ -96,29 +97,29 @@ class RouteRecord:
         return f"{self.k} -> {outs}, K {self.k_bits:g} codebook {self.codebook}, {dtype}: " + ", ".join(cells)
 
 
-_routes: dict[tuple, RouteRecord] = {}
+_records: dict[tuple, DelegationRecord] = {}
 _warmed: set[tuple] = set()
 
 
-def route_records() -> list[RouteRecord]:
-    """Every run shape routed in this process so far, in the order they were first prepared."""
-    return list(_routes.values())
+def delegation_records() -> list[DelegationRecord]:
+    """Every run shape measured in this process so far, in the order they were first prepared."""
+    return list(_records.values())
 
 
-def measure_route(run: PreparedShard, dtype: torch.dtype, delegate: Delegate | None) -> int:
-    """The route of a trellis_mma run (a shard, or a layer's fused shards): which row buckets
+def measure_delegated(run: PreparedShard, dtype: torch.dtype, delegate: Delegate | None) -> int:
+    """The delegated row buckets of a trellis_mma run (a shard, or a layer's fused shards): which row buckets
     (:data:`.ops.ROW_BUCKETS`) go to ``delegate``. Called at load, before any CUDA-graph capture.
 
     With a delegate and ``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS`` unset, both run the run's shape at each bucket's
-    largest row count with activations of the model's ``dtype``: ``ROUTE_CALLS`` calls in one CUDA graph, the best
-    of ``ROUTE_REPLAYS`` replays, the two alternating. A bucket goes to the delegate where its time is at most
-    :data:`ROUTE_MARGIN` of trellis_mma's. A shape measured once in a process (per dtype) keeps its route. With the
-    setting, the route is :func:`.ops.fixed_route`. Both also run once here at every row count either would need
+    largest row count with activations of the model's ``dtype``: ``TIMED_CALLS`` calls in one CUDA graph, the best
+    of ``TIMED_REPLAYS`` replays, the two alternating. A bucket goes to the delegate where its time is at most
+    :data:`DELEGATE_MARGIN` of trellis_mma's. A shape measured once in a process (per dtype) keeps its mask. With the
+    setting, the mask is :func:`.ops.fixed_delegated`. Both also run once here at every row count either would need
     warmed before capture (:func:`warm_up`). Tensors off the GPU, or a GPU without a workspace, or no delegate:
-    route 0 (every call here), nothing timed.
+    mask 0 (every call here), nothing timed.
 
     Returns:
-        the route (an int bit mask).
+        the delegated mask (an int, bit i for bucket i).
 
     Raises:
         quantpack_core.trellis_mma.library.LibraryError: a launch failed (the message names the shape).
@@ -133,21 +134,21 @@ def measure_route(run: PreparedShard, dtype: torch.dtype, delegate: Delegate | N
     setting = current().delegate_rows
     name = None if delegate is None else delegate.name
     key = (k, tuple(tuple(t.shape) for t in trellis), codebook, k_bits, dtype, device, setting, name)
-    known = _routes.get(key)
+    known = _records.get(key)
     if known is not None:
-        return known.route
-    warm_up(run, k, delegate if setting != 0 else None, dtype)  # the delegate only where a route can reach it
+        return known.delegated
+    warm_up(run, k, delegate if setting != 0 else None, dtype)  # the delegate only where the mask can reach it
     if delegate is None:
         return 0
     if setting is not None:
-        route, mine, theirs = fixed_route(setting), (), ()
+        delegated, mine, theirs = fixed_delegated(setting), (), ()
     else:
         mine, theirs = _time_buckets(run, k, dtype)
-        route = sum(1 << i for i, (m, t) in enumerate(zip(mine, theirs, strict=True)) if t <= ROUTE_MARGIN * m)
-    record = RouteRecord(k, outs, k_bits, codebook, dtype, delegate.name, ROW_BUCKETS, mine, theirs, route)
-    _routes[key] = record
-    logger.info("quantpack: trellis_mma route, %s", record.describe())
-    return route
+        delegated = sum(1 << i for i, (m, t) in enumerate(zip(mine, theirs, strict=True)) if t <= DELEGATE_MARGIN * m)
+    record = DelegationRecord(k, outs, k_bits, codebook, dtype, delegate.name, ROW_BUCKETS, mine, theirs, delegated)
+    _records[key] = record
+    logger.info("quantpack: trellis_mma row buckets delegated, %s", record.describe())
+    return delegated
 
 
 def _time_buckets(run: PreparedShard, k: int, dtype: torch.dtype) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -171,24 +172,24 @@ def _trellis_of(run: PreparedShard) -> list[torch.Tensor]:
     return [t for name, t in run.tensors.items() if name.startswith("trellis")]
 
 
-def _graph_us(run: PreparedShard, x: torch.Tensor, out: torch.Tensor, route: int) -> float:
-    """Microseconds per call of ``run`` on ``x`` with ``route``: ``ROUTE_CALLS`` calls captured in one CUDA graph,
-    the best of ``ROUTE_REPLAYS`` replays."""
-    static = (*run.static[:3], route)
+def _graph_us(run: PreparedShard, x: torch.Tensor, out: torch.Tensor, delegated: int) -> float:
+    """Microseconds per call of ``run`` on ``x`` with ``delegated``: ``TIMED_CALLS`` calls captured in one CUDA graph,
+    the best of ``TIMED_REPLAYS`` replays."""
+    static = (*run.static[:3], delegated)
     run.run(x, *run.tensors.values(), *static, out, 0)  # eager first: nothing lazy happens during the capture
     torch.cuda.synchronize(x.device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(ROUTE_CALLS):
+        for _ in range(TIMED_CALLS):
             run.run(x, *run.tensors.values(), *static, out, 0)
     best = float("inf")
-    for _ in range(ROUTE_REPLAYS):
+    for _ in range(TIMED_REPLAYS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / ROUTE_CALLS)
+        best = min(best, start.elapsed_time(end) * 1000 / TIMED_CALLS)
     del graph
     return best
 

@@ -20,7 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from quantpack_core.kernels import Platform, PreparedBank, PreparedShard
 
-from .delegation import Delegate, measure_route
+from .delegation import Delegate, measure_delegated
 from .library import compiler_reason
 from .moe import reserve_moe, trellis_moe_
 from .ops import MAX_SHARDS, reserve, trellis_mma_, trellis_mma_shards_
@@ -73,7 +73,7 @@ def prepare_shard(
     delegate: Delegate | None = None,
 ) -> PreparedShard:
     """Move one shard's tensors to the GPU, reserve the GPU's workspace for its width, warm both launch kinds and
-    measure the shard's route (:func:`.delegation.measure_route`).
+    measure which of the shard's row buckets go to the delegate (:func:`.delegation.measure_delegated`).
 
     Args:
         trellis: int16 ``(k/16, n/16, 16*K)`` trellis tiles.
@@ -86,7 +86,7 @@ def prepare_shard(
 
     Returns:
         a :class:`PreparedShard` running ``quantpack::trellis_mma_`` with static ``(codebook id, K, out_features,
-        route)``.
+        delegated)``.
 
     Raises:
         quantpack_core.trellis_mma.library.LibraryError: the kernels cannot be built or loaded, or a warm-up launch
@@ -100,15 +100,15 @@ def prepare_shard(
     reserve(device, tensors["trellis"].shape[0] * 16, None if delegate is None else delegate.gemm)
     static = (codebook, float(k_bits), out_features)
     _act_dtypes[tensors["trellis"]] = act_dtype
-    route = measure_route(PreparedShard(trellis_mma_, tensors, out_features, (*static, 0)), act_dtype, delegate)
-    return PreparedShard(trellis_mma_, tensors, out_features, (*static, route))
+    delegated = measure_delegated(PreparedShard(trellis_mma_, tensors, out_features, (*static, 0)), act_dtype, delegate)
+    return PreparedShard(trellis_mma_, tensors, out_features, (*static, delegated))
 
 
 def fuse_shards(shards: list[PreparedShard], delegate: Delegate | None = None) -> PreparedShard | None:
-    """One run for a layer's shards that share its input (q / k / v, gate / up): one launch runs them all from a
-    table of shards (:func:`.ops.trellis_mma_shards_`; above 16 rows one launch per whole 64-row chunks that the
-    shards' inputs fit in the workspace, ``QUANTPACK_TRELLIS_MMA_WIDE_FUSED``). The shards keep their own tensors
-    (no copy); the fused run's route is measured on its own (:func:`.delegation.measure_route`; on a GPU whose
+    """One run for a layer's shards that share its input (q / k / v, gate / up): one launch runs them all from a table
+    of shards (:func:`.ops.trellis_mma_shards_`; above 16 rows one launch per whole 64-row chunks that the shards'
+    inputs fit in the workspace, ``QUANTPACK_TRELLIS_MMA_WIDE_FUSED``). The shards keep their own tensors (no copy); the
+    fused run's delegated row buckets are measured on its own (:func:`.delegation.measure_delegated`; on a GPU whose
     workspace :func:`prepare_shard` reserved).
 
     Returns:
@@ -126,8 +126,8 @@ def fuse_shards(shards: list[PreparedShard], delegate: Delegate | None = None) -
     outs = tuple(s.out_features for s in shards)
     dtype = _act_dtypes.get(shards[0].tensors["trellis"], torch.float16)
     run = PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs, 0))
-    route = measure_route(run, dtype, delegate)
-    return PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs, route))
+    delegated = measure_delegated(run, dtype, delegate)
+    return PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs, delegated))
 
 
 def prepare_bank(

@@ -250,8 +250,8 @@ def load(arch: int) -> ctypes.CDLL:
     lib.qp_moe_splits.argtypes = [i32, i32, i32, i32, i64, i64]
     lib.qp_moe_plan_host.restype = None
     lib.qp_moe_plan_host.argtypes = [ptr, i32, ptr, i32, ptr, ptr, ptr]
-    lib.qp_moe_route.restype = i32
-    lib.qp_moe_route.argtypes = [
+    lib.qp_moe_sort.restype = i32
+    lib.qp_moe_sort.argtypes = [
         ptr, i32, ptr, i32, i32, ptr, i32,  # ids, ids are int64, perm, picks, slots, group starts (host), groups
         ptr, ptr, ptr, ptr, ptr, ptr,  # slot_of, offsets, sorted, work, group_work, stream
     ]  # fmt: skip

@@ -1,10 +1,10 @@
 """The trellis_mma kernels' expert-bank op, ``quantpack::trellis_moe_``: one MoE layer's trellis experts over the routed
-tokens through the grouped kernels of ``csrc/moe.cu`` (the route launch, one gate/up and one down launch for
+tokens through the grouped kernels of ``csrc/moe.cu`` (the sort launch, one gate/up and one down launch for
 every K group of the bank, each CTA at its work item's K, the reduction), and the per-GPU buffers those launches
 share.
 
 The buffers (allocated when a bank is prepared, before any CUDA-graph capture; widened by a later, larger bank) hold
-one chunk of :data:`SLOTS` picks: the route's arrays, the gate / up outputs (fp16) and the weighted down rows (fp32).
+one chunk of :data:`SLOTS` picks: the sort's arrays, the gate / up outputs (fp16) and the weighted down rows (fp32).
 A call of more tokens runs in chunks of ``SLOTS // top_k`` tokens (a loop whose length depends on the token count
 only). The split-K partials and counters are the linear kernels' workspace (:func:`.ops.reserve`).
 
@@ -24,13 +24,13 @@ from quantpack_core.ops import define_op
 from .library import LibraryError, check, load
 from .ops import reserve, workspace
 
-#: picks (token x choice) one chunk of launches routes: bounds every buffer below
+#: picks (token x choice) one chunk of launches sorts: bounds every buffer below
 SLOTS = 2048
 #: rows of one work item (MOE_ROWS in csrc/moe.cu)
 ITEM_ROWS = 16
 #: K groups one bank may have (MOE_MAX_GROUPS)
 MAX_GROUPS = 16
-#: slots one bank may have: the route kernel keeps 4 ints per slot in 48 KiB of shared memory
+#: slots one bank may have: the sort kernel keeps 4 ints per slot in 48 KiB of shared memory
 MAX_EXPERTS = 3000
 WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -141,7 +141,7 @@ def run_trellis_moe(
             f"{'ready' if buf is not None else 'missing'})"
         )
     if top_k > SLOTS:
-        raise LibraryError(f"trellis_moe: top_k {top_k} is more than the {SLOTS} picks one chunk of launches routes")
+        raise LibraryError(f"trellis_moe: top_k {top_k} is more than the {SLOTS} picks one chunk of launches sorts")
     lib = load(ws.arch)
     stream = torch.cuda.current_stream(device).cuda_stream
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -155,12 +155,12 @@ def run_trellis_moe(
     for t0 in range(0, tokens, chunk):
         t1 = min(t0 + chunk, tokens)
         slots = (t1 - t0) * top_k
-        code = lib.qp_moe_route(
+        code = lib.qp_moe_sort(
             ids[t0:t1].data_ptr(), int(ids.dtype == torch.int64), perm.data_ptr(), slots, experts, lo, len(group_lo),
             buf.slot_of.data_ptr(), buf.offsets.data_ptr(), buf.sorted.data_ptr(), buf.work.data_ptr(),
             buf.group_work.data_ptr(), stream,
         )  # fmt: skip
-        check(code, f"route {slots} picks over {experts} experts")
+        check(code, f"sort of {slots} picks over {experts} experts")
         for down, k2 in ((0, k2_gu), (1, k2_d)):
             code = lib.qp_moe_gemm(
                 down, int(gated), x[t0:t1].data_ptr(), gu.data_ptr(), y.data_ptr(), tables.data_ptr(), experts,

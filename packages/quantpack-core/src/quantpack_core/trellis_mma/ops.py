@@ -41,10 +41,10 @@ def _in_cta(rows: int) -> bool:
     return rows == 1 and current().inline_transform_rows >= 1
 
 
-#: upper row counts of the row buckets a run's route names: bucket i holds calls of ROW_BUCKETS[i - 1] + 1 ..
+#: upper row counts of the row buckets a run's delegated mask names: bucket i holds calls of ROW_BUCKETS[i - 1] + 1 ..
 #: ROW_BUCKETS[i] rows, the last bucket every call above 1024 rows (timed at 2048)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-#: a route sending every bucket to the delegate
+#: a delegated mask sending every bucket to the delegate
 ALL_BUCKETS = (1 << len(ROW_BUCKETS)) - 1
 
 
@@ -54,8 +54,8 @@ def row_bucket(rows: int) -> int:
     return min((rows - 1).bit_length(), len(ROW_BUCKETS) - 1)
 
 
-def fixed_route(above: int) -> int:
-    """The route (bit i set: bucket i goes to the delegate) for a row threshold ``above``: every bucket whose
+def fixed_delegated(above: int) -> int:
+    """The delegated mask (bit i set: bucket i goes to the delegate) for a row threshold ``above``: every bucket whose
     smallest row count exceeds it, i.e. ``above`` rounded up to a bucket bound; above 1024 it counts as 1024 (the
     last bucket, every call above 1024 rows, is delegated); 0 for ``above`` = 0 (every call here)."""
     if above <= 0:
@@ -76,7 +76,7 @@ class Workspace:
         target_ctas: CTAs a launch aims at, up to :data:`FUSED_ROWS` rows.
         target_ctas_wide: the same above :data:`FUSED_ROWS` rows.
         delegate: another implementation of one shard's call (:class:`.delegation.Delegate`'s ``gemm``), given by
-            the adapter that prepared this GPU's runs, for the row buckets a run's route sends there; None
+            the adapter that prepared this GPU's runs, for the row buckets a run's delegated mask sends there; None
             otherwise.
     """
 
@@ -149,7 +149,7 @@ def run_trellis_mma(
     codebook: int,
     k_bits: float,
     out_features: list[int],
-    route: int,
+    delegated: int,
     out: torch.Tensor,
     col: int,
 ) -> None:
@@ -165,7 +165,7 @@ def run_trellis_mma(
             f"{tuple(out.stride())}, workspace {'ready' if ws is not None else 'missing'})"
         )
     cols = [col + sum(out_features[:i]) for i in range(len(trellis))]
-    if ws.delegate is not None and (route >> row_bucket(rows)) & 1:
+    if ws.delegate is not None and (delegated >> row_bucket(rows)) & 1:
         for t, s, v, o, c in zip(trellis, suh, svh, out_features, cols, strict=True):
             ws.delegate(x, t, s, v, codebook, k_bits, o, out, c)
         return
@@ -225,7 +225,7 @@ def _launch(
 define_op(
     "trellis_mma_",
     "(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, float k_bits, int[] out_features, "
-    "int route, Tensor(a!) out, int col) -> ()",
+    "int delegated, Tensor(a!) out, int col) -> ()",
     {"CUDA": run_trellis_mma},
 )
 
@@ -237,13 +237,13 @@ def trellis_mma_shards_(x: torch.Tensor, *args) -> None:
     Args:
         x: ``(rows, in)`` float16 or bfloat16 activations.
         args: ``trellis_0, suh_0, svh_0, trellis_1, ...`` (each as in :func:`trellis_mma_`), then ``codebook``,
-            ``k_bits``, ``out_features`` (a tuple, one per shard), ``route``, ``out``, ``col``: shard ``i`` writes
+            ``k_bits``, ``out_features`` (a tuple, one per shard), ``delegated``, ``out``, ``col``: shard ``i`` writes
             ``out[:, col + sum(out_features[:i]):][:, :out_features[i]]``.
 
     Raises:
         quantpack_core.trellis_mma.library.LibraryError: a launch failed (the message names the shape).
     """
-    *tensors, codebook, k_bits, out_features, route, out, col = args
+    *tensors, codebook, k_bits, out_features, delegated, out, col = args
     torch.ops.quantpack.trellis_mma_(
         x,
         list(tensors[0::3]),
@@ -252,7 +252,7 @@ def trellis_mma_shards_(x: torch.Tensor, *args) -> None:
         codebook,
         k_bits,
         list(out_features),
-        route,
+        delegated,
         out,
         col,
     )
@@ -266,16 +266,16 @@ def trellis_mma_(
     codebook: int,
     k_bits: float,
     out_features: int,
-    route: int,
+    delegated: int,
     out: torch.Tensor,
     col: int,
 ) -> None:
     """One trellis shard through the trellis_mma kernels: ``out[:, col:col + out_features] = (x @ W)[:, :out_features]``
     (the op with one shard; :func:`trellis_mma_shards_` runs several).
 
-    A call whose row bucket (:func:`row_bucket`) has its bit set in ``route`` runs the GPU's delegate instead (the
-    route is measured per shape at load: :func:`.delegation.measure_route`); every other call runs here (more than
-    16 rows: 64-row chunks, the input transform in its own launch).
+    A call whose row bucket (:func:`row_bucket`) has its bit set in ``delegated`` runs the GPU's delegate instead (the
+    delegated mask is measured per shape at load: :func:`.delegation.measure_delegated`); every other call runs here
+    (more than 16 rows: 64-row chunks, the input transform in its own launch).
 
     Args:
         x: ``(rows, in)`` float16 or bfloat16 activations (zero-extended to k inside the kernel).
@@ -284,7 +284,7 @@ def trellis_mma_(
         codebook: 0 = 3INST, 1 = mcg, 2 = mul1.
         k_bits: bits per weight K.
         out_features: logical output width (<= n).
-        route: bit i set: calls in row bucket i go to the delegate (:data:`ROW_BUCKETS`).
+        delegated: bit i set: calls in row bucket i go to the delegate (:data:`ROW_BUCKETS`).
         out: ``(rows, total)`` layer output in ``x``'s dtype, unit column stride, written in place.
         col: first output column of this shard.
 
@@ -293,4 +293,4 @@ def trellis_mma_(
 
     Source: docs/kernels.md; ``csrc/linear.cu`` describes the kernels.
     """
-    torch.ops.quantpack.trellis_mma_(x, [trellis], [suh], [svh], codebook, k_bits, [out_features], route, out, col)
+    torch.ops.quantpack.trellis_mma_(x, [trellis], [suh], [svh], codebook, k_bits, [out_features], delegated, out, col)

@@ -31,8 +31,8 @@ class Settings:
     """The trellis_mma kernels' settings (environment variable of each in brackets).
 
     Attributes:
-        delegate_rows: None: each run's route (which row buckets go to the delegate, another implementation its
-            adapter gives) is measured when the run is prepared; N: a fixed route for every run, the buckets wholly
+        delegate_rows: None: which row buckets of each run go to the delegate ( another implementation its
+            adapter gives) is measured when the run is prepared; N: the same for every run, the buckets wholly
             above N rows delegated (0: none) [``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS``; not an integer >= 0: None, with a
             warning].
         inline_transform_rows: 1: a one-row call's CTAs transform their own input panel (had128(x * suh)); 0: one
@@ -108,7 +108,8 @@ def _delegate_rows(environ: Mapping[str, str]) -> int | None:
             raise ValueError
     except ValueError:
         logger.warning(
-            "quantpack: %sDELEGATE_ROWS=%r is not an integer >= 0; measuring each layer's routes instead",
+            "quantpack: %sDELEGATE_ROWS=%r is not an integer >= 0; measuring each layer's delegated row buckets "
+            "instead",
             PREFIX,
             raw,
         )

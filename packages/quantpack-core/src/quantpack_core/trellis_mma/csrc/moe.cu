@@ -1,7 +1,7 @@
 // Expert banks (docs/moe-bank.md): one MoE layer's routed experts in four kinds of launch per call, each expert's
 // trellis read once per 16 of its routed tokens, graph-safe (every size below depends on the token count only).
 //
-//   route     one CTA: each pick (token t, choice j; pick index t * top_k + j) gets its expert's physical slot
+//   sort      one CTA: each pick (token t, choice j; pick index t * top_k + j) gets its expert's physical slot
 //             (perm; -1 for an expert another tensor-parallel rank holds). Picks are counted per slot and bucketed in
 //             slot order (`sorted`, slot s's picks at offsets[s] .. offsets[s + 1]), and every slot's picks are cut
 //             into work items of up to 16 rows (slot, first row), numbered in slot order, so the items of one K group
@@ -20,7 +20,7 @@
 // A grid's z extent is an upper bound of the bank's work items for the call's token count, the same whatever the
 // number of K groups (so a mixed-K bank launches the grid of a uniform one); CTAs past the actual count return at
 // once. Rows of one work item are independent in the mma, and split-K partials are summed in
-// split order, so results do not depend on the order in which the route kernel bucketed the picks.
+// split order, so results do not depend on the order in which the sort kernel bucketed the picks.
 
 #include "common.cuh"
 
@@ -28,7 +28,7 @@ namespace qp {
 
 constexpr int MOE_ROWS = 16;          // rows per work item (one mma fragment)
 constexpr int MOE_MAX_GROUPS = 16;    // K groups one bank may have
-constexpr int MOE_ROUTE_THREADS = 1024;
+constexpr int MOE_SORT_THREADS = 1024;
 
 struct MoeParams {
     const void* x;                 // (tokens, x_width) model dtype, row stride x_stride (gate/up)
@@ -60,7 +60,7 @@ __device__ __forceinline__ float load_weight(const void* w, int i, int dtype) {
 }
 
 // The work items of slots lo .. hi - 1 given their pick counts, numbered from `item`; offsets of their sorted picks
-// from `pos`. Host and device (the route kernel's one serial step), so a test checks the plan on the CPU.
+// from `pos`. Host and device (the sort kernel's one serial step), so a test checks the plan on the CPU.
 __host__ __device__ inline void moe_plan_groups(const int* counts, int E, const int* group_lo, int groups,
                                                 int* offsets, int* group_work, int* item_base) {
     int pos = 0, item = 0;
@@ -78,7 +78,7 @@ __host__ __device__ inline void moe_plan_groups(const int* counts, int E, const 
     group_work[groups] = item;
 }
 
-struct MoeRoute {
+struct MoeSort {
     const void* ids;        // (slots,) logical expert ids, int32 or int64 (ids64)
     const long long* perm;  // (E + 1,) expert id -> slot, last entry -1 (id -1 reads it)
     int ids64, slots, E;
@@ -92,7 +92,7 @@ struct MoeRoute {
 };
 
 // One CTA; dynamic shared memory: counts, cursors and item bases of E slots, E + 1 offsets.
-__global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route_kernel(const MoeRoute r) {
+__global__ void __launch_bounds__(MOE_SORT_THREADS) moe_sort_kernel(const MoeSort r) {
     extern __shared__ int sm[];
     int* counts = sm;
     int* cursor = sm + r.E;
@@ -372,19 +372,19 @@ QP_API int qp_moe_splits(int items, int k, int n, int target_ctas, long long par
     return splits;
 }
 
-// The route step's plan on the host (for tests): offsets (E + 1), group_work (groups + 1) and each slot's first work
+// The sort step's plan on the host (for tests): offsets (E + 1), group_work (groups + 1) and each slot's first work
 // item (E) from per-slot pick counts.
 QP_API void qp_moe_plan_host(const int* counts, int E, const int* group_lo, int groups, int* offsets, int* group_work,
                              int* item_base) {
     qp::moe_plan_groups(counts, E, group_lo, groups, offsets, group_work, item_base);
 }
 
-// Route `slots` picks (ids: int32 or int64 expert ids, -1 for another rank's) over E slots in `groups` K groups
+// Sort `slots` picks (ids: int32 or int64 expert ids, -1 for another rank's) over E slots in `groups` K groups
 // (group_lo: host array, the first slot of each). Returns 0, a CUDA error code, or -1 (bad sizes).
-QP_API int qp_moe_route(const void* ids, int ids64, const long long* perm, int slots, int E, const int* group_lo,
+QP_API int qp_moe_sort(const void* ids, int ids64, const long long* perm, int slots, int E, const int* group_lo,
                         int groups, int* slot_of, int* offsets, int* sorted, int* work, int* group_work, void* stream) {
     if (slots <= 0 || E <= 0 || groups < 1 || groups > qp::MOE_MAX_GROUPS || group_lo[0] != 0) return -1;
-    qp::MoeRoute r{};
+    qp::MoeSort r{};
     r.ids = ids;
     r.perm = perm;
     r.ids64 = ids64;
@@ -402,7 +402,7 @@ QP_API int qp_moe_route(const void* ids, int ids64, const long long* perm, int s
     r.group_work = group_work;
     const size_t smem = (size_t)(4 * E + 1) * sizeof(int);
     if (smem > 48 * 1024) return -1;
-    qp::moe_route_kernel<<<1, qp::MOE_ROUTE_THREADS, smem, static_cast<cudaStream_t>(stream)>>>(r);
+    qp::moe_sort_kernel<<<1, qp::MOE_SORT_THREADS, smem, static_cast<cudaStream_t>(stream)>>>(r);
     return (int)cudaGetLastError();
 }
 

@@ -96,8 +96,8 @@ class TrellisMmaLinearKernel(LinearKernel):
 
     @classmethod
     def prepare(cls, shard: Exl3Tensors, spec: LinearSpec, device: torch.device) -> PreparedShard:
-        """The shard through :func:`quantpack_core.trellis_mma.prepare_shard` (workspace, warm-up, its route), with
-        exllamav3's GEMM as the delegate where it imports.
+        """The shard through :func:`quantpack_core.trellis_mma.prepare_shard` (workspace, warm-up, its delegated row
+        buckets), with exllamav3's GEMM as the delegate where it imports.
 
         Raises:
             quantpack_core.trellis_mma.library.LibraryError: the kernels cannot be built or loaded, or a warm-up
@@ -114,7 +114,7 @@ class TrellisMmaLinearKernel(LinearKernel):
     @classmethod
     def fuse(cls, shards: list[PreparedShard]) -> PreparedShard | None:
         """One run for a layer's shards that share its input (q / k / v, gate / up):
-        :func:`quantpack_core.trellis_mma.fuse_shards`, its route measured against exllamav3's GEMM."""
+        :func:`quantpack_core.trellis_mma.fuse_shards`, its delegated row buckets measured against exllamav3's GEMM."""
         return trellis_mma.fuse_shards(shards, exllamav3_delegate())
 
 
