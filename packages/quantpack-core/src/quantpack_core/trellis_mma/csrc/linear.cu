@@ -26,57 +26,11 @@
 // with nvcc alone and loads with ctypes (quantpack_core/trellis_mma/library.py).
 
 #include "common.cuh"
+#include "linear.cuh"
 
 namespace qp {
 
-constexpr int MAX_SHARDS = 8;  // shards one launch runs
 constexpr int PANEL_BATCH = 2;  // input blocks a warp loads before transforming them (memory-level parallelism)
-
-// One shard of a launch: its tensors and where its columns go.
-struct Shard {
-    const uint8_t* trellis;  // (k/16, n/16, tile bytes)
-    const __half* suh;       // (k,)
-    const __half* svh;       // (n,)
-    int n;                   // stored output features (a multiple of 128)
-    int col;                 // first output column it writes
-    int out_features;        // columns it writes (<= n)
-    int block0;              // its first column block in the launch's grid
-};
-
-struct Params {
-    const void* x;   // (rows, x_width) activations, fp16 or bf16, row stride x_stride elements
-    const void* xh;  // (shards, rows, k) fp16 had128(x * suh) of each shard, row stride k (non-fused kernels only)
-    void* out;       // (rows, *) model dtype, row stride out_stride
-    float* partials;  // split-K partial sums: (chunks, splits, mrows, n), n = the shards' stored columns in order
-    int* counters;    // (chunks, n / 128) arrival counters, zero between launches
-    Shard shard[MAX_SHARDS];
-    int shards;
-    int rows, x_width, x_stride, k, n, out_stride;
-    int slice_tiles;  // k tiles per split (a multiple of 8)
-    int splits;
-    int mrows;  // rows per chunk in the partials (min(rows, 16 * MB))
-    int bf16;   // x and out are bf16 (else fp16)
-};
-
-// x * suh of one row's 128-column block (lane holds 4 values), zero beyond x_width.
-__device__ __forceinline__ void input_load(const Params& p, const __half* suh, int row, int kc, int lane,
-                                           float (&v)[4]) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int c = kc + lane * 4 + i;
-        v[i] = c < p.x_width ? load_act(p.x, (size_t)row * p.x_stride + c, p.bf16) * __half2float(suh[c]) : 0.0f;
-    }
-}
-
-// A field of shard i of the launch's table, by unrolled selects (no local-memory copy of the table).
-template <class V>
-__device__ __forceinline__ V field(const Params& p, int i, V Shard::*member) {
-    V v = p.shard[0].*member;
-#pragma unroll
-    for (int j = 1; j < MAX_SHARDS; ++j)
-        if (j == i) v = p.shard[j].*member;
-    return v;
-}
 
 // Dynamic shared memory of one kernel instantiation: the A panel (or, after it, the 128-column partial sums) and the
 // warps' trellis rings.
@@ -117,10 +71,7 @@ __device__ __forceinline__ void cta_item(const Params& p, uint8_t* smem, int& la
     const int rows = min(p.rows - row0, MROWS);
 
     // this CTA's shard: only its index stays live, its fields are read where they are used (fewer registers)
-    int si = 0;
-#pragma unroll
-    for (int i = 1; i < MAX_SHARDS; ++i)
-        if (i < p.shards && nb >= p.shard[i].block0) si = i;
+    const int si = shard_of(p, nb);
     const int lnb = nb - field(p, si, &Shard::block0);  // column block within the shard
     const int ntiles_n = field(p, si, &Shard::n) / 16;
     const uint8_t* trellis = field(p, si, &Shard::trellis);
@@ -203,56 +154,7 @@ __device__ __forceinline__ void cta_item(const Params& p, uint8_t* smem, int& la
     }
     __syncthreads();
 
-    if (p.splits > 1) {
-        // partials and their sum move as float4 (a row's 128 columns are 32 of them; rows start 16-byte aligned in
-        // the workspace, n being a multiple of 128, and in F, F_STRIDE a multiple of 4): (chunk, split, mrows, n)
-        const size_t n0 = (size_t)nb * BLOCK_N;
-        const size_t stride = p.n;
-        float* mine = p.partials + ((size_t)(chunk * p.splits + split) * p.mrows) * p.n + n0;
-        for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4)
-            *reinterpret_cast<float4*>(mine + (size_t)(e / BLOCK_N) * stride + e % BLOCK_N) =
-                *reinterpret_cast<const float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N);
-        __threadfence();
-        __syncthreads();
-        int* counter = p.counters + (size_t)chunk * (p.n / BLOCK_N) + nb;
-        if (threadIdx.x == 0) last_arrival = atomicAdd(counter, 1) == p.splits - 1;
-        __syncthreads();
-        if (!last_arrival) return;
-        __threadfence();
-        const float* all = p.partials + ((size_t)chunk * p.splits * p.mrows) * p.n + n0;
-        for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4) {
-            const size_t at = (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N;
-            float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // summed in split order: deterministic
-#pragma unroll 8
-            for (int sp = 0; sp < p.splits; ++sp) {
-                const float4 v = __ldcg(reinterpret_cast<const float4*>(all + (size_t)sp * p.mrows * p.n + at));
-                s.x += v.x;
-                s.y += v.y;
-                s.z += v.z;
-                s.w += v.w;
-            }
-            *reinterpret_cast<float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N) = s;
-        }
-        if (threadIdx.x == 0) *counter = 0;
-        __syncthreads();
-    }
-
-    // 4. output Hadamard transform, svh, the shard's columns of the output
-    const __half* svh = field(p, si, &Shard::svh);
-    const int shard_col = field(p, si, &Shard::col), shard_out = field(p, si, &Shard::out_features);
-    for (int m = warp; m < rows; m += WARPS) {
-        float v[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = F[m * F_STRIDE + lane * 4 + i];
-        fwht128(v, lane);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int c = lnb * BLOCK_N + lane * 4 + i;
-            if (c < shard_out)
-                store_act(p.out, (size_t)(row0 + m) * p.out_stride + shard_col + c,
-                          v[i] * HAD_SCALE * __half2float(svh[c]), p.bf16);
-        }
-    }
+    finish_block(p, F, last_arrival, si, nb, lnb, chunk, split, row0, rows);
 }
 
 
@@ -283,6 +185,12 @@ __global__ void __launch_bounds__(THREADS) input_transform_kernel(const Params p
     dst[1] = __floats2half2_rn(v[2], v[3]);
 }
 
+
+int launch_input_transform(const Params& p, cudaStream_t s) {
+    const long items = (long)p.shards * p.rows * (p.k / 128);
+    input_transform_kernel<<<(unsigned)((items + WARPS - 1) / WARPS), THREADS, 0, s>>>(p);
+    return (int)cudaGetLastError();
+}
 
 // Raises a kernel instantiation's shared-memory limit once per device (at warm-up, before any CUDA-graph capture)
 // and gives how many of its CTAs fit in one SM at once (*fit; cached with the limit). Returns 0 or a CUDA error code.
@@ -334,48 +242,17 @@ int resident_ctas(int codebook, int k2, int* fit) {
 
 }  // namespace qp
 
-// Plan of one call: how many CTAs split k, given the column blocks (n: all shards' stored columns) and row chunks.
-// As many splits as keep the grid within target_ctas CTAs (one wave: a grid just above it, e.g. 560 CTAs for 528
-// slots, would run a second wave of a few CTAs that the whole call waits for), whole 128-column blocks per split, up
-// to 16 rows at most TAIL_ROWS partial rows summed by a column block's last CTA (splits x rows), and the partials and
-// counters within the workspace.
+// How many CTAs split k in a call of the split-K kernel (qp::split_count): chunks of 16 rows up to 16 rows, where a
+// column block's last CTA sums at most TAIL_ROWS partial rows (splits x rows), else chunks of 64 rows.
 QP_API int qp_trellis_mma_splits(int rows, int k, int n, int target_ctas, long long partial_floats,
                                  long long counters) {
     const int mb_rows = rows <= 16 ? 16 : 64;
-    const int chunks = (rows + mb_rows - 1) / mb_rows;
-    const int ktiles = k / 16, nbk = n / qp::BLOCK_N;
     const int mrows = rows < mb_rows ? rows : mb_rows;
-    const long long ctas = (long long)nbk * chunks;
-    int splits = (int)(target_ctas / ctas);
-    const int max_splits = ktiles / 8;
-    if (splits > max_splits) splits = max_splits;
-    if (rows <= 16 && splits > qp::TAIL_ROWS / mrows) splits = qp::TAIL_ROWS / mrows;
-    if (splits < 1) splits = 1;
-    // equal slices of whole 128-column blocks, then no more splits than slices
-    int slice = (ktiles / 8 + splits - 1) / splits * 8;
-    splits = (ktiles + slice - 1) / slice;
-    while (splits > 1 && ((long long)chunks * splits * mrows * n > partial_floats || ctas > counters)) {
-        splits = splits / 2;
-        slice = (ktiles / 8 + splits - 1) / splits * 8;
-        splits = (ktiles + slice - 1) / slice;
-    }
-    return splits;
+    const int tail = rows <= 16 ? qp::TAIL_ROWS / mrows : k / 128;
+    return qp::split_count(rows, mb_rows, k, n, target_ctas, tail, partial_floats, counters);
 }
 
 namespace qp {
-
-// The launch's table of shards (n_total: their stored columns). Returns 0 or -1 (bad geometry).
-inline int fill_shards(Params& p, const void* const* trellis, const void* const* suh, const void* const* svh,
-                       const int* n, const int* col, const int* out_features, int shards, int& n_total) {
-    n_total = 0;
-    for (int i = 0; i < shards; ++i) {
-        if (n[i] % 128 || n[i] <= 0 || out_features[i] > n[i]) return -1;
-        p.shard[i] = Shard{static_cast<const uint8_t*>(trellis[i]), static_cast<const __half*>(suh[i]),
-                           static_cast<const __half*>(svh[i]), n[i], col[i], out_features[i], n_total / BLOCK_N};
-        n_total += n[i];
-    }
-    return 0;
-}
 
 // The split plan of a launch of p.rows rows over p.n columns (p.splits, p.slice_tiles, p.mrows), within one wave of
 // the kernel instantiation it uses (`fused`, `small`): what fits at once (a target above what fits would split k more
@@ -448,9 +325,7 @@ QP_API int qp_trellis_mma(const void* x, void* xh, const void* const* trellis, c
     const dim3 grid(n_total / qp::BLOCK_N, p.splits, (rows + (small ? 16 : 64) - 1) / (small ? 16 : 64));
     if (fused) return qp::dispatch<1, true>(p, codebook, k2, grid, s);
     if (xh == nullptr) return -4;
-    const long items = (long)shards * rows * (k / 128);
-    qp::input_transform_kernel<<<(unsigned)((items + qp::WARPS - 1) / qp::WARPS), qp::THREADS, 0, s>>>(p);
-    e = (int)cudaGetLastError();
+    e = qp::launch_input_transform(p, s);
     if (e != 0) return e;
     return small ? qp::dispatch<1, false>(p, codebook, k2, grid, s) : qp::dispatch<4, false>(p, codebook, k2, grid, s);
 }
