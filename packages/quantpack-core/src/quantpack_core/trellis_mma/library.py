@@ -50,7 +50,7 @@ class Unit:
 
 
 #: the library's translation units (each includes ``csrc/common.cuh``)
-UNITS = (Unit("linear.cu"), Unit("moe.cu"))
+UNITS = (Unit("linear.cu"), Unit("moe.cu"), Unit("tc.cu", hopper_specific=True))
 #: what to install when nvcc is missing
 NVCC_HINT = (
     "install the CUDA toolkit's nvcc (one that knows your GPU's architecture, and no newer than your driver) and put "
@@ -66,6 +66,7 @@ ERRORS = {
     -3: "unknown codebook id",
     -4: "the workspace is too small for this call",
     -5: "one launch runs 1-8 shards",
+    -6: "the tensor-core kernel runs on Hopper (compute capability 9.0) only",
 }
 
 
@@ -241,6 +242,20 @@ def load(arch: int) -> ctypes.CDLL:
     ]  # fmt: skip
     lib.qp_trellis_mma_splits.restype = i32
     lib.qp_trellis_mma_splits.argtypes = [i32, i32, i32, i32, i64, i64]
+    # the tensor-core kernel (tc.cu; runs on Hopper, whose build has sm_90a's wgmma)
+    lib.qp_trellis_tc.restype = i32
+    lib.qp_trellis_tc.argtypes = [
+        ptr, ptr,  # x (None: xh holds the transformed input), xh
+        ptr, ptr, ptr, ptr, ptr, ptr, i32,  # per shard (host arrays): trellis, suh, svh, n, col, out_features; count
+        ptr, ptr, i64, ptr, i64,  # out, partials, capacity, counters, capacity
+        i32, i32, i32, i32, i32,  # rows, x_width, x_stride, k, out_stride
+        i32, i32, i32, i32, i32, i32,  # codebook, 2K, bf16, target CTAs, rows per CTA, partial sums only
+        ptr,  # stream
+    ]  # fmt: skip
+    lib.qp_trellis_tc_rows.restype = i32
+    lib.qp_trellis_tc_rows.argtypes = [i32]
+    lib.qp_trellis_tc_splits.restype = i32
+    lib.qp_trellis_tc_splits.argtypes = [i32, i32, i32, i32, i32, i64, i64]
     lib.qp_decode_tile_host.restype = i32
     lib.qp_decode_tile_host.argtypes = [ptr, i32, i32, ptr]
     # expert banks
