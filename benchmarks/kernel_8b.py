@@ -8,10 +8,11 @@ the values). For each kernel and row count the whole stack (225 shard launches) 
 replayed; the time is the median over replays. Each shape class (the 32 layers' q shards, ...) is also timed alone,
 which is what the per-shard kernel choice rests on. A kernel that fuses a layer's shards (``fuse``: q / k / v and gate /
 up in one launch) is also timed as the linear method runs it, fused (record key ``fused``, classes qkv, o, gate_up,
-down, head); trellis_mma also as served, each fused run's row buckets delegated to exllamav3 where the load-time
-measurement found it faster (key ``served``, with the measured ``delegated`` row buckets). Dense bf16 (``torch.matmul``
-on the same shapes) is timed the same way, and the GPU's copy bandwidth is measured in the same run: the bandwidth floor
-of a stack is its bytes (trellis + suh + svh; bf16 weights for dense) over that bandwidth.
+down, head). trellis_mma runs with its split-K kernel above 16 rows (record key ``trellis_mma``) and, on Hopper, with
+its tensor-core kernel there (``trellis_mma_tc``); and as served: each fused run's row buckets on the kernel the
+load-time measurement found fastest, exllamav3's included (key ``served``, with the measured ``selection``). Dense bf16
+(``torch.matmul`` on the same shapes) is timed the same way, and the GPU's copy bandwidth is measured in the same run:
+the bandwidth floor of a stack is its bytes (trellis + suh + svh; bf16 weights for dense) over that bandwidth.
 
 Writes a JSON record (``--json``, default ``benchmarks/results/kernel_8b.json``); ``benchmarks/plot_kernels.py``
 draws it. Usage (GPU machine, after ci/gpu/setup.sh): ``source ci/gpu/env.sh && python3 benchmarks/kernel_8b.py
@@ -223,27 +224,26 @@ def time_stack(label: str, prepared, rows_list, device) -> dict:
 
 
 def bench_served(kernel, stack, rows_list, device) -> dict:
-    """The stack as a model is served with trellis_mma selected: fused runs whose row buckets go to exllamav3 where the
-    load-time measurement found it faster (``quantpack_core.trellis_mma.delegation.measure_delegated``). Returns the
-    fused stack's times (``stack_ms``, ``class_ms``) and ``delegated``: per run shape, both kernels' microseconds per
-    call at each row bucket and the kernel that serves it."""
-    from dataclasses import asdict
+    """The stack as a model is served with trellis_mma selected: fused runs whose row buckets run on the kernel the
+    load-time measurement found fastest (``quantpack_core.trellis_mma.selection.measure_bucket_kernels``). Returns the
+    fused stack's times (``stack_ms``, ``class_ms``) and ``selection``: per run shape, each candidate's microseconds
+    per call at each row bucket and the kernel that serves it."""
+    from quantpack_core.trellis_mma import ops, settings
+    from quantpack_core.trellis_mma import selection as sel
 
-    from quantpack_core.trellis_mma import delegation as tm
-    from quantpack_core.trellis_mma import settings
-
-    with settings.using(delegate_rows=None):
+    with settings.using(delegate_rows=None, wide_kernel=None):
         result = bench_kernel(kernel, stack, rows_list, device, unfused=False)["fused"]
-    delegated = []
-    for record in tm.delegation_records():
-        if record.own_us:
-            print(f"  delegated {record.describe()}", flush=True)
-            r = asdict(record) | {"dtype": str(record.dtype).removeprefix("torch.")}
-            r["serves"] = [
-                record.delegate if (r["delegated"] >> i) & 1 else "trellis_mma" for i in range(len(r["rows"]))
-            ]
-            delegated.append(r)
-    result["delegated"] = delegated
+    chosen = []
+    for record in sel.selection_records():
+        if record.times_us:
+            print(f"  selected {record.describe()}", flush=True)
+            chosen.append({
+                "k": record.k, "out_features": record.out_features, "k_bits": record.k_bits,
+                "codebook": record.codebook, "dtype": str(record.dtype).removeprefix("torch."), "rows": record.rows,
+                "times_us": [{record.name(c): us for c, us in timed} for timed in record.times_us],
+                "serves": [record.name(ops.kernel_of(record.bucket_kernels, r)) for r in record.rows],
+            })  # fmt: skip
+    result["selection"] = chosen
     return result
 
 
@@ -309,7 +309,7 @@ def trellis_settings(args) -> dict:
     """The trellis_mma settings the run changes: trellis_mma's own kernels at every row count (the served op hands
     large calls over: ``bench_served`` measures that), and the options given (``--ctas-per-sm`` sets the wide target
     too unless ``--ctas-per-sm-wide`` is given, as the environment variables do)."""
-    changes = {"delegate_rows": 0}
+    changes = {"delegate_rows": 0, "wide_kernel": "split"}
     if args.inline_transform_rows is not None:
         changes["inline_transform_rows"] = max(0, min(args.inline_transform_rows, 1))
     if args.ctas_per_sm is not None:  # read when the kernel's workspace is made
@@ -317,6 +317,17 @@ def trellis_settings(args) -> dict:
     if args.ctas_per_sm_wide is not None:
         changes["ctas_per_sm_wide"] = args.ctas_per_sm_wide
     return changes
+
+
+def commit() -> str | None:
+    """The checkout's commit (``QUANTPACK_COMMIT`` where the tree travelled without its git folder), or None."""
+    import os
+    import subprocess
+
+    if os.environ.get("QUANTPACK_COMMIT"):
+        return os.environ["QUANTPACK_COMMIT"]
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    return done.stdout.strip() or None
 
 
 def run(args) -> None:
@@ -336,6 +347,7 @@ def run(args) -> None:
         "torch": torch.__version__,
         "host": platform.node(),
         "date": time.strftime("%Y-%m-%d"),
+        "commit": commit(),
         "codebook": args.codebook,
         "layer_k": args.layer_k,
         "head_k": HEAD_K,
@@ -359,6 +371,10 @@ def run(args) -> None:
         ok, why = kernel.available(device_platform())
         record["kernels"][name] = bench_kernel(kernel, stack, rows_list, device, label=name) if ok else {"skipped": why}
         torch.cuda.empty_cache()
+        if name == "trellis_mma" and ok and torch.cuda.get_device_capability() == (9, 0):
+            with settings.using(wide_kernel="tc"):
+                record["kernels"]["trellis_mma_tc"] = bench_kernel(kernel, stack, rows_list, device, label=name)
+            torch.cuda.empty_cache()
         if name == "trellis_mma" and ok and "exllamav3" in args.kernels.split(","):
             record["kernels"]["trellis_mma"]["served"] = bench_served(kernel, stack, rows_list, device)
     del stack

@@ -149,20 +149,57 @@ def _check_the_key(nvcc, tmp_path) -> None:
     assert library.library_path(90, str(nvcc)) != target
 
 
-def test_row_buckets_and_fixed_delegation():
-    """Calls fall into the power-of-two row buckets a delegated mask names (the last one open-ended), and a fixed
-    QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS sends exactly the buckets whose smallest row count exceeds it, a threshold
-    above 1024 counting as 1024 (the open-ended bucket above 1024 rows goes to exllamav3)."""
-    from quantpack_core.trellis_mma.ops import ROW_BUCKETS, fixed_delegated, row_bucket
+def test_row_buckets_and_their_codes():
+    """Calls fall into the power-of-two row buckets (the last one open-ended), and a run's bucket_kernels holds one
+    3-bit code per bucket."""
+    from quantpack_core.trellis_mma.ops import (
+        DELEGATE,
+        ROW_BUCKETS,
+        SPLIT,
+        TC256,
+        bucket_kernels_of,
+        kernel_of,
+        row_bucket,
+    )
 
     for rows in range(1, 5000):
         i = row_bucket(rows)
         low = ROW_BUCKETS[i - 1] + 1 if i else 1
         assert low <= rows and (rows <= ROW_BUCKETS[i] or i == len(ROW_BUCKETS) - 1), rows
-    assert fixed_delegated(0) == 0 and fixed_delegated(16) == 0b111111100000 and fixed_delegated(20) == 0b111111000000
-    assert fixed_delegated(1) == 0b111111111110 and fixed_delegated(512) == 0b110000000000
-    # a threshold above the last bounded bucket still sends the open-ended one (every call above 1024 rows)
-    assert fixed_delegated(1024) == fixed_delegated(1500) == fixed_delegated(10**6) == 0b100000000000
+    codes = [SPLIT] * 5 + [DELEGATE] * 2 + [TC256] * 5
+    packed = bucket_kernels_of(codes)
+    assert [kernel_of(packed, bound) for bound in ROW_BUCKETS] == codes
+    assert kernel_of(packed, 10**6) == TC256 and kernel_of(packed, 17) == DELEGATE and kernel_of(packed, 16) == SPLIT
+
+
+def test_the_options_of_each_bucket_under_the_settings():
+    """Which kernels may serve a row bucket: up to 16 rows, or without tensor cores, the split-K kernel; above, on
+    Hopper, the split-K kernel and the tensor-core one at every row count per CTA up to the bucket's (timed at load),
+    or one of them where QUANTPACK_TRELLIS_MMA_WIDE_KERNEL says; a delegate is timed beside them unless
+    QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS is set, which then sends exactly the buckets whose smallest row count exceeds
+    it (a threshold above 1024 counting as 1024: the open-ended bucket above 1024 rows goes to the delegate)."""
+    from quantpack_core.trellis_mma.ops import DELEGATE, ROW_BUCKETS, SPLIT, TC64, TC128, TC256
+    from quantpack_core.trellis_mma.selection import Delegate, bucket_options
+    from quantpack_core.trellis_mma.settings import using
+
+    other = Delegate("other", lambda *a: None)
+    every = range(len(ROW_BUCKETS))
+    with using(delegate_rows=None, wide_kernel=None):
+        assert [bucket_options(i, False, None) for i in every] == [[SPLIT]] * len(ROW_BUCKETS)
+        hopper = [bucket_options(i, True, other) for i in every]
+        assert hopper[:5] == [[SPLIT, DELEGATE]] * 5 and hopper[5] == hopper[6] == [SPLIT, TC64, DELEGATE]
+        assert hopper[7] == [SPLIT, TC64, TC128, DELEGATE] and hopper[8] == [SPLIT, TC64, TC128, TC256, DELEGATE]
+    with using(delegate_rows=0, wide_kernel="tc"):
+        assert [bucket_options(i, True, other) for i in every] == [
+            [c] for c in [SPLIT] * 5 + [TC64] * 2 + [TC128] + [TC256] * 4
+        ]
+        assert [bucket_options(i, False, other) for i in every] == [[SPLIT]] * len(ROW_BUCKETS)
+    with using(wide_kernel="split"):
+        for above, first_delegated in ((16, 5), (20, 6), (1, 1), (512, 10), (1024, 11), (1500, 11), (10**6, 11)):
+            with using(delegate_rows=above):
+                codes = [bucket_options(i, True, other) for i in every]
+                assert codes == [[SPLIT]] * first_delegated + [[DELEGATE]] * (len(ROW_BUCKETS) - first_delegated)
+                assert [bucket_options(i, True, None) for i in every] == [[SPLIT]] * len(ROW_BUCKETS)
 
 
 def test_a_bad_delegate_rows_setting_measures_instead(caplog):
@@ -173,6 +210,16 @@ def test_a_bad_delegate_rows_setting_measures_instead(caplog):
     for raw, want in (("", None), ("abc", None), ("-3", None), ("0", 0), ("300", 300)):
         assert Settings.from_env({"QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS": raw}).delegate_rows == want, raw
     assert "is not an integer >= 0; measuring each layer's delegated row buckets instead" in caplog.text
+
+
+def test_the_wide_kernel_setting(caplog):
+    """QUANTPACK_TRELLIS_MMA_WIDE_KERNEL: "split" or "tc" (any case) forces that kernel above 16 rows; unset or another
+    value (with a warning) -> measured per row bucket (None)."""
+    from quantpack_core.trellis_mma.settings import Settings
+
+    for raw, want in (("", None), ("split", "split"), ("TC", "tc"), ("wgmma", None)):
+        assert Settings.from_env({"QUANTPACK_TRELLIS_MMA_WIDE_KERNEL": raw}).wide_kernel == want, raw
+    assert "WIDE_KERNEL='wgmma' is not one of ('split', 'tc'); measuring each run's kernels" in caplog.text
 
 
 def test_settings_from_the_environment():

@@ -20,10 +20,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from quantpack_core.kernels import Platform, PreparedBank, PreparedShard
 
-from .delegation import Delegate, measure_delegated
 from .library import compiler_reason
 from .moe import reserve_moe, trellis_moe_
 from .ops import MAX_SHARDS, reserve, trellis_mma_, trellis_mma_shards_
+from .selection import Delegate, measure_bucket_kernels
 
 NAME = "trellis_mma"
 #: mma.sync m16n8k16, ldmatrix and cp.async need sm_80
@@ -72,8 +72,8 @@ def prepare_shard(
     device: torch.device,
     delegate: Delegate | None = None,
 ) -> PreparedShard:
-    """Move one shard's tensors to the GPU, reserve the GPU's workspace for its width, warm both launch kinds and
-    measure which of the shard's row buckets go to the delegate (:func:`.delegation.measure_delegated`).
+    """Move one shard's tensors to the GPU, reserve the GPU's workspace for its width, warm every launch kind and
+    choose the kernel of each of the shard's row buckets (:func:`.selection.measure_bucket_kernels`).
 
     Args:
         trellis: int16 ``(k/16, n/16, 16*K)`` trellis tiles.
@@ -82,11 +82,11 @@ def prepare_shard(
         k_bits: bits per weight K.
         out_features: logical output width (<= n).
         act_dtype: the model's activation dtype (float16 or bfloat16).
-        delegate: the implementation the row buckets where it is faster go to, or None (every call here).
+        delegate: another implementation of the call, which the row buckets where it is faster go to, or None.
 
     Returns:
         a :class:`PreparedShard` running ``quantpack::trellis_mma_`` with static ``(codebook id, K, out_features,
-        delegated)``.
+        bucket_kernels)``.
 
     Raises:
         quantpack_core.trellis_mma.library.LibraryError: the kernels cannot be built or loaded, or a warm-up launch
@@ -100,15 +100,17 @@ def prepare_shard(
     reserve(device, tensors["trellis"].shape[0] * 16, None if delegate is None else delegate.gemm)
     static = (codebook, float(k_bits), out_features)
     _act_dtypes[tensors["trellis"]] = act_dtype
-    delegated = measure_delegated(PreparedShard(trellis_mma_, tensors, out_features, (*static, 0)), act_dtype, delegate)
-    return PreparedShard(trellis_mma_, tensors, out_features, (*static, delegated))
+    unmeasured = PreparedShard(trellis_mma_, tensors, out_features, (*static, 0))
+    bucket_kernels = measure_bucket_kernels(unmeasured, act_dtype, delegate)
+    return PreparedShard(trellis_mma_, tensors, out_features, (*static, bucket_kernels))
 
 
 def fuse_shards(shards: list[PreparedShard], delegate: Delegate | None = None) -> PreparedShard | None:
     """One run for a layer's shards that share its input (q / k / v, gate / up): one launch runs them all from a table
     of shards (:func:`.ops.trellis_mma_shards_`; above 16 rows one launch per whole 64-row chunks that the shards'
     inputs fit in the workspace, ``QUANTPACK_TRELLIS_MMA_WIDE_FUSED``). The shards keep their own tensors (no copy); the
-    fused run's delegated row buckets are measured on its own (:func:`.delegation.measure_delegated`; on a GPU whose
+    fused run's kernels per row bucket are measured on its own
+    (:func:`.selection.measure_bucket_kernels`; on a GPU whose
     workspace :func:`prepare_shard` reserved).
 
     Returns:
@@ -126,8 +128,8 @@ def fuse_shards(shards: list[PreparedShard], delegate: Delegate | None = None) -
     outs = tuple(s.out_features for s in shards)
     dtype = _act_dtypes.get(shards[0].tensors["trellis"], torch.float16)
     run = PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs, 0))
-    delegated = measure_delegated(run, dtype, delegate)
-    return PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs, delegated))
+    bucket_kernels = measure_bucket_kernels(run, dtype, delegate)
+    return PreparedShard(trellis_mma_shards_, tensors, sum(outs), (codebook, k_bits, outs, bucket_kernels))
 
 
 def prepare_bank(

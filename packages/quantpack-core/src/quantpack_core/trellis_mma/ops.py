@@ -29,8 +29,9 @@ logger = logging.getLogger("vllm.quantpack")
 PARTIAL_FLOATS = 4 << 20
 #: arrival counters (one per 128-column block and row chunk)
 COUNTERS = 1 << 16
-#: rows of transformed input per launch above 16 rows (larger inputs are run in pieces of this many rows)
-XH_ROWS = 512
+#: rows of transformed input per launch above 16 rows (larger inputs are run in pieces of this many rows): a prefill
+#: chunk of 2048 rows in one launch per shard (the tensor-core kernel's CTAs take 256 rows each)
+XH_ROWS = 2048
 #: rows up to which one launch runs a layer's shards (one 16-row mma fragment)
 FUSED_ROWS = 16
 
@@ -41,11 +42,17 @@ def _in_cta(rows: int) -> bool:
     return rows == 1 and current().inline_transform_rows >= 1
 
 
-#: upper row counts of the row buckets a run's delegated mask names: bucket i holds calls of ROW_BUCKETS[i - 1] + 1 ..
-#: ROW_BUCKETS[i] rows, the last bucket every call above 1024 rows (timed at 2048)
+#: upper row counts of the row buckets: bucket i holds calls of ROW_BUCKETS[i - 1] + 1 .. ROW_BUCKETS[i] rows, the last
+#: bucket every call above 1024 rows (timed at 2048)
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-#: a delegated mask sending every bucket to the delegate
-ALL_BUCKETS = (1 << len(ROW_BUCKETS)) - 1
+
+#: what serves the calls of a row bucket, 3 bits a bucket in a run's ``bucket_kernels`` (bucket i at bit 3 i): the
+#: split-K kernel (linear.cu), the GPU's delegate (another implementation its format's adapter gives), or the
+#: tensor-core kernel (tc.cu, Hopper) with 64, 128 or 256 rows per CTA
+SPLIT, DELEGATE, TC64, TC128, TC256 = 0, 1, 2, 3, 4
+#: rows per CTA of each tensor-core code
+TC_ROWS = {TC64: 64, TC128: 128, TC256: 256}
+BUCKET_BITS = 3
 
 
 def row_bucket(rows: int) -> int:
@@ -54,14 +61,20 @@ def row_bucket(rows: int) -> int:
     return min((rows - 1).bit_length(), len(ROW_BUCKETS) - 1)
 
 
-def fixed_delegated(above: int) -> int:
-    """The delegated mask (bit i set: bucket i goes to the delegate) for a row threshold ``above``: every bucket whose
-    smallest row count exceeds it, i.e. ``above`` rounded up to a bucket bound; above 1024 it counts as 1024 (the
-    last bucket, every call above 1024 rows, is delegated); 0 for ``above`` = 0 (every call here)."""
-    if above <= 0:
-        return 0
-    above = min(above, ROW_BUCKETS[-2])
-    return sum(1 << i for i in range(len(ROW_BUCKETS)) if (ROW_BUCKETS[i - 1] + 1 if i else 1) > above)
+def kernel_of(bucket_kernels: int, rows: int) -> int:
+    """The code (:data:`SPLIT`, :data:`DELEGATE`, :data:`TC64` ...) that serves a call of ``rows`` rows."""
+    return (bucket_kernels >> (BUCKET_BITS * row_bucket(rows))) & ((1 << BUCKET_BITS) - 1)
+
+
+def bucket_kernels_of(codes) -> int:
+    """A run's ``bucket_kernels`` from one code per bucket (in :data:`ROW_BUCKETS` order)."""
+    return sum(code << (BUCKET_BITS * i) for i, code in enumerate(codes))
+
+
+def tc_code(rows: int) -> int:
+    """The tensor-core code for calls of up to ``rows`` rows when nothing was measured: 64 rows per CTA up to 64 rows,
+    128 up to 128, else 256 (the fastest on most 8B shapes, docs/kernels.md)."""
+    return TC64 if rows <= 64 else TC128 if rows <= 128 else TC256
 
 
 @dataclass
@@ -75,8 +88,9 @@ class Workspace:
         arch: compute capability (``major * 10 + minor``), which library to load.
         target_ctas: CTAs a launch aims at, up to :data:`FUSED_ROWS` rows.
         target_ctas_wide: the same above :data:`FUSED_ROWS` rows.
-        delegate: another implementation of one shard's call (:class:`.delegation.Delegate`'s ``gemm``), given by
-            the adapter that prepared this GPU's runs, for the row buckets a run's delegated mask sends there; None
+        tensor_cores: the tensor-core kernel runs here (a Hopper GPU, whose build has sm_90a's wgmma).
+        delegate: another implementation of one shard's call (:class:`.selection.Delegate`'s ``gemm``), given by
+            the adapter that prepared this GPU's runs, for the row buckets a run's ``bucket_kernels`` send there; None
             otherwise.
     """
 
@@ -86,6 +100,7 @@ class Workspace:
     arch: int
     target_ctas: int
     target_ctas_wide: int
+    tensor_cores: bool = False
     delegate: object = None
 
 
@@ -115,6 +130,7 @@ def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
             arch=arch,
             target_ctas=per_sm * props.multi_processor_count,
             target_ctas_wide=per_sm_wide * props.multi_processor_count,
+            tensor_cores=arch == 90,
         )
         _workspaces[index] = ws
     elif ws.xh.shape[1] < k:
@@ -149,7 +165,7 @@ def run_trellis_mma(
     codebook: int,
     k_bits: float,
     out_features: list[int],
-    delegated: int,
+    bucket_kernels: int,
     out: torch.Tensor,
     col: int,
 ) -> None:
@@ -165,7 +181,8 @@ def run_trellis_mma(
             f"{tuple(out.stride())}, workspace {'ready' if ws is not None else 'missing'})"
         )
     cols = [col + sum(out_features[:i]) for i in range(len(trellis))]
-    if ws.delegate is not None and (delegated >> row_bucket(rows)) & 1:
+    code = kernel_of(bucket_kernels, rows)
+    if code == DELEGATE and ws.delegate is not None:
         for t, s, v, o, c in zip(trellis, suh, svh, out_features, cols, strict=True):
             ws.delegate(x, t, s, v, codebook, k_bits, o, out, c)
         return
@@ -176,6 +193,12 @@ def run_trellis_mma(
     if rows <= FUSED_ROWS:  # one launch for every shard
         _launch(ws, x, trellis, suh, svh, codebook, k_bits, out_features, out, cols)
         return
+    if code in TC_ROWS and ws.tensor_cores:  # every shard in each launch, in pieces the workspace's input holds
+        step = XH_ROWS // len(trellis) // 64 * 64
+        for r0 in range(0, rows, step):
+            xr, outr = x[r0 : r0 + step], out[r0 : r0 + step]
+            _launch_tc(ws, xr, trellis, suh, svh, codebook, k_bits, out_features, outr, cols, TC_ROWS[code])
+        return
     if current().wide_fused and len(trellis) > 1:  # every shard in each launch (the workspace holds each one's input)
         step = XH_ROWS // len(trellis) // 64 * 64
         for r0 in range(0, rows, step):
@@ -185,6 +208,34 @@ def run_trellis_mma(
         xr, outr = x[r0 : r0 + XH_ROWS], out[r0 : r0 + XH_ROWS]
         for t, s, v, o, c in zip(trellis, suh, svh, out_features, cols, strict=True):
             _launch(ws, xr, [t], [s], [v], codebook, k_bits, [o], outr, [c])
+
+
+def _shard_arrays(trellis, suh, svh, out_features, cols) -> tuple:
+    """The host arrays of a launch's table of shards: pointers to trellis / suh / svh, stored widths, columns, output
+    widths, and the count."""
+    count = len(trellis)
+    ptrs = ctypes.c_void_p * count
+    ints = ctypes.c_int * count
+    ns = [t.shape[1] * 16 for t in trellis]
+    return (
+        ptrs(*(t.data_ptr() for t in trellis)), ptrs(*(t.data_ptr() for t in suh)), ptrs(*(t.data_ptr() for t in svh)),
+        ints(*ns), ints(*cols), ints(*out_features), count,
+    )  # fmt: skip
+
+
+def _launch_tc(ws: Workspace, x: torch.Tensor, trellis, suh, svh, codebook, k_bits, out_features, out, cols, nr):
+    """One ``qp_trellis_tc`` launch (the input transform, then the tensor-core kernel with ``nr`` rows per CTA) of
+    every shard at up to :data:`XH_ROWS` / shards rows."""
+    lib = load(ws.arch)
+    rows, width = x.shape
+    k = trellis[0].shape[0] * 16
+    code = lib.qp_trellis_tc(
+        x.data_ptr(), ws.xh.data_ptr(), *_shard_arrays(trellis, suh, svh, out_features, cols),
+        out.data_ptr(), ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
+        rows, width, x.stride(0), k, out.stride(0), codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16),
+        ws.target_ctas, nr, 0, torch.cuda.current_stream(x.device).cuda_stream,
+    )  # fmt: skip
+    check(code, f"tensor-core kernel, rows {rows}, k {k}, shards {len(trellis)}, K {k_bits:g}, codebook {codebook}")
 
 
 def _launch(
@@ -204,15 +255,11 @@ def _launch(
     :data:`XH_ROWS` rows (through the workspace's transformed input)."""
     lib = load(ws.arch)
     rows, width = x.shape
-    count = len(trellis)
     k = trellis[0].shape[0] * 16
     ns = [t.shape[1] * 16 for t in trellis]
-    ptrs = ctypes.c_void_p * count
-    ints = ctypes.c_int * count
     code = lib.qp_trellis_mma(
         x.data_ptr(), None if _in_cta(rows) else ws.xh.data_ptr(),
-        ptrs(*(t.data_ptr() for t in trellis)), ptrs(*(t.data_ptr() for t in suh)), ptrs(*(t.data_ptr() for t in svh)),
-        ints(*ns), ints(*cols), ints(*out_features), count,
+        *_shard_arrays(trellis, suh, svh, out_features, cols),
         out.data_ptr(), ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
         rows, width, x.stride(0), k, out.stride(0),
         codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16),
@@ -225,7 +272,7 @@ def _launch(
 define_op(
     "trellis_mma_",
     "(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, float k_bits, int[] out_features, "
-    "int delegated, Tensor(a!) out, int col) -> ()",
+    "int bucket_kernels, Tensor(a!) out, int col) -> ()",
     {"CUDA": run_trellis_mma},
 )
 
@@ -237,13 +284,14 @@ def trellis_mma_shards_(x: torch.Tensor, *args) -> None:
     Args:
         x: ``(rows, in)`` float16 or bfloat16 activations.
         args: ``trellis_0, suh_0, svh_0, trellis_1, ...`` (each as in :func:`trellis_mma_`), then ``codebook``,
-            ``k_bits``, ``out_features`` (a tuple, one per shard), ``delegated``, ``out``, ``col``: shard ``i`` writes
+            ``k_bits``, ``out_features`` (a tuple, one per shard), ``bucket_kernels``, ``out``, ``col``: shard ``i``
+            writes
             ``out[:, col + sum(out_features[:i]):][:, :out_features[i]]``.
 
     Raises:
         quantpack_core.trellis_mma.library.LibraryError: a launch failed (the message names the shape).
     """
-    *tensors, codebook, k_bits, out_features, delegated, out, col = args
+    *tensors, codebook, k_bits, out_features, bucket_kernels, out, col = args
     torch.ops.quantpack.trellis_mma_(
         x,
         list(tensors[0::3]),
@@ -252,7 +300,7 @@ def trellis_mma_shards_(x: torch.Tensor, *args) -> None:
         codebook,
         k_bits,
         list(out_features),
-        delegated,
+        bucket_kernels,
         out,
         col,
     )
@@ -266,16 +314,16 @@ def trellis_mma_(
     codebook: int,
     k_bits: float,
     out_features: int,
-    delegated: int,
+    bucket_kernels: int,
     out: torch.Tensor,
     col: int,
 ) -> None:
     """One trellis shard through the trellis_mma kernels: ``out[:, col:col + out_features] = (x @ W)[:, :out_features]``
     (the op with one shard; :func:`trellis_mma_shards_` runs several).
 
-    A call whose row bucket (:func:`row_bucket`) has its bit set in ``delegated`` runs the GPU's delegate instead (the
-    delegated mask is measured per shape at load: :func:`.delegation.measure_delegated`); every other call runs here
-    (more than 16 rows: 64-row chunks, the input transform in its own launch).
+    A call runs on the kernel its row bucket's code in ``bucket_kernels`` names (:func:`kernel_of`; measured per shape
+    at load: :func:`.selection.measure_bucket_kernels`): the split-K kernel (more than 16 rows: 64-row chunks, the
+    input transform in its own launch), the tensor-core kernel (Hopper; 17 rows and more) or the GPU's delegate.
 
     Args:
         x: ``(rows, in)`` float16 or bfloat16 activations (zero-extended to k inside the kernel).
@@ -284,7 +332,8 @@ def trellis_mma_(
         codebook: 0 = 3INST, 1 = mcg, 2 = mul1.
         k_bits: bits per weight K.
         out_features: logical output width (<= n).
-        delegated: bit i set: calls in row bucket i go to the delegate (:data:`ROW_BUCKETS`).
+        bucket_kernels: the code of each row bucket (:data:`ROW_BUCKETS`, 3 bits each: :data:`SPLIT`,
+            :data:`DELEGATE`, :data:`TC64`, :data:`TC128`, :data:`TC256`).
         out: ``(rows, total)`` layer output in ``x``'s dtype, unit column stride, written in place.
         col: first output column of this shard.
 
@@ -293,4 +342,6 @@ def trellis_mma_(
 
     Source: docs/kernels.md; ``csrc/linear.cu`` describes the kernels.
     """
-    torch.ops.quantpack.trellis_mma_(x, [trellis], [suh], [svh], codebook, k_bits, [out_features], delegated, out, col)
+    torch.ops.quantpack.trellis_mma_(
+        x, [trellis], [suh], [svh], codebook, k_bits, [out_features], bucket_kernels, out, col
+    )

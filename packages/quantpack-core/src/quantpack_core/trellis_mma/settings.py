@@ -49,6 +49,10 @@ class Settings:
         wide_fused: above 16 rows a layer's shards (q / k / v, gate / up) in one launch too, as up to 16 rows,
             instead of a launch per shard (docs/kernels.md: the 8B stack at 32 / 64 / 128 rows took 5.85 / 6.64 /
             11.32 ms against 7.14 / 8.51 / 12.90) [``..._WIDE_FUSED``].
+        wide_kernel: above 16 rows, None: the kernel of each row bucket (the split-K kernel, or on Hopper the
+            tensor-core kernel with 64, 128 or 256 rows per CTA) is measured when a run is prepared, where there is a
+            choice; "split" / "tc": that kernel for every bucket above 16 rows (the tensor-core one where the GPU
+            has it) [``..._WIDE_KERNEL``; another value: None, with a warning].
         nvcc: the compiler; None: ``$CUDA_HOME/bin/nvcc``, then ``nvcc`` on ``PATH`` [``QUANTPACK_NVCC``].
         cache_dir: where built libraries are kept [``QUANTPACK_CACHE_DIR``; default ``$XDG_CACHE_HOME/quantpack``
             or ``~/.cache/quantpack``].
@@ -59,6 +63,7 @@ class Settings:
     ctas_per_sm: int = 4
     ctas_per_sm_wide: int = 2
     wide_fused: bool = True
+    wide_kernel: str | None = None
     nvcc: str | None = None
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "quantpack")
 
@@ -75,6 +80,7 @@ class Settings:
             ctas_per_sm=per_sm,
             ctas_per_sm_wide=_env_int(environ, f"{PREFIX}CTAS_PER_SM_WIDE", wide_default, minimum=1),
             wide_fused=_env_int(environ, f"{PREFIX}WIDE_FUSED", 1) > 0,
+            wide_kernel=_wide_kernel(environ),
             nvcc=environ.get("QUANTPACK_NVCC") or None,
             cache_dir=Path(environ.get("QUANTPACK_CACHE_DIR") or Path(base) / "quantpack"),
         )
@@ -115,6 +121,23 @@ def _delegate_rows(environ: Mapping[str, str]) -> int | None:
         )
         return None
     return value
+
+
+#: the values of ``wide_kernel`` besides None
+WIDE_KERNELS = ("split", "tc")
+
+
+def _wide_kernel(environ: Mapping[str, str]) -> str | None:
+    """``QUANTPACK_TRELLIS_MMA_WIDE_KERNEL``: "split" or "tc", or None (unset, or another value, with a warning)."""
+    raw = environ.get(f"{PREFIX}WIDE_KERNEL", "").strip().lower()
+    if raw == "":
+        return None
+    if raw not in WIDE_KERNELS:
+        logger.warning(
+            "quantpack: %sWIDE_KERNEL=%r is not one of %s; measuring each run's kernels", PREFIX, raw, WIDE_KERNELS
+        )
+        return None
+    return raw
 
 
 _current: Settings | None = None

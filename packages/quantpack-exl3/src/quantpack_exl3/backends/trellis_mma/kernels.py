@@ -1,7 +1,7 @@
 """EXL3 shards and expert banks through the project's own CUDA kernels, ``quantpack_core.trellis_mma`` (sm_80 and
 newer, tuned on an H200): this adapter says which EXL3 shards and banks they take, hands them their trellis, codebook
 id, K and scales, and gives exllamav3's shard GEMM as the implementation that each run's row buckets go to where its
-load-time timing finds it faster (:class:`quantpack_core.trellis_mma.delegation.Delegate`), when exllamav3's
+load-time timing finds it faster (:class:`quantpack_core.trellis_mma.selection.Delegate`), when exllamav3's
 extension imports. Float32 models go to exllamav3.
 
 Source: docs/exl3-format.md ("The math", tile placement), docs/kernels.md (how the kernels were measured).
@@ -27,7 +27,7 @@ from quantpack_core.kernels import (
 )
 from quantpack_core.moe import Exl3MoeBank, grouped_inputs
 from quantpack_core.trellis_mma import settings
-from quantpack_core.trellis_mma.delegation import Delegate
+from quantpack_core.trellis_mma.selection import Delegate
 from quantpack_core.trellis_mma.library import add_fallback
 from quantpack_core.trellis_mma.moe import MAX_EXPERTS as MOE_MAX_EXPERTS
 from quantpack_core.trellis_mma.moe import MAX_GROUPS as MOE_MAX_GROUPS
