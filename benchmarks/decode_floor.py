@@ -1,16 +1,16 @@
 """The integer-op floor of the trellis_mma decode: instructions per tile from the compiled kernels' SASS, and what
 they cost for the Llama-3-8B linear stack, beside the bandwidth floor.
 
-Builds ``csrc/trellis_mma.cu`` for one architecture (nvcc), disassembles it (``cuobjdump -sass``: the CUDA toolkit's,
-or PyPI's ``nvidia-cuda-cuobjdump``), finds each kernel's innermost loop that holds the ``HMMA`` instructions (one
-round of the cp.async ring: four groups of four tiles along k) and counts its instructions per tile and warp, split
-by pipe: the ALU pipe (shifts, logic, permutes, compares, address adds) and the FMA-heavy pipe (``IMAD``, ``IDP4A``)
-each take a warp instruction every two cycles per scheduler on sm_80 / sm_90, everything else issues once. The
-floor of a stack is its tiles times the largest of (instructions, 2 x ALU, 2 x FMA-heavy) over the GPU's schedulers
-and clock. Needs nvcc and cuobjdump, not a GPU. The expert kernels' loop (the same decode through one 16-row
-fragment, one loop per K in one kernel) is counted too: the range over its K; and the kernels of 2 rows and more
-(split plan and stream-K, 16- and 64-row fragments) at K = 4, per tile and warp (a 64-row kernel's tile serves its
-four 16-row fragments: 8 HMMA).
+Builds the trellis_mma library (``quantpack_core/trellis_mma/csrc/``) for one architecture (nvcc), disassembles it
+(``cuobjdump -sass``: the CUDA toolkit's, or PyPI's ``nvidia-cuda-cuobjdump``), finds each kernel's innermost loop that
+holds the ``HMMA`` instructions (one round of the cp.async ring: four groups of four tiles along k) and counts its
+instructions per tile and warp, split by pipe: the ALU pipe (shifts, logic, permutes, compares, address adds) and the
+FMA-heavy pipe (``IMAD``, ``IDP4A``) each take a warp instruction every two cycles per scheduler on sm_80 / sm_90,
+everything else issues once. The floor of a stack is its tiles times the largest of (instructions, 2 x ALU, 2 x
+FMA-heavy) over the GPU's schedulers and clock. Needs nvcc and cuobjdump, not a GPU. The expert kernels' loop (the same
+decode through one 16-row fragment, one loop per K in one kernel) is counted too: the range over its K; and the kernels
+of 2 rows and more (16- and 64-row fragments) at K = 4, per tile and warp (a 64-row kernel's tile serves its four 16-row
+fragments: 8 HMMA).
 
 Usage: ``python3 benchmarks/decode_floor.py [--arch 90] [--sms 132] [--clock-ghz 1.98] [--json OUT]``.
 """
@@ -62,11 +62,6 @@ def cuobjdump() -> str:
 def mangled(cb: int, ka: int, half: bool, mb: int, fused: bool) -> str:
     """The kernel's mangled-name fragment of ``trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>``."""
     return f"trellis_mma_kernelILi{cb}ELi{ka}ELb{int(half)}ELi{mb}ELb{int(fused)}E"
-
-
-def mangled_streamk(cb: int, ka: int, half: bool, mb: int, fused: bool) -> str:
-    """The kernel's mangled-name fragment of ``trellis_mma_streamk_kernel<CB, KA, HALFK, MB, FUSED>``."""
-    return f"trellis_mma_streamk_kernelILi{cb}ELi{ka}ELb{int(half)}ELi{mb}ELb{int(fused)}E"
 
 
 def mangled_moe(cb: int, down: bool) -> str:
@@ -130,7 +125,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=Path(__file__).with_name("results") / "decode_floor.json")
     args = ap.parse_args()
 
-    from quantpack_exl3.backends.trellis_mma import library
+    from quantpack_core.trellis_mma import library
 
     so = library.build(args.arch)
     tool = cuobjdump()  # it runs nvdisasm, which PyPI's wheels put beside it
@@ -151,15 +146,12 @@ def main() -> None:
                 "scheduler cycles"
             )
     # the kernels of 2 rows and more (the transformed input streamed into the CTA's A ring; 16- and 64-row
-    # fragments), split plan and stream-K, at the stack's K = 4
+    # fragments), at the stack's K = 4
     streamed = {}
     for cb, cb_name in CODEBOOKS:
         for label, name, mb in [
             ("2-16 rows", mangled(cb, 4, False, 1, False), 1),
             ("17-64 rows", mangled(cb, 4, False, 4, False), 4),
-            ("stream-K 1 row", mangled_streamk(cb, 4, False, 1, True), 1),
-            ("stream-K 2-16 rows", mangled_streamk(cb, 4, False, 1, False), 1),
-            ("stream-K 17-64 rows", mangled_streamk(cb, 4, False, 4, False), 4),
         ]:
             counts = loop_counts(sass, name, mb)
             counts["cycles"] = max(counts["instructions"], 2 * counts["alu"], 2 * counts["fma_heavy"])

@@ -6,12 +6,13 @@ The stack is 32 layers x (q 4096->4096, k and v 4096->1024, o 4096->4096, gate a
 ``decode_8b.py``), with random trellis words (every bit pattern is a legal trellis; decode speed does not depend on
 the values). For each kernel and row count the whole stack (225 shard launches) is captured in one CUDA graph and
 replayed; the time is the median over replays. Each shape class (the 32 layers' q shards, ...) is also timed alone,
-which is what the per-shard kernel choice rests on. A kernel that fuses a layer's shards (``fuse``: q / k / v and
-gate / up in one launch) is also timed as the linear method runs it, fused (record key ``fused``, classes qkv, o,
-gate_up, down, head); trellis_mma also as served, each fused run's row buckets routed to exllamav3 where the load-time
-measurement found it faster (key ``served``, with the measured ``routes``). Dense bf16 (``torch.matmul`` on the same
-shapes) is timed the same way, and the GPU's copy bandwidth is measured in the same run: the bandwidth floor of a
-stack is its bytes (trellis + suh + svh; bf16 weights for dense) over that bandwidth.
+which is what the per-shard kernel choice rests on. A kernel that fuses a layer's shards (``fuse``: q / k / v and gate /
+up in one launch) is also timed as the linear method runs it, fused (record key ``fused``, classes qkv, o, gate_up,
+down, head). trellis_mma runs with its split-K kernel above 16 rows (record key ``trellis_mma``) and, on Hopper, with
+its tensor-core kernel there (``trellis_mma_tc``); and as served: each fused run's row buckets on the kernel the
+load-time measurement found fastest, exllamav3's included (key ``served``, with the measured ``selection``). Dense bf16
+(``torch.matmul`` on the same shapes) is timed the same way, and the GPU's copy bandwidth is measured in the same run:
+the bandwidth floor of a stack is its bytes (trellis + suh + svh; bf16 weights for dense) over that bandwidth.
 
 Writes a JSON record (``--json``, default ``benchmarks/results/kernel_8b.json``); ``benchmarks/plot_kernels.py``
 draws it. Usage (GPU machine, after ci/gpu/setup.sh): ``source ci/gpu/env.sh && python3 benchmarks/kernel_8b.py
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
@@ -224,28 +224,26 @@ def time_stack(label: str, prepared, rows_list, device) -> dict:
 
 
 def bench_served(kernel, stack, rows_list, device) -> dict:
-    """The stack as a model is served with trellis_mma selected: fused runs whose row buckets go to exllamav3 where the
-    load-time measurement found it faster (``trellis_mma.kernels.measure_route``). Returns the fused stack's times
-    (``stack_ms``, ``class_ms``) and ``routes``: per run shape, both kernels' microseconds per call at each row
-    bucket and the kernel that serves it."""
-    from dataclasses import asdict
+    """The stack as a model is served with trellis_mma selected: fused runs whose row buckets run on the kernel the
+    load-time measurement found fastest (``quantpack_core.trellis_mma.selection.measure_bucket_kernels``). Returns the
+    fused stack's times (``stack_ms``, ``class_ms``) and ``selection``: per run shape, each candidate's microseconds
+    per call at each row bucket and the kernel that serves it."""
+    from quantpack_core.trellis_mma import ops, settings
+    from quantpack_core.trellis_mma import selection as sel
 
-    from quantpack_exl3.backends.trellis_mma import kernels as tm
-    from quantpack_exl3.backends.trellis_mma import ops
-
-    saved, ops.delegate_rows = ops.delegate_rows, None
-    try:
+    with settings.using(delegate_rows=None, wide_kernel=None):
         result = bench_kernel(kernel, stack, rows_list, device, unfused=False)["fused"]
-    finally:
-        ops.delegate_rows = saved
-    routes = []
-    for record in tm.route_records():
-        if record.trellis_mma_us:
-            print(f"  route {record.describe()}", flush=True)
-            r = asdict(record) | {"dtype": str(record.dtype).removeprefix("torch.")}
-            r["serves"] = ["exllamav3" if (r["route"] >> i) & 1 else "trellis_mma" for i in range(len(r["rows"]))]
-            routes.append(r)
-    result["routes"] = routes
+    chosen = []
+    for record in sel.selection_records():
+        if record.times_us:
+            print(f"  selected {record.describe()}", flush=True)
+            chosen.append({
+                "k": record.k, "out_features": record.out_features, "k_bits": record.k_bits,
+                "codebook": record.codebook, "dtype": str(record.dtype).removeprefix("torch."), "rows": record.rows,
+                "times_us": [{record.name(c): us for c, us in timed} for timed in record.times_us],
+                "serves": [record.name(ops.kernel_of(record.bucket_kernels, r)) for r in record.rows],
+            })  # fmt: skip
+    result["selection"] = chosen
     return result
 
 
@@ -290,21 +288,52 @@ def main() -> None:
         "--ctas-per-sm",
         type=int,
         default=None,
-        help="trellis_mma: split-K target in CTAs per SM up to 16 rows (default: the library's, CTAS_PER_SM; capped "
+        help="trellis_mma: split-K target in CTAs per SM up to 16 rows (default: the settings', 4; capped "
         "by what fits)",
     )
     ap.add_argument(
         "--ctas-per-sm-wide",
         type=int,
         default=None,
-        help="trellis_mma: split-K target in CTAs per SM above 16 rows (default: the library's, CTAS_PER_SM_WIDE)",
+        help="trellis_mma: split-K target in CTAs per SM above 16 rows (default: the settings', 2)",
     )
     ap.add_argument("--json", type=Path, default=Path(__file__).with_name("results") / "kernel_8b.json")
     args = ap.parse_args()
-    if args.ctas_per_sm is not None:  # read when the kernel's workspace is made, below
-        os.environ["QUANTPACK_TRELLIS_MMA_CTAS_PER_SM"] = str(args.ctas_per_sm)
+    from quantpack_core.trellis_mma import settings
+
+    with settings.using(**trellis_settings(args)):
+        run(args)
+
+
+def trellis_settings(args) -> dict:
+    """The trellis_mma settings the run changes: trellis_mma's own kernels at every row count (the served op hands
+    large calls over: ``bench_served`` measures that), and the options given (``--ctas-per-sm`` sets the wide target
+    too unless ``--ctas-per-sm-wide`` is given, as the environment variables do)."""
+    changes = {"delegate_rows": 0, "wide_kernel": "split"}
+    if args.inline_transform_rows is not None:
+        changes["inline_transform_rows"] = max(0, min(args.inline_transform_rows, 1))
+    if args.ctas_per_sm is not None:  # read when the kernel's workspace is made
+        changes["ctas_per_sm"] = changes["ctas_per_sm_wide"] = args.ctas_per_sm
     if args.ctas_per_sm_wide is not None:
-        os.environ["QUANTPACK_TRELLIS_MMA_CTAS_PER_SM_WIDE"] = str(args.ctas_per_sm_wide)
+        changes["ctas_per_sm_wide"] = args.ctas_per_sm_wide
+    return changes
+
+
+def commit() -> str | None:
+    """The checkout's commit (``QUANTPACK_COMMIT`` where the tree travelled without its git folder), or None."""
+    import os
+    import subprocess
+
+    if os.environ.get("QUANTPACK_COMMIT"):
+        return os.environ["QUANTPACK_COMMIT"]
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    return done.stdout.strip() or None
+
+
+def run(args) -> None:
+    """Measure under the settings of :func:`trellis_settings` (see :func:`main`)."""
+    from quantpack_core.trellis_mma import settings
+
     device = torch.device("cuda")
     rows_list = [int(r) for r in args.rows.split(",")]
     bw = copy_bandwidth(device)
@@ -318,6 +347,7 @@ def main() -> None:
         "torch": torch.__version__,
         "host": platform.node(),
         "date": time.strftime("%Y-%m-%d"),
+        "commit": commit(),
         "codebook": args.codebook,
         "layer_k": args.layer_k,
         "head_k": HEAD_K,
@@ -327,15 +357,9 @@ def main() -> None:
         "kernels": {},
     }
     classes = kernel_classes()
-    from quantpack_exl3.backends.trellis_mma import ops
-
-    ops.delegate_rows = 0  # trellis_mma's own kernels at every row count (the served op hands large calls over)
-    if args.inline_transform_rows is not None:
-        ops.INLINE_TRANSFORM_ROWS = max(0, min(args.inline_transform_rows, 1))
-    record["inline_transform_rows"] = ops.INLINE_TRANSFORM_ROWS
-    record["ctas_per_sm"] = args.ctas_per_sm or ops.CTAS_PER_SM
-    record["ctas_per_sm_wide"] = args.ctas_per_sm_wide or ops.CTAS_PER_SM_WIDE
-    record["stream_k"] = ops.STREAM_K  # QUANTPACK_TRELLIS_MMA_STREAM_K
+    record["inline_transform_rows"] = settings.current().inline_transform_rows
+    record["ctas_per_sm"] = settings.current().ctas_per_sm
+    record["ctas_per_sm_wide"] = settings.current().ctas_per_sm_wide
     for name in args.kernels.split(","):
         kernel = classes.get(name)
         if kernel is None:
@@ -347,6 +371,10 @@ def main() -> None:
         ok, why = kernel.available(device_platform())
         record["kernels"][name] = bench_kernel(kernel, stack, rows_list, device, label=name) if ok else {"skipped": why}
         torch.cuda.empty_cache()
+        if name == "trellis_mma" and ok and torch.cuda.get_device_capability() == (9, 0):
+            with settings.using(wide_kernel="tc"):
+                record["kernels"]["trellis_mma_tc"] = bench_kernel(kernel, stack, rows_list, device, label=name)
+            torch.cuda.empty_cache()
         if name == "trellis_mma" and ok and "exllamav3" in args.kernels.split(","):
             record["kernels"]["trellis_mma"]["served"] = bench_served(kernel, stack, rows_list, device)
     del stack

@@ -36,7 +36,7 @@ def plot_kernels(record: dict, out: Path) -> None:
             left.plot(rows, [fused[str(r)] for r in rows], marker="^", label=f"EXL3 {name}, q/k/v and gate/up fused")
         if "served" in res:
             served = res["served"]["stack_ms"]
-            label = f"EXL3 {name} as served (row buckets routed to exllamav3 where measured faster)"
+            label = f"EXL3 {name} as served (row buckets delegated to exllamav3 where measured faster)"
             left.plot(rows, [served[str(r)] for r in rows], marker="*", lw=2, label=label)
     dense = record.get("dense_bf16")
     if dense:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 #: kernel-name patterns -> group, first match wins
 GROUPS = [
-    ("quantpack experts (trellis_moe)", r"trellis_moe|moe_route"),
+    ("quantpack experts (trellis_moe)", r"trellis_moe|moe_sort"),
     ("quantpack linear (trellis_mma)", r"trellis_mma|input_transform_kernel"),
     ("vLLM MoE (fused_moe, routing)", r"fused_moe|moe_align|topk|moe_sum"),
     ("exllamav3", r"exl3|reconstruct|had_r_128|hgemm"),

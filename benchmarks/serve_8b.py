@@ -7,14 +7,14 @@ The 8B model uses the synthetic pack of ``decode_8b.py``; the MoE models that of
 below are described for the 8B one, and differ for the MoE models where said.
 
 * plugin: vLLM + quantpack-exl3 on the synthetic EXL3 pack of ``decode_8b.py`` (K=4 mul1, head K=6), kernels as
-  chosen (trellis_mma, its row buckets routed to exllamav3 where measured faster).
+  chosen (trellis_mma, its row buckets delegated to exllamav3 where measured faster).
 * plugin-exllamav3: the same with ``QUANTPACK_EXL3_BACKEND=exllamav3`` (exllamav3's kernels for every shard).
 * bf16: vLLM on the same config.json without its quantization config, ``load_format="dummy"`` (no weights written).
 * w4a16: the same config with an AWQ quantization config (4 bits, group 128, zero point), ``load_format="dummy"``:
   vLLM's own 4-bit path (AWQ-Marlin / Machete on Hopper). For the MoE models a GPTQ config (4 bits, group 128,
   symmetric, no act-order, the router left in bf16): vLLM's Marlin MoE kernels for the experts.
 * plugin-trellis_mma: the plugin with ``QUANTPACK_EXL3_BACKEND=trellis_mma`` (trellis_mma for every shard and bank,
-  no row bucket routed to exllamav3). For the MoE models "plugin" runs the expert banks through trellis_mma's grouped
+  no row bucket delegated to exllamav3). For the MoE models "plugin" runs the expert banks through trellis_mma's grouped
   kernels (the CUDA default since 2026-12-02) and "plugin-exllamav3" through exllamav3's ``exl3_mgemm``.
 * exllamav3: its own Generator on the same pack (jobs of token ids, argmax sampling, all of a batch enqueued at
   once).

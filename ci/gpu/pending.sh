@@ -53,7 +53,7 @@ except Exception as e:
 # steps re-check what passed before)
 all=(tier e2e-spec matrix matrix-families escha-times escha-kernel nemotron-vl nemotron-twin e2e-moe serve-moe serve-moe-mixed profile-moe profile
   family-converter families qwen-vl-converter moe-kernels qwen-vl nemotron-moe moe-ungated escha-gpu e2e-dense
-  linear-kernels escha-vllm serve-8b kernel-8b kernel-8b-wide ncu streamk wide-fused ctas ncu-streamk kernel-8b-panel)
+  linear-kernels escha-vllm serve-8b kernel-8b kernel-8b-wide ncu split wide-fused ctas kernel-8b-panel)
 # the tiny models of the given families (of spark, nemotron-h, nemotron-vl) through exllamav3's own converter, each
 # once per machine
 family_convert() {
@@ -72,13 +72,10 @@ for s in "${@:-${all[@]}}"; do
     linear-kernels) step linear-kernels "${T[@]}" -k trellis_mma packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py ;;
     # the 8B stack at rows 1-256, each kernel and as served, beside dense bf16 (benchmarks/results/kernel_8b.json)
     kernel-8b) step kernel-8b python3 benchmarks/kernel_8b.py --json "$res/kernel_8b.json" ;;
-    # stream-K up to 64 rows (QUANTPACK_TRELLIS_MMA_STREAM_K, written 2026-12-03, never run on a GPU): its kernel
-    # tests, then the 8B stack with it beside the split plan of kernel-8b (which default to keep)
-    streamk)
-      step streamk-tests "${T[@]}" -k "stream_k or one_launch or once_per_call" \
-        packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py
-      step kernel-8b-streamk env QUANTPACK_TRELLIS_MMA_STREAM_K=1 QUANTPACK_TRELLIS_MMA_WIDE_FUSED=0 python3 benchmarks/kernel_8b.py --kernels trellis_mma \
-        --rows 1,2,4,8,16,32,64 --no-dense --json "$res/kernel_8b_streamk.json"
+    # a layer's shards in one launch and the input transformed once per call (their kernel tests), then the 8B stack
+    # with a launch per shard above 16 rows (QUANTPACK_TRELLIS_MMA_WIDE_FUSED=0): wide-fused's baseline
+    split)
+      step fused-tests "${T[@]}" -k "one_launch or once_per_call" packages/quantpack-exl3/tests/test_exl3_gpu_kernels.py
       step kernel-8b-split env QUANTPACK_TRELLIS_MMA_WIDE_FUSED=0 python3 benchmarks/kernel_8b.py --kernels trellis_mma --rows 1,2,4,8,16,32,64 --no-dense \
         --json "$res/kernel_8b_split.json" ;;
     # above 16 rows with fewer split-K CTAs per SM than the default (fewer partial rows to sum): which default to keep
@@ -92,13 +89,8 @@ for s in "${@:-${all[@]}}"; do
     ncu)
       for r in 1 16 64; do step "ncu-gate-rows$r" ncu_shard trellis_mma_kernel 4096,14336 "$r"; done
       step ncu-q-rows64 ncu_shard trellis_mma_kernel 4096,4096 64 ;;
-    # the same reports of stream-K's kernels (QUANTPACK_TRELLIS_MMA_STREAM_K=1)
-    ncu-streamk)
-      for r in 1 16 64; do
-        (export QUANTPACK_TRELLIS_MMA_STREAM_K=1; step "ncu-streamk-gate-rows$r" ncu_shard trellis_mma_streamk_kernel 4096,14336 "$r")
-      done ;;
     # above 16 rows a layer's shards in one launch (QUANTPACK_TRELLIS_MMA_WIDE_FUSED, the default since 2026-12-03; its
-    # tests in the streamk step) against a launch per shard (kernel-8b-split of the streamk step, which sets it to 0)
+    # tests in the split step) against a launch per shard (kernel-8b-split of the split step, which sets it to 0)
     wide-fused) step kernel-8b-wide-fused env QUANTPACK_TRELLIS_MMA_WIDE_FUSED=1 python3 benchmarks/kernel_8b.py \
       --kernels trellis_mma --rows 32,64,128 --no-dense --json "$res/kernel_8b_wide_fused.json" ;;
     # up to 16 rows with 5 and 6 CTAs per SM as split-K target instead of 4 (the one-row kernel's panel holds one row

@@ -164,7 +164,7 @@ fi
 if compgen -G ".stage/ext/trellis_mma-*.so.xz" >/dev/null; then
   python3 -c "
 import ctypes, lzma, pathlib, sys
-from quantpack_exl3.backends.trellis_mma.library import LibraryError, cache_dir, library_path
+from quantpack_core.trellis_mma.library import LibraryError, cache_dir, library_path
 for staged in map(pathlib.Path, sys.argv[1:]):
     name = staged.name[: -len('.xz')]
     target = cache_dir() / name

@@ -60,11 +60,11 @@ fi
 if [ "${TRELLIS_MMA_PREBUILD:-1}" != 0 ] && command -v nvcc >/dev/null 2>&1; then
   mkdir -p "$stage/ext"
   lib=$(QUANTPACK_CACHE_DIR="$root/.stage-cache" python3 -c "
-import importlib.util
-spec = importlib.util.spec_from_file_location(
-    'library', 'packages/quantpack-exl3/src/quantpack_exl3/backends/trellis_mma/library.py')
-library = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(library)  # standard library only: no torch needed here
+import sys, types
+package = types.ModuleType('trellis_mma')  # its library module alone: standard library only, no torch needed here
+package.__path__ = ['packages/quantpack-core/src/quantpack_core/trellis_mma']
+sys.modules['trellis_mma'] = package
+from trellis_mma import library
 print(library.build(90))")
   xz -T0 -c "$lib" > "$stage/ext/$(basename "$lib").xz"
 fi

@@ -1,8 +1,11 @@
-"""The workspace's structure: no import cycle between any of its source modules, and quantpack-core outside its
+"""The workspace's structure: no import cycle between any of its source modules; quantpack-core outside its
 optional ``quantpack_core.vllm`` subpackage imports no vLLM (checked in a fresh interpreter, also where vLLM is
-installed)."""
+installed); quantpack-core imports no format package and names no format's tensors, and its trellis_mma kernels name
+no format at all; quantpack-escha-rocm imports nothing of quantpack-exl3; no function over 80 lines but those listed.
+"""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +85,82 @@ def test_core_outside_its_vllm_subpackage_imports_no_vllm():
     loaded_vllm, skipped = res.stdout.strip().splitlines()
     assert loaded_vllm == "[]", loaded_vllm
     assert set(ast.literal_eval(skipped)) <= {"quantpack_core._int8_logits_triton"}, skipped
+
+
+#: the format packages of the workspace, which quantpack-core never imports
+FORMAT_PACKAGES = ("quantpack_exl3", "quantpack_escha", "quantpack_families")
+#: words that name a format or its implementations, which quantpack-core's trellis_mma kernels (format-free: trellis
+#: tiles, codebook id, K and scales in) never use in code, strings or docstrings
+FORMAT_WORDS = re.compile(r"exl3|escha|exllamav3", re.IGNORECASE)
+#: functions over MAX_FUNCTION_LINES lines: only these, each to be split by the change that touches it next
+LONG_FUNCTIONS = {
+    "quantpack_core.layout.architecture_problems",
+    "quantpack_core.layout.layer_sizes",
+    "quantpack_core.moe.plan.plan_moe_layer",
+    "quantpack_core.ngram.from_tensors",
+    "quantpack_core.pack._config_problems",
+    "quantpack_core.pack._exl3_problems",
+    "quantpack_core.pack._scan_files",
+    "quantpack_core.verify.verify_pack",
+    "quantpack_core.vllm.linear.process_weights_after_loading",
+    "quantpack_escha.convert.escha_from_exl3",
+}
+MAX_FUNCTION_LINES = 80
+
+
+def format_tensor_types() -> set[str]:
+    """Names of the classes the format packages define for their tensors (``EschaTensors``, ...)."""
+    found = set()
+    for name, path in modules().items():
+        if name.split(".")[0] in FORMAT_PACKAGES:
+            tree = ast.parse(path.read_text())
+            found |= {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name.endswith("Tensors")}
+    return found
+
+
+def test_core_imports_no_format_package_and_names_no_format_tensors():
+    """No module of quantpack-core imports a format package or names a tensor class one defines; its trellis_mma
+    kernels name no format at all (their API takes trellis tiles, codebook id, K and scales)."""
+    known, types, bad = modules(), format_tensor_types(), []
+    assert "EschaTensors" in types
+    for name, path in known.items():
+        if not name.startswith("quantpack_core"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                bad += [f"{name} imports {a.name}" for a in node.names if a.name.split(".")[0] in FORMAT_PACKAGES]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in FORMAT_PACKAGES:
+                bad.append(f"{name} imports {node.module}")
+            elif isinstance(node, ast.Name | ast.Attribute) and (getattr(node, "id", None) or node.attr) in types:
+                bad.append(f"{name} names {getattr(node, 'id', None) or node.attr}")
+        if name.startswith("quantpack_core.trellis_mma"):
+            bad += [f"{name}: {m.group(0)!r}" for m in FORMAT_WORDS.finditer(path.read_text())]
+    assert not bad, bad
+
+
+def test_escha_imports_nothing_of_quantpack_exl3():
+    """quantpack-escha-rocm reaches the trellis_mma kernels through quantpack-core: no module of it imports
+    quantpack-exl3 (private names or any other)."""
+    bad = []
+    for name, path in modules().items():
+        if not name.startswith("quantpack_escha"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            bad += [f"{name} imports {n}" for n in names if n.split(".")[0] == "quantpack_exl3"]
+    assert not bad, bad
+
+
+def test_no_function_over_80_lines():
+    """Every function of the packages' sources is at most MAX_FUNCTION_LINES lines (docstring included), but those of
+    LONG_FUNCTIONS, which still are (and must be: an entry whose function was split fails, so the list shrinks)."""
+    long = set()
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
+                    long.add(f"{name}.{node.name}")
+    assert long == LONG_FUNCTIONS, (sorted(long - LONG_FUNCTIONS), sorted(LONG_FUNCTIONS - long))

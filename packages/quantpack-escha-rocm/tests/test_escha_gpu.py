@@ -1,4 +1,4 @@
-"""GPU tier: the escha kernels of CUDA (quantpack-exl3's trellis_mma through the escha backend, and the Triton kernel)
+"""GPU tier: the escha kernels of CUDA (quantpack-core's trellis_mma through the escha backend, and the Triton kernel)
 against the escha codec's fp64 reference, on random escha layers of K 1..4 over 1..4096 rows: relative error within
 1.1x of what exllamav3's EXL3 kernels make of the same trellis as an EXL3 layer (when exllamav3 imports), never NaN,
 only the shard's columns written; and the kernels the GPU chooses."""
@@ -53,9 +53,8 @@ def exllamav3_error(e: EschaTensors, x16: torch.Tensor, ref: torch.Tensor) -> fl
 
 
 def kernel_class(name: str):
-    """The escha linear kernel ``name`` of CUDA's list (skips trellis_mma where quantpack-exl3 is not installed)."""
+    """The escha linear kernel ``name`` of CUDA's list."""
     if name == "trellis_mma":
-        pytest.importorskip("quantpack_exl3")
         from quantpack_escha.backends.trellis_mma import EschaTrellisMmaLinearKernel
 
         return EschaTrellisMmaLinearKernel
@@ -87,7 +86,6 @@ def test_kernel_against_the_reference(name, k, rows):
 
 
 def test_this_gpu_chooses_trellis_mma_and_triton_for_float32():
-    pytest.importorskip("quantpack_exl3")
     from quantpack_core.kernels import choose_kernel
     from quantpack_escha.config import EschaConfig
 

@@ -1,6 +1,6 @@
 """GPU tier, end to end: escha packs converted (``quantpack escha-from-exl3``) from the bundled mcg EXL3 packs, served
 by vLLM's CUDA build through the plugin, float16, eager and with torch.compile + CUDA graphs, with CUDA's first kernel
-(quantpack-exl3's trellis_mma, installed beside it here) and, for the two-K pack, the Triton kernel forced
+(quantpack-core's trellis_mma) and, for the two-K pack, the Triton kernel forced
 (``QUANTPACK_ESCHA_BACKEND=triton``): prompt logprobs against the source pack's reference logits (exllamav3's own
 forward; for a Qwen3.5 source without them, the core codec's dequantized source weights in transformers, float32).
 

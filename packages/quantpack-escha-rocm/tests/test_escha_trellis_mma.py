@@ -1,6 +1,7 @@
-"""The escha ``trellis_mma`` backend on CPU: the EXL3 shard it hands quantpack-exl3's kernels computes the escha
-shard (both formats' float64 references), its float16 scales and their refusal, and the CUDA priority list without
-quantpack-exl3 or without a GPU. The kernels themselves run on the GPU tier (``test_escha_gpu.py``)."""
+"""The escha ``trellis_mma`` backend on CPU: the EXL3 shard whose trellis, codebook, K and scales it hands
+quantpack-core's trellis_mma kernels computes the escha shard (both formats' float64 references), its float16 scales
+and their refusal, and the CUDA priority list without quantpack-exl3 or without a GPU. The kernels themselves run on
+the GPU tier (``test_escha_gpu.py``)."""
 
 import math
 import sys
@@ -98,19 +99,23 @@ def test_cuda_lists_trellis_mma_first_then_triton():
     assert [k.name for k in LINEAR_KERNELS[CUDA]] == ["trellis_mma", "triton"]
 
 
-def test_without_quantpack_exl3_cuda_falls_to_triton(monkeypatch):
+def test_without_a_cuda_device_cuda_falls_to_triton(monkeypatch):
+    """Where the kernels cannot run (no CUDA device here), the backend is unavailable with the reason, and the Triton
+    kernel serves; quantpack-exl3 plays no part (made unimportable)."""
     pytest.importorskip("triton")
-    monkeypatch.setitem(sys.modules, "quantpack_exl3.backends.trellis_mma", None)  # import fails as uninstalled
+    monkeypatch.setitem(sys.modules, "quantpack_exl3", None)  # import fails as uninstalled
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
     ok, why = EschaTrellisMmaLinearKernel.available(H100)
-    assert not ok and "needs quantpack-exl3" in why
+    assert not ok and "CUDA device" in why
     choice = choose_kernel(LINEAR_KERNELS[CUDA], spec(), "model.layers.0.self_attn.q_proj")
     assert choice.kernel.name == "triton" and choice.declined[0][0] == "trellis_mma"
 
 
-def test_with_quantpack_exl3_its_rules_apply():
-    """quantpack-exl3 is a workspace member here: its trellis_mma reasons come through (no CUDA device on this
-    machine; float32 models are not trellis_mma's)."""
-    pytest.importorskip("quantpack_exl3")
+def test_the_kernels_rules_apply_without_quantpack_exl3(monkeypatch):
+    """quantpack-core's trellis_mma reasons come through, with quantpack-exl3 unimportable (float32 models are not
+    trellis_mma's; no CUDA device on this machine)."""
+    monkeypatch.setitem(sys.modules, "quantpack_exl3", None)
     ok, why = EschaTrellisMmaLinearKernel.can_implement(spec(torch.float32))
     assert not ok and "float32" in why
     assert EschaTrellisMmaLinearKernel.can_implement(spec(torch.bfloat16)) == (True, None)

@@ -8,6 +8,7 @@ no other. Plus opcheck, torch.compile without graph breaks, and CUDA-graph captu
 eager call for the deterministic trellis_mma kernels).
 """
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from ops_check import opcheck
 from quantpack_core import Exl3Tensors, Pack, reference_linear
 from quantpack_core.codec.trellis import HALF_K
 from quantpack_core.synthetic import random_exl3_layer
+from quantpack_core.trellis_mma import settings
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,7 +34,7 @@ EXL3_PACKS = [
 ]
 RANDOM_K = [1, 2, 2.5, 3, 4, 5, 6, 8]
 RANDOM_CASES = [(k, cb) for k in RANDOM_K for cb in ("3inst", "mcg", "mul1") if k not in HALF_K or cb == "mul1"]
-ROWS = [1, 2, 7, 33, 145, 1024, 4096]
+ROWS = [1, 2, 7, 33, 145, 1024, 4096, 8192]
 #: allowed ratio of our relative error to exllamav3's own, and an absolute floor for near-exact cases
 RATIO = 1.1
 FLOOR = 1e-4
@@ -44,6 +46,7 @@ class Exllamav3Shards:
 
     name = "exllamav3"
     op = "exl3_gemm_"
+    wide_kernel = None
     #: model dtypes compared with exllamav3's own error (bf16 inputs would add their own rounding)
     ratio_dtypes = (torch.float32, torch.float16)
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
@@ -75,6 +78,8 @@ class TrellisMmaShards(Exllamav3Shards):
 
     name = "trellis_mma"
     op = "trellis_mma_"
+    #: the kernel above 16 rows (QUANTPACK_TRELLIS_MMA_WIDE_KERNEL)
+    wide_kernel = "split"
     ratio_dtypes = (torch.float16,)
     dtypes = (torch.float16, torch.bfloat16)
     deterministic = True
@@ -89,11 +94,18 @@ class TrellisMmaShards(Exllamav3Shards):
     def op_args(kernel, x: torch.Tensor, out: torch.Tensor, col: int) -> tuple:
         """The op takes lists of shards: one here."""
         t = kernel.tensors
-        codebook, k_bits, out_features, route = kernel.static
-        return (x, [t["trellis"]], [t["suh"]], [t["svh"]], codebook, k_bits, [out_features], route, out, col)
+        codebook, k_bits, out_features, bucket_kernels = kernel.static
+        return (x, [t["trellis"]], [t["suh"]], [t["svh"]], codebook, k_bits, [out_features], bucket_kernels, out, col)
 
 
-BACKENDS = [Exllamav3Shards, TrellisMmaShards]
+class TrellisMmaTcShards(TrellisMmaShards):
+    """trellis_mma with its tensor-core kernel above 16 rows (Hopper; the split-K kernel up to 16 rows)."""
+
+    name = "trellis_mma_tc"
+    wide_kernel = "tc"
+
+
+BACKENDS = [Exllamav3Shards, TrellisMmaShards, TrellisMmaTcShards]
 
 
 def current_platform():
@@ -106,13 +118,21 @@ def current_platform():
 @pytest.fixture(scope="module", params=BACKENDS, ids=[b.name for b in BACKENDS])
 def backend(request):
     """Each CUDA linear kernel; on a GPU machine it must be available (a failure here fails the tier). trellis_mma
-    runs every row count itself here (no hand-over of large calls to exllamav3)."""
-    from quantpack_exl3.backends.trellis_mma import ops
-
+    runs every row count itself here (no hand-over of large calls to exllamav3), with the kernel the backend names
+    above 16 rows (its tensor-core kernel on Hopper only)."""
     assert request.param.kernel().available(current_platform()) == (True, None)
-    saved, ops.delegate_rows = ops.delegate_rows, 0
-    yield request.param
-    ops.delegate_rows = saved
+    if request.param.wide_kernel == "tc" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tensor-core kernel runs on Hopper (compute capability 9.0)")
+    with settings.using(delegate_rows=0, wide_kernel=request.param.wide_kernel):
+        yield request.param
+
+
+@pytest.fixture
+def use():
+    """``use(**changes)``: the rest of the test runs under the trellis_mma settings with ``changes``
+    (:func:`quantpack_core.trellis_mma.settings.using`), each call on top of the ones before; restored after it."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(settings.using(**changes))
 
 
 def exllamav3_forward(t: Exl3Tensors, x16: torch.Tensor) -> torch.Tensor:
@@ -254,26 +274,31 @@ def assert_shards_match_reference(out: torch.Tensor, x: torch.Tensor, ts, prepar
         col += p.out_features
 
 
-@pytest.mark.parametrize("wide_fused", [False, True], ids=["per-shard-above-16", "wide-fused"])
+@pytest.mark.parametrize(
+    "wide_fused,wide_kernel",
+    [(False, "split"), (True, "split"), (True, "tc")],
+    ids=["split-per-shard-above-16", "split-wide-fused", "tensor-core"],
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, wide_fused, monkeypatch):
-    """q / k / v of one K and codebook fused (one launch up to 16 rows; above, a launch per shard, or with
-    QUANTPACK_TRELLIS_MMA_WIDE_FUSED one launch per 128 rows, the whole 64-row chunks that three shards' inputs fit
-    in the workspace's 512 rows, so 400 rows take four launches) give each shard's columns as its own launch does,
-    within fp32 summation order (the split of k depends on the launch's column blocks), and within the fp64
-    reference's bound; a graph replay is bit-identical to eager; shards of another K are not fused; the fused op passes
-    opcheck."""
-    from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel, ops
+def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, wide_fused, wide_kernel, use):
+    """q / k / v of one K and codebook fused (one launch up to 16 rows; above, with the split-K kernel a launch per
+    shard, or with QUANTPACK_TRELLIS_MMA_WIDE_FUSED one launch per whole 64-row chunks that three shards' inputs fit in
+    the workspace's rows; with the tensor-core kernel one launch per such piece) give each shard's columns as its own
+    launch does, within fp32 summation order (the split of k depends on the launch's column blocks), and within the
+    fp64 reference's bound; 1500 rows take several pieces; a graph replay is bit-identical to eager; shards of another
+    K are not fused; the fused op passes opcheck."""
+    from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel
 
-    monkeypatch.setattr(ops, "delegate_rows", 0)  # every row count in trellis_mma's own launches
-    monkeypatch.setattr(ops, "WIDE_FUSED", wide_fused)
+    if wide_kernel == "tc" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tensor-core kernel runs on Hopper (compute capability 9.0)")
+    use(delegate_rows=0, wide_fused=wide_fused, wide_kernel=wide_kernel)  # every row count in trellis_mma's launches
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(121)
     ts, prepared, fused = fused_layer([(768, 512), (768, 128), (768, 128)], 21, dtype)
     assert fused is not None and fused.out_features == 768 and fused.static[2] == (512, 128, 128)
     other = Exl3Tensors.from_tensors(random_exl3_layer(768, 128, 3, "mul1", generator=g))
     assert TrellisMmaLinearKernel.fuse([*prepared, TrellisMmaShards.prepare_shard(other, 768, 128, dtype, dev)]) is None
-    for rows in (1, 3, 16, 17, 70, 400):
+    for rows in (1, 3, 16, 17, 70, 400, 1500):
         x = torch.randn((rows, 768), device=dev).to(dtype)
         one = torch.full((rows, 800), float("nan"), dtype=dtype, device=dev)
         fused.run(x, *fused.tensors.values(), *fused.static, one, 16)
@@ -297,27 +322,27 @@ def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, wide_fused, monke
 
 @pytest.mark.parametrize("k_in", [1024, 1152, 2304])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch):
+def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch, use):
     """A fused q / k / v call of 1-16 rows whose input one launch transforms first (every call from two rows on; at one
     row with QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS=0), the GEMM streaming its slices from the workspace, equals
     the one-row kernel's in-CTA transform (its panel holds the one row, every lane's fragment row reading it) within
     fp32 summation order and the fp64 reference's bound, writes every column, and a graph replay is bit-identical to
     eager. Inputs of 72 and 144 tiles run as one split (a low CTA target): several 64-tile panels per CTA, the last
     one ending in a partial round of the cp.async ring."""
-    from quantpack_exl3.backends.trellis_mma import ops
+    from quantpack_core.trellis_mma import ops
 
-    monkeypatch.setattr(ops, "delegate_rows", 0)
+    use(delegate_rows=0)
     dev = torch.device("cuda")
     ts, prepared, fused = fused_layer([(k_in, 512), (k_in, 256), (k_in, 128)], 22, dtype)
     if k_in != 1024:
         monkeypatch.setattr(ops.workspace(dev), "target_ctas", 8)  # 7 column blocks: one split, the whole k per CTA
     x = torch.randn((1, k_in), device=dev).to(dtype)
-    monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", 1)
+    use(inline_transform_rows=1)
     in_cta = torch.full((1, 896), float("nan"), dtype=dtype, device=dev)
     fused.run(x, *fused.tensors.values(), *fused.static, in_cta, 0)
     assert torch.isfinite(in_cta).all()
     assert_shards_match_reference(in_cta, x, ts, prepared, "in-CTA")
-    monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", 0)
+    use(inline_transform_rows=0)
     for rows in (1, 2, 5, 16):
         x_rows = torch.cat([x, torch.randn((rows - 1, k_in), device=dev).to(dtype)])
         once = torch.full((rows, 896), float("nan"), dtype=dtype, device=dev)
@@ -327,67 +352,8 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch):
         assert_shards_match_reference(once, x_rows, ts, prepared, rows)
     assert_replay_is_eager(fused, 7, k_in, 896, dtype)
     for inline in (0, 1):
-        monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", inline)
+        use(inline_transform_rows=inline)
         assert_replay_is_eager(fused, 1, k_in, 896, dtype)
-
-
-STREAMK_CASES = [(4, "mul1"), (2.5, "mul1"), (3, "mcg"), (6, "3inst"), (8, "mul1")]
-
-
-@pytest.mark.parametrize("k_bits,codebook", STREAMK_CASES, ids=[f"K{k:g}-{cb}" for k, cb in STREAMK_CASES])
-@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 64])
-def test_trellis_mma_stream_k_matches_the_fp64_reference(k_bits, codebook, rows, monkeypatch):
-    """QUANTPACK_TRELLIS_MMA_STREAM_K (off by default until measured): up to 64 rows the CTAs share every column
-    block's k units evenly; single shards of several shapes (a CTA's range spanning blocks, whole blocks, parts of
-    one) stay within 1.1x exllamav3's error against the fp64 reference, write every column and nothing else."""
-    from quantpack_exl3.backends.trellis_mma import ops
-
-    monkeypatch.setattr(ops, "STREAM_K", True)
-    monkeypatch.setattr(ops, "delegate_rows", 0)
-    g = torch.Generator().manual_seed(31 + rows)
-    for i, o in [(4096, 1024), (1024, 4096), (2304, 640), (14336, 512)]:
-        t = Exl3Tensors.from_tensors(random_exl3_layer(i, o, k_bits, codebook, generator=g))
-        check_shard(TrellisMmaShards, t, rows, seed=rows)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("target", [1, 5, 7, 132, 528])
-def test_trellis_mma_stream_k_equals_the_split_plan(dtype, target, monkeypatch):
-    """A fused q / k / v call (three shards, 7 column blocks; a launch per shard above 16 rows) through stream-K
-    equals the split plan's within fp32 summation order at 1-64 rows, in-CTA and once-per-call transforms, for CTA
-    targets from one CTA (every block whole in one CTA) and a CTA with three items (part, whole block, part: 5) to
-    more CTAs than column blocks (blocks in parts), writing its columns and no others; a graph replay is
-    bit-identical to eager."""
-    from quantpack_exl3.backends.trellis_mma import ops
-
-    monkeypatch.setattr(ops, "delegate_rows", 0)
-    dev = torch.device("cuda")
-    ts, prepared, fused = fused_layer([(2304, 512), (2304, 256), (2304, 128)], 23, dtype)
-    ws = ops.workspace(dev)
-    default_target, default_wide = ws.target_ctas, ws.target_ctas_wide
-
-    def plan(stream_k: bool) -> None:
-        monkeypatch.setattr(ops, "STREAM_K", stream_k)
-        monkeypatch.setattr(ws, "target_ctas", target if stream_k else default_target)
-        monkeypatch.setattr(ws, "target_ctas_wide", target if stream_k else default_wide)
-
-    for inline in (1, 0):
-        monkeypatch.setattr(ops, "INLINE_TRANSFORM_ROWS", inline)
-        for rows in (1, 3, 16, 40, 64):
-            x = torch.randn((rows, 2304), device=dev).to(dtype)
-            plan(False)
-            split = torch.empty((rows, 896), dtype=dtype, device=dev)
-            fused.run(x, *fused.tensors.values(), *fused.static, split, 0)
-            plan(True)
-            streamed = torch.full((rows, 960), float("nan"), dtype=dtype, device=dev)
-            fused.run(x, *fused.tensors.values(), *fused.static, streamed, 32)
-            assert torch.isnan(streamed[:, :32]).all() and torch.isnan(streamed[:, 928:]).all()
-            mine = streamed[:, 32:928]
-            assert torch.isfinite(mine).all(), (inline, rows, target)
-            assert rel_err(mine.float(), split.double()) < 2e-3, (inline, rows, target)
-            assert_shards_match_reference(mine, x, ts, prepared, (inline, rows, target))
-        plan(True)
-        assert_replay_is_eager(fused, 5, 2304, 896, dtype)
 
 
 @pytest.mark.parametrize(
@@ -395,51 +361,68 @@ def test_trellis_mma_stream_k_equals_the_split_plan(dtype, target, monkeypatch):
     [(None, torch.float16), (None, torch.bfloat16), (16, torch.float16)],
     ids=["measured-float16", "measured-bfloat16", "fixed-16"],
 )
-def test_trellis_mma_routes_each_row_bucket_to_the_kernel_its_route_names(setting, dtype, monkeypatch, caplog):
-    """A prepared run's route (which row buckets go to exllamav3's kernels) is the one its load-time timings give
-    (exllamav3 where it takes at most ROUTE_MARGIN of trellis_mma's time; a fixed QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS
-    sends the buckets above it), the timings are logged, and every call runs the kernel its bucket names: bit-equal to
-    trellis_mma's own launch where the route keeps it, equal to exllamav3's call (and not to trellis_mma's) where it
-    hands it over, within the fp64 reference's bound either way."""
+def test_trellis_mma_runs_each_row_bucket_on_the_kernel_its_codes_name(setting, dtype, use, caplog):
+    """A prepared run's bucket_kernels are the ones its load-time timings give (per bucket the fastest of the
+    project's kernels - on Hopper the split-K one and the tensor-core one at each row count per CTA - unless exllamav3
+    takes at most DELEGATE_MARGIN of its time; a fixed QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS sends the buckets above it
+    to exllamav3), the timings are logged, and every call runs the kernel its bucket names: bit-equal to that kernel's
+    own launch, unequal to the split-K kernel's where exllamav3 serves it, within the fp64 reference's bound."""
     import logging
 
-    from quantpack_exl3.backends.trellis_mma import kernels as tm
-    from quantpack_exl3.backends.trellis_mma import ops
+    from quantpack_core.trellis_mma import ops
+    from quantpack_core.trellis_mma import selection as sel
 
-    monkeypatch.setattr(ops, "delegate_rows", setting)
+    use(delegate_rows=setting, wide_kernel=None)
     dev = torch.device("cuda")
     t = Exl3Tensors.from_tensors(random_exl3_layer(1024, 2048, 3, "mcg", generator=torch.Generator().manual_seed(31)))
-    with caplog.at_level(logging.INFO, logger="vllm.quantpack.exl3"):
+    with caplog.at_level(logging.INFO, logger="vllm.quantpack"):
         p = TrellisMmaShards.prepare_shard(t, 1024, 2048, dtype, dev)
-    route = p.static[3]
+    codes = p.static[3]
     key = (1024, (2048,), 3, 1, dtype)
-    record = [r for r in tm.route_records() if (r.k, r.out_features, r.k_bits, r.codebook, r.dtype) == key]
-    assert record and record[-1].route == route
-    record = record[-1]
-    if setting is None:
-        assert len(record.trellis_mma_us) == len(record.exllamav3_us) == len(ops.ROW_BUCKETS)
-        assert all(0 < us < 1e5 for us in record.trellis_mma_us + record.exllamav3_us)
-        times = zip(record.trellis_mma_us, record.exllamav3_us, strict=True)
-        assert route == sum(1 << i for i, (mine, theirs) in enumerate(times) if theirs <= tm.ROUTE_MARGIN * mine)
-    else:
-        assert route == ops.fixed_route(16) == 0b111111100000 and record.trellis_mma_us == ()
-    assert record.describe() in caplog.text
+    records = [r for r in sel.selection_records() if (r.k, r.out_features, r.k_bits, r.codebook, r.dtype) == key]
+    assert records and records[-1].bucket_kernels == codes and records[-1].describe() in caplog.text
+    check_bucket_choices(records[-1], setting, ops.workspace(dev).tensor_cores)
+    every = lambda code: ops.bucket_kernels_of([code] * len(ops.ROW_BUCKETS))  # noqa: E731
     args = tuple(p.tensors.values())
     for i, bound in enumerate(ops.ROW_BUCKETS):
         for rows in {bound, max(1, bound // 2 + 1), 3000 if i == len(ops.ROW_BUCKETS) - 1 else bound}:
             assert ops.row_bucket(rows) == i
+            code = ops.kernel_of(codes, rows)
             x = torch.randn((rows, 1024), device=dev).to(dtype)
-            served, mine, theirs = (torch.empty((rows, 2048), dtype=dtype, device=dev) for _ in range(3))
+            served, direct, split = (torch.empty((rows, 2048), dtype=dtype, device=dev) for _ in range(3))
             p.run(x, *args, *p.static, served, 0)
-            p.run(x, *args, *p.static[:3], 0, mine, 0)
-            p.run(x, *args, *p.static[:3], ops.ALL_BUCKETS, theirs, 0)
-            if (route >> i) & 1:
-                same = 1e-3 if dtype == torch.float16 else 8e-3  # exllamav3's split-K may sum in any order
-                assert not torch.equal(served, mine) and rel_err(served.float(), theirs.double()) < same, rows
-            else:
-                assert torch.equal(served, mine), rows
+            p.run(x, *args, *p.static[:3], every(code), direct, 0)
+            p.run(x, *args, *p.static[:3], every(ops.SPLIT), split, 0)
+            assert torch.equal(served, direct), (rows, code)
+            if code == ops.DELEGATE:
+                assert not torch.equal(served, split), rows
             ref = reference_linear(x.double().cpu(), t, torch.float64)
-            assert torch.isfinite(served).all() and rel_err(served.cpu(), ref) < 2e-2, rows
+            assert torch.isfinite(served).all() and rel_err(served.cpu(), ref) < 2e-2, (rows, code)
+
+
+def check_bucket_choices(record, setting, tensor_cores: bool) -> None:
+    """A selection record's choices: measured, each bucket's candidates timed (all of them, within 0.1 s a call) and
+    the chosen one the fastest own kernel or exllamav3 within the margin of it; the split-K kernel up to 16 rows and
+    the tensor-core kernel's row counts among the candidates above 16 rows on Hopper. Fixed at 16 rows: the split-K
+    kernel up to 16 rows, exllamav3 above, nothing timed."""
+    from quantpack_core.trellis_mma import ops
+    from quantpack_core.trellis_mma import selection as sel
+
+    if setting is not None:
+        want = [ops.SPLIT] * 5 + [ops.DELEGATE] * (len(ops.ROW_BUCKETS) - 5)
+        assert record.bucket_kernels == ops.bucket_kernels_of(want) and record.times_us == ()
+        return
+    assert len(record.times_us) == len(ops.ROW_BUCKETS)
+    for bound, timed in zip(ops.ROW_BUCKETS, record.times_us, strict=True):
+        assert all(0 < us < 1e5 for _, us in timed), bound
+        own = [c for c, _ in timed if c != ops.DELEGATE]
+        assert own == ([ops.SPLIT] if bound <= 16 or not tensor_cores else own) and ops.DELEGATE in dict(timed)
+        if bound > 16 and tensor_cores:
+            assert {ops.SPLIT, ops.TC64} <= set(own) and (bound < 256 or ops.TC256 in own), bound
+        fastest = min((us, c) for c, us in timed if c != ops.DELEGATE)
+        theirs = dict(timed)[ops.DELEGATE]
+        want = ops.DELEGATE if theirs <= sel.DELEGATE_MARGIN * fastest[0] else fastest[1]
+        assert ops.kernel_of(record.bucket_kernels, bound) == want, bound
 
 
 def test_compiles_in_one_graph_and_captures_in_a_cuda_graph(backend):

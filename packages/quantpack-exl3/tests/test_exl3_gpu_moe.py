@@ -4,7 +4,7 @@ per K group) and ``quantpack::trellis_moe_`` (the trellis_mma grouped kernels).
 Banks of the bundled Qwen3-MoE packs (uniform K and four K groups) and random banks (several K groups, half-integer
 K, every codebook, a padded hidden size, 64 experts top-8) run over token counts that take every path of each op:
 exllamav3's slot-batched launches, token chunks of filtered launches and per-expert path for large eager batches;
-trellis_mma's one route + gate/up + down per K group + reduce, and its chunks of 2048 picks. Each result is compared
+trellis_mma's one sort + gate/up + down per K group + reduce, and its chunks of 2048 picks. Each result is compared
 with the core's float64 per-expert loop over the same bank (``reference_moe_forward``), and trellis_mma's error with
 exllamav3's on the same case (no worse than 1.1x). Plus opcheck, and CUDA-graph capture and replay against eager."""
 
@@ -188,7 +188,7 @@ def test_mixed_banks_over_several_panels(backend, exllamav3_banks, figures, monk
     """A mixed-K bank whose gate / up reduce over 72 or 144 tiles, run by trellis_mma as one split (a low CTA target):
     each CTA takes several 64-tile panels, the last ending in a partial round of its cp.async ring, at each work
     item's own K in one launch per projection."""
-    from quantpack_exl3.backends.trellis_mma import ops
+    from quantpack_core.trellis_mma import ops
 
     ks, cb = RANDOM["mul1-mixed"]
     bank = random_bank(ks, hidden, 384, cb, seed=3)

@@ -14,12 +14,12 @@ def test_every_op_the_project_defines_has_an_opcheck_case():
     import importlib.util
 
     import quantpack_core.int8_logits
+    import quantpack_core.trellis_mma.moe
+    import quantpack_core.trellis_mma.ops
     import quantpack_core.vllm.cpu_linear
     import quantpack_core.vllm.cpu_moe  # noqa: F401
     import quantpack_exl3.backends.exllamav3.ops
-    import quantpack_exl3.backends.reference.ops
-    import quantpack_exl3.backends.trellis_mma.moe
-    import quantpack_exl3.backends.trellis_mma.ops  # noqa: F401
+    import quantpack_exl3.backends.reference.ops  # noqa: F401
 
     expected = set(COVERED)
     if importlib.util.find_spec("quantpack_escha") is not None:  # the workspace's other format

@@ -202,8 +202,8 @@ def test_platform_without_any_kernel_fails_at_config_time():
 def _trellis_mma_shard(in_tiles: int, out_features: int, codebook: int, k_bits: float) -> PreparedShard:
     """A prepared trellis_mma shard as ``prepare`` returns it and records it (its model's dtype, which fuse reads;
     CPU tensors: fuse only groups, it never launches)."""
-    from quantpack_exl3.backends.trellis_mma import kernels
-    from quantpack_exl3.backends.trellis_mma.ops import trellis_mma_
+    from quantpack_core.trellis_mma import kernels
+    from quantpack_core.trellis_mma.ops import trellis_mma_
 
     tensors = {
         "trellis": torch.zeros((in_tiles, out_features // 16, int(16 * k_bits)), dtype=torch.int16),
@@ -219,13 +219,13 @@ def test_trellis_mma_fuses_shards_of_one_k_and_codebook_into_one_run():
     """q / k / v of one K, codebook and input width become one run over a table of the same tensors (no copy), the
     out_features in order; a different K, codebook or width, a single shard, or more shards than one launch runs
     keep one run per shard."""
+    from quantpack_core.trellis_mma.ops import MAX_SHARDS, trellis_mma_shards_
     from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel
-    from quantpack_exl3.backends.trellis_mma.ops import MAX_SHARDS, trellis_mma_shards_
 
     q, k, v = (_trellis_mma_shard(256, o, 2, 4.0) for o in (4096, 1024, 1024))
     fused = TrellisMmaLinearKernel.fuse([q, k, v])
     assert fused.run is trellis_mma_shards_ and fused.out_features == 6144
-    assert fused.static == (2, 4.0, (4096, 1024, 1024), 0)  # route 0: no GPU workspace, nothing measured
+    assert fused.static == (2, 4.0, (4096, 1024, 1024), 0)  # delegated 0: no GPU workspace, nothing measured
     assert list(fused.tensors) == [f"{n}{i}" for i in range(3) for n in ("trellis", "suh", "svh")]
     assert fused.tensors["trellis1"] is k.tensors["trellis"] and fused.tensors["svh2"] is v.tensors["svh"]
     for odd in (

@@ -2,8 +2,8 @@
 (:func:`quantpack_core.kernels.choose_kernel`). ``QUANTPACK_ESCHA_BACKEND=<name>`` forces one kernel by name.
 
 On ROCm the HIP extension ``radiance_escha_kernel`` (gfx1201; installed separately) runs the shards it takes and the
-Triton kernel the rest; on CUDA quantpack-exl3's trellis_mma kernels where that package is installed (float16 /
-bfloat16 models, sm_80+), else the Triton kernel; on CPU the reference kernel (and on any device when forced).
+Triton kernel the rest; on CUDA quantpack-core's trellis_mma kernels where they can be built (float16 / bfloat16
+models, sm_80+, nvcc), else the Triton kernel; on CPU the reference kernel (and on any device when forced).
 """
 
 from __future__ import annotations

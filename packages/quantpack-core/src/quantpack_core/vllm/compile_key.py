@@ -2,12 +2,12 @@
 
 vLLM caches a compiled model (torch.compile's AOT artifact and Inductor's code) under a hash of its config
 (``VllmConfig.compute_hash``: model path, dtypes, parallelism, ``additional_config``, ...), computed when the model
-first runs, after its weights are processed. The kernels a quantpack method chooses per shard are not in that
-config: the same pack served once with ``trellis_mma`` (whose fused runs register ``shard0_trellis0`` ...) and once
-with ``QUANTPACK_EXL3_BACKEND=exllamav3`` (one run per shard, other parameter names and ops) hashed alike, and the
-second engine loaded the first one's artifact and failed on a parameter it does not have (``KeyError:
-'shard0_trellis0'``, H200, vLLM 0.25.1, 2026-12-02). A measured route (``trellis_mma``'s row buckets) is a constant
-of the traced graph too.
+first runs, after its weights are processed. The kernels a quantpack method chooses per shard are not in that config:
+the same pack served once with ``trellis_mma`` (whose fused runs register ``shard0_trellis0`` ...) and once with
+``QUANTPACK_EXL3_BACKEND=exllamav3`` (one run per shard, other parameter names and ops) hashed alike, and the second
+engine loaded the first one's artifact and failed on a parameter it does not have (``KeyError: 'shard0_trellis0'``,
+H200, vLLM 0.25.1, 2026-12-02). A measured delegated mask (``trellis_mma``'s row buckets) is a constant of the traced
+graph too.
 
 So every layer a method processes adds what its forward traces - the ops, the parameter names, the ops' scalar
 arguments - to a running digest, kept in ``vllm_config.additional_config["quantpack_kernel_plan"]``, the place

@@ -1,4 +1,5 @@
-"""The escha ``trellis_mma`` backend: quantpack-exl3's Hopper / Ampere kernels running escha shards (CUDA)."""
+"""The escha ``trellis_mma`` backend: quantpack-core's Hopper / Ampere kernels (``quantpack_core.trellis_mma``) running
+escha shards (CUDA)."""
 
 from .kernels import EschaTrellisMmaLinearKernel, exl3_shard
 

@@ -1,52 +1,45 @@
-"""escha shards through quantpack-exl3's ``trellis_mma`` kernels, on CUDA sm_80+ where quantpack-exl3 is installed.
+"""escha shards through the project's ``trellis_mma`` kernels (``quantpack_core.trellis_mma``), on CUDA sm_80+.
 
 An escha code is an EXL3 trellis in the mcg codebook (docs/escha-format.md), and the two formats differ only in their
 scales and Hadamard gains: escha computes ``H(H((x * s_in) * rin) @ What) * rout * s_out`` with the unnormalized
 128-point Hadamard ``H``, EXL3 ``Hn(Hn(x * suh) @ What) * svh`` with ``Hn = H / sqrt(128)``. So an escha shard is the
 EXL3 shard of the same trellis with ``suh = a / alpha`` and ``svh = 128 * b * alpha`` (``a = s_in * rin``,
 ``b = rout * s_out``, ``alpha`` a power of two, which scales exactly: :func:`exl3_shard`), and the trellis_mma kernels
-run it as they run EXL3 (their fused launches and measured routes included).
+run it from that trellis, the mcg codebook, K and those scales (their fused launches included; every row count in
+trellis_mma's own launches: escha gives no other implementation to hand row buckets to).
 trellis_mma keeps ``suh`` / ``svh`` in float16, as EXL3 stores them: the one rounding this path adds over the Triton
 kernel, which keeps ``a`` and ``b`` in float32, is that of the two products to float16 (relative 2^-11 at most).
 
-The package does not depend on quantpack-exl3: without it this backend is unavailable and the Triton kernel serves
-CUDA (the reason is logged with the kernel table). Float32 models go to the Triton kernel too (:meth:`can_implement`
-declines them); a shard whose scales float16 cannot hold is refused at load, naming the layer, the shard and
-``QUANTPACK_ESCHA_BACKEND=triton``.
+The kernels are quantpack-core's (built by nvcc at first use): where they cannot run (no nvcc, no CUDA device)
+this backend is unavailable and the Triton kernel serves CUDA (the reason is logged with the kernel table). Float32
+models go to the Triton kernel too (:meth:`can_implement` declines them); a shard whose scales float16 cannot hold is
+refused at load, naming the layer, the shard and ``QUANTPACK_ESCHA_BACKEND=triton``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 
+from quantpack_core import trellis_mma
 from quantpack_core.codec import Codebook, Exl3Tensors
 from quantpack_core.errors import LayerLoadError
 from quantpack_core.kernels import LinearKernel, LinearSpec, Platform, PreparedShard
+from quantpack_core.trellis_mma.library import add_fallback
 
 from ...codec import HAD_GAIN, EschaTensors
 
-NAME = "trellis_mma"
+NAME = trellis_mma.NAME
+#: the kernels' codebook id of mcg, escha's codebook
+MCG_ID = 1
 #: float16's smallest normal and largest finite magnitudes: ``suh`` / ``svh`` entries outside them would lose bits
 FP16_TINY, FP16_MAX = 2.0**-14, 65504.0
 #: ``suh`` peaks at 1 as EXL3's do; up to this peak where ``svh`` would otherwise leave float16's normal range (the
 #: kernels' float16 transformed input grows with it)
 SUH_PEAK = 16.0
 
-
-def _exl3_kernel():
-    """quantpack-exl3's trellis_mma linear kernel class, or None where quantpack-exl3 is not installed."""
-    try:
-        from quantpack_exl3.backends.trellis_mma import TrellisMmaLinearKernel
-    except ImportError:
-        return None
-    return TrellisMmaLinearKernel
-
-
-def _as_exl3(spec: LinearSpec) -> LinearSpec:
-    return dataclasses.replace(spec, format="exl3")
+add_fallback("QUANTPACK_ESCHA_BACKEND=triton")
 
 
 def exl3_shard(shard: EschaTensors, where: str = "escha shard") -> Exl3Tensors:
@@ -91,42 +84,39 @@ def exl3_shard(shard: EschaTensors, where: str = "escha shard") -> Exl3Tensors:
 
 
 class EschaTrellisMmaLinearKernel(LinearKernel):
-    """One escha shard through quantpack-exl3's trellis_mma kernels (see the module)."""
+    """One escha shard through the trellis_mma kernels (see the module)."""
 
     name = NAME
 
     @classmethod
     def available(cls, platform: Platform) -> tuple[bool, str | None]:
-        """quantpack-exl3 installed, and its trellis_mma kernel available on ``platform`` (CUDA sm_80+, nvcc)."""
-        kernel = _exl3_kernel()
-        if kernel is None:
-            return False, (
-                "needs quantpack-exl3, whose trellis_mma kernels decode the same mcg trellis on CUDA (install "
-                "./packages/quantpack-exl3 beside this package)"
-            )
-        return kernel.available(platform)
+        """The trellis_mma kernels can run on ``platform``: CUDA sm_80+, a device torch sees, nvcc
+        (:func:`quantpack_core.trellis_mma.available`)."""
+        return trellis_mma.available(platform)
 
     @classmethod
     def can_implement(cls, spec: LinearSpec) -> tuple[bool, str | None]:
-        """Every escha shard that trellis_mma takes as EXL3: a float16 / bfloat16 model on CUDA sm_80+."""
+        """Every escha shard of a float16 / bfloat16 model on CUDA sm_80+."""
         if spec.format != "escha":
             return False, f"runs escha only, this is {spec.format}"
-        kernel = _exl3_kernel()
-        if kernel is None:
-            return False, "needs quantpack-exl3"
-        return kernel.can_implement(_as_exl3(spec))
+        why = trellis_mma.unsupported(spec.platform, spec.act_dtype)
+        return why is None, why
 
     @classmethod
     def prepare(cls, shard: EschaTensors, spec: LinearSpec, device: torch.device) -> PreparedShard:
-        """The shard as EXL3 (:func:`exl3_shard`), prepared by trellis_mma (its workspace, warm-up and route).
+        """The shard's trellis, mcg, K and the scales of :func:`exl3_shard`, prepared by trellis_mma (its workspace
+        and warm-up).
 
         Raises:
             LayerLoadError: scales float16 cannot hold (:func:`exl3_shard`).
-            quantpack_exl3.backends.trellis_mma.library.LibraryError: the kernels cannot be built or loaded.
+            quantpack_core.trellis_mma.library.LibraryError: the kernels cannot be built or loaded.
         """
-        return _exl3_kernel().prepare(exl3_shard(shard, spec.describe()), _as_exl3(spec), device)
+        t = exl3_shard(shard, spec.describe())
+        return trellis_mma.prepare_shard(
+            t.trellis, t.suh, t.svh, MCG_ID, float(t.k_bits), spec.out_features, spec.act_dtype, device
+        )
 
     @classmethod
     def fuse(cls, shards: list[PreparedShard]) -> PreparedShard | None:
         """trellis_mma's one launch for a layer's shards that share the input (q / k / v, gate / up)."""
-        return _exl3_kernel().fuse(shards)
+        return trellis_mma.fuse_shards(shards)

@@ -1,9 +1,9 @@
-"""The trellis_mma kernels' library on a machine without a GPU: nvcc compiles ``csrc/trellis_mma.cu`` for sm_90 (a
+"""The trellis_mma kernels' library on a machine without a GPU: nvcc compiles ``csrc/`` for sm_90 (a
 compile error fails here, before any GPU run); the kernels' own decode (window, state extraction, codebook hash,
 fp16 arithmetic, fragment placement), built for the host from the same source, equals the project's codec bit for
 bit on random tiles of every K and codebook; the host-side launch plan (how k is split over CTAs) keeps the rules the
 kernels rely on; a missing compiler or bad geometry gives errors that name the fix. The kernels' results as a whole
-are checked on the GPU (``test_exl3_gpu_kernels.py``)."""
+are checked on the GPU (quantpack-exl3's ``test_exl3_gpu_kernels.py``)."""
 
 import ctypes
 
@@ -11,13 +11,11 @@ import pytest
 import torch
 
 from quantpack_core.codec.trellis import HALF_K, LEGAL_K, decode_tiles, tile_words, width_from_k
-from quantpack_exl3.backends.trellis_mma import library
-from quantpack_exl3.backends.trellis_mma.ops import COUNTERS, PARTIAL_FLOATS
+from quantpack_core.trellis_mma import library, settings
+from quantpack_core.trellis_mma.ops import COUNTERS, PARTIAL_FLOATS
 
-#: partial rows a column block's last CTA sums at most (TAIL_ROWS in csrc/trellis_mma.cu)
+#: partial rows a column block's last CTA sums at most (TAIL_ROWS in csrc/common.cuh)
 TAIL_ROWS = 128
-#: parts of one column block under stream-K above 16 rows (WIDE_PARTS in csrc/trellis_mma.cu)
-WIDE_PARTS = 8
 
 needs_nvcc = pytest.mark.skipif(library.nvcc_path() is None, reason="needs nvcc (the CUDA toolkit's compiler)")
 
@@ -95,87 +93,13 @@ def test_split_plan_fills_the_gpu_when_k_allows(lib):
     assert lib.qp_trellis_mma_splits(16, 4096, 1024, 264, PARTIAL_FLOATS, COUNTERS) == 8
 
 
-def streamk_items(lib, kunits: int, nbk: int, ctas: int) -> torch.Tensor:
-    """The kernel's stream-K items, as its host twin walks them: (items, 8) int32 rows of (cta, block, k0, k1,
-    slot, first CTA of the block, last CTA of the block, slot the block's summing CTA reads for this CTA's part)."""
-    out = torch.zeros((ctas + nbk + 1, 8), dtype=torch.int32)
-    count = lib.qp_trellis_mma_streamk_items_host(kunits, nbk, ctas, ctypes.c_void_p(out.data_ptr()), out.shape[0])
-    assert count > 0
-    return out[:count]
-
-
-@needs_nvcc
-@pytest.mark.parametrize("k,n", [*SHAPES, (4096, 4096 + 1024 + 1024), (4096, 2 * 14336)])
-@pytest.mark.parametrize("rows", [1, 4, 16, 17, 64])
-@pytest.mark.parametrize("target", [1, 5, 264, 528, 4096])
-def test_streamk_plan_covers_every_k_unit_once_and_sums_each_block_in_order(lib, k, n, rows, target):
-    """Stream-K: every 128-column k unit of every column block belongs to exactly one CTA's item; a CTA writes at
-    most two parts (its first and its last item), each to its own slot; a block split over several CTAs is summed
-    from exactly the slots its CTAs wrote, in CTA order, by CTAs first..last; at most TAIL_ROWS partial rows per
-    block up to 16 rows (WIDE_PARTS parts above); the slots fit the workspace; whole blocks and parts together write
-    every column block."""
-    ctas = lib.qp_trellis_mma_streamk_ctas(rows, k, n, target, PARTIAL_FLOATS)
-    kunits, nbk = k // 128, n // 128
-    assert 1 <= ctas <= max(1, min(target, kunits * nbk))
-    items = streamk_items(lib, kunits, nbk, ctas)
-    covered = torch.zeros((nbk, kunits), dtype=torch.int32)
-    parts: dict[int, list[tuple[int, int]]] = {}
-    slots_written = set()
-    for c, nb, k0, k1, slot, first, last, read in items.tolist():
-        assert 0 <= k0 < k1 <= kunits
-        covered[nb, k0:k1] += 1
-        assert first <= c <= last
-        if (k0, k1) == (0, kunits):
-            assert first == last == c  # a whole block: output written directly, no partial
-            continue
-        assert slot in (2 * c, 2 * c + 1) and slot not in slots_written
-        slots_written.add(slot)
-        assert read == slot  # the summing CTA reads where this part was written
-        parts.setdefault(nb, []).append((c, k0))
-    assert torch.equal(covered, torch.ones_like(covered))
-    for nb, ps in parts.items():
-        cs = [c for c, _ in ps]
-        first, last = items[items[:, 1] == nb][0, 5:7].tolist()
-        assert cs == list(range(first, last + 1))  # one part per CTA, in CTA order: the summing order
-        assert [k0 for _, k0 in ps] == sorted(k0 for _, k0 in ps)
-        assert len(ps) * rows <= TAIL_ROWS if rows <= 16 else len(ps) <= WIDE_PARTS
-    if parts:
-        assert 2 * ctas * rows * 128 <= PARTIAL_FLOATS
-
-
-@needs_nvcc
-@pytest.mark.parametrize("k,n", [*SHAPES[:5], (4096, 4096 + 1024 + 1024), (4096, 2 * 14336)])
-@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16])
-def test_streamk_plan_takes_at_least_the_split_plans_ctas(lib, k, n, rows):
-    """On the 8B shapes at the default target (4 CTAs per SM of 132), stream-K runs at least as many CTAs as the
-    split plan, up to the target (the point of it: the grid the split plan leaves below a wave; the head's 1002
-    column blocks are more than a wave either way)."""
-    target = 528
-    splits = lib.qp_trellis_mma_splits(rows, k, n, target, PARTIAL_FLOATS, COUNTERS)
-    assert lib.qp_trellis_mma_streamk_ctas(rows, k, n, target, PARTIAL_FLOATS) >= min(splits * (n // 128), target)
-
-
-@needs_nvcc
-def test_streamk_plan_fills_the_gpu(lib):
-    """The gate shard at one row (112 column blocks x 32 units) takes every one of 528 slots, where whole splits
-    take 448, and at 64 rows 256 of its wide target of 264 (as many as the workspace holds the slots of), where
-    whole splits take 224; above 64 rows there is no stream-K plan."""
-    assert lib.qp_trellis_mma_streamk_ctas(1, 4096, 14336, 528, PARTIAL_FLOATS) == 528
-    assert lib.qp_trellis_mma_streamk_ctas(64, 4096, 14336, 264, PARTIAL_FLOATS) == 256
-    assert lib.qp_trellis_mma_streamk_ctas(65, 4096, 14336, 528, PARTIAL_FLOATS) == 0
-    # 16 rows: at most 8 CTAs meet one column block
-    ctas = lib.qp_trellis_mma_streamk_ctas(16, 4096, 1024, 528, PARTIAL_FLOATS)
-    items = streamk_items(lib, 32, 8, ctas)
-    assert int((items[:, 6] - items[:, 5]).max()) + 1 <= 8
-
-
 @needs_nvcc
 def test_bad_geometry_is_refused_before_any_launch(lib):
     """k or n not a multiple of 128 returns -1 (no CUDA call is made), and check() names it."""
     ptrs, ints = ctypes.c_void_p * 1, ctypes.c_int * 1
     code = lib.qp_trellis_mma(
         None, None, ptrs(None), ptrs(None), ptrs(None), ints(256), ints(0), ints(256), 1,
-        None, None, 0, None, 0, 1, 100, 100, 100, 256, 2, 8, 0, 264, 16, 0, None,
+        None, None, 0, None, 0, 1, 100, 100, 100, 256, 2, 8, 0, 264, 16, None,
     )  # fmt: skip
     assert code == -1
     with pytest.raises(library.LibraryError, match="multiples of 128"):
@@ -189,27 +113,30 @@ def test_shard_table_limits_are_refused_before_any_launch(lib, shards, rows):
     ptrs, ints = ctypes.c_void_p * 9, ctypes.c_int * 9
     code = lib.qp_trellis_mma(
         None, None, ptrs(), ptrs(), ptrs(), ints(*[256] * 9), ints(), ints(*[256] * 9), shards,
-        None, None, 0, None, 0, rows, 256, 256, 256, 512, 2, 8, 0, 264, 16, 0, None,
+        None, None, 0, None, 0, rows, 256, 256, 256, 512, 2, 8, 0, 264, 16, None,
     )  # fmt: skip
     assert code == -5
     with pytest.raises(library.LibraryError, match="1-8 shards"):
         library.check(code, "test")
 
 
-def test_missing_nvcc_names_the_fix(monkeypatch, tmp_path):
-    monkeypatch.setenv("QUANTPACK_NVCC", str(tmp_path / "no-nvcc"))
-    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path))
-    with pytest.raises(library.LibraryError, match="CUDA_HOME or QUANTPACK_NVCC"):
-        library.build(90)
+def test_missing_nvcc_names_the_fix(tmp_path):
+    with settings.using(nvcc=str(tmp_path / "no-nvcc"), cache_dir=tmp_path):
+        with pytest.raises(library.LibraryError, match="CUDA_HOME or QUANTPACK_NVCC"):
+            library.build(90)
 
 
-def test_a_library_at_its_key_is_used_without_building(monkeypatch, tmp_path):
+def test_a_library_at_its_key_is_used_without_building(tmp_path):
     """build() returns a library found at library_path() (what ci/gpu/stage.sh stages from another machine with the
     same compiler) without running the compiler; another compiler's --version output keys another path."""
     nvcc = tmp_path / "nvcc"
     nvcc.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'release 13.0, V13.0.88'; exit 0; }\nexit 7\n")
     nvcc.chmod(0o755)
-    monkeypatch.setenv("QUANTPACK_CACHE_DIR", str(tmp_path / "cache"))
+    with settings.using(cache_dir=tmp_path / "cache"):
+        _check_the_key(nvcc, tmp_path)
+
+
+def _check_the_key(nvcc, tmp_path) -> None:
     target = library.library_path(90, str(nvcc))
     assert target.parent == tmp_path / "cache" and target.name.startswith("trellis_mma-sm90-")
     with pytest.raises(library.LibraryError, match="building its kernels failed"):
@@ -222,38 +149,139 @@ def test_a_library_at_its_key_is_used_without_building(monkeypatch, tmp_path):
     assert library.library_path(90, str(nvcc)) != target
 
 
-def test_row_buckets_and_fixed_routes():
-    """Calls fall into the power-of-two row buckets a route names (the last one open-ended), and a fixed
-    QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS sends exactly the buckets whose smallest row count exceeds it, a threshold
-    above 1024 counting as 1024 (the open-ended bucket above 1024 rows goes to exllamav3)."""
-    from quantpack_exl3.backends.trellis_mma.ops import ROW_BUCKETS, fixed_route, row_bucket
+def test_row_buckets_and_their_codes():
+    """Calls fall into the power-of-two row buckets (the last one open-ended), and a run's bucket_kernels holds one
+    3-bit code per bucket."""
+    from quantpack_core.trellis_mma.ops import (
+        DELEGATE,
+        ROW_BUCKETS,
+        SPLIT,
+        TC256,
+        bucket_kernels_of,
+        kernel_of,
+        row_bucket,
+    )
 
     for rows in range(1, 5000):
         i = row_bucket(rows)
         low = ROW_BUCKETS[i - 1] + 1 if i else 1
         assert low <= rows and (rows <= ROW_BUCKETS[i] or i == len(ROW_BUCKETS) - 1), rows
-    assert fixed_route(0) == 0 and fixed_route(16) == 0b111111100000 and fixed_route(20) == 0b111111000000
-    assert fixed_route(1) == 0b111111111110 and fixed_route(512) == 0b110000000000
-    # a threshold above the last bounded bucket still sends the open-ended one (every call above 1024 rows)
-    assert fixed_route(1024) == fixed_route(1500) == fixed_route(10**6) == 0b100000000000
+    codes = [SPLIT] * 5 + [DELEGATE] * 2 + [TC256] * 5
+    packed = bucket_kernels_of(codes)
+    assert [kernel_of(packed, bound) for bound in ROW_BUCKETS] == codes
+    assert kernel_of(packed, 10**6) == TC256 and kernel_of(packed, 17) == DELEGATE and kernel_of(packed, 16) == SPLIT
 
 
-def test_a_bad_delegate_rows_setting_measures_instead(monkeypatch, caplog):
-    """QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS: unset or not an integer >= 0 -> measured routes (None, with a warning for
-    the latter); an integer -> that threshold."""
-    from quantpack_exl3.backends.trellis_mma.ops import _delegate_rows_setting
+def test_the_options_of_each_bucket_under_the_settings():
+    """Which kernels may serve a row bucket: up to 16 rows, or without tensor cores, the split-K kernel; above, on
+    Hopper, the split-K kernel and the tensor-core one at every row count per CTA up to the bucket's (timed at load),
+    or one of them where QUANTPACK_TRELLIS_MMA_WIDE_KERNEL says; a delegate is timed beside them unless
+    QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS is set, which then sends exactly the buckets whose smallest row count exceeds
+    it (a threshold above 1024 counting as 1024: the open-ended bucket above 1024 rows goes to the delegate)."""
+    from quantpack_core.trellis_mma.ops import DELEGATE, ROW_BUCKETS, SPLIT, TC64, TC128, TC256
+    from quantpack_core.trellis_mma.selection import Delegate, bucket_options
+    from quantpack_core.trellis_mma.settings import using
+
+    other = Delegate("other", lambda *a: None)
+    every = range(len(ROW_BUCKETS))
+    with using(delegate_rows=None, wide_kernel=None):
+        assert [bucket_options(i, False, None) for i in every] == [[SPLIT]] * len(ROW_BUCKETS)
+        hopper = [bucket_options(i, True, other) for i in every]
+        assert hopper[:5] == [[SPLIT, DELEGATE]] * 5 and hopper[5] == hopper[6] == [SPLIT, TC64, DELEGATE]
+        assert hopper[7] == [SPLIT, TC64, TC128, DELEGATE] and hopper[8] == [SPLIT, TC64, TC128, TC256, DELEGATE]
+    with using(delegate_rows=0, wide_kernel="tc"):
+        assert [bucket_options(i, True, other) for i in every] == [
+            [c] for c in [SPLIT] * 5 + [TC64] * 2 + [TC128] + [TC256] * 4
+        ]
+        assert [bucket_options(i, False, other) for i in every] == [[SPLIT]] * len(ROW_BUCKETS)
+    with using(wide_kernel="split"):
+        for above, first_delegated in ((16, 5), (20, 6), (1, 1), (512, 10), (1024, 11), (1500, 11), (10**6, 11)):
+            with using(delegate_rows=above):
+                codes = [bucket_options(i, True, other) for i in every]
+                assert codes == [[SPLIT]] * first_delegated + [[DELEGATE]] * (len(ROW_BUCKETS) - first_delegated)
+                assert [bucket_options(i, True, None) for i in every] == [[SPLIT]] * len(ROW_BUCKETS)
+
+
+def test_a_bad_delegate_rows_setting_measures_instead(caplog):
+    """QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS: unset or not an integer >= 0 -> measured delegated row buckets (None, with a
+    warning for the latter); an integer -> that threshold."""
+    from quantpack_core.trellis_mma.settings import Settings
 
     for raw, want in (("", None), ("abc", None), ("-3", None), ("0", 0), ("300", 300)):
-        monkeypatch.setenv("QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS", raw)
-        assert _delegate_rows_setting() == want, raw
-    assert "is not an integer >= 0; measuring each layer's routes instead" in caplog.text
+        assert Settings.from_env({"QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS": raw}).delegate_rows == want, raw
+    assert "is not an integer >= 0; measuring each layer's delegated row buckets instead" in caplog.text
+
+
+def test_the_wide_kernel_setting(caplog):
+    """QUANTPACK_TRELLIS_MMA_WIDE_KERNEL: "split" or "tc" (any case) forces that kernel above 16 rows; unset or another
+    value (with a warning) -> measured per row bucket (None)."""
+    from quantpack_core.trellis_mma.settings import Settings
+
+    for raw, want in (("", None), ("split", "split"), ("TC", "tc"), ("wgmma", None)):
+        assert Settings.from_env({"QUANTPACK_TRELLIS_MMA_WIDE_KERNEL": raw}).wide_kernel == want, raw
+    assert "WIDE_KERNEL='wgmma' is not one of ('split', 'tc'); measuring each run's kernels" in caplog.text
+
+
+def test_settings_from_the_environment():
+    """Each knob from its variable; a bad value keeps the default with a warning naming the variable; the wide CTA
+    target follows QUANTPACK_TRELLIS_MMA_CTAS_PER_SM where only that is set; the cache under XDG_CACHE_HOME."""
+    from quantpack_core.trellis_mma.settings import Settings
+
+    default = Settings.from_env({})
+    assert (default.delegate_rows, default.inline_transform_rows, default.wide_fused) == (None, 1, True)
+    assert (default.ctas_per_sm, default.ctas_per_sm_wide, default.nvcc) == (4, 2, None)
+    env = {
+        "QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS": "16",
+        "QUANTPACK_TRELLIS_MMA_INLINE_TRANSFORM_ROWS": "7",
+        "QUANTPACK_TRELLIS_MMA_CTAS_PER_SM": "5",
+        "QUANTPACK_TRELLIS_MMA_WIDE_FUSED": "0",
+        "QUANTPACK_NVCC": "/opt/nvcc",
+        "XDG_CACHE_HOME": "/xdg",
+    }
+    s = Settings.from_env(env)
+    assert (s.delegate_rows, s.inline_transform_rows, s.ctas_per_sm, s.ctas_per_sm_wide) == (16, 1, 5, 5)
+    assert (s.wide_fused, s.nvcc, str(s.cache_dir)) == (False, "/opt/nvcc", "/xdg/quantpack")
+    s = Settings.from_env({**env, "QUANTPACK_TRELLIS_MMA_CTAS_PER_SM_WIDE": "3", "QUANTPACK_CACHE_DIR": "/c"})
+    assert (s.ctas_per_sm_wide, str(s.cache_dir)) == (3, "/c")
+    assert Settings.from_env({"QUANTPACK_TRELLIS_MMA_CTAS_PER_SM": "0"}).ctas_per_sm == 4  # below the minimum
+
+
+def test_settings_are_read_once_and_replaced_only_inside_using(monkeypatch):
+    """current() reads the environment once (a later change of it is not seen); using() replaces fields for its block
+    and restores them, also when the block raises; the settings are frozen; an unknown field is refused."""
+    import dataclasses
+
+    from quantpack_core.trellis_mma import settings
+
+    monkeypatch.setattr(settings, "_current", None)
+    monkeypatch.setenv("QUANTPACK_TRELLIS_MMA_CTAS_PER_SM", "6")
+    first = settings.current()
+    monkeypatch.setenv("QUANTPACK_TRELLIS_MMA_CTAS_PER_SM", "7")
+    assert settings.current() is first and first.ctas_per_sm == 6
+    with settings.using(delegate_rows=0, wide_fused=False) as inside:
+        assert settings.current() is inside and (inside.delegate_rows, inside.wide_fused, inside.ctas_per_sm) == (
+            0,
+            False,
+            6,
+        )
+        with settings.using(delegate_rows=32):
+            assert settings.current().delegate_rows == 32 and not settings.current().wide_fused
+        assert settings.current() is inside
+    assert settings.current() is first
+    with pytest.raises(RuntimeError), settings.using(delegate_rows=8):
+        raise RuntimeError
+    assert settings.current() is first
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.delegate_rows = 3
+    with pytest.raises(TypeError), settings.using(no_such_knob=1):
+        pass
 
 
 # ---------------------------------------------------------------------------------------------------- expert banks
 
 
 def _plan_model(counts: list[int], group_lo: list[int]):
-    """The route step's plan, written out: slots in order, each slot's picks at consecutive sorted positions and cut
+    """The sort step's plan, written out: slots in order, each slot's picks at consecutive sorted positions and cut
     into 16-row work items, the items of a K group contiguous."""
     offsets, item_base, group_work, pos, item = [], [], [], 0, 0
     bounds = [*group_lo, len(counts)]
@@ -269,11 +297,11 @@ def _plan_model(counts: list[int], group_lo: list[int]):
 
 @needs_nvcc
 @pytest.mark.parametrize("seed", range(6))
-def test_moe_route_plan(lib, seed):
-    """The route kernel's plan (the one serial step, built for the host from the same source) equals the written-out
+def test_moe_sort_plan(lib, seed):
+    """The sort kernel's plan (the one serial step, built for the host from the same source) equals the written-out
     plan; the bank's work items stay within the grid extent the op launches for every K group at once
     (``group_items`` of all slots = ``qp_moe_items``), and so does each group's share, however the picks fall."""
-    from quantpack_exl3.backends.trellis_mma.moe import group_items
+    from quantpack_core.trellis_mma.moe import group_items
 
     g = torch.Generator().manual_seed(seed)
     experts = [8, 64, 128, 256, 3, 128][seed]
@@ -356,5 +384,5 @@ def test_moe_bad_arguments_are_refused_before_any_launch(lib):
     assert gemm(1, k8, 4, 256, codebook=7) == -3
     for group_lo in ([0] * 17, [1, 2], [0, 3, 2]):
         lo = (ctypes.c_int * len(group_lo))(*group_lo)
-        code = lib.qp_moe_route(None, 0, None, 8, 8, lo, len(group_lo), None, None, None, None, None, None)
+        code = lib.qp_moe_sort(None, 0, None, 8, 8, lo, len(group_lo), None, None, None, None, None, None)
         assert code == -1

@@ -1,15 +1,14 @@
-"""The trellis_mma backend's expert-bank op, ``quantpack::trellis_moe_``: one MoE layer's EXL3 experts over the routed
-tokens through the grouped kernels of ``csrc/trellis_mma.cu`` (the route launch, one gate/up and one down launch for
+"""The trellis_mma kernels' expert-bank op, ``quantpack::trellis_moe_``: one MoE layer's trellis experts over the routed
+tokens through the grouped kernels of ``csrc/moe.cu`` (the sort launch, one gate/up and one down launch for
 every K group of the bank, each CTA at its work item's K, the reduction), and the per-GPU buffers those launches
 share.
 
 The buffers (allocated when a bank is prepared, before any CUDA-graph capture; widened by a later, larger bank) hold
-one chunk of :data:`SLOTS` picks: the route's arrays, the gate / up outputs (fp16) and the weighted down rows (fp32).
+one chunk of :data:`SLOTS` picks: the sort's arrays, the gate / up outputs (fp16) and the weighted down rows (fp32).
 A call of more tokens runs in chunks of ``SLOTS // top_k`` tokens (a loop whose length depends on the token count
 only). The split-K partials and counters are the linear kernels' workspace (:func:`.ops.reserve`).
 
-Source: docs/moe-bank.md (slots, K groups, pointer tables), docs/exl3-format.md ("The math"); ``csrc/trellis_mma.cu``
-describes the kernels.
+Source: docs/moe-bank.md (slots, K groups, pointer tables); ``csrc/moe.cu`` describes the kernels.
 """
 
 from __future__ import annotations
@@ -25,13 +24,13 @@ from quantpack_core.ops import define_op
 from .library import LibraryError, check, load
 from .ops import reserve, workspace
 
-#: picks (token x choice) one chunk of launches routes: bounds every buffer below
+#: picks (token x choice) one chunk of launches sorts: bounds every buffer below
 SLOTS = 2048
-#: rows of one work item (MOE_ROWS in csrc/trellis_mma.cu)
+#: rows of one work item (MOE_ROWS in csrc/moe.cu)
 ITEM_ROWS = 16
 #: K groups one bank may have (MOE_MAX_GROUPS)
 MAX_GROUPS = 16
-#: slots one bank may have: the route kernel keeps 4 ints per slot in 48 KiB of shared memory
+#: slots one bank may have: the sort kernel keeps 4 ints per slot in 48 KiB of shared memory
 MAX_EXPERTS = 3000
 WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -74,7 +73,7 @@ def reserve_moe(device: torch.device, experts: int, hidden: int, intermediate: i
     ``intermediate`` sizes (call at load), and the linear workspace the launches share.
 
     Raises:
-        quantpack_exl3.backends.trellis_mma.library.LibraryError: the kernels cannot be built or loaded for this GPU.
+        quantpack_core.trellis_mma.library.LibraryError: the kernels cannot be built or loaded for this GPU.
     """
     reserve(device, max(hidden, intermediate))
     index = torch.device(device).index
@@ -142,7 +141,7 @@ def run_trellis_moe(
             f"{'ready' if buf is not None else 'missing'})"
         )
     if top_k > SLOTS:
-        raise LibraryError(f"trellis_moe: top_k {top_k} is more than the {SLOTS} picks one chunk of launches routes")
+        raise LibraryError(f"trellis_moe: top_k {top_k} is more than the {SLOTS} picks one chunk of launches sorts")
     lib = load(ws.arch)
     stream = torch.cuda.current_stream(device).cuda_stream
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -156,12 +155,12 @@ def run_trellis_moe(
     for t0 in range(0, tokens, chunk):
         t1 = min(t0 + chunk, tokens)
         slots = (t1 - t0) * top_k
-        code = lib.qp_moe_route(
+        code = lib.qp_moe_sort(
             ids[t0:t1].data_ptr(), int(ids.dtype == torch.int64), perm.data_ptr(), slots, experts, lo, len(group_lo),
             buf.slot_of.data_ptr(), buf.offsets.data_ptr(), buf.sorted.data_ptr(), buf.work.data_ptr(),
             buf.group_work.data_ptr(), stream,
         )  # fmt: skip
-        check(code, f"route {slots} picks over {experts} experts")
+        check(code, f"sort of {slots} picks over {experts} experts")
         for down, k2 in ((0, k2_gu), (1, k2_d)):
             code = lib.qp_moe_gemm(
                 down, int(gated), x[t0:t1].data_ptr(), gu.data_ptr(), y.data_ptr(), tables.data_ptr(), experts,
@@ -219,10 +218,10 @@ def trellis_moe_(
         out: ``(T, hidden)`` in ``x``'s dtype, written in place.
 
     Raises:
-        quantpack_exl3.backends.trellis_mma.library.LibraryError: no buffers reserved on this GPU, unsupported dtypes,
+        quantpack_core.trellis_mma.library.LibraryError: no buffers reserved on this GPU, unsupported dtypes,
             or a launch failed (the message names the step).
 
-    Source: docs/moe-bank.md; ``csrc/trellis_mma.cu`` (expert banks).
+    Source: docs/moe-bank.md; ``csrc/moe.cu``.
     """
     torch.ops.quantpack.trellis_moe_(
         x, topk_ids, topk_weights, perm, tables, w13_trellis, w2_trellis, w13_suh, w13_svh, w2_suh, w2_svh,

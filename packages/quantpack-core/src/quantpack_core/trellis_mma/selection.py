@@ -1,0 +1,279 @@
+"""Which kernel serves each row bucket of a trellis_mma run (the run's ``bucket_kernels``), measured when the run is
+prepared; and the warm-up of every launch shape a CUDA-graph capture would otherwise meet first.
+
+Per row bucket (:data:`.ops.ROW_BUCKETS`) the candidates are the split-K kernel, on Hopper from 17 rows on the
+tensor-core kernel with 64, 128 or 256 rows per CTA (no more rows per CTA than the bucket's next power of two above
+64), and another implementation of the same call that the run's format may give (:class:`Delegate`: its adapter
+kernel passes it to :func:`.kernels.prepare_shard`). Each candidate runs the run's shape at the bucket's largest
+row count, and the fastest of the project's own kernels serves the bucket, unless the delegate takes at most
+:data:`DELEGATE_MARGIN` of its time (:func:`measure_bucket_kernels`). The table is logged per shape and kept
+(:func:`selection_records`).
+
+Source: docs/kernels.md ("The selection").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from quantpack_core.kernels import PreparedShard
+
+from .ops import (
+    DELEGATE,
+    FUSED_ROWS,
+    ROW_BUCKETS,
+    SPLIT,
+    TC64,
+    TC128,
+    TC256,
+    TC_ROWS,
+    bucket_kernels_of,
+    kernel_of,
+    tc_code,
+    workspace,
+)
+from .settings import current
+
+logger = logging.getLogger("vllm.quantpack")
+
+#: the delegate takes a row bucket when its calls there take at most this fraction of trellis_mma's time (near-ties
+#: stay here, where a CUDA-graph replay is bit-identical to an eager call)
+DELEGATE_MARGIN = 0.97
+#: calls per timed CUDA graph, and replays of it (the best replay counts) when a run's kernels are measured
+TIMED_CALLS, TIMED_REPLAYS = 8, 3
+
+
+@dataclass(frozen=True)
+class Delegate:
+    """Another implementation of one trellis shard's call, which the row buckets where it is faster go to.
+
+    Attributes:
+        name: what the log lines and records call it.
+        gemm: ``(x, trellis, suh, svh, codebook, k_bits, out_features, out, col) -> None``, writing
+            ``out[:, col:col + out_features]`` as one shard of ``quantpack::trellis_mma_`` does.
+        warm_rows: row counts it must have run once before a CUDA-graph capture (e.g. its autotune buckets).
+    """
+
+    name: str
+    gemm: Callable[..., None]
+    warm_rows: tuple[int, ...] = ()
+
+
+#: what the records and log lines call each code
+KERNEL_NAMES = {SPLIT: "split", TC64: "tc64", TC128: "tc128", TC256: "tc256"}
+
+
+@dataclass(frozen=True)
+class SelectionRecord:
+    """Which kernel serves each row bucket of one run shape, chosen at load.
+
+    Attributes:
+        k: stored input features.
+        out_features: the run's shards' output widths.
+        k_bits, codebook: the shards' K and codebook id (0 = 3INST, 1 = mcg, 2 = mul1).
+        dtype: the model's activation dtype, timed with.
+        delegate: the delegate's name, or None.
+        rows: the row count timed per bucket (:data:`.ops.ROW_BUCKETS`).
+        times_us: per bucket, ``(code, microseconds per call)`` of each candidate timed (CUDA-graph replay); empty
+            when nothing was measured (one candidate, or fixed settings).
+        bucket_kernels: the codes chosen (:func:`.ops.kernel_of`).
+    """
+
+    k: int
+    out_features: tuple[int, ...]
+    k_bits: float
+    codebook: int
+    dtype: torch.dtype
+    delegate: str | None
+    rows: tuple[int, ...]
+    times_us: tuple[tuple[tuple[int, float], ...], ...]
+    bucket_kernels: int
+
+    def name(self, code: int) -> str:
+        """What the records call a code."""
+        return self.delegate if code == DELEGATE else KERNEL_NAMES[code]
+
+    def describe(self) -> str:
+        """One log line: the shape, then per bucket the kernel that serves it and the times of the candidates."""
+        outs = "+".join(str(n) for n in self.out_features)
+        cells = []
+        for i, rows in enumerate(self.rows):
+            chosen = self.name(kernel_of(self.bucket_kernels, rows))
+            timed = self.times_us[i] if self.times_us else ()
+            times = " ".join(f"{self.name(c)} {us:.1f}" for c, us in timed)
+            cells.append(f"{rows}: {chosen}" + (f" ({times} us)" if times else ""))
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.k} -> {outs}, K {self.k_bits:g} codebook {self.codebook}, {dtype}: " + ", ".join(cells)
+
+
+_records: dict[tuple, SelectionRecord] = {}
+_warmed: set[tuple] = set()
+
+
+def selection_records() -> list[SelectionRecord]:
+    """Every run shape measured in this process so far, in the order they were first prepared."""
+    return list(_records.values())
+
+
+def own_candidates(bound: int, tensor_cores: bool) -> list[int]:
+    """The project's kernels that may serve a bucket of up to ``bound`` rows under the settings in force: up to 16
+    rows, or without tensor cores, or with ``wide_kernel`` "split", the split-K kernel; with "tc" the tensor-core
+    kernel at :func:`.ops.tc_code`; unset, both, the tensor-core kernel with every row count per CTA up to ``bound``
+    rounded up to 64."""
+    wide = current().wide_kernel
+    if bound <= FUSED_ROWS or not tensor_cores or wide == "split":
+        return [SPLIT]
+    if wide == "tc":
+        return [tc_code(bound)]
+    return [SPLIT, *(code for code in (TC64, TC128, TC256) if TC_ROWS[code] <= max(bound, 64))]
+
+
+def bucket_options(bucket: int, tensor_cores: bool, delegate: Delegate | None) -> list[int]:
+    """The codes that may serve row bucket ``bucket``: the delegate alone where ``delegate_rows`` N is set and the
+    bucket's smallest row count exceeds N (above 1024 counting as 1024), else :func:`own_candidates`, with the
+    delegate where one is given and ``delegate_rows`` is unset."""
+    above = current().delegate_rows
+    first = ROW_BUCKETS[bucket - 1] + 1 if bucket else 1
+    if delegate is not None and above and first > min(above, ROW_BUCKETS[-2]):
+        return [DELEGATE]
+    own = own_candidates(ROW_BUCKETS[bucket], tensor_cores)
+    return [*own, DELEGATE] if delegate is not None and above is None else own
+
+
+def measure_bucket_kernels(run: PreparedShard, dtype: torch.dtype, delegate: Delegate | None) -> int:
+    """The ``bucket_kernels`` of a trellis_mma run (a shard, or a layer's fused shards): which kernel serves each row
+    bucket. Called at load, before any CUDA-graph capture.
+
+    Where a bucket has several :func:`bucket_options`, each runs the run's shape at the bucket's largest row count
+    with activations of the model's ``dtype``: ``TIMED_CALLS`` calls in one CUDA graph, the best of ``TIMED_REPLAYS``
+    replays, twice in alternation; the fastest of the project's own kernels serves the bucket unless the delegate
+    takes at most :data:`DELEGATE_MARGIN` of its time. A shape measured once in a process (per dtype and settings)
+    keeps its codes. Every launch kind a capture could meet first runs once here (:func:`warm_up`). Tensors off the
+    GPU, or a GPU without a workspace: every bucket on the split-K kernel, nothing timed.
+
+    Returns:
+        the codes, 3 bits a bucket (:func:`.ops.bucket_kernels_of`).
+
+    Raises:
+        quantpack_core.trellis_mma.library.LibraryError: a launch failed (the message names the shape).
+    """
+    trellis = _trellis_of(run)
+    device = trellis[0].device
+    ws = workspace(device)
+    if ws is None:
+        return bucket_kernels_of([SPLIT] * len(ROW_BUCKETS))
+    codebook, k_bits, outs = run.static[:3]
+    outs = tuple(outs) if isinstance(outs, tuple) else (outs,)
+    k = trellis[0].shape[0] * 16
+    name = None if delegate is None else delegate.name
+    key = (k, tuple(tuple(t.shape) for t in trellis), codebook, k_bits, dtype, device, current(), name)
+    known = _records.get(key)
+    if known is not None:
+        return known.bucket_kernels
+    options = [bucket_options(i, ws.tensor_cores, delegate) for i in range(len(ROW_BUCKETS))]
+    reach = delegate if any(DELEGATE in o for o in options) else None  # the delegate only where it can serve
+    warm_up(run, k, reach, dtype, ws.tensor_cores)
+    times = _time_buckets(run, k, dtype, options) if any(len(o) > 1 for o in options) else ()
+    chosen = bucket_kernels_of(_choose(t) for t in times) if times else bucket_kernels_of(o[0] for o in options)
+    record = SelectionRecord(k, outs, k_bits, codebook, dtype, name, ROW_BUCKETS, times, chosen)
+    _records[key] = record
+    logger.info("quantpack: trellis_mma kernels per row bucket, %s", record.describe())
+    return chosen
+
+
+def _choose(timed: tuple[tuple[int, float], ...]) -> int:
+    """The code that serves a bucket from its candidates' times: the fastest own kernel, or the delegate where it
+    takes at most :data:`DELEGATE_MARGIN` of that one's time (or is the only candidate)."""
+    if len(timed) == 1:
+        return timed[0][0]
+    own = min((us, code) for code, us in timed if code != DELEGATE)
+    theirs = [us for code, us in timed if code == DELEGATE]
+    return DELEGATE if theirs and theirs[0] <= DELEGATE_MARGIN * own[0] else own[1]
+
+
+def _time_buckets(run: PreparedShard, k: int, dtype: torch.dtype, options: list[list[int]]) -> tuple:
+    """Per bucket, ``(code, microseconds per call)`` of each candidate at the bucket's largest row count (a single
+    candidate is not timed: ``(code, 0.0)``)."""
+    device = _trellis_of(run)[0].device
+    generator = torch.Generator(device=device).manual_seed(0)
+    times = []
+    for rows, codes in zip(ROW_BUCKETS, options, strict=True):
+        if len(codes) == 1:
+            times.append(((codes[0], 0.0),))
+            continue
+        x = torch.randn((rows, k), generator=generator, device=device).to(dtype)
+        out = torch.empty((rows, run.out_features), dtype=dtype, device=device)
+        first = [_graph_us(run, x, out, _everywhere(c)) for c in codes]
+        again = [_graph_us(run, x, out, _everywhere(c)) for c in codes]
+        times.append(tuple((c, min(a, b)) for c, a, b in zip(codes, first, again, strict=True)))
+        del x, out
+    torch.cuda.empty_cache()  # a delegate's large-row path may hold whole matrices in the graphs' pools
+    return tuple(times)
+
+
+def _everywhere(code: int) -> int:
+    """``bucket_kernels`` with one code in every bucket."""
+    return bucket_kernels_of([code] * len(ROW_BUCKETS))
+
+
+def _trellis_of(run: PreparedShard) -> list[torch.Tensor]:
+    """The trellis tensors of a run: ``trellis`` of one shard, ``trellis0``, ``trellis1``, ... of a fused one."""
+    return [t for name, t in run.tensors.items() if name.startswith("trellis")]
+
+
+def _graph_us(run: PreparedShard, x: torch.Tensor, out: torch.Tensor, bucket_kernels: int) -> float:
+    """Microseconds per call of ``run`` on ``x`` with ``bucket_kernels``: ``TIMED_CALLS`` calls captured in one CUDA
+    graph, the best of ``TIMED_REPLAYS`` replays."""
+    static = (*run.static[:3], bucket_kernels)
+    run.run(x, *run.tensors.values(), *static, out, 0)  # eager first: nothing lazy happens during the capture
+    torch.cuda.synchronize(x.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(TIMED_CALLS):
+            run.run(x, *run.tensors.values(), *static, out, 0)
+    best = float("inf")
+    for _ in range(TIMED_REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1000 / TIMED_CALLS)
+    del graph
+    return best
+
+
+def warm_up(
+    run: PreparedShard, in_features: int, delegate: Delegate | None, dtype: torch.dtype, tensor_cores: bool = False
+) -> None:
+    """Run a new run shape once eagerly at every launch kind a CUDA-graph capture would otherwise meet first: the
+    fused split-K kernel (1 row), the unfused ones (2 and 17 rows) and, with ``tensor_cores``, the tensor-core
+    kernel's three row counts per CTA, so that their shared-memory limits are set; and, with a ``delegate`` (it can
+    take buckets), each of its ``warm_rows`` (e.g. kernels that time their launch shapes on a shape's first call,
+    which must not happen during capture; with activations of the model's ``dtype``). A shape already warmed in this
+    process the same way is skipped."""
+    trellis = _trellis_of(run)
+    device = trellis[0].device
+    name = None if delegate is None else delegate.name
+    settings = current().inline_transform_rows
+    key = (tuple(tuple(t.shape) for t in trellis), run.static[0], dtype, device, name, settings, tensor_cores)
+    if key in _warmed:
+        return
+    # one row (the in-CTA transform's kernel, unless inline_transform_rows is 0), two rows (the few-row kernel that
+    # streams the transformed input), FUSED_ROWS + 1 (the 64-row kernel)
+    calls = [(1, SPLIT), (2, SPLIT), (FUSED_ROWS + 1, SPLIT)]
+    if tensor_cores:
+        calls += [(FUSED_ROWS + 1, code) for code in (TC64, TC128, TC256)]
+    if delegate is not None:
+        calls += [(r, DELEGATE) for r in delegate.warm_rows]
+    generator = torch.Generator(device=device).manual_seed(0)
+    for rows, code in calls:
+        x = torch.randn((rows, in_features), generator=generator, device=device).to(dtype)
+        out = torch.empty((rows, run.out_features), dtype=dtype, device=device)
+        run.run(x, *run.tensors.values(), *run.static[:3], _everywhere(code), out, 0)
+    torch.cuda.synchronize(device)
+    _warmed.add(key)

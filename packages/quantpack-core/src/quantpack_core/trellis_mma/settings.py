@@ -1,0 +1,172 @@
+"""The trellis_mma kernels' settings: every tuning knob and the build's compiler and cache, in one frozen
+:class:`Settings` read from the environment once, at first use (:func:`current`), so a process runs under one set of
+values however late a module is imported.
+
+Tests and benchmarks run under other values with :func:`using` (a context manager): ``with using(delegate_rows=0):
+...`` runs its body under the current settings with those fields replaced and restores them on exit. Values that
+shape what :func:`.ops.reserve` allocates or plans (the CTA targets) apply to workspaces made inside the block; the
+others apply to every call made inside it.
+
+Standard library only: ``ci/gpu/stage.sh`` builds the library where torch is not installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger("vllm.quantpack")
+
+PREFIX = "QUANTPACK_TRELLIS_MMA_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The trellis_mma kernels' settings (environment variable of each in brackets).
+
+    Attributes:
+        delegate_rows: None: which row buckets of each run go to the delegate ( another implementation its
+            adapter gives) is measured when the run is prepared; N: the same for every run, the buckets wholly
+            above N rows delegated (0: none) [``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS``; not an integer >= 0: None, with a
+            warning].
+        inline_transform_rows: 1: a one-row call's CTAs transform their own input panel (had128(x * suh)); 0: one
+            transform launch first, as from two rows on. The in-CTA transform was measured slower from two rows on
+            (docs/kernels.md: the 8B stack fused at 4 / 16 rows took 3.85 / 4.17 ms once per call against 3.98 /
+            6.34 in-CTA) [``..._INLINE_TRANSFORM_ROWS``; larger values count as 1].
+        ctas_per_sm: CTAs a launch of up to 16 rows aims at per SM (split-K fills the GPU with them)
+            [``..._CTAS_PER_SM``].
+        ctas_per_sm_wide: the same above 16 rows (the 64-row kernel, whose split-K partials are 4x as many rows:
+            fewer splits trade parallelism for a shorter partial sum); 2 measured fastest on the H200
+            (docs/kernels.md: the 8B stack at 32 / 64 / 128 / 256 rows took 7.14 / 8.50 / 12.88 / 21.12 ms with 2,
+            7.44 / 9.11 / 13.26 / 21.62 with 3 and 9.07 / 22.14 at 64 / 256 with 4) [``..._CTAS_PER_SM_WIDE``;
+            unset: ``ctas_per_sm`` where that is set, else 2].
+        wide_fused: above 16 rows a layer's shards (q / k / v, gate / up) in one launch too, as up to 16 rows,
+            instead of a launch per shard (docs/kernels.md: the 8B stack at 32 / 64 / 128 rows took 5.85 / 6.64 /
+            11.32 ms against 7.14 / 8.51 / 12.90) [``..._WIDE_FUSED``].
+        wide_kernel: above 16 rows, None: the kernel of each row bucket (the split-K kernel, or on Hopper the
+            tensor-core kernel with 64, 128 or 256 rows per CTA) is measured when a run is prepared, where there is a
+            choice; "split" / "tc": that kernel for every bucket above 16 rows (the tensor-core one where the GPU
+            has it) [``..._WIDE_KERNEL``; another value: None, with a warning].
+        nvcc: the compiler; None: ``$CUDA_HOME/bin/nvcc``, then ``nvcc`` on ``PATH`` [``QUANTPACK_NVCC``].
+        cache_dir: where built libraries are kept [``QUANTPACK_CACHE_DIR``; default ``$XDG_CACHE_HOME/quantpack``
+            or ``~/.cache/quantpack``].
+    """
+
+    delegate_rows: int | None = None
+    inline_transform_rows: int = 1
+    ctas_per_sm: int = 4
+    ctas_per_sm_wide: int = 2
+    wide_fused: bool = True
+    wide_kernel: str | None = None
+    nvcc: str | None = None
+    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "quantpack")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
+        """The settings an environment gives; a value that is not an integer in range is ignored with a warning
+        naming the variable (a bad setting never stops a server from starting)."""
+        per_sm = _env_int(environ, f"{PREFIX}CTAS_PER_SM", cls.ctas_per_sm, minimum=1)
+        wide_default = per_sm if f"{PREFIX}CTAS_PER_SM" in environ else cls.ctas_per_sm_wide
+        base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+        return cls(
+            delegate_rows=_delegate_rows(environ),
+            inline_transform_rows=min(_env_int(environ, f"{PREFIX}INLINE_TRANSFORM_ROWS", 1), 1),
+            ctas_per_sm=per_sm,
+            ctas_per_sm_wide=_env_int(environ, f"{PREFIX}CTAS_PER_SM_WIDE", wide_default, minimum=1),
+            wide_fused=_env_int(environ, f"{PREFIX}WIDE_FUSED", 1) > 0,
+            wide_kernel=_wide_kernel(environ),
+            nvcc=environ.get("QUANTPACK_NVCC") or None,
+            cache_dir=Path(environ.get("QUANTPACK_CACHE_DIR") or Path(base) / "quantpack"),
+        )
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
+    """An integer setting, or ``default`` (with a warning naming the variable when it is set but not an integer >=
+    ``minimum``)."""
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw)
+        if value < minimum:
+            raise ValueError
+    except ValueError:
+        logger.warning("quantpack: %s=%r is not an integer >= %d; using %d", name, raw, minimum, default)
+        return default
+    return value
+
+
+def _delegate_rows(environ: Mapping[str, str]) -> int | None:
+    """``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS``: None (unset, or not an integer >= 0, the latter with a warning), or
+    the row count above which every run's calls go to its delegate (0: none do)."""
+    raw = environ.get(f"{PREFIX}DELEGATE_ROWS", "").strip()
+    if raw == "":
+        return None
+    try:
+        value = int(raw)
+        if value < 0:
+            raise ValueError
+    except ValueError:
+        logger.warning(
+            "quantpack: %sDELEGATE_ROWS=%r is not an integer >= 0; measuring each layer's delegated row buckets "
+            "instead",
+            PREFIX,
+            raw,
+        )
+        return None
+    return value
+
+
+#: the values of ``wide_kernel`` besides None
+WIDE_KERNELS = ("split", "tc")
+
+
+def _wide_kernel(environ: Mapping[str, str]) -> str | None:
+    """``QUANTPACK_TRELLIS_MMA_WIDE_KERNEL``: "split" or "tc", or None (unset, or another value, with a warning)."""
+    raw = environ.get(f"{PREFIX}WIDE_KERNEL", "").strip().lower()
+    if raw == "":
+        return None
+    if raw not in WIDE_KERNELS:
+        logger.warning(
+            "quantpack: %sWIDE_KERNEL=%r is not one of %s; measuring each run's kernels", PREFIX, raw, WIDE_KERNELS
+        )
+        return None
+    return raw
+
+
+_current: Settings | None = None
+_lock = threading.Lock()
+
+
+def current() -> Settings:
+    """The settings in force: read from the environment at the first call of the process, or those of the innermost
+    :func:`using` block."""
+    global _current
+    if _current is None:
+        with _lock:
+            if _current is None:
+                _current = Settings.from_env()
+    return _current
+
+
+@contextmanager
+def using(**changes: object) -> Iterator[Settings]:
+    """Run the block under the current settings with ``changes`` (field names of :class:`Settings`) replaced;
+    restored on exit. Yields the settings in force inside.
+
+    Raises:
+        TypeError: a name that is not a field of :class:`Settings`.
+    """
+    global _current
+    before = current()
+    _current = dataclasses.replace(before, **changes)
+    try:
+        yield _current
+    finally:
+        _current = before
