@@ -27,10 +27,10 @@ from quantpack_core.kernels import (
 )
 from quantpack_core.moe import Exl3MoeBank, grouped_inputs
 from quantpack_core.trellis_mma import settings
-from quantpack_core.trellis_mma.selection import Delegate
 from quantpack_core.trellis_mma.library import add_fallback
 from quantpack_core.trellis_mma.moe import MAX_EXPERTS as MOE_MAX_EXPERTS
 from quantpack_core.trellis_mma.moe import MAX_GROUPS as MOE_MAX_GROUPS
+from quantpack_core.trellis_mma.selection import Delegate
 
 NAME = trellis_mma.NAME
 CODEBOOK_IDS = {Codebook.INST3: 0, Codebook.MCG: 1, Codebook.MUL1: 2}
