@@ -21,11 +21,15 @@ below are described for the 8B one, and differ for the MoE models where said.
 
 Per engine and batch size B (default 1, 8, 64, 256): decode with B prompts of 64 tokens and 256 new tokens
 (greedy, no early stop): tokens/s = B x 256 / (t(257 tokens) - t(1 token)), ms per step, and the time to first token
-t(1 token); prefill with B prompts of 512 tokens and one new token: prompt tokens/s and its time. Every call's
+t(1 token); prefill with B prompts of 512 tokens, and up to 64 prompts also of 2,048 tokens, and one new token: prompt
+tokens/s and its time. Each time is measured ``--repeats`` times (default 3): the figures are from the fastest, the
+record keeps the median too (``*_median``). Every call's
 prompts are new token sequences (a per-call first token), and vLLM's prefix caching is off, so no call reuses an
 earlier one's KV cache. Plus the load time, the weights' size on the GPU and the process's peak GPU memory (torch's
 allocator). CUDA graphs and torch.compile as vLLM configures them by default; the attention backend is
-``TRITON_ATTN`` (the GPU bundle has no FlashAttention).
+``TRITON_ATTN`` (the GPU bundle has no FlashAttention); every engine gets the same fixed KV cache
+(:data:`KV_CACHE_GIB` per model, ``kv_cache_memory_bytes``) instead of a memory fraction, so that the bf16 MoE model
+fits an 80 GB card beside it. The record names the card, vLLM's and torch's releases and the commit.
 
 Writes ``--json`` (default ``benchmarks/results/serve_<model>.json``) and prints a markdown table;
 ``benchmarks/plot_kernels.py`` draws both this and ``kernel_8b.py``'s record. Usage (GPU machine, after
@@ -48,7 +52,11 @@ import decode_8b
 import decode_moe_30b_a3b
 from decode_8b import KernelTable
 
-PROMPT_TOKENS, DECODE_TOKENS, PREFILL_TOKENS = 64, 256, 512
+PROMPT_TOKENS, DECODE_TOKENS, PREFILL_TOKENS, LONG_PREFILL_TOKENS = 64, 256, 512, 2048
+#: batches up to which the long prefill is measured too
+LONG_PREFILL_BATCH = 64
+#: the fixed KV cache of every engine, per model (GiB)
+KV_CACHE_GIB = {"8b": 24, "30b-a3b": 8, "30b-a3b-mixed": 8}
 ENGINES = ("plugin", "plugin-exllamav3", "plugin-trellis_mma", "bf16", "w4a16", "exllamav3")
 #: the engines that load the EXL3 pack through the plugin, and the kernel backend each forces (None: as chosen)
 PLUGIN_BACKENDS = {"plugin": None, "plugin-exllamav3": "exllamav3", "plugin-trellis_mma": "trellis_mma"}
@@ -121,7 +129,7 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def bench_vllm(model: Path, kind: str, batches: list[int], repeats: int) -> dict:
+def bench_vllm(model: Path, kind: str, batches: list[int], repeats: int, kv_gib: float) -> dict:
     """One vLLM engine: load, then decode and prefill at every batch size (see the module)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import logging
@@ -137,13 +145,13 @@ def bench_vllm(model: Path, kind: str, batches: list[int], repeats: int) -> dict
     llm = LLM(
         model=str(model),
         dtype="bfloat16" if kind == "bf16" else "float16",
-        max_model_len=PREFILL_TOKENS + DECODE_TOKENS + 64,
+        max_model_len=LONG_PREFILL_TOKENS + DECODE_TOKENS + 64,
         max_num_seqs=max(batches),
         skip_tokenizer_init=True,
         seed=0,
         load_format="auto" if kind in PLUGIN_BACKENDS else "dummy",
         enable_prefix_caching=False,
-        **({"attention_backend": "TRITON_ATTN", "gpu_memory_utilization": 0.6} if cuda else {}),
+        **({"attention_backend": "TRITON_ATTN", "kv_cache_memory_bytes": int(kv_gib * 2**30)} if cuda else {}),
     )
     load_s = time.time() - t0
 
@@ -172,26 +180,48 @@ def bench_vllm(model: Path, kind: str, batches: list[int], repeats: int) -> dict
 
 def measure(kind: str, run, batches: list[int], repeats: int) -> list[dict]:
     """Decode and prefill figures of one engine at every batch size (see the module), from ``run(batch, length,
-    new)`` -> seconds."""
+    new)`` -> seconds: each from the fastest of ``repeats`` runs, and ``*_median`` from their median."""
+    import statistics
+
     rows = []
     for batch in batches:
         run(batch, PROMPT_TOKENS, 8)  # warm this batch size
-        first = min(run(batch, PROMPT_TOKENS, 1) for _ in range(repeats))
-        full = min(run(batch, PROMPT_TOKENS, DECODE_TOKENS + 1) for _ in range(repeats))
-        step = max(full - first, 1e-9) / DECODE_TOKENS
-        prefill = min(run(batch, PREFILL_TOKENS, 1) for _ in range(repeats))
-        rows.append(
-            {
-                "batch": batch,
-                "decode_tok_s": batch / step,
-                "ms_per_step": step * 1000,
-                "ttft_ms": first * 1000,
-                "prefill_tok_s": batch * PREFILL_TOKENS / prefill,
-                "prefill_ms": prefill * 1000,
-            }
-        )
-        print(f"  {kind} batch {batch}: {rows[-1]}", file=sys.stderr, flush=True)
+        first = [run(batch, PROMPT_TOKENS, 1) for _ in range(repeats)]
+        full = [run(batch, PROMPT_TOKENS, DECODE_TOKENS + 1) for _ in range(repeats)]
+        row = {"batch": batch, "ttft_ms": min(first) * 1000}
+        for name, pick in (("", min), ("_median", statistics.median)):
+            step = max(pick(full) - pick(first), 1e-9) / DECODE_TOKENS
+            row[f"decode_tok_s{name}"] = batch / step
+            row[f"ms_per_step{name}"] = step * 1000
+        lengths = [PREFILL_TOKENS] + ([LONG_PREFILL_TOKENS] if batch <= LONG_PREFILL_BATCH else [])
+        for length in lengths:
+            times = [run(batch, length, 1) for _ in range(repeats)]
+            key = "prefill" if length == PREFILL_TOKENS else f"prefill{length}"
+            row[f"{key}_tok_s"] = batch * length / min(times)
+            row[f"{key}_tok_s_median"] = batch * length / statistics.median(times)
+            row[f"{key}_ms"] = min(times) * 1000
+        rows.append(row)
+        print(f"  {kind} batch {batch}: {row}", file=sys.stderr, flush=True)
     return rows
+
+
+def environment() -> dict:
+    """The card, vLLM's and torch's releases and the commit a record is measured with."""
+    import torch
+
+    try:
+        from importlib.metadata import version
+
+        vllm = version("vllm")
+    except Exception:  # the release is only a label
+        vllm = None
+    done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "vllm": vllm,
+        "torch": torch.__version__,
+        "commit": os.environ.get("QUANTPACK_COMMIT") or done.stdout.strip() or None,
+    }
 
 
 def bench_exllamav3(pack: Path, batches: list[int], repeats: int) -> dict:
@@ -202,7 +232,7 @@ def bench_exllamav3(pack: Path, batches: list[int], repeats: int) -> dict:
 
     config = Config.from_directory(str(pack))
     model = Model.from_config(config)
-    per_sequence = -(-(PREFILL_TOKENS + DECODE_TOKENS + 1) // 256) * 256  # whole cache pages of 256 tokens
+    per_sequence = -(-(LONG_PREFILL_TOKENS + DECODE_TOKENS + 1) // 256) * 256  # whole cache pages of 256 tokens
     cache = Cache(model, max_num_tokens=max(batches) * per_sequence)
     t0 = time.time()
     model.load()
@@ -238,19 +268,20 @@ def table(results: list[dict]) -> str:
     """The results as a markdown table (one line per engine and batch)."""
     lines = [
         "| engine | batch | decode tok/s | ms/step | TTFT ms (64-token prompts) | prefill tok/s (512-token prompts) "
-        "| weights GiB | peak GPU GiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| prefill tok/s (2,048) | weights GiB | peak GPU GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['engine']} | failed | | | | | | |")
+            lines.append(f"| {r['engine']} | failed | | | | | | | |")
             continue
         for row in r["rows"]:
             prefill = f"{row['prefill_tok_s']:,.0f}" if "prefill_tok_s" in row else "-"
+            long = f"{row['prefill2048_tok_s']:,.0f}" if "prefill2048_tok_s" in row else "-"
             weights = f"{r['weights_gib']:.2f}" if "weights_gib" in r else "-"
             lines.append(
                 f"| {r['engine']} | {row['batch']} | {row['decode_tok_s']:,.1f} | {row['ms_per_step']:.2f} | "
-                f"{row['ttft_ms']:.1f} | {prefill} | {weights} | {r['peak_gpu_gib']:.1f} |"
+                f"{row['ttft_ms']:.1f} | {prefill} | {long} | {weights} | {r['peak_gpu_gib']:.1f} |"
             )
     return "\n".join(lines)
 
@@ -262,7 +293,7 @@ def main() -> None:
     ap.add_argument("--pack", type=Path, help="the EXL3 pack (written there unless present); default per model")
     ap.add_argument("--engines", help="comma-separated, of " + ", ".join(ENGINES) + "; default per model")
     ap.add_argument("--batches", default="1,8,64,256")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, help="default benchmarks/results/serve_<model>.json")
     ap.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)  # one engine, in this process
     args = ap.parse_args()
@@ -276,9 +307,10 @@ def main() -> None:
         elif args.engine in PLUGIN_BACKENDS:
             if PLUGIN_BACKENDS[args.engine]:
                 os.environ["QUANTPACK_EXL3_BACKEND"] = PLUGIN_BACKENDS[args.engine]
-            res = bench_vllm(args.pack, args.engine, batches, args.repeats)
+            res = bench_vllm(args.pack, args.engine, batches, args.repeats, KV_CACHE_GIB[args.model])
         else:
-            res = bench_vllm(dummy_model(args.pack, args.engine, w4a16), args.engine, batches, args.repeats)
+            model = dummy_model(args.pack, args.engine, w4a16)
+            res = bench_vllm(model, args.engine, batches, args.repeats, KV_CACHE_GIB[args.model])
         print("RESULT " + json.dumps(res), flush=True)
         return
     make_pack(args.pack)
@@ -303,7 +335,7 @@ def main() -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "model": args.model, "shape": shape, "date": time.strftime("%Y-%m-%d"), "batches": batches,
-        "repeats": args.repeats,
+        "repeats": args.repeats, "kv_cache_gib": KV_CACHE_GIB[args.model], **environment(),
         "results": results,
     }  # fmt: skip
     args.json.write_text(json.dumps(record, indent=1))
