@@ -21,7 +21,7 @@ below are described for the 8B one, and differ for the MoE models where said.
 
 Per engine and batch size B (default 1, 8, 64, 256): decode with B prompts of 64 tokens and 256 new tokens
 (greedy, no early stop): tokens/s = B x 256 / (t(257 tokens) - t(1 token)), ms per step, and the time to first token
-t(1 token); prefill with B prompts of 512 tokens, and up to 64 prompts also of 2,048 tokens, and one new token: prompt
+t(1 token); prefill with B prompts of 512 tokens, and up to 8 prompts also of 2,048 tokens, and one new token: prompt
 tokens/s and its time. Each time is measured ``--repeats`` times (default 3): the figures are from the fastest, the
 record keeps the median too (``*_median``). Every call's
 prompts are new token sequences (a per-call first token), and vLLM's prefix caching is off, so no call reuses an
@@ -54,7 +54,7 @@ from decode_8b import KernelTable
 
 PROMPT_TOKENS, DECODE_TOKENS, PREFILL_TOKENS, LONG_PREFILL_TOKENS = 64, 256, 512, 2048
 #: batches up to which the long prefill is measured too
-LONG_PREFILL_BATCH = 64
+LONG_PREFILL_BATCH = 8
 #: the fixed KV cache of every engine, per model (GiB)
 KV_CACHE_GIB = {"8b": 24, "30b-a3b": 8, "30b-a3b-mixed": 8}
 ENGINES = ("plugin", "plugin-exllamav3", "plugin-trellis_mma", "bf16", "w4a16", "exllamav3")
