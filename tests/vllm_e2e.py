@@ -369,7 +369,9 @@ def _draft_vocab_modules(worker) -> dict:
     """On a worker: the vocabulary modules of the speculative-decoding draft model, with their ids, and whether each
     is the target's own module (shared after loading)."""
     runner = worker.model_runner
-    drafter = getattr(runner, "drafter", None)
+    # the draft's proposer: ``drafter`` on vLLM's first GPU model runner, ``speculator`` on its second (vllm/v1/worker/
+    # gpu/model_runner.py, which vLLM 0.25 runs on CUDA)
+    drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
     draft = getattr(drafter, "model", None)
     if draft is None:
         return {"error": f"no draft model on {type(runner).__name__}"}
