@@ -2,7 +2,8 @@
 ``serve_8b.json`` (``serve_8b.py``), each drawn to a PNG beside it.
 
 * kernel_8b.png: left, the 8B stack's milliseconds per row count for every kernel, dense bf16 and the EXL3 bandwidth
-  floor (at the run's measured copy bandwidth and at 4.3 TB/s); right, each shape class at one row, per kernel.
+  floor (at the run's measured copy bandwidth and at 4.3 TB/s); right, each shape class at the largest row count,
+  per kernel.
 * serve_<model>.png: decode tokens/s per batch size for every engine, per ``serve_8b.py`` record.
 
 Usage: ``uv run --group bench python3 benchmarks/plot_kernels.py [--results DIR]``.
@@ -36,7 +37,7 @@ def plot_kernels(record: dict, out: Path) -> None:
             left.plot(rows, [fused[str(r)] for r in rows], marker="^", label=f"EXL3 {name}, q/k/v and gate/up fused")
         if "served" in res:
             served = res["served"]["stack_ms"]
-            label = f"EXL3 {name} as served (row buckets delegated to exllamav3 where measured faster)"
+            label = f"EXL3 {name} as served (each row bucket on the kernel measured fastest at load)"
             left.plot(rows, [served[str(r)] for r in rows], marker="*", lw=2, label=label)
     dense = record.get("dense_bf16")
     if dense:
@@ -52,12 +53,12 @@ def plot_kernels(record: dict, out: Path) -> None:
     left.set_ylabel("ms per pass over the 225 linears")
     k, head = record["layer_k"], record["head_k"]
     left.set_title(f"Llama-3-8B linear stack, K={k:g} {record['codebook']} (head K={head:g})")
-    left.legend(fontsize=8)
+    left.legend(fontsize=7, loc="upper left")
 
     kernels = [(n, r) for n, r in record["kernels"].items() if "class_ms" in r]
     if kernels:
         first = kernels[0][1]["class_ms"]
-        row = min(first, key=int)
+        row = max(first, key=int)
         classes = list(first[row])
         width = 0.8 / len(kernels)
         for i, (name, res) in enumerate(kernels):
