@@ -1,6 +1,7 @@
 """ci/gpu/matrix_table.py on records the GPU tier's writer itself writes (tests/gpu_records.py): per-release cells of
 test outcomes and job figures, "not run" for a test of the tree no record ran, a failure standing until a later
-record on the same card passes, the generated blocks, and a run's records taken from ci/gpu/pending.sh's archive."""
+record on the same card passes, the generated blocks, and a run's records taken from ci/gpu/run.py --collect's
+archive."""
 
 from __future__ import annotations
 
@@ -121,10 +122,10 @@ def test_blocks_are_written_between_their_markers(tmp_path):
 
 def test_a_run_s_records_are_taken_from_the_collected_archive(records, tmp_path, capsys):
     tool = load_tool()
-    archive = tmp_path / "pending.tgz"
+    archive = tmp_path / "gpu-run.tgz"
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(records, arcname="gpu-matrix/records")
-        tar.add(ROOT / "README.md", arcname="pending/lane.log")  # the logs beside them are no records
+        tar.add(ROOT / "README.md", arcname="gpu-run/e2e-llama.log")  # the logs beside them are no records
     dest = tmp_path / "kept"
     copied = tool.take(archive, dest)
     assert sorted(p.relative_to(dest).as_posix() for p in copied) == sorted(
