@@ -12,7 +12,7 @@ another card. Cells name the commits, dates and cards their records came from.
 Usage (from the repository root)::
 
     python3 ci/gpu/matrix_table.py [--records ci/gpu/records] [--versions 0.22.1,0.25.1,0.26.0] [--collect]
-    python3 ci/gpu/matrix_table.py --take pending.tgz   # a GPU run's records (ci/gpu/pending.sh --collect's archive,
+    python3 ci/gpu/matrix_table.py --take gpu-run.tgz   # a GPU run's records (ci/gpu/run.py --collect's archive,
                                                         # or a folder) into ci/gpu/records/
     .venv/bin/python ci/gpu/matrix_table.py --write     # regenerate the tables in README.md and docs/results.md
                                                         # (an interpreter with pytest and the packages: --collect)
@@ -249,7 +249,7 @@ def write_blocks(root: Path, made: dict[str, str]) -> None:
 
 
 def take(source: Path, dest: Path) -> list[Path]:
-    """Copy every record of ``source`` (a folder, or a ``.tgz`` such as ci/gpu/pending.sh --collect's) into
+    """Copy every record of ``source`` (a folder, or a ``.tgz`` such as ci/gpu/run.py --collect's) into
     ``dest`` keeping its ``vllm-<release>/<run>/`` folders; returns the files copied. A record already there is
     left as it is when equal.
 
