@@ -176,6 +176,15 @@ def run_jobs(fixtures_dir: Path, tmp: Path) -> dict:
             "prompts": prompts,
             "tokens": 32,
         }
+    # seeded sampling with prompts prefilled in chunks: 20 prompts of 300 tokens (6,000, over the 4,096 of one step)
+    ids = torch.load(fixtures_dir / MAIN_PACK / "reference_logits.pt")["input_ids"][0].tolist()
+    jobs["seeded"] = {
+        "kind": "seeded",
+        "pack": str(fixtures_dir / MAIN_PACK),
+        "dtype": "float32",
+        "prompts": [(ids[i:] + ids * 3)[:300] for i in range(20)],
+        "tokens": 8,
+    }
     out = run_runner(jobs, tmp, timeout=2400)
     out["_tmp"] = str(tmp)
     out["_tokens"] = tokens

