@@ -635,3 +635,97 @@ def test_one_missing_file_is_one_line_of_the_error_not_one_per_tensor(fixtures_d
     assert "no safetensors file" in lines[0]
     assert "listed in quantization_config.json but absent" in lines[1] and "(the same for 125 more: " in lines[1]
     assert "127 problems found in this pack (2 lines: alike ones folded):" in str(e.value)  # the count says so
+
+
+LLAMA = "llama-tiny-exl3-4.0bpw-mul1"
+
+
+def fixture_copy(fixtures_dir, dst, tensors=None, config=None, name=LLAMA, manifest=True):
+    """A copy of bundled pack ``name`` at ``dst``: ``tensors(dict)`` edits its tensors in place (the manifest, kept
+    unless ``manifest`` is False, is rewritten alike by write_pack), ``config(dict)`` its config.json and
+    quantization_config.json's settings."""
+    from safetensors.torch import load_file
+
+    shutil.copytree(fixtures_dir / name, dst)
+    if tensors is not None:
+        t = load_file(str(dst / "model.safetensors"))
+        tensors(t)
+        (dst / "model.safetensors").unlink()
+        save_file(t, str(dst / "model.safetensors"))
+        if manifest:
+            from quantpack_core.synthetic import _manifest_entry
+
+            mf = json.loads((dst / "quantization_config.json").read_text())
+            modules = {}
+            for n, v in t.items():
+                modules.setdefault(n.rpartition(".")[0], {})[n] = v
+            mf["tensor_storage"] = {m: _manifest_entry(m, ts) for m, ts in modules.items()}
+            for entry in mf["tensor_storage"].values():  # as the bundled manifests: no codebook multipliers
+                entry.pop("mul1_multiplier", None)
+                entry.pop("mcg_multiplier", None)
+            (dst / "quantization_config.json").write_text(json.dumps(mf))
+    if not manifest:
+        (dst / "quantization_config.json").unlink()
+    if config is not None:
+        c = json.loads((dst / "config.json").read_text())
+        config(c)
+        (dst / "config.json").write_text(json.dumps(c))
+        if manifest:
+            mf = json.loads((dst / "quantization_config.json").read_text())
+            qc = {k: v for k, v in mf.items() if k != "tensor_storage"}
+            config({"quantization_config": qc})
+            (dst / "quantization_config.json").write_text(json.dumps({**qc, "tensor_storage": mf["tensor_storage"]}))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "module,extra,needles",
+    [
+        ("model.layers.0.self_attn.q_proj", {"weird": torch.zeros(3)}, ["q_proj.weird: holds .weird beside"]),
+        (
+            "model.layers.1.mlp.gate_proj",
+            {f"bias{i}": torch.zeros(640, dtype=torch.float16) for i in range(10)},
+            ["gate_proj.bias0: holds .bias0, .bias1", "(10 in all)", "an EXL3 layer has no parameter for"],
+        ),
+        ("model.layers.3.input_layernorm", {"scale": torch.ones(256)}, ["input_layernorm.scale: holds .scale"]),
+        ("model.embed_tokens", {"bias": torch.zeros(1024)}, ["model.embed_tokens.bias: holds .bias"]),
+    ],
+    ids=["exl3-weird", "exl3-bias0-9", "norm-stray", "embedding-bias"],
+)
+def test_stray_tensors_on_real_modules_are_named(fixtures_dir, tmp_path, module, extra, needles):
+    """A tensor beside a module's weight that its vLLM layer has no parameter for: vLLM's loader stopped on it in
+    the worker without naming it (``AttributeError: 'QKVParallelLinear' object has no attribute 'data'``)."""
+
+    def add(t):
+        t.update({f"{module}.{s}": v for s, v in extra.items()})
+
+    expect_problem(fixture_copy(fixtures_dir, tmp_path / "p", add), *needles, "remove the stray tensor")
+
+
+def test_an_index_whose_weight_map_is_a_list_is_named(tmp_path):
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG, shards=2)
+    index = path / "model.safetensors.index.json"
+    j = json.loads(index.read_text())
+    j["weight_map"] = [[n, f] for n, f in j["weight_map"].items()]
+    index.write_text(json.dumps(j))
+    expect_problem(path, "model.safetensors.index.json", "weight_map is a JSON list, not an object")
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ('{"version": "1.0", "model": {"type": "BPE", "vocab": ', "tokenizer.json: not valid JSON"),
+        ("[1, 2]", "tokenizer.json: is a JSON list, not an object"),
+        ('{"version": "1.0"}', "has no tokenizer model"),
+        ('{"version": "1.0", "model": {"type": "Nonsense"}}', "the tokenizers library cannot read it"),
+    ],
+    ids=["truncated", "list", "no-model", "unknown-model"],
+)
+def test_a_broken_tokenizer_is_named(fixtures_dir, tmp_path, text, needle):
+    """vLLM reads the tokenizer after the pack's check and stopped on a broken one with a parse error naming no
+    file."""
+    path = fixture_copy(fixtures_dir, tmp_path / "p")
+    (path / "tokenizer.json").write_text(text)
+    if "library" in needle:
+        pytest.importorskip("tokenizers")
+    expect_problem(path, needle, "re-download the pack's tokenizer files")

@@ -460,9 +460,14 @@ class Pack:
         weight_map: dict[str, str] | None = None
         if index_path.is_file():
             try:
-                weight_map = dict(json.loads(index_path.read_text())["weight_map"])
+                weight_map = json.loads(index_path.read_text())["weight_map"]
             except (ValueError, UnicodeDecodeError, KeyError, TypeError, RecursionError) as e:
                 self._problem("", INDEX_FILE, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD)
+                weight_map = None
+            if weight_map is not None and not isinstance(weight_map, dict):
+                # vLLM's loader looks each name up in it (weight_map[name]): a list of pairs stopped it in the worker
+                what = f"weight_map is a JSON {type(weight_map).__name__}, not an object mapping tensor names to files"
+                self._problem("", INDEX_FILE, what, FIX_REDOWNLOAD)
                 weight_map = None
             odd = {n: f for n, f in (weight_map or {}).items() if not isinstance(f, str)}
             if odd:  # a file name that is a number, null, a list ...: vLLM's loader would stop on it
@@ -696,6 +701,8 @@ class Pack:
         out.extend(self._manifest_problems())
         out.extend(self._unindexed_problems())
         out.extend(self._config_problems())
+        out.extend(stray_tensor_problems(self))
+        out.extend(tokenizer_problems(self))
         named = {p.module for p in out}
         out.extend(p for p in self._layout_problems() if p.module not in named)
         return out
@@ -1986,3 +1993,89 @@ class Pack:
             if m.format in CODED_FORMATS and m.k_bits is not None:
                 hist[m.k_bits] = hist.get(m.k_bits, 0) + 1
         return dict(sorted(hist.items()))
+
+
+# ---------------------------------------------------------------------------------------- rules (pack -> problems)
+#
+# Each rule below is a plain function of an opened (scanned) Pack that returns its problems; Pack.problems runs them.
+
+#: the tensors a trellis-coded module holds, per storage kind (a dense ``weight`` beside the code is reported by the
+#: layout check on its own)
+CODED_SUFFIXES: dict[str, frozenset[str]] = {
+    "exl3": EXL3_SUFFIXES | {"weight"},
+    "escha": frozenset({ESCHA_CODE, *ESCHA_IN_SCALES, *ESCHA_OUT_SCALES, "bias", "weight"}),
+}
+#: the tensors vLLM loads into a dense module of a stated class's decoder layers (whether a bias belongs is the
+#: layout check's), and into its token embedding, final norm and head (none of them has a bias in those classes)
+DENSE_SUFFIXES = frozenset({"weight", "bias"})
+OUTSIDE_SUFFIXES = frozenset({"weight"})
+FIX_STRAY = "remove the stray tensor(s) from a copy of the pack (and from its index), or re-download the pack"
+
+
+def stray_tensor_problems(pack: Pack) -> list[Problem]:
+    """Tensors a module holds beside its weight that its vLLM layer has no parameter for: on a trellis or escha
+    module, anything but its code's tensors (``q_proj.weird``, ``gate_proj.bias0``); for the model classes whose
+    layer the project states (:func:`~quantpack_core.layout.stated_class`), on a dense module of the decoder layers
+    anything but ``weight`` and ``bias``, on the token embedding, the final norm or the head anything but
+    ``weight``. vLLM's loader stopped on each in the worker without naming it (vLLM 0.32: ``AttributeError:
+    'QKVParallelLinear' object has no attribute 'data'``). One problem per module, naming its stray tensors;
+    modules that hold only scales or rotary tables are vLLM's to skip
+    (:func:`~quantpack_core.layout.skipped_by_vllm`)."""
+    stated = stated_class(pack._built_config()) is not None
+    out: list[Problem] = []
+    for key, m in pack.modules.items():
+        allowed = CODED_SUFFIXES.get(m.format)
+        if allowed is None and stated and m.format == "dense" and not skipped_by_vllm(key, set(m.tensors)):
+            in_layers = re.match(r"model\.layers\.\d{1,9}\.", key) and not Pack.OTHER_STACKS.search(key)
+            allowed = DENSE_SUFFIXES if in_layers else OUTSIDE_SUFFIXES if key in Pack.OUTSIDE_LAYERS else None
+        stray = sorted(set(m.tensors) - allowed) if allowed is not None else []
+        if stray:
+            shown = ", ".join(f".{s}" for s in stray[:6]) + (f" ... ({len(stray)} in all)" if len(stray) > 6 else "")
+            kind = {"exl3": "an EXL3", "escha": "an escha"}.get(m.format, "a dense")
+            what = (
+                f"holds {shown} beside its weight, which {kind} layer has no parameter for: vLLM's loader would stop "
+                "on it in the worker without naming it"
+            )
+            out.append(Problem(key, f"{key}.{stray[0]}", what, FIX_STRAY))
+    return out
+
+
+#: the tokenizer files vLLM reads from the pack folder (when it is also the tokenizer's), each a JSON object
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+FIX_TOKENIZER = "re-download the pack's tokenizer files (or give vLLM --tokenizer with a sound copy)"
+
+
+def tokenizer_problems(pack: Pack) -> list[Problem]:
+    """The pack's tokenizer files where vLLM (transformers) cannot read them: not a JSON object, a ``tokenizer.json``
+    without its ``model``, or one the ``tokenizers`` library refuses (where it is installed, as beside vLLM). vLLM
+    reads them after the pack's check, in its own process, and stopped there with a parse error naming no file."""
+    out: list[Problem] = []
+    for name in TOKENIZER_FILES:
+        path = pack.path / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            out.append(Problem("", name, f"not valid JSON ({type(e).__name__}: {str(e)[:80]})", FIX_TOKENIZER))
+            continue
+        if not isinstance(data, dict):
+            out.append(Problem("", name, f"is a JSON {type(data).__name__}, not an object", FIX_TOKENIZER))
+        elif name == "tokenizer.json" and (why := _tokenizer_refusal(path, data)):
+            out.append(Problem("", name, why, FIX_TOKENIZER))
+    return out
+
+
+def _tokenizer_refusal(path: Path, data: dict) -> str | None:
+    """Why the ``tokenizers`` library cannot build the tokenizer ``path`` (holding ``data``), else None."""
+    if not isinstance(data.get("model"), dict):
+        return "has no tokenizer model (its 'model' object is missing)"
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as e:  # the library's own refusal (a Rust error raised as an Exception)
+        return f"the tokenizers library cannot read it ({str(e)[:120]})"
+    return None
