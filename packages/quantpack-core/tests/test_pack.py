@@ -678,6 +678,42 @@ def fixture_copy(fixtures_dir, dst, tensors=None, config=None, name=LLAMA, manif
     return dst
 
 
+def test_a_marker_lost_where_no_config_names_the_codebook_is_named(fixtures_dir, tmp_path):
+    """One layer's .mul1 deleted, no codebook in the configs, no multiplier in the manifest (the other 28 coded
+    modules keeping theirs): that layer would decode as 3INST (served before: KL 5.50 nats, top-1 2.4%). One
+    codebook per pack: the module that differs is named."""
+
+    def drop_marker(t):
+        del t["model.layers.2.mlp.down_proj.mul1"]
+
+    path = fixture_copy(
+        fixtures_dir, tmp_path / "p", drop_marker, lambda c: c["quantization_config"].pop("codebook", None)
+    )
+    err = expect_problem(
+        path,
+        "model.layers.2.mlp.down_proj: model.layers.2.mlp.down_proj.mul1: has no codebook marker (3INST) while the "
+        "pack's other coded modules are mul1 (28 mul1, 1 3inst",
+        "mul1_multiplier",
+    )
+    assert len(err.problems) == 1
+
+
+def test_codebooks_mixed_on_purpose_are_stated_by_the_manifest(tmp_path):
+    """The synthetic pack mixes mul1 and mcg modules with no codebook in its config: its manifest records each
+    marker's multiplier (as exllamav3 writes them), which states the mixture; without the manifest the module of the
+    fewer codebook is named, and a marker the manifest does not record is named too."""
+    Pack.open(write_pack(tmp_path / "stated", base_tensors(), CONFIG))
+    expect_problem(
+        write_pack(tmp_path / "unstated", base_tensors(), CONFIG, manifest=False),
+        "lm_head.mcg: has a .mcg marker while the pack's other coded modules are mul1 (2 mul1, 1 mcg",
+    )
+    path = write_pack(tmp_path / "added", base_tensors(), CONFIG)
+    mf = json.loads((path / "quantization_config.json").read_text())
+    del mf["tensor_storage"]["lm_head"]["mcg_multiplier"]
+    (path / "quantization_config.json").write_text(json.dumps(mf))
+    expect_problem(path, "lm_head.mcg: has a .mcg marker, but quantization_config.json", "records none")
+
+
 @pytest.mark.parametrize(
     "module,extra,needles",
     [

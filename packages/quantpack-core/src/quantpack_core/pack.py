@@ -703,6 +703,7 @@ class Pack:
         out.extend(self._config_problems())
         out.extend(stray_tensor_problems(self))
         out.extend(tokenizer_problems(self))
+        out.extend(codebook_mixture_problems(self))
         named = {p.module for p in out}
         out.extend(p for p in self._layout_problems() if p.module not in named)
         return out
@@ -1790,14 +1791,23 @@ class Pack:
             # as 3INST, silently wrong (where the quantization config names no codebook; where it does, the marker
             # check names the module already)
             m = self.modules.get(module)
+            stated = manifest_states_codebooks(self)
             for marker in ("mcg", "mul1") if self._pack_codebook() is None else ():
-                if isinstance(entry, dict) and f"{marker}_multiplier" in entry and m is not None:
-                    if m.format == "exl3" and marker not in m.tensors:
-                        what = (
-                            f"{MANIFEST_FILE} records a {marker} multiplier for this module, but it has no .{marker} "
-                            "marker: it would decode with the 3INST codebook, silently wrong"
-                        )
-                        out.append(Problem(module, f"{module}.{marker}", what, FIX_REDOWNLOAD))
+                if not isinstance(entry, dict) or m is None or m.format != "exl3":
+                    continue
+                if f"{marker}_multiplier" in entry and marker not in m.tensors:
+                    what = (
+                        f"{MANIFEST_FILE} records a {marker} multiplier for this module, but it has no .{marker} "
+                        "marker: it would decode with the 3INST codebook, silently wrong"
+                    )
+                    out.append(Problem(module, f"{module}.{marker}", what, FIX_REDOWNLOAD))
+                elif stated and f"{marker}_multiplier" not in entry and marker in m.tensors:
+                    # (a manifest that records multipliers records every marker: this one was added)
+                    what = (
+                        f"has a .{marker} marker, but {MANIFEST_FILE}, which records the codebook multipliers, "
+                        "records none for this module: it was quantized with another codebook"
+                    )
+                    out.append(Problem(module, f"{module}.{marker}", what, FIX_REDOWNLOAD))
         return out
 
     # ------------------------------------------------------------------------------------------------ reading
@@ -2079,3 +2089,52 @@ def _tokenizer_refusal(path: Path, data: dict) -> str | None:
     except Exception as e:  # the library's own refusal (a Rust error raised as an Exception)
         return f"the tokenizers library cannot read it ({str(e)[:120]})"
     return None
+
+
+def manifest_states_codebooks(pack: Pack) -> bool:
+    """Whether the pack's manifest records codebook multipliers (``mcg_multiplier`` / ``mul1_multiplier``, as
+    exllamav3 writes them into ``tensor_storage``): it then states each coded module's codebook (none recorded:
+    3INST), and :meth:`Pack._manifest_problems` holds every module's markers against it."""
+    return any(
+        isinstance(e, dict) and ("mcg_multiplier" in e or "mul1_multiplier" in e) for e in pack.manifest.values()
+    )
+
+
+def codebook_mixture_problems(pack: Pack) -> list[Problem]:
+    """One codebook per pack, unless the config says otherwise: exllamav3 quantizes a whole pack with one codebook
+    and marks it on every coded module (``.mcg`` / ``.mul1``; none for 3INST), so where ``quantization_config``
+    names no codebook and the manifest records no multipliers (:func:`manifest_states_codebooks`), EXL3 modules of
+    several codebooks mean markers lost or added. A lost ``.mul1`` decodes its layer as 3INST: accepted before, one
+    layer of 29 so decoded gave KL 5.50 nats, top-1 2.4% (vLLM 0.32, llama-tiny). Each module of the codebooks
+    fewer modules use is named (ties: the marked ones' minority is the unmarked). Where the config names one, each
+    module is held against it (:meth:`Pack._exl3_problems`)."""
+    if pack._pack_codebook() is not None or manifest_states_codebooks(pack):
+        return []
+    groups: dict[Codebook, list[str]] = {}
+    for key, m in pack.modules.items():
+        if m.format == "exl3" and m.codebook is not None:
+            groups.setdefault(m.codebook, []).append(key)
+    if len(groups) < 2:
+        return []
+    # the codebook most modules use is taken as the pack's; on a tie the marked one (a marker is not lost by chance)
+    main = max(groups, key=lambda c: (len(groups[c]), c is not Codebook.INST3))
+    counts = ", ".join(f"{len(v)} {c.value}" for c, v in sorted(groups.items(), key=lambda kv: -len(kv[1])))
+    fix = (
+        f"re-download the file that holds the module (or re-quantize the pack); a pack quantized with several "
+        f"codebooks on purpose states them: quantization_config's codebook, or {MANIFEST_FILE}'s per-module "
+        "mcg_multiplier / mul1_multiplier as exllamav3 writes them"
+    )
+    out: list[Problem] = []
+    for codebook, keys in groups.items():
+        if codebook is main:
+            continue
+        for key in keys:
+            if codebook is Codebook.INST3:
+                tensor = f"{key}.{main.value}"
+                what = f"has no codebook marker (3INST) while the pack's other coded modules are {main.value}"
+            else:
+                tensor = f"{key}.{codebook.value}"
+                what = f"has a .{codebook.value} marker while the pack's other coded modules are {main.value}"
+            what += f" ({counts}; quantization_config names no codebook): one codebook per pack"
+            out.append(Problem(key, tensor, what, fix))
+    return out

@@ -88,6 +88,11 @@ def _manifest_entry(module: str, tensors: dict[str, torch.Tensor]) -> dict:
         entry["quant_format"] = "exl3"
         w = tr.shape[-1]
         entry["bits_per_weight"] = w // 16 if w % 16 == 0 else (w - 8) / 16 + 0.5
+        # exllamav3's quantization_config.json records each marker's multiplier (as an unsigned 32-bit value)
+        for marker in ("mul1", "mcg"):
+            m = tensors.get(f"{module}.{marker}")
+            if m is not None and m.numel() == 1:
+                entry[f"{marker}_multiplier"] = int(m.reshape(()).item()) & 0xFFFFFFFF
     return entry
 
 
