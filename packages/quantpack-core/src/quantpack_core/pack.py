@@ -90,6 +90,8 @@ ESCHA_CODE = "escha_code"
 #: escha's scale vectors: input side (``(in,)``), then output side (``(out,)``)
 ESCHA_IN_SCALES = ("escha_rin", "escha_s_in")
 ESCHA_OUT_SCALES = ("escha_rout", "escha_s_out")
+#: escha's optional geometry record of its writer (int32 ``[16, K, 2, 1, in, out]``; informational)
+ESCHA_CONFIG = "escha_config"
 #: storage kinds holding a trellis (K and codebook known)
 CODED_FORMATS = ("exl3", "escha")
 FIX_ESCHA_META = "re-download or re-convert the pack"
@@ -2013,7 +2015,7 @@ class Pack:
 #: layout check on its own)
 CODED_SUFFIXES: dict[str, frozenset[str]] = {
     "exl3": EXL3_SUFFIXES | {"weight"},
-    "escha": frozenset({ESCHA_CODE, *ESCHA_IN_SCALES, *ESCHA_OUT_SCALES, "bias", "weight"}),
+    "escha": frozenset({ESCHA_CODE, *ESCHA_IN_SCALES, *ESCHA_OUT_SCALES, ESCHA_CONFIG, "bias", "weight"}),
 }
 #: the tensors vLLM loads into a dense module of a stated class's decoder layers (whether a bias belongs is the
 #: layout check's), and into its token embedding, final norm and head (none of them has a bias in those classes)
