@@ -765,3 +765,79 @@ def test_a_broken_tokenizer_is_named(fixtures_dir, tmp_path, text, needle):
     if "library" in needle:
         pytest.importorskip("tokenizers")
     expect_problem(path, needle, "re-download the pack's tokenizer files")
+
+
+def _scale(module, suffix, factor):
+    def edit(t):
+        t[f"{module}.{suffix}"] = (t[f"{module}.{suffix}"].float() * factor).to(t[f"{module}.{suffix}"].dtype)
+
+    return edit
+
+
+def _norm_value(t):
+    t["model.layers.1.input_layernorm.weight"] = t["model.layers.1.input_layernorm.weight"].float()
+    t["model.layers.1.input_layernorm.weight"][5] = 3.0e38
+
+
+def _embedding_row(t):
+    t["model.embed_tokens.weight"][17] *= 1e6
+
+
+@pytest.mark.parametrize(
+    "edit,needles",
+    [
+        (_norm_value, ["input_layernorm.weight: 1 of 256 values lie beyond 10000", "index 5, 3e+38", "norm weight"]),
+        (_scale("model.layers.1.mlp.up_proj", "suh", 0), ["up_proj.suh: all 256 values are 0"]),
+        (_scale("model.layers.0.self_attn.o_proj", "svh", 0), ["o_proj.svh: all 256 values are 0"]),
+        (_scale("model.layers.3.mlp.down_proj", "svh", 2e4), ["down_proj.svh:", "beyond 10000", "such a scale"]),
+        (
+            _embedding_row,
+            ["model.embed_tokens.weight: 1 of 1024 rows hold values beyond 10000 in magnitude (first: row 17)"],
+        ),
+    ],
+    ids=["norm-3e38", "suh-zero", "svh-zero", "svh-huge", "embedding-row"],
+)
+def test_finite_but_impossible_values_are_named(fixtures_dir, tmp_path, edit, needles):
+    """Values no trained model holds, each served before without a word: a norm weight of 3.0e38 (every logprob
+    NaN), an all-zero suh (KL 5.2 nats) or svh (the layer's weights all 0), scales and table rows far past any
+    measured (quantpack_core.pack.VALUE_LIMIT)."""
+    expect_problem(fixture_copy(fixtures_dir, tmp_path / "p", edit), *needles, "re-download the pack")
+
+
+def test_the_value_limit_lies_far_above_every_bundled_and_converted_pack(fixtures_dir, tmp_path):
+    """The measurement behind VALUE_LIMIT (its comment gives these figures): the largest norm weight, suh / svh,
+    escha scale and dense table value of the bundled packs and of escha / int8-table conversions of them; the limit
+    stays over 3,000 times above every one."""
+    from quantpack_core.embedding import convert_embedding_int8
+    from quantpack_core.layout import is_norm
+    from quantpack_core.pack import CODED_SUFFIXES, VALUE_LIMIT
+
+    packs = sorted(fixtures_dir.glob("*-exl3-*")) + sorted(fixtures_dir.glob("*-bf16"))
+    packs.append(convert_embedding_int8(fixtures_dir / LLAMA, tmp_path / "int8").out_dir)
+    try:
+        from quantpack_escha.convert import escha_from_exl3
+
+        escha_from_exl3(fixtures_dir / "llama-tiny-exl3-4.0bpw-mcg", tmp_path / "escha")
+        packs.append(tmp_path / "escha")
+    except ImportError:  # quantpack-core alone (nox's core session)
+        pass
+    largest: dict[str, float] = {}
+    for path in packs:
+        p = Pack(path)
+        for key, m in p.modules.items():
+            for suffix, info in m.tensors.items():
+                kind = None
+                if m.format in CODED_SUFFIXES and len(info.shape) == 1 and info.dtype.is_floating_point:
+                    kind = suffix if suffix != "bias" else None
+                elif m.format == "dense" and is_norm(key) and suffix == "weight":
+                    kind = "norm"
+                elif m.format == "dense" and key.rsplit(".", 1)[-1] in Pack.TABLE_MODULES and suffix == "weight":
+                    kind = key.rsplit(".", 1)[-1]
+                if kind is not None:
+                    v = float(p.get_tensor(info.name).float().abs().max())
+                    largest[kind] = max(largest.get(kind, 0.0), v)
+    assert largest["norm"] == pytest.approx(1.71875)
+    assert largest["svh"] == pytest.approx(2.671875) and largest["suh"] == pytest.approx(0.249023, rel=1e-4)
+    assert largest["embed_tokens"] == pytest.approx(0.283203, rel=1e-4)
+    assert largest["lm_head"] == pytest.approx(0.380859, rel=1e-4)
+    assert max(largest.values()) * 3000 < VALUE_LIMIT, largest

@@ -1603,6 +1603,8 @@ class Pack:
                 v = self._read_value(key, name, out)
                 if v is not None:
                     self._check_finite(key, name, v, out)
+                    # (not held to be non-zero: escha's rout may hold zeros for pruned channels)
+                    out.extend(implausible_vector_problems(key, name, v, scale=True, zero_ok=True))
         return out
 
     def _escha_meta_problems(self) -> list[Problem]:
@@ -1675,6 +1677,7 @@ class Pack:
                     out.append(Problem(key, name, str(e), FIX_REQUANTIZE))
             else:
                 self._check_finite(key, name, v, out)
+                out.extend(implausible_vector_problems(key, name, v, scale=True))
         return out
 
     #: elements up to which a dense module's floating vectors are read and checked for NaN / Inf (norm weights, biases,
@@ -1704,6 +1707,8 @@ class Pack:
             v = self._read_value(m.key, name, out)
             if v is not None:
                 self._check_finite(m.key, name, v, out)
+                if is_norm(m.key) and suffix == "weight":
+                    out.extend(implausible_vector_problems(m.key, name, v, scale=False))
         return out
 
     def _table_problems(self, m: ModuleInfo, out: list[Problem]) -> None:
@@ -1719,7 +1724,7 @@ class Pack:
             return
         rows, cols = info.shape
         step = max(1, self.TABLE_CHUNK_ELEMENTS // max(cols, 1))
-        bad_rows, first = 0, None
+        bad_rows, first, huge_rows, first_huge = 0, None, 0, None
         for r0 in range(0, rows, step):
             try:
                 chunk = sl[r0 : r0 + step]
@@ -1730,6 +1735,10 @@ class Pack:
             if bool(bad.any()):
                 bad_rows += int(bad.sum())
                 first = r0 + int(bad.nonzero()[0, 0]) if first is None else first
+            huge = ~bad & (chunk.abs().amax(dim=1) > VALUE_LIMIT) if chunk.numel() else bad
+            if bool(huge.any()):
+                huge_rows += int(huge.sum())
+                first_huge = r0 + int(huge.nonzero()[0, 0]) if first_huge is None else first_huge
         if bad_rows:
             out.append(
                 Problem(
@@ -1739,6 +1748,12 @@ class Pack:
                     FIX_REDOWNLOAD,
                 )
             )
+        if huge_rows:
+            what = (
+                f"{huge_rows} of {rows} rows hold values beyond {VALUE_LIMIT:g} in magnitude (first: row {first_huge}):"
+                " no trained model's table holds such a row"
+            )
+            out.append(Problem(m.key, name, what, FIX_REDOWNLOAD))
 
     def _read_value(self, key: str, name: str, out: list[Problem]) -> torch.Tensor | None:
         """Tensor ``name`` of module ``key``, or None after recording why safetensors cannot read its bytes."""
@@ -2139,4 +2154,38 @@ def codebook_mixture_problems(pack: Pack) -> list[Problem]:
                 what = f"has a .{codebook.value} marker while the pack's other coded modules are {main.value}"
             what += f" ({counts}; quantization_config names no codebook): one codebook per pack"
             out.append(Problem(key, tensor, what, fix))
+    return out
+
+
+#: the largest magnitude a norm weight, an EXL3 ``suh`` / ``svh``, an escha scale or a value of a dense vocabulary
+#: table may have. Measured on the bundled packs (11 EXL3, their bf16 sources, the EAGLE draft) and the packs
+#: converted from them (3 escha, 2 with int8 tables): norm weights up to 1.72 (llama-tiny 2.5 bpw's model.norm),
+#: svh 2.67, suh 0.249, escha scales 2.0, embedding tables 0.283, a dense head 0.381. The limit lies some 3,700 times
+#: above the largest of those and below float16's largest value (65,504), the activations' dtype in exllamav3's
+#: kernels: a gain past it would overflow any float16 activation above 6.6, so no trained model holds it. A norm
+#: weight of 3.0e38 was served before with every logprob NaN (vLLM 0.32, float32).
+VALUE_LIMIT = 1e4
+
+
+def implausible_vector_problems(
+    key: str, name: str, v: torch.Tensor, *, scale: bool, zero_ok: bool = False
+) -> list[Problem]:
+    """A 1-D vector's finite values beyond :data:`VALUE_LIMIT` in magnitude (counted, the first index and value
+    named; NaN / Inf are the finiteness check's), and for a ``scale`` vector (EXL3 ``suh`` / ``svh``, escha scales)
+    unless ``zero_ok``, one that is all zero: every weight of its layer is then 0 (an all-zero ``suh`` was served
+    before at KL 5.2 nats).
+    Vectorised: one pass over the vector."""
+    a = v.detach().float().abs()
+    out: list[Problem] = []
+    huge = torch.isfinite(a) & (a > VALUE_LIMIT)
+    if bool(huge.any()):
+        i = int(huge.nonzero()[0, 0])
+        what = (
+            f"{int(huge.sum())} of {v.numel()} values lie beyond {VALUE_LIMIT:g} in magnitude (first: index {i}, "
+            f"{float(v[i]):.3g}): no trained model keeps such a {'scale' if scale else 'norm weight'}"
+        )
+        out.append(Problem(key, name, what, FIX_REDOWNLOAD))
+    if scale and not zero_ok and v.numel() and not bool(a.any()):
+        what = f"all {v.numel()} values are 0: every weight of the layer would be 0"
+        out.append(Problem(key, name, what, FIX_REDOWNLOAD))
     return out
