@@ -841,3 +841,49 @@ def test_the_value_limit_lies_far_above_every_bundled_and_converted_pack(fixture
     assert largest["embed_tokens"] == pytest.approx(0.283203, rel=1e-4)
     assert largest["lm_head"] == pytest.approx(0.380859, rel=1e-4)
     assert max(largest.values()) * 3000 < VALUE_LIMIT, largest
+
+
+@pytest.mark.parametrize(
+    "edit,needles",
+    [
+        ({"num_key_value_heads": 1}, ["k_proj.svh: config.json gives it 64 outputs (num_key_value_heads x head_dim)"]),
+        (
+            {"intermediate_size": 600},
+            ["gate_proj.svh: config.json gives it 600 outputs (intermediate_size) of the 640"],
+        ),
+        ({"intermediate_size": 520}, ["up_proj.svh", "520 outputs", "svh scales output 520 (and 119 more"]),
+        (
+            {"num_attention_heads": 8, "head_dim": 32},
+            ["k_proj.svh: config.json gives it 64 outputs", "model.layers.0.self_attn.v_proj.svh"],
+        ),
+        (
+            {"num_attention_heads": 3},
+            ["num_attention_heads 3 is not a multiple of num_key_value_heads 2", "q_proj.svh"],
+        ),
+    ],
+    ids=["kv-heads-1", "intermediate-600", "intermediate-520", "heads-8-of-32", "heads-3"],
+)
+def test_sizes_inside_the_padding_are_held_against_the_padded_scales(fixtures_dir, tmp_path, edit, needles):
+    """Config sizes that end inside EXL3's 128-feature padding store the same shapes (2 -> 1 key-value heads of
+    64: 128 stored either way), so vLLM served them as garbage (KL 3.98 nats for one key-value head, 0.077 / 0.29
+    for intermediate_size 600 / 520, 4.41 for 8 heads of 32). exllamav3 writes 0 into the scales of its padded
+    outputs, so outputs the config leaves out whose svh is not 0 are real features: named. 3 heads over 2 key-value
+    heads (vLLM refuses it in the worker) is named from the config too."""
+
+    def config(c):
+        c.update(edit)
+
+    expect_problem(fixture_copy(fixtures_dir, tmp_path / "p", config=config), *needles)
+
+
+def test_real_padding_passes_the_padded_scales_check(tmp_path):
+    """A pack whose sizes truly end inside the padding (intermediate 600 in 640 stored outputs, as exllamav3 writes
+    it: svh 0 past 600) opens; named where config.json claims fewer features than the layer holds."""
+    t = layer_tensors("model.layers.0.mlp.gate_proj", 256, 600, 4, seed=1)
+    t.update(layer_tensors("model.layers.0.mlp.up_proj", 256, 600, 4, seed=2))
+    t.update(layer_tensors("model.layers.0.mlp.down_proj", 600, 256, 4, seed=3))
+    t.update({k: v for k, v in base_tensors().items() if not k.startswith("model.layers.")})
+    assert float(t["model.layers.0.mlp.gate_proj.svh"][600:].abs().max()) == 0
+    config = {**CONFIG, "num_hidden_layers": 1, "intermediate_size": 600}
+    Pack.open(write_pack(tmp_path / "p", t, config))
+    expect_problem(write_pack(tmp_path / "q", t, {**config, "intermediate_size": 590}), "svh scales output 590")

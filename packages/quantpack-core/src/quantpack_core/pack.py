@@ -706,6 +706,9 @@ class Pack:
         out.extend(stray_tensor_problems(self))
         out.extend(tokenizer_problems(self))
         out.extend(codebook_mixture_problems(self))
+        out.extend(head_count_problems(self))
+        if check_values:
+            out.extend(padding_problems(self))
         named = {p.module for p in out}
         out.extend(p for p in self._layout_problems() if p.module not in named)
         return out
@@ -2189,3 +2192,69 @@ def implausible_vector_problems(
         what = f"all {v.numel()} values are 0: every weight of the layer would be 0"
         out.append(Problem(key, name, what, FIX_REDOWNLOAD))
     return out
+
+
+#: which config.json sizes fix a projection's outputs (:meth:`Pack.config_logical_shape`), for messages
+OUTPUT_SIZES = {
+    "q_proj": "num_attention_heads x head_dim",
+    "k_proj": "num_key_value_heads x head_dim",
+    "v_proj": "num_key_value_heads x head_dim",
+    "gate_proj": "intermediate_size",
+    "up_proj": "intermediate_size",
+    "in_proj_qkvz": "the linear attention's heads x their widths",
+}
+
+
+def padding_problems(pack: Pack) -> list[Problem]:
+    """Sizes inside EXL3's 128-feature padding, which the stored shapes cannot tell apart (``num_key_value_heads`` 1
+    or 2 of 64 features both store 128; ``intermediate_size`` 520, 600 or 640 store 640), held against the padded
+    outputs' scales: exllamav3's converter zero-pads a layer to whole blocks (``Linear.pad_out``) and its
+    quantizer sets the output scale of an all-zero output channel to 0 (``regularize``: ``sv[zero_out_scales] =
+    0``; ``refit_scales`` keeps it), so ``svh`` is 0 past the layer's real outputs. Where config.json's sizes
+    (:meth:`Pack.config_logical_shape`) end inside the stored outputs of an EXL3 projection and ``svh`` is not 0
+    beyond them, the layer holds more features than config.json says: vLLM would serve it as garbage without a word
+    (``num_key_value_heads`` 1 for 2: KL 3.98 nats, top-1 10%; ``intermediate_size`` 600 for 640: KL 0.077).
+    Not for the head (a vocabulary a model pads itself), a tower's or a draft's modules, or escha modules (whose
+    writers are not exllamav3's)."""
+    out: list[Problem] = []
+    for key, m in pack.modules.items():
+        leaf = key.rsplit(".", 1)[-1]
+        if m.format != "exl3" or leaf == "lm_head" or Pack.OTHER_STACKS.search(key) or "svh" not in m.tensors:
+            continue
+        logical = pack.config_logical_shape(m)
+        stored = m.padded_shape[1] if m.padded_shape else None
+        if logical is None or stored is None or logical[1] >= stored:
+            continue
+        svh = pack._read_value(key, f"{key}.svh", out)
+        if svh is None or svh.shape != (stored,):
+            continue
+        live = svh[logical[1] :].float().nonzero()
+        if live.numel():
+            first = logical[1] + int(live[0, 0])
+            sizes = OUTPUT_SIZES.get(leaf, "sizes")
+            if ".shared_expert" in key and leaf in ("gate_proj", "up_proj"):
+                sizes = "shared_expert_intermediate_size"
+            elif ".experts." in key and leaf in ("gate_proj", "up_proj"):
+                sizes = "moe_intermediate_size"
+            what = (
+                f"config.json gives it {logical[1]} outputs ({sizes}) of the {stored} stored, but svh scales output "
+                f"{first} (and {live.numel() - 1} more past {logical[1]}): exllamav3 writes 0 there for padding, so "
+                "the layer holds more features than config.json says and would be served as garbage"
+            )
+            out.append(Problem(key, f"{key}.svh", what, "use the config.json the pack was made with"))
+    return out
+
+
+def head_count_problems(pack: Pack) -> list[Problem]:
+    """``num_attention_heads`` that is not a multiple of ``num_key_value_heads``: vLLM's attention shares each
+    key-value head among a whole group of query heads and refuses the model in the worker (3 heads over 2: the shapes
+    pad alike to 128, so the projection checks pass it)."""
+    cfg = pack.config.get("text_config") if isinstance(pack.config.get("text_config"), dict) else pack.config
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (heads, kv)) or heads % kv == 0:
+        return []
+    what = (
+        f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}: vLLM's attention gives each "
+        "key-value head a whole group of query heads and refuses the model in the worker"
+    )
+    return [Problem("", "config.json", what, "use the config.json the pack was made with")]
