@@ -3,7 +3,8 @@
 * ``quantpack --version``: every installed quantpack package, vLLM, torch and exllamav3, with their versions.
 * ``quantpack inspect PACK [--tp N --max-model-len L]``: validate a pack and print its per-module inventory, and what
   tensor parallelism N does to it (:mod:`quantpack_core.tp_report`).
-* ``quantpack verify PACK [--against REF]``: the pack's logits on the CPU against a reference (:mod:`.verify`).
+* ``quantpack verify PACK [--against REF]``: the pack's logits on the CPU against a reference, or with none its NLL
+  on text (:mod:`.verify`).
 * ``quantpack embed-int8 PACK --out DIR``: store the token-embedding table as int8 rows + per-row scales.
 
 Errors on bad input exit with status 2 and the problems listed (module, tensor, fix); nothing the user gave is
@@ -226,7 +227,8 @@ def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool, kv_cache_dt
 @click.option(
     "--against",
     type=click.Path(path_type=Path),
-    help="A reference_logits.pt file or the bf16 source model's folder (default: the pack's reference_logits.pt).",
+    help="A reference_logits.pt file or the bf16 source model's folder (default: the pack's reference_logits.pt; "
+    "without one, the pack's NLL on Python source against a uniform guess).",
 )
 @click.option(
     "--tokens",
@@ -238,18 +240,15 @@ def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool, kv_cache_dt
 @click.option("--min-top1", type=float, help="Smallest top-1 agreement (default 0.95 against logits, 0.5 a model).")
 def verify(pack: Path, against: Path | None, tokens: int | None, max_kl: float | None, min_top1: float | None) -> None:
     """Decode PACK on the CPU, run it through transformers and compare its next-token logits with a reference: KL and
-    top-1 printed; exit status 1 beyond the bounds, 2 when it cannot run."""
+    top-1 printed (with no reference, its NLL on text its tokenizer encodes); exit status 1 beyond the bounds, 2 when
+    it cannot run."""
     from .verify import verify_pack
 
     try:
         v = verify_pack(pack, against, tokens=tokens, max_kl=max_kl, min_top1=min_top1)
     except QuantpackError as e:
         _fail(e)
-    verdict = "within" if v.ok else "beyond"
-    click.echo(
-        f"{pack} against {v.source} ({v.kind}): {v.agreement}; {verdict} the bounds (KL <= {v.max_kl:g}, "
-        f"top-1 >= {100 * v.min_top1:g}%)"
-    )
+    click.echo(f"{pack} {v.summary()}")
     if not v.ok:
         sys.exit(1)
 
