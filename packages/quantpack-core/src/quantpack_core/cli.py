@@ -109,7 +109,7 @@ def inspect(pack: Path, show_all: bool, tp: int | None, max_model_len: int | Non
     """Validate PACK and print its modules (format, K, codebook, padded and logical shapes, dtype, bytes), a K
     histogram and the bytes per storage kind; with --tp N, every module whose cut at N ranks falls back to whole
     blocks or is refused, and the memory per rank (exit status 1 when a module would be refused)."""
-    from .pack import CODED_FORMATS, Pack
+    from .pack import CODED_FORMATS, Pack, unproven_sizes
 
     try:
         escha = _config_quant_method(pack) == "escha"
@@ -128,6 +128,11 @@ def inspect(pack: Path, show_all: bool, tp: int | None, max_model_len: int | Non
     click.echo("bytes per storage kind: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(kinds.items())))
     if (note := _stated_bits_note(p)) is not None:
         click.echo(note)
+    if unproven := unproven_sizes(p):
+        click.echo(
+            f"note: no tensor proves {'; nor '.join(unproven)}; nor the RoPE, norm epsilon and activation settings: "
+            "`quantpack verify PACK` runs the pack (against its reference_logits.pt, or on text without one)"
+        )
     if tp is not None or max_model_len is not None:  # --max-model-len alone: one rank
         _print_tp(p, tp or 1, max_model_len, show_all, kv_cache_dtype)
 

@@ -2258,3 +2258,41 @@ def head_count_problems(pack: Pack) -> list[Problem]:
         "key-value head a whole group of query heads and refuses the model in the worker"
     )
     return [Problem("", "config.json", what, "use the config.json the pack was made with")]
+
+
+def unproven_sizes(pack: Pack) -> list[str]:
+    """config.json's sizes that no tensor of the pack proves, for ``quantpack inspect``'s note: how the attention's
+    width splits into heads (``num_attention_heads`` x ``head_dim``: the projections hold only the products, and 8
+    heads of 32 store exactly as 4 of 64) unless per-head norms (``q_norm`` / ``k_norm``, one weight per head
+    feature) give ``head_dim``; and escha modules' outputs that end inside the padding (:func:`padding_problems`
+    reads exllamav3's padded scales, not escha's). ``quantpack verify`` runs the pack to catch what these hide."""
+    cfg = pack.config.get("text_config") if isinstance(pack.config.get("text_config"), dict) else pack.config
+
+    def size(key: str) -> int | None:
+        v = cfg.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    out: list[str] = []
+    heads, kv, hidden = size("num_attention_heads"), size("num_key_value_heads"), size("hidden_size")
+    head_dim = size("head_dim") or (hidden // heads if heads and hidden else None)
+    per_head = any(
+        k.rsplit(".", 1)[-1] in ("q_norm", "k_norm") and m.format == "dense" for k, m in pack.modules.items()
+    )
+    attention = any(k.endswith("self_attn.k_proj") for k in pack.modules)
+    if heads and head_dim and attention and not per_head:
+        kv_part = f" and num_key_value_heads {kv}" if kv else ""
+        out.append(
+            f"the split of the attention into num_attention_heads {heads} x head_dim {head_dim}{kv_part} (the "
+            f"projections hold only the products, {heads * head_dim} and {(kv or heads) * head_dim} features)"
+        )
+    padded = [
+        k
+        for k, m in pack.modules.items()
+        if m.format == "escha"
+        and (shape := pack.config_logical_shape(m)) is not None
+        and m.padded_shape is not None
+        and shape[1] < m.padded_shape[1]
+    ]
+    if padded:
+        out.append(f"the outputs of {len(padded)} escha module(s) ending inside their padding ({padded[0]}, ...)")
+    return out
