@@ -432,8 +432,8 @@ def test_nan_rows_in_the_embedding_table_are_named(tmp_path, monkeypatch):
         ({"hidden_size": 512}, ["model.embed_tokens.weight", "is 1024 x 256", "hidden_size 512"]),
         ({"vocab_size": "1024"}, ["config.json", "vocab_size is '1024' (str)"]),
         ({"vocab_size": 2048}, ["model.embed_tokens.weight", "1024 rows, fewer than", "vocab_size 2048"]),
-        ({"vocab_size": 1}, ["model.embed_tokens.weight", "1024 rows, more than", "vocab_size 1"]),
-        ({"vocab_size": 1016}, ["model.embed_tokens.weight", "1024 rows, more than", "vocab_size 1016"]),
+        ({"vocab_size": 1}, ["model.embed_tokens.weight", "1024 rows, 1023 more than", "vocab_size 1:"]),
+        ({"vocab_size": 896}, ["model.embed_tokens.weight", "1024 rows, 128 more than", "vocab_size 896"]),
         ({"intermediate_size": 768}, ["mlp.down_proj.trellis: has 640 inputs", "intermediate_size 768"]),
         ({"num_hidden_layers": 10**9}, ["num_hidden_layers is 1000000000", "layer(s) 1, 2, 3", "999999999 in all"]),
         ({"num_hidden_layers": 2}, ["num_hidden_layers is 2", "no tensor of layer(s) 1 ->"]),
@@ -446,7 +446,7 @@ def test_nan_rows_in_the_embedding_table_are_named(tmp_path, monkeypatch):
         "vocab-string",
         "vocab-rows",
         "vocab-below-rows",
-        "vocab-below-rows-unexplained",
+        "vocab-a-block-below-rows",
         "intermediate",
         "huge-layer-count",
         "missing-layer",
@@ -555,13 +555,15 @@ def test_a_header_naming_a_tensor_twice_is_corrupt(tmp_path):
         {"num_experts": 0, "num_experts_per_tok": 0},  # Granite 4.0's dense variants
         {"intermediate_size": [640], "moe_intermediate_size": [640, 256]},  # Gemma 3n, ERNIE-4.5-VL: per layer / kind
         {"vocab_size": 1016, "architectures": ["MllamaForConditionalGeneration"]},  # 8 image-token rows past vocab
+        {"vocab_size": 1000},  # a vocabulary the model padded: 1,024 rows for 1,000 tokens
         {"num_hidden_layers": 2, "block_configs": [{}, {"attention": {"no_op": True}, "ffn": {"no_op": True}}]},
     ],
-    ids=["dense-moe-fields", "per-layer-sizes", "extra-embedding-rows", "decilm-no-op-blocks"],
+    ids=["dense-moe-fields", "per-layer-sizes", "extra-embedding-rows", "padded-vocabulary", "decilm-no-op-blocks"],
 )
 def test_real_config_shapes_that_are_sound(tmp_path, edit):
     """What real checkpoints' configs do and the config check must accept: 0 experts per token, sizes given per
-    layer, embedding rows past vocab_size, DeciLM blocks that store no tensor (layer 1 here)."""
+    layer, embedding rows past vocab_size (an architecture's own, or a vocabulary padded by under one block), DeciLM
+    blocks that store no tensor (layer 1 here)."""
     Pack.open(write_pack(tmp_path / "p", base_tensors(), {**CONFIG, "num_hidden_layers": 1, **edit}))
 
 
