@@ -532,7 +532,7 @@ class Pack:
                     dtype, esize = SAFETENSORS_DTYPES[h["dtype"]]
                     shape = tuple(int(s) for s in h["shape"])
                     a, b = (int(x) for x in h["data_offsets"])
-                except (KeyError, TypeError, ValueError):
+                except (KeyError, TypeError, ValueError, OverflowError):  # (a JSON 1e999 reads as inf)
                     self._bad_entries.add(name)
                     self._problem(
                         split_tensor_name(name)[0], name, f"header entry in {f} is malformed: {h!r}", f"re-download {f}"
