@@ -19,7 +19,6 @@ never imports it, and importing it there would add seconds to every start).
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import logging
 import sys
 
@@ -81,7 +80,12 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname != self.name:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        spec = None
+        for finder in sys.meta_path:  # the other finders, in their order, as the import would ask them
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         run = spec.loader.exec_module
