@@ -16,6 +16,9 @@ Usage: ``python vllm_e2e.py JOBS.json RESULTS.json``. Each job is a dict with ``
   each MoE layer's router picked during the prompt pass (needs ``eager``).
 * ``nll``: ``pack``, ``dtype``, ``tokens`` (list of token-id lists); mean next-token NLL from prompt logprobs.
 * ``load_error``: ``pack``; building the engine must fail; the error type and message are returned.
+* ``seeded``: ``pack``, ``dtype``, ``prompts`` (token-id lists), ``tokens``; sampled continuations (temperature 1)
+  of every prompt with ``seed`` set, all at once (prompts longer than a step's budget are prefilled in chunks) and
+  then each alone (one step each): ``batch`` and ``alone``, a list of token lists each.
 * ``spec``: ``pack``, ``draft`` (a draft model folder), ``dtype``, ``prompts`` (token-id lists), ``tokens``; greedy
   continuations with speculative decoding (``method``, default ``"eagle"``, ``num_speculative_tokens``, default 3)
   and without (``plain_top2``: the run without the draft's two most likely tokens at each step, with their
@@ -392,7 +395,22 @@ def run_load_error(job: dict) -> dict:
     return {"error_type": None, "message": ""}
 
 
-RUNNERS = {"logits": run_logits, "nll": run_nll, "load_error": run_load_error, "spec": run_spec}
+def run_seeded(job: dict) -> dict:
+    from vllm import SamplingParams
+
+    llm = make_llm(job, job["dtype"], True, 1)
+    prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
+    params = [SamplingParams(max_tokens=job["tokens"], temperature=1.0, seed=1000 + i) for i in range(len(prompts))]
+    batch = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [
+        list(llm.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids)
+        for p, sp in zip(prompts, params, strict=True)
+    ]
+    release(llm)
+    return {"batch": batch, "alone": alone}
+
+
+RUNNERS = {"logits": run_logits, "nll": run_nll, "load_error": run_load_error, "spec": run_spec, "seeded": run_seeded}
 
 
 def main(jobs_path: str, results_path: str) -> None:

@@ -59,3 +59,15 @@ def test_a_short_sequence_s_kv_cache_is_printed_in_kib(fixtures_dir):
         nbytes = per_token // tp * tokens
         want = f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.2f} KiB"
         assert f", {want} for one sequence of {tokens} tokens" in out.output, out.output
+
+
+def test_sizes_no_tensor_proves_are_noted(fixtures_dir):
+    """llama-tiny's head split (4 x 64, 2 key-value heads) stores exactly as 8 x 32 with 4: inspect says no tensor
+    proves it and points at verify; Qwen3-MoE's per-head q_norm / k_norm give head_dim, so no such note."""
+    runner = CliRunner()
+    llama = runner.invoke(main, ["inspect", str(fixtures_dir / LLAMA)])
+    assert llama.exit_code == 0, llama.output
+    assert "note: no tensor proves the split of the attention into num_attention_heads 4 x head_dim 64" in llama.output
+    assert "quantpack verify PACK" in llama.output
+    moe = runner.invoke(main, ["inspect", str(fixtures_dir / "qwen3moe-tiny-exl3-4.0bpw-mul1")])
+    assert moe.exit_code == 0 and "no tensor proves" not in moe.output, moe.output

@@ -432,8 +432,8 @@ def test_nan_rows_in_the_embedding_table_are_named(tmp_path, monkeypatch):
         ({"hidden_size": 512}, ["model.embed_tokens.weight", "is 1024 x 256", "hidden_size 512"]),
         ({"vocab_size": "1024"}, ["config.json", "vocab_size is '1024' (str)"]),
         ({"vocab_size": 2048}, ["model.embed_tokens.weight", "1024 rows, fewer than", "vocab_size 2048"]),
-        ({"vocab_size": 1}, ["model.embed_tokens.weight", "1024 rows, more than", "vocab_size 1"]),
-        ({"vocab_size": 1016}, ["model.embed_tokens.weight", "1024 rows, more than", "vocab_size 1016"]),
+        ({"vocab_size": 1}, ["model.embed_tokens.weight", "1024 rows, 1023 more than", "vocab_size 1:"]),
+        ({"vocab_size": 896}, ["model.embed_tokens.weight", "1024 rows, 128 more than", "vocab_size 896"]),
         ({"intermediate_size": 768}, ["mlp.down_proj.trellis: has 640 inputs", "intermediate_size 768"]),
         ({"num_hidden_layers": 10**9}, ["num_hidden_layers is 1000000000", "layer(s) 1, 2, 3", "999999999 in all"]),
         ({"num_hidden_layers": 2}, ["num_hidden_layers is 2", "no tensor of layer(s) 1 ->"]),
@@ -446,7 +446,7 @@ def test_nan_rows_in_the_embedding_table_are_named(tmp_path, monkeypatch):
         "vocab-string",
         "vocab-rows",
         "vocab-below-rows",
-        "vocab-below-rows-unexplained",
+        "vocab-a-block-below-rows",
         "intermediate",
         "huge-layer-count",
         "missing-layer",
@@ -555,13 +555,15 @@ def test_a_header_naming_a_tensor_twice_is_corrupt(tmp_path):
         {"num_experts": 0, "num_experts_per_tok": 0},  # Granite 4.0's dense variants
         {"intermediate_size": [640], "moe_intermediate_size": [640, 256]},  # Gemma 3n, ERNIE-4.5-VL: per layer / kind
         {"vocab_size": 1016, "architectures": ["MllamaForConditionalGeneration"]},  # 8 image-token rows past vocab
+        {"vocab_size": 1000},  # a vocabulary the model padded: 1,024 rows for 1,000 tokens
         {"num_hidden_layers": 2, "block_configs": [{}, {"attention": {"no_op": True}, "ffn": {"no_op": True}}]},
     ],
-    ids=["dense-moe-fields", "per-layer-sizes", "extra-embedding-rows", "decilm-no-op-blocks"],
+    ids=["dense-moe-fields", "per-layer-sizes", "extra-embedding-rows", "padded-vocabulary", "decilm-no-op-blocks"],
 )
 def test_real_config_shapes_that_are_sound(tmp_path, edit):
     """What real checkpoints' configs do and the config check must accept: 0 experts per token, sizes given per
-    layer, embedding rows past vocab_size, DeciLM blocks that store no tensor (layer 1 here)."""
+    layer, embedding rows past vocab_size (an architecture's own, or a vocabulary padded by under one block), DeciLM
+    blocks that store no tensor (layer 1 here)."""
     Pack.open(write_pack(tmp_path / "p", base_tensors(), {**CONFIG, "num_hidden_layers": 1, **edit}))
 
 
@@ -635,3 +637,272 @@ def test_one_missing_file_is_one_line_of_the_error_not_one_per_tensor(fixtures_d
     assert "no safetensors file" in lines[0]
     assert "listed in quantization_config.json but absent" in lines[1] and "(the same for 125 more: " in lines[1]
     assert "127 problems found in this pack (2 lines: alike ones folded):" in str(e.value)  # the count says so
+
+
+LLAMA = "llama-tiny-exl3-4.0bpw-mul1"
+
+
+def fixture_copy(fixtures_dir, dst, tensors=None, config=None, name=LLAMA, manifest=True):
+    """A copy of bundled pack ``name`` at ``dst``: ``tensors(dict)`` edits its tensors in place (the manifest, kept
+    unless ``manifest`` is False, is rewritten alike by write_pack), ``config(dict)`` its config.json and
+    quantization_config.json's settings."""
+    from safetensors.torch import load_file
+
+    shutil.copytree(fixtures_dir / name, dst)
+    if tensors is not None:
+        t = load_file(str(dst / "model.safetensors"))
+        tensors(t)
+        (dst / "model.safetensors").unlink()
+        save_file(t, str(dst / "model.safetensors"))
+        if manifest:
+            from quantpack_core.synthetic import _manifest_entry
+
+            mf = json.loads((dst / "quantization_config.json").read_text())
+            modules = {}
+            for n, v in t.items():
+                modules.setdefault(n.rpartition(".")[0], {})[n] = v
+            mf["tensor_storage"] = {m: _manifest_entry(m, ts) for m, ts in modules.items()}
+            for entry in mf["tensor_storage"].values():  # as the bundled manifests: no codebook multipliers
+                entry.pop("mul1_multiplier", None)
+                entry.pop("mcg_multiplier", None)
+            (dst / "quantization_config.json").write_text(json.dumps(mf))
+    if not manifest:
+        (dst / "quantization_config.json").unlink()
+    if config is not None:
+        c = json.loads((dst / "config.json").read_text())
+        config(c)
+        (dst / "config.json").write_text(json.dumps(c))
+        if manifest:
+            mf = json.loads((dst / "quantization_config.json").read_text())
+            qc = {k: v for k, v in mf.items() if k != "tensor_storage"}
+            config({"quantization_config": qc})
+            (dst / "quantization_config.json").write_text(json.dumps({**qc, "tensor_storage": mf["tensor_storage"]}))
+    return dst
+
+
+def test_a_marker_lost_where_no_config_names_the_codebook_is_named(fixtures_dir, tmp_path):
+    """One layer's .mul1 deleted, no codebook in the configs, no multiplier in the manifest (the other 28 coded
+    modules keeping theirs): that layer would decode as 3INST (served before: KL 5.50 nats, top-1 2.4%). One
+    codebook per pack: the module that differs is named."""
+
+    def drop_marker(t):
+        del t["model.layers.2.mlp.down_proj.mul1"]
+
+    path = fixture_copy(
+        fixtures_dir, tmp_path / "p", drop_marker, lambda c: c["quantization_config"].pop("codebook", None)
+    )
+    err = expect_problem(
+        path,
+        "model.layers.2.mlp.down_proj: model.layers.2.mlp.down_proj.mul1: has no codebook marker (3INST) while the "
+        "pack's other coded modules are mul1 (28 mul1, 1 3inst",
+        "mul1_multiplier",
+    )
+    assert len(err.problems) == 1
+
+
+def test_codebooks_mixed_on_purpose_are_stated_by_the_manifest(tmp_path):
+    """The synthetic pack mixes mul1 and mcg modules with no codebook in its config: its manifest records each
+    marker's multiplier (as exllamav3 writes them), which states the mixture; without the manifest the module of the
+    fewer codebook is named, and a marker the manifest does not record is named too."""
+    Pack.open(write_pack(tmp_path / "stated", base_tensors(), CONFIG))
+    expect_problem(
+        write_pack(tmp_path / "unstated", base_tensors(), CONFIG, manifest=False),
+        "lm_head.mcg: has a .mcg marker while the pack's other coded modules are mul1 (2 mul1, 1 mcg",
+    )
+    path = write_pack(tmp_path / "added", base_tensors(), CONFIG)
+    mf = json.loads((path / "quantization_config.json").read_text())
+    del mf["tensor_storage"]["lm_head"]["mcg_multiplier"]
+    (path / "quantization_config.json").write_text(json.dumps(mf))
+    expect_problem(path, "lm_head.mcg: has a .mcg marker, but quantization_config.json", "records none")
+
+
+@pytest.mark.parametrize(
+    "module,extra,needles",
+    [
+        ("model.layers.0.self_attn.q_proj", {"weird": torch.zeros(3)}, ["q_proj.weird: holds .weird beside"]),
+        (
+            "model.layers.1.mlp.gate_proj",
+            {f"bias{i}": torch.zeros(640, dtype=torch.float16) for i in range(10)},
+            ["gate_proj.bias0: holds .bias0, .bias1", "(10 in all)", "an EXL3 layer has no parameter for"],
+        ),
+        ("model.layers.3.input_layernorm", {"scale": torch.ones(256)}, ["input_layernorm.scale: holds .scale"]),
+        ("model.embed_tokens", {"bias": torch.zeros(1024)}, ["model.embed_tokens.bias: holds .bias"]),
+    ],
+    ids=["exl3-weird", "exl3-bias0-9", "norm-stray", "embedding-bias"],
+)
+def test_stray_tensors_on_real_modules_are_named(fixtures_dir, tmp_path, module, extra, needles):
+    """A tensor beside a module's weight that its vLLM layer has no parameter for: vLLM's loader stopped on it in
+    the worker without naming it (``AttributeError: 'QKVParallelLinear' object has no attribute 'data'``)."""
+
+    def add(t):
+        t.update({f"{module}.{s}": v for s, v in extra.items()})
+
+    expect_problem(fixture_copy(fixtures_dir, tmp_path / "p", add), *needles, "remove the stray tensor")
+
+
+def test_an_index_whose_weight_map_is_a_list_is_named(tmp_path):
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG, shards=2)
+    index = path / "model.safetensors.index.json"
+    j = json.loads(index.read_text())
+    j["weight_map"] = [[n, f] for n, f in j["weight_map"].items()]
+    index.write_text(json.dumps(j))
+    expect_problem(path, "model.safetensors.index.json", "weight_map is a JSON list, not an object")
+
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ('{"version": "1.0", "model": {"type": "BPE", "vocab": ', "tokenizer.json: not valid JSON"),
+        ("[1, 2]", "tokenizer.json: is a JSON list, not an object"),
+        ('{"version": "1.0"}', "has no tokenizer model"),
+        ('{"version": "1.0", "model": {"type": "Nonsense"}}', "the tokenizers library cannot read it"),
+    ],
+    ids=["truncated", "list", "no-model", "unknown-model"],
+)
+def test_a_broken_tokenizer_is_named(fixtures_dir, tmp_path, text, needle):
+    """vLLM reads the tokenizer after the pack's check and stopped on a broken one with a parse error naming no
+    file."""
+    path = fixture_copy(fixtures_dir, tmp_path / "p")
+    (path / "tokenizer.json").write_text(text)
+    if "library" in needle:
+        pytest.importorskip("tokenizers")
+    expect_problem(path, needle, "re-download the pack's tokenizer files")
+
+
+def _scale(module, suffix, factor):
+    def edit(t):
+        t[f"{module}.{suffix}"] = (t[f"{module}.{suffix}"].float() * factor).to(t[f"{module}.{suffix}"].dtype)
+
+    return edit
+
+
+def _norm_value(t):
+    t["model.layers.1.input_layernorm.weight"] = t["model.layers.1.input_layernorm.weight"].float()
+    t["model.layers.1.input_layernorm.weight"][5] = 3.0e38
+
+
+def _embedding_row(t):
+    t["model.embed_tokens.weight"][17] *= 1e6
+
+
+@pytest.mark.parametrize(
+    "edit,needles",
+    [
+        (_norm_value, ["input_layernorm.weight: 1 of 256 values lie beyond 10000", "index 5, 3e+38", "norm weight"]),
+        (_scale("model.layers.1.mlp.up_proj", "suh", 0), ["up_proj.suh: all 256 values are 0"]),
+        (_scale("model.layers.0.self_attn.o_proj", "svh", 0), ["o_proj.svh: all 256 values are 0"]),
+        (_scale("model.layers.3.mlp.down_proj", "svh", 2e4), ["down_proj.svh:", "beyond 10000", "such a scale"]),
+        (
+            _embedding_row,
+            ["model.embed_tokens.weight: 1 of 1024 rows hold values beyond 10000 in magnitude (first: row 17)"],
+        ),
+    ],
+    ids=["norm-3e38", "suh-zero", "svh-zero", "svh-huge", "embedding-row"],
+)
+def test_finite_but_impossible_values_are_named(fixtures_dir, tmp_path, edit, needles):
+    """Values no trained model holds, each served before without a word: a norm weight of 3.0e38 (every logprob
+    NaN), an all-zero suh (KL 5.2 nats) or svh (the layer's weights all 0), scales and table rows far past any
+    measured (quantpack_core.pack.VALUE_LIMIT)."""
+    expect_problem(fixture_copy(fixtures_dir, tmp_path / "p", edit), *needles, "re-download the pack")
+
+
+def test_the_value_limit_lies_far_above_every_bundled_and_converted_pack(fixtures_dir, tmp_path):
+    """The measurement behind VALUE_LIMIT (its comment gives these figures): the largest norm weight, suh / svh,
+    escha scale and dense table value of the bundled packs and of escha / int8-table conversions of them; the limit
+    stays over 3,000 times above every one."""
+    from quantpack_core.embedding import convert_embedding_int8
+    from quantpack_core.layout import is_norm
+    from quantpack_core.pack import CODED_SUFFIXES, VALUE_LIMIT
+
+    packs = sorted(fixtures_dir.glob("*-exl3-*")) + sorted(fixtures_dir.glob("*-bf16"))
+    packs.append(convert_embedding_int8(fixtures_dir / LLAMA, tmp_path / "int8").out_dir)
+    try:
+        from quantpack_escha.convert import escha_from_exl3
+
+        escha_from_exl3(fixtures_dir / "llama-tiny-exl3-4.0bpw-mcg", tmp_path / "escha")
+        packs.append(tmp_path / "escha")
+    except ImportError:  # quantpack-core alone (nox's core session)
+        pass
+    largest: dict[str, float] = {}
+    for path in packs:
+        p = Pack(path)
+        for key, m in p.modules.items():
+            for suffix, info in m.tensors.items():
+                kind = None
+                if m.format in CODED_SUFFIXES and len(info.shape) == 1 and info.dtype.is_floating_point:
+                    kind = suffix if suffix != "bias" else None
+                elif m.format == "dense" and is_norm(key) and suffix == "weight":
+                    kind = "norm"
+                elif m.format == "dense" and key.rsplit(".", 1)[-1] in Pack.TABLE_MODULES and suffix == "weight":
+                    kind = key.rsplit(".", 1)[-1]
+                if kind is not None:
+                    v = float(p.get_tensor(info.name).float().abs().max())
+                    largest[kind] = max(largest.get(kind, 0.0), v)
+    assert largest["norm"] == pytest.approx(1.71875)
+    assert largest["svh"] == pytest.approx(2.671875) and largest["suh"] == pytest.approx(0.249023, rel=1e-4)
+    assert largest["embed_tokens"] == pytest.approx(0.283203, rel=1e-4)
+    assert largest["lm_head"] == pytest.approx(0.380859, rel=1e-4)
+    assert max(largest.values()) * 3000 < VALUE_LIMIT, largest
+
+
+@pytest.mark.parametrize(
+    "edit,needles",
+    [
+        ({"num_key_value_heads": 1}, ["k_proj.svh: config.json gives it 64 outputs (num_key_value_heads x head_dim)"]),
+        (
+            {"intermediate_size": 600},
+            ["gate_proj.svh: config.json gives it 600 outputs (intermediate_size) of the 640"],
+        ),
+        ({"intermediate_size": 520}, ["up_proj.svh", "520 outputs", "svh scales output 520 (and 119 more"]),
+        (
+            {"num_attention_heads": 8, "head_dim": 32},
+            ["k_proj.svh: config.json gives it 64 outputs", "model.layers.0.self_attn.v_proj.svh"],
+        ),
+        (
+            {"num_attention_heads": 3},
+            ["num_attention_heads 3 is not a multiple of num_key_value_heads 2", "q_proj.svh"],
+        ),
+    ],
+    ids=["kv-heads-1", "intermediate-600", "intermediate-520", "heads-8-of-32", "heads-3"],
+)
+def test_sizes_inside_the_padding_are_held_against_the_padded_scales(fixtures_dir, tmp_path, edit, needles):
+    """Config sizes that end inside EXL3's 128-feature padding store the same shapes (2 -> 1 key-value heads of
+    64: 128 stored either way), so vLLM served them as garbage (KL 3.98 nats for one key-value head, 0.077 / 0.29
+    for intermediate_size 600 / 520, 4.41 for 8 heads of 32). exllamav3 writes 0 into the scales of its padded
+    outputs, so outputs the config leaves out whose svh is not 0 are real features: named. 3 heads over 2 key-value
+    heads (vLLM refuses it in the worker) is named from the config too."""
+
+    def config(c):
+        c.update(edit)
+
+    expect_problem(fixture_copy(fixtures_dir, tmp_path / "p", config=config), *needles)
+
+
+def test_real_padding_passes_the_padded_scales_check(tmp_path):
+    """A pack whose sizes truly end inside the padding (intermediate 600 in 640 stored outputs, as exllamav3 writes
+    it: svh 0 past 600) opens; named where config.json claims fewer features than the layer holds."""
+    t = layer_tensors("model.layers.0.mlp.gate_proj", 256, 600, 4, seed=1)
+    t.update(layer_tensors("model.layers.0.mlp.up_proj", 256, 600, 4, seed=2))
+    t.update(layer_tensors("model.layers.0.mlp.down_proj", 600, 256, 4, seed=3))
+    t.update({k: v for k, v in base_tensors().items() if not k.startswith("model.layers.")})
+    assert float(t["model.layers.0.mlp.gate_proj.svh"][600:].abs().max()) == 0
+    config = {**CONFIG, "num_hidden_layers": 1, "intermediate_size": 600}
+    Pack.open(write_pack(tmp_path / "p", t, config))
+    expect_problem(write_pack(tmp_path / "q", t, {**config, "intermediate_size": 590}), "svh scales output 590")
+
+
+def test_a_header_number_too_large_for_a_float_is_a_malformed_entry(tmp_path):
+    """A header whose data offsets read as infinity (JSON ``1e999``; one changed header byte made it, in the 10,000-case
+    fuzz run) stopped the check with an OverflowError; it is a malformed entry, named."""
+    import struct
+
+    path = write_pack(tmp_path / "p", base_tensors(), CONFIG)
+    f = path / "model.safetensors"
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    text = json.dumps({**header, "model.norm.weight": {**header["model.norm.weight"], "data_offsets": [0, "INF"]}})
+    text = text.replace('"INF"', "1e999")
+    text += " " * (-len(text) % 8)
+    f.write_bytes(struct.pack("<Q", len(text)) + text.encode() + raw[8 + n :])
+    expect_problem(path, "model.norm.weight", "header entry in model.safetensors is malformed")

@@ -3,13 +3,15 @@ deleted / duplicated / renamed tensors, NaN / Inf in vectors, malformed or empti
 directories or links, links out of the pack, a model class whose layer the check states, with random settings, a
 module stored in another kind)
 must each end in either a sound pack or a :class:`PackError` - never another exception, never a hang (hypothesis'
-deadline), never a change to the pack's files.
+deadline), never a change to the pack's files. A second test corrupts the values and sizes of a trained pack (the
+bundled llama) and runs every pack the check accepts through the core's reference forward against exllamav3's
+logits: an accepted pack above the bound that verify's no-reference mode also passes is silent garbage, a failure.
 
 A corruption that leaves a pack vLLM can serve (a trellis byte changed: every bit pattern is a legal trellis) may
 pass; the ones that cannot be right are asserted to fail (:data:`MUST_FAIL`, and the config fields whose new value
-cannot be right). CI runs :data:`EXAMPLES` cases
-(``QUANTPACK_FUZZ_EXAMPLES`` overrides; ``nox -s fuzz`` runs 10,000 and prints the counts per corruption and
-outcome).
+cannot be right). CI runs :data:`EXAMPLES` cases and :data:`REAL_EXAMPLES` of the trained pack
+(``QUANTPACK_FUZZ_EXAMPLES`` overrides; ``nox -s fuzz`` runs 10,000 and 1,000 and prints the counts per corruption
+and outcome).
 """
 
 import json
@@ -153,6 +155,8 @@ def corrupt(pack: Path, kind: str, draw) -> bool:
                 return not (isinstance(value, list) and all(isinstance(a, str) and a for a in value))
             if key == "text_config":
                 return not isinstance(value, dict)
+            if key == "vocab_size":  # the table's 1,024 rows may pad a vocabulary by less than a 128-row block
+                return not (isinstance(value, int) and not isinstance(value, bool) and 1024 - 128 < value <= 1024)
             return True
     elif kind == "layer-class":
         # a class whose layer the check states (the pack's one layer holds a q_proj and a down_proj: none of those
@@ -273,8 +277,208 @@ def test_corrupted_packs_fail_cleanly(sound_pack, tmp_path_factory, kind, data):
     shutil.rmtree(work)
 
 
+# --- values and sizes of a real pack, and the silent-garbage stage -------------------------------------------------
+
+#: the pack of the value / size fuzz: a trained model whose logits exllamav3 computed (reference_logits.pt)
+REAL = "llama-tiny-exl3-4.0bpw-mul1"
+#: its cases: a tenth of :data:`EXAMPLES` (30 in each CI session, 1,000 in ``nox -s fuzz``)
+REAL_EXAMPLES = max(1, EXAMPLES // 10)
+#: the corruptions of the real pack; those of :data:`REAL_MUST_FAIL` cannot be right
+REAL_KINDS = ("value-huge", "scale-zero", "marker-drop", "stray-tensor", "size", "trellis-bytes")
+REAL_MUST_FAIL = {"value-huge", "scale-zero", "marker-drop", "stray-tensor"}
+#: config.json's sizes the ``size`` kind changes (one to three of them, or the head split: heads and key-value heads
+#: times f, head_dim over f, which keeps every stored shape)
+SIZE_KEYS = (
+    "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "hidden_size",
+    "num_hidden_layers",
+)  # fmt: skip
+#: an accepted pack's KL against its reference above this is garbage: verify's bound against stored logits (the sound
+#: pack: 5.5e-6)
+GARBAGE_KL = 1e-2
+#: the silent-garbage stage's outcomes per kind: ``within`` the bound, ``caught`` above it but beyond verify's bound
+#: on text (verify's no-reference mode, the documented net for what no tensor proves), ``silent`` (a failure),
+#: ``unbuilt`` (transformers builds no model of the config)
+GARBAGE: Counter = Counter()
+#: the largest KL per kind among accepted packs within the bound
+GARBAGE_KL_MAX: dict[str, float] = {}
+
+
+def _near(value: int):
+    """Sizes near ``value``: halved, doubled, one or 64 off, or any in 1 .. 2 x value."""
+    close = [v for v in (value // 2, value * 2, value - 1, value + 1, value - 64, value + 64) if v >= 1]
+    return (st.sampled_from(close) | st.integers(1, 2 * value)).filter(lambda v: v != value)
+
+
+def _size_edit(config: dict, draw) -> None:
+    if draw(st.booleans()):
+        f = draw(st.sampled_from([2, 0.5]))
+        config["head_dim"] = int(config["head_dim"] / f)
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            config[key] = int(config[key] * f)
+        return
+    for key in draw(st.lists(st.sampled_from(SIZE_KEYS), min_size=1, max_size=3, unique=True)):
+        config[key] = draw(_near(config[key]))
+
+
+def mutate_real(pack: Path, kind: str, draw) -> bool:
+    """Apply one corruption of ``kind`` (:data:`REAL_KINDS`) to a copy of the real pack. Returns whether it cannot
+    be right."""
+    import math
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from quantpack_core.pack import VALUE_LIMIT
+
+    t = load_file(str(pack / "model.safetensors"))
+    config = json.loads((pack / "config.json").read_text())
+    manifest = json.loads((pack / "quantization_config.json").read_text())
+    names = sorted(t)
+    if kind == "value-huge":  # one value of a norm, a scale vector or the embedding past the limit
+        name = draw(
+            st.sampled_from([n for n in names if n.endswith((".suh", ".svh", "norm.weight", "embed_tokens.weight"))])
+        )
+        flat = t[name].reshape(-1).clone()
+        top = math.log10(float(torch.finfo(flat.dtype).max))
+        flat[draw(st.integers(0, flat.numel() - 1))] = draw(st.sampled_from([-1, 1])) * 10 ** draw(
+            st.floats(math.log10(VALUE_LIMIT) + 0.01, top - 0.01)
+        )
+        t[name] = flat.reshape(t[name].shape)
+    elif kind == "scale-zero":
+        name = draw(st.sampled_from([n for n in names if n.endswith((".suh", ".svh"))]))
+        t[name] = torch.zeros_like(t[name])
+    elif kind == "marker-drop":  # one module's .mul1 gone, no codebook named anywhere
+        name = draw(st.sampled_from([n for n in names if n.endswith(".mul1")]))
+        del t[name]
+        config["quantization_config"].pop("codebook", None)
+        manifest.pop("codebook", None)
+        manifest["tensor_storage"][name.rsplit(".", 1)[0]]["stored_tensors"].pop(name, None)
+    elif kind == "stray-tensor":
+        module = draw(st.sampled_from(sorted({n.rsplit(".", 1)[0] for n in names})))
+        t[f"{module}.{draw(st.sampled_from(['weird', 'bias0', 'scale2', 'g_idx', 'qzeros', 'weight_']))}"] = (
+            torch.zeros(3)
+        )
+    elif kind == "size":
+        _size_edit(config, draw)
+    elif kind == "trellis-bytes":
+        name = draw(st.sampled_from([n for n in names if n.endswith(".trellis")]))
+        flat = t[name].reshape(-1).clone()
+        flat[draw(st.integers(0, flat.numel() - 1))] ^= 1 << draw(st.integers(0, 15))
+        t[name] = flat.reshape(t[name].shape)
+    else:
+        raise AssertionError(kind)
+    (pack / "model.safetensors").unlink()
+    save_file(t, str(pack / "model.safetensors"))
+    (pack / "config.json").write_text(json.dumps(config))
+    (pack / "quantization_config.json").write_text(json.dumps(manifest))
+    return kind in REAL_MUST_FAIL
+
+
+@pytest.fixture(scope="module")
+def memo_dequantize():
+    """The core codec's dequantize, each module's result kept by its tensors' bytes: a corrupted copy decodes only
+    the module that changed (the same function, its results reused)."""
+    import hashlib
+
+    import torch
+
+    from quantpack_core import codec
+
+    cache: dict = {}
+    real = codec.dequantize
+
+    def dequantize(t, dtype=torch.float32, **kw):
+        h = hashlib.blake2b(str(dtype).encode() + t.codebook.value.encode())
+        for v in (t.trellis, t.suh, t.svh, t.bias):
+            h.update(b"-" if v is None else v.contiguous().numpy().tobytes())
+        key = h.hexdigest()
+        if key not in cache:
+            cache[key] = real(t, dtype, **kw)
+        return cache[key].clone()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(codec, "dequantize", dequantize)
+        yield
+
+
+def garbage_stage(pack: Path, reference: dict) -> tuple[str, float]:
+    """An accepted pack through the core's reference forward (the pack decoded into transformers' model, float32)
+    against the pack's reference logits (exllamav3's), over the vocabulary both give: ``("within", kl)``, or above
+    :data:`GARBAGE_KL` ``"caught"`` where verify's no-reference mode refuses it (its NLL on text beyond
+    ``TEXT_BOUND`` of a uniform guess) and ``"silent"`` where it does not; ``("unbuilt", nan)`` where transformers
+    builds no model of the config."""
+    import math
+
+    import torch
+
+    from quantpack_core.compare import agreement, mean_nll
+    from quantpack_core.reference import dense_transformers_model
+    from quantpack_core.verify import TEXT_BOUND, TEXT_TOKENS, text_ids
+
+    try:
+        model = dense_transformers_model(pack)
+    except Exception:  # a config transformers cannot build a model of (heads that do not divide the width ...)
+        return "unbuilt", float("nan")
+    with torch.no_grad():
+        got = model(reference["input_ids"]).logits
+    width = min(got.shape[-1], reference["logits"].shape[-1])
+    kl = agreement(reference["logits"][..., :width], got[..., :width]).kl
+    if kl <= GARBAGE_KL:
+        return "within", kl
+    ids = text_ids(pack, TEXT_TOKENS)
+    with torch.no_grad():
+        nll = mean_nll(model(ids).logits, ids)
+    return ("caught" if nll > TEXT_BOUND * math.log(got.shape[-1]) else "silent"), kl
+
+
+@settings(
+    max_examples=REAL_EXAMPLES,
+    deadline=60_000,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    database=None,
+)
+@given(kind=st.sampled_from(REAL_KINDS), data=st.data())
+def test_values_and_sizes_of_a_real_pack_fail_cleanly_or_compute_the_same(
+    fixtures_dir, memo_dequantize, tmp_path_factory, kind, data
+):
+    """Value and size corruptions of a trained pack (a value past VALUE_LIMIT, an all-zero scale, a lost codebook
+    marker, a stray tensor, config.json's sizes, a flipped trellis bit): a :class:`PackError` or an accepted pack -
+    never another exception, never a change to the files - and each accepted pack goes through the reference
+    forward: above :data:`GARBAGE_KL` it must be refused by verify on text, else it is silent garbage (a failure)."""
+    import torch
+
+    pytest.importorskip("transformers")
+    work = tmp_path_factory.mktemp("real")
+    pack = work / "pack"
+    shutil.copytree(fixtures_dir / REAL, pack)
+    (pack / "reference_logits.pt").unlink()  # (verify's text mode runs with no reference)
+    must_fail = mutate_real(pack, kind, data.draw)
+    before = snapshot(pack)
+    try:
+        Pack.open(pack)
+    except PackError as e:
+        assert "->" in str(e), str(e)
+        outcome = "error"
+    else:
+        assert not must_fail, f"{kind}: the corrupted pack was accepted"
+        outcome = "accepted"
+        stage, kl = garbage_stage(pack, torch.load(fixtures_dir / REAL / "reference_logits.pt"))
+        GARBAGE[(kind, stage)] += 1
+        if stage == "within":
+            GARBAGE_KL_MAX[kind] = max(GARBAGE_KL_MAX.get(kind, 0.0), kl)
+        assert stage != "silent", f"{kind}: accepted, KL {kl:.3g} against the reference, and verify passes it"
+    assert snapshot(pack) == before, "the check modified the pack"
+    TALLY[(f"real {kind}", outcome)] += 1
+    shutil.rmtree(work)
+
+
 def test_print_tally():
-    """Prints the fuzz run's counts (kind, outcome) -> cases, for the nox session's report."""
+    """Prints the fuzz run's counts (kind, outcome) -> cases and the silent-garbage stage's (kind, stage) -> cases with
+    the largest KL within the bound, for the nox session's report."""
     for (kind, outcome), n in sorted(TALLY.items()):
         print(f"fuzz {kind:20s} {outcome:9s} {n}")
+    for (kind, stage), n in sorted(GARBAGE.items()):
+        print(f"garbage {kind:17s} {stage:9s} {n}")
+    for kind, kl in sorted(GARBAGE_KL_MAX.items()):
+        print(f"garbage {kind:17s} largest KL within the bound {kl:.3g}")
     assert sum(TALLY.values()) > 0 or EXAMPLES == 0

@@ -117,3 +117,21 @@ def test_head_counts_vllm_refuses(fixtures_dir):
     assert any("4 attention heads do not divide over 8 ranks" in why for why in r.model_refusals)
     out = CliRunner().invoke(main, ["inspect", str(fixtures_dir / LLAMA), "--tp", "8"])
     assert out.exit_code == 1 and "the model cannot be served at tensor parallelism 8" in out.output
+
+
+def test_a_padded_vocabulary_is_refused_only_where_tensor_parallelism_cuts_the_head(fixtures_dir, tmp_path):
+    """vocab_size 1000 over llama-tiny's 1,024 stored rows: served at size 1 (the pack check accepts it, the
+    embedding keeps the vocabulary's rows); at size 2 vLLM pads the vocabulary to 1,024 rows split 512 / 512 and a
+    quantized head is cut to whole vocabulary rows, so the model is refused there (as the head's method refuses it
+    when vLLM builds it); a vocabulary of 1,024 is not."""
+    import shutil
+
+    pack = tmp_path / "p"
+    shutil.copytree(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1", pack)
+    config = json.loads((pack / "config.json").read_text())
+    (pack / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+    p = Pack.open(pack)
+    assert not tp_report(p, 1).model_refusals
+    refused = tp_report(p, 2).model_refusals
+    assert any("1000-token vocabulary does not fill the 2 partitions" in why for why in refused), refused
+    assert not tp_report(Pack.open(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1"), 2).model_refusals

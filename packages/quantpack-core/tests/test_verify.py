@@ -1,6 +1,7 @@
 """``quantpack verify``: a bundled pack agrees with the logits exllamav3 stored beside it and with its bf16 source;
 the same pack with one layer's output scales negated (a pack that decodes, but wrongly) is beyond the bounds (exit
-1); no reference is a named error (exit 2)."""
+1), with its reference and without one (its NLL on text); no reference and no tokenizer is a named error (exit
+2)."""
 
 import shutil
 
@@ -49,6 +50,9 @@ def test_a_wrong_pack_is_beyond_the_bounds_and_no_reference_is_named(fixtures_di
     good = runner.invoke(main, ["verify", str(fixtures_dir / PACK)])
     assert good.exit_code == 0 and "within the bounds" in good.output, good.output
     (bad / "reference_logits.pt").unlink()
+    text = runner.invoke(main, ["verify", str(bad)])
+    assert text.exit_code == 1 and "no reference: mean NLL" in text.output and "beyond the bound" in text.output
+    (bad / "tokenizer.json").unlink()
     none = runner.invoke(main, ["verify", str(bad)])
     assert none.exit_code == 2 and "give --against" in none.output
 
@@ -93,3 +97,27 @@ def test_tokens_sets_the_positions_against_a_model(fixtures_dir):
     """``--tokens`` wins over the pack's own reference ids when given; without it those ids are used."""
     source = fixtures_dir / "llama-tiny-bf16"
     assert verify_pack(fixtures_dir / PACK, source, tokens=32).agreement.positions == 32
+
+
+def test_without_a_reference_heads_the_shapes_cannot_tell_are_caught_on_text(fixtures_dir, tmp_path):
+    """8 heads of 32 with 4 key-value heads in llama-tiny's config (4 of 64 and 2): every projection keeps its
+    stored shape, the pack check accepts it, and vLLM would serve garbage (KL 4.41 nats against the reference with 2
+    key-value heads). With no reference, verify runs the pack on Python source: the sound pack's NLL is 0.20 of a
+    uniform guess, this one's above the guess itself (verify.TEXT_BOUND)."""
+    import json
+
+    from quantpack_core import Pack
+    from quantpack_core.verify import TEXT_BOUND
+
+    pack = tmp_path / "heads"
+    shutil.copytree(fixtures_dir / PACK, pack)
+    (pack / "reference_logits.pt").unlink()
+    config = json.loads((pack / "config.json").read_text())
+    config.update(num_attention_heads=8, head_dim=32, num_key_value_heads=4)
+    (pack / "config.json").write_text(json.dumps(config))
+    Pack.open(pack)  # no tensor tells
+    wrong = verify_pack(pack)
+    assert wrong.kind == "text" and not wrong.ok and wrong.nll > wrong.uniform
+    shutil.copy(fixtures_dir / PACK / "config.json", pack / "config.json")
+    sound = verify_pack(pack)
+    assert sound.ok and sound.nll < 0.25 * sound.uniform < TEXT_BOUND * sound.uniform

@@ -83,6 +83,20 @@ def trellis_router_pack(src: Path, dst: Path) -> Path:
     return replace_module(src, dst, module, layer)
 
 
+def padded_vocabulary_pack(src: Path, dst: Path) -> tuple[Path, Path]:
+    """A copy of pack ``src`` whose config.json says ``vocab_size`` 1000 over its 1,024 stored rows (the fixtures'
+    tokenizer has 1,000 tokens), and its reference logits over those 1,000; returns ``(pack, reference file)``."""
+    import json
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+    ref = torch.load(src / "reference_logits.pt")
+    (dst / "reference_logits.pt").unlink()
+    torch.save({"input_ids": ref["input_ids"], "logits": ref["logits"][..., :1000]}, dst.parent / f"{dst.name}.ref.pt")
+    return dst, dst.parent / f"{dst.name}.ref.pt"
+
+
 def per_position_kl(ref_logits: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
     """KL(reference || served) per position, nats: ``ref_logits (1, T, V)`` (logits or log-probabilities) against
     ``lp (T', V)`` log-probabilities, over the first ``T'`` positions, in float64."""
@@ -176,6 +190,26 @@ def run_jobs(fixtures_dir: Path, tmp: Path) -> dict:
             "prompts": prompts,
             "tokens": 32,
         }
+    # vocab_size 1000 over 1,024 stored rows, at tensor-parallel size 1: Llama's embedding (built without a prefix)
+    # and Qwen3-MoE's (with one, which a manifest's dense table used to route to vLLM's own, exact-length loader)
+    for name in (MAIN_PACK, MOE_PACKS[0]):
+        pack, ref = padded_vocabulary_pack(fixtures_dir / name, tmp / f"vocab1000-{name}")
+        jobs[f"vocab1000/{name}"] = {
+            "kind": "logits",
+            "pack": str(pack),
+            "dtype": "float32",
+            "eager": True,
+            "reference": str(ref),
+        }
+    # seeded sampling with prompts prefilled in chunks: 20 prompts of 300 tokens (6,000, over the 4,096 of one step)
+    ids = torch.load(fixtures_dir / MAIN_PACK / "reference_logits.pt")["input_ids"][0].tolist()
+    jobs["seeded"] = {
+        "kind": "seeded",
+        "pack": str(fixtures_dir / MAIN_PACK),
+        "dtype": "float32",
+        "prompts": [(ids[i:] + ids * 3)[:300] for i in range(20)],
+        "tokens": 8,
+    }
     out = run_runner(jobs, tmp, timeout=2400)
     out["_tmp"] = str(tmp)
     out["_tokens"] = tokens

@@ -143,6 +143,30 @@ def test_shorter_table_is_padded_to_vllm_rows(vllm_layers):
     assert layer.weight.shape == (1024, 256) and torch.equal(layer.weight[:1000], w)
 
 
+def test_a_table_longer_than_the_vocabulary_keeps_the_vocabularys_rows(vllm_layers, fixtures_dir):
+    """vocab_size 1000 over the pack's 1,024 stored rows (a vocabulary the model padded): a dense table the manifest
+    knows went to vLLM's own method, whose loader asserts exactly vocab_size rows; it comes here, which keeps rows
+    0..999 and drops the rest (vLLM's layer pads 1000 to 1024 rows, those zero). A table of the vocabulary's length
+    still goes to vLLM's method."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    from quantpack_core.vllm.embedding import Int8RowsEmbeddingMethod
+
+    pack = Pack.open(fixtures_dir / MAIN)
+    w = pack.get_tensor("model.embed_tokens.weight").float()
+    assert w.shape == (1024, 256)
+    exact = embed_layer(vllm_layers, pack.manifest, vocab=1024)
+    assert isinstance(exact.quant_method, UnquantizedEmbeddingMethod)
+    layer = embed_layer(vllm_layers, pack.manifest, vocab=1000)
+    assert isinstance(layer.quant_method, Int8RowsEmbeddingMethod)
+    feed(layer, {"weight": w})
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.weight.shape == (1024, 256)
+    assert torch.equal(layer.weight[:1000], w[:1000]) and not bool(layer.weight[1000:].any())
+    ids = torch.tensor([0, 999, 17])
+    assert torch.equal(layer(ids), w[ids])
+
+
 def test_empty_table_raises_only_when_used(vllm_layers):
     from quantpack_core.errors import LayerLoadError
 

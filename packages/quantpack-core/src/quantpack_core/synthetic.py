@@ -50,7 +50,8 @@ def random_exl3_layer(
 
     Returns:
         ``{suffix: tensor}`` with ``trellis`` int16 ``(kp/16, np/16, 16*K)``, ``suh`` float16 ``(kp,)``,
-        ``svh`` float16 ``(np,)``, the marker and optionally ``bias``.
+        ``svh`` float16 ``(np,)`` (0 past ``out_features``, as exllamav3 writes padding), the marker and optionally
+        ``bias``.
 
     Raises:
         CodecError: illegal K or K/codebook combination.
@@ -63,10 +64,13 @@ def random_exl3_layer(
     trellis = torch.randint(-32768, 32768, (kp // 16, np_ // 16, width), dtype=torch.int32, generator=g, **kw)
     sign_u = torch.randint(0, 2, (kp,), generator=g, **kw) * 2 - 1
     sign_v = torch.randint(0, 2, (np_,), generator=g, **kw) * 2 - 1
+    suh = sign_u * (0.5 + torch.rand(kp, generator=g, **kw))
+    svh = sign_v * scale * (0.5 + torch.rand(np_, generator=g, **kw))
+    svh[out_features:] = 0  # exllamav3 zero-pads the layer, and an all-zero output's scale is 0
     out: dict[str, torch.Tensor] = {
         "trellis": trellis.to(torch.int16),
-        "suh": (sign_u * (0.5 + torch.rand(kp, generator=g, **kw))).to(torch.float16),
-        "svh": (sign_v * scale * (0.5 + torch.rand(np_, generator=g, **kw))).to(torch.float16),
+        "suh": suh.to(torch.float16),
+        "svh": svh.to(torch.float16),
     }
     if cb.marker is not None:
         m = cb.multiplier
@@ -88,6 +92,11 @@ def _manifest_entry(module: str, tensors: dict[str, torch.Tensor]) -> dict:
         entry["quant_format"] = "exl3"
         w = tr.shape[-1]
         entry["bits_per_weight"] = w // 16 if w % 16 == 0 else (w - 8) / 16 + 0.5
+        # exllamav3's quantization_config.json records each marker's multiplier (as an unsigned 32-bit value)
+        for marker in ("mul1", "mcg"):
+            m = tensors.get(f"{module}.{marker}")
+            if m is not None and m.numel() == 1:
+                entry[f"{marker}_multiplier"] = int(m.reshape(()).item()) & 0xFFFFFFFF
     return entry
 
 

@@ -238,6 +238,7 @@ def tp_report(pack: Pack, tp: int, fallback: bool = True, kv_cache_dtype: str = 
         refusals.append(f"{heads} attention heads do not divide over {tp} ranks (vLLM requires it)")
     if isinstance(kv_heads, int) and kv_heads > 0 and kv_heads % tp and tp % kv_heads:
         refusals.append(f"{kv_heads} key-value heads neither divide {tp} ranks nor are divided by them")
+    refusals += _head_vocabulary_refusal(pack, cfg.get("vocab_size"), tp)
     layers = {
         k.rsplit(".self_attn", 1)[0]
         for k in pack.modules
@@ -248,3 +249,20 @@ def tp_report(pack: Pack, tp: int, fallback: bool = True, kv_cache_dtype: str = 
         per_rank_heads = max(1, kv_heads // tp)
         kv = 2 * len(layers) * per_rank_heads * head_dim * element
     return TpReport(tp, tuple(cuts), weights, kv, len(layers), tuple(refusals), element)
+
+
+def _head_vocabulary_refusal(pack: Pack, vocab: object, tp: int) -> list[str]:
+    """Where a coded head's vocabulary does not fill the ``tp`` partitions vLLM pads it to (a multiple of 64, split
+    evenly): the plugins cut a quantized head to whole vocabulary rows per rank and refuse a padded partition
+    (``QuantLinearMethod``'s check, at load); at size 1 such a vocabulary is served."""
+    head = pack.modules.get("lm_head")
+    if tp == 1 or head is None or head.format not in CODED_FORMATS or not isinstance(vocab, int) or vocab < 1:
+        return []
+    padded = -(-vocab // 64) * 64
+    if padded % tp == 0 and vocab == padded:
+        return []
+    return [
+        f"the head's {vocab}-token vocabulary does not fill the {tp} partitions vLLM pads it to ({padded} rows): a "
+        f"quantized head is cut to whole vocabulary rows (serve at tensor-parallel size 1, or re-quantize with a "
+        f"vocabulary padded to a multiple of {64 * tp})"
+    ]

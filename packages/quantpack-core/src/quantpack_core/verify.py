@@ -6,6 +6,11 @@ The pack is decoded by the core codec into transformers' model of its config
 (``{"input_ids": [1, T], "logits": [1, T, V]}``, the logits exllamav3's own kernels gave; the bundled packs have
 one), another such file, or a model folder (the bf16 source the pack was made from, run by transformers on the same
 ids). Source: docs/design.md ("Oracles").
+
+With no reference at all, the pack's own forward is judged on text: its mean next-token NLL on Python source its
+tokenizer encodes, against ``ln(vocabulary)`` (a uniform guess). A sound model predicts such text far better than
+chance; a pack whose sizes or weights its config misstates in ways no tensor shows (8 heads of 32 for 4 of 64, with
+the key-value heads to match: every projection the same shape) predicts it no better.
 """
 
 from __future__ import annotations
@@ -23,6 +28,16 @@ REFERENCE_FILE = "reference_logits.pt"
 #: MoE router's near-ties: up to about 3e-3 on the bundled Qwen3-Next pack), or the unquantized source (the
 #: quantization error itself: a sound pack stays well below, a wrongly decoded one gives several nats)
 BOUNDS = {"logits": (1e-2, 0.95), "model": (1.0, 0.5)}
+#: with no reference (kind ``"text"``): the largest mean NLL on the text, as a fraction of ``ln(vocabulary)``.
+#: Measured on 256 tokens of the text below: the bundled packs 0.179 (Qwen3.5) to 0.313 (Qwen3-Next; llama-tiny 4.0
+#: bpw 0.204, 2.5 bpw 0.220, Qwen3-MoE 3.0 bpw 0.213); llama-tiny with 8 heads of 32 and 4 key-value heads in its
+#: config (every shape as stored, accepted by the pack check) 1.021. The bound lies between, nearer the sound ones.
+TEXT_BOUND = 0.6
+#: the text: Python source shipped with every interpreter (its standard library), the bundled packs' domain and one
+#: every general model has seen
+TEXT_FILES = ("json/encoder.py", "string.py")
+#: positions read from the text when ``tokens`` does not say
+TEXT_TOKENS = 256
 
 
 class VerifyError(QuantpackError):
@@ -34,22 +49,40 @@ class Verdict:
     """The outcome of :func:`verify_pack`.
 
     Attributes:
-        agreement: KL / top-1 of the pack's logits against the reference.
-        source: what the reference was (a file or folder).
-        kind: ``"logits"`` (stored logits) or ``"model"`` (a model run here).
-        max_kl, min_top1: the bounds applied.
+        agreement: KL / top-1 of the pack's logits against the reference (None for ``"text"``).
+        source: what the reference was (a file or folder; for ``"text"``, the text's files).
+        kind: ``"logits"`` (stored logits), ``"model"`` (a model run here) or ``"text"`` (no reference).
+        max_kl, min_top1: the bounds applied (``"text"``: ``max_kl`` is the NLL bound in nats, ``min_top1`` 0).
+        nll, uniform: for ``"text"``, the pack's mean NLL and ``ln(vocabulary)``, nats per token; else None.
     """
 
-    agreement: Agreement
+    agreement: Agreement | None
     source: str
     kind: str
     max_kl: float
     min_top1: float
+    nll: float | None = None
+    uniform: float | None = None
 
     @property
     def ok(self) -> bool:
-        """Whether the agreement is within both bounds."""
+        """Whether the agreement (the NLL, for ``"text"``) is within the bounds."""
+        if self.agreement is None:
+            return self.nll is not None and self.nll <= self.max_kl
         return self.agreement.kl <= self.max_kl and self.agreement.top1 >= self.min_top1
+
+    def summary(self) -> str:
+        """One line: what was compared, the figures, and whether they are within the bounds."""
+        verdict = "within" if self.ok else "beyond"
+        if self.agreement is None:
+            return (
+                f"no reference: mean NLL {self.nll:.4f} nats on {self.source}, a uniform guess {self.uniform:.4f}; "
+                f"{verdict} the bound (NLL <= {self.max_kl:.4f}, {TEXT_BOUND:g} of the guess)"
+            )
+        return (
+            f"against {self.source} ({self.kind}): {self.agreement}; {verdict} the bounds (KL <= {self.max_kl:g}, "
+            f"top-1 >= {100 * self.min_top1:g}%)"
+        )
 
 
 def _config_top(folder: Path) -> dict:
@@ -183,7 +216,7 @@ def verify_pack(
     method = str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else ""
     Pack.open(pack, require_exl3=method != "escha")  # a missing or unsound pack is named first
     source = Path(against) if against is not None else pack / REFERENCE_FILE
-    if not source.exists():
+    if against is not None and not source.exists():
         raise VerifyError(
             f"{pack}: no reference to verify against ({source} does not exist) - give --against with the bf16 source "
             f"model's folder or a {REFERENCE_FILE} file"
@@ -197,6 +230,8 @@ def verify_pack(
         ) from None
     cfg = _config(pack)
     vocab = cfg.get("vocab_size")
+    if not source.exists():
+        return verify_on_text(pack, tokens)
     if source.is_file():
         kind = "logits"
         ids, want = _reference_logits(source)
@@ -232,3 +267,41 @@ def verify_pack(
         kl if max_kl is None else max_kl,
         top1 if min_top1 is None else min_top1,
     )
+
+
+def text_ids(pack: Path, tokens: int) -> torch.Tensor:
+    """``[1, tokens]`` ids of :data:`TEXT_FILES` as the pack's ``tokenizer.json`` encodes them (fewer where the text
+    is shorter), or :class:`VerifyError` when the pack has no tokenizer the ``tokenizers`` library reads."""
+    import sysconfig
+
+    try:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(pack / "tokenizer.json"))
+    except Exception as e:  # missing library or file, or the library's own refusal
+        raise VerifyError(
+            f"{pack}: no {REFERENCE_FILE} and no tokenizer.json to run the pack on text ({type(e).__name__}) - give "
+            "--against with the bf16 source model's folder or a reference logits file"
+        ) from None
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join((stdlib / name).read_text() for name in TEXT_FILES)
+    return torch.tensor([tokenizer.encode(text).ids[:tokens]])
+
+
+def verify_on_text(pack: Path, tokens: int | None = None) -> Verdict:
+    """The ``"text"`` verdict (see the module): the pack's mean next-token NLL on :func:`text_ids` against
+    :data:`TEXT_BOUND` x ``ln(vocabulary)``.
+
+    Raises:
+        VerifyError: no tokenizer, or a pack that does not fit its config's class.
+    """
+    import math
+
+    from .compare import mean_nll
+
+    ids = text_ids(pack, tokens or TEXT_TOKENS)
+    candidate = _model(pack, quantized=True)
+    with torch.no_grad():
+        logits = candidate(ids).logits
+    uniform = math.log(logits.shape[-1])
+    return Verdict(None, " + ".join(TEXT_FILES), "text", TEXT_BOUND * uniform, 0.0, mean_nll(logits, ids), uniform)

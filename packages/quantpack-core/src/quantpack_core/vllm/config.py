@@ -73,6 +73,19 @@ def manifest_routes(tensor_storage: Mapping[str, Any], fmt: LinearFormat) -> dic
     return routes
 
 
+def manifest_table_rows(tensor_storage: Mapping[str, Any]) -> dict[str, int]:
+    """Canonical module name -> rows of its stored 2-D ``weight``, from a pack's ``tensor_storage`` (the dense
+    tables' lengths, held against the vocabulary vLLM builds; modules whose entry gives no such shape are left
+    out)."""
+    rows: dict[str, int] = {}
+    for module, entry in (tensor_storage or {}).items():
+        stored = (entry or {}).get("stored_tensors") or {}
+        shape = (stored.get(f"{module}.weight") or {}).get("shape") if isinstance(stored, dict) else None
+        if isinstance(shape, list) and len(shape) == 2 and isinstance(shape[0], int):
+            rows[normalize_prefix(module)] = shape[0]
+    return rows
+
+
 def check_fused_routes(routes: Mapping[str, str]) -> None:
     """Refuse a manifest that stores some modules behind one fused vLLM layer quantized and others dense (e.g.
     ``q_proj`` / ``v_proj`` quantized but ``k_proj`` dense): one vLLM layer is all one kind.
@@ -195,6 +208,7 @@ class QuantpackConfig(QuantizationConfig):
         self.linear_kernels, self.expert_kernels = self.resolve_kernels(self.platform)
         self.dense_kernels: tuple[type[LinearKernel], ...] = (DenseKernel,)
         self.routes: dict[str, str] = manifest_routes(quant_config.get("tensor_storage") or {}, self.format)
+        self.table_rows: dict[str, int] = manifest_table_rows(quant_config.get("tensor_storage") or {})
         check_fused_routes(self.routes)
         self.kernel_log = KernelLog(self.title)
         self.compile_key = CompileKey()
@@ -294,6 +308,7 @@ class QuantpackConfig(QuantizationConfig):
             LayerLoadError: a manifest that mixes kinds behind one fused layer.
         """
         self.routes = manifest_routes(tensor_storage, self.format)
+        self.table_rows = manifest_table_rows(tensor_storage)
         check_fused_routes(self.routes)
 
     def fetch_manifest(self, repo_id: str, revision: str | None) -> None:
@@ -312,11 +327,14 @@ class QuantpackConfig(QuantizationConfig):
         """Add vLLM's spelling of every manifest module (names are also compared in canonical form)."""
         if not self.routes:
             return
-        mapped = {}
+        mapped, rows = {}, {}
         for name, kind in self.routes.items():
             for out in hf_to_vllm_mapper.apply_list([name]):
                 mapped[normalize_prefix(out)] = kind
+                if name in self.table_rows:
+                    rows[normalize_prefix(out)] = self.table_rows[name]
         self.routes.update(mapped)
+        self.table_rows.update(rows)
 
     # ------------------------------------------------------------------------------------------------ routing
 
@@ -404,8 +422,13 @@ class QuantpackConfig(QuantizationConfig):
         if isinstance(layer, VocabParallelEmbedding) and prefix.rsplit(".", 1)[-1] == NGRAM_MODULE:
             return self.ngram_embedding_method(prefix)
         if isinstance(layer, VocabParallelEmbedding):
-            # a dense table known from the manifest goes to vLLM's own method; int8 rows, or an unknown table, here
-            return None if route == DENSE else self.embedding_method(prefix)
+            # a dense table known from the manifest goes to vLLM's own method, which loads exactly the vocabulary's
+            # rows; one of another length (a vocabulary the model padded: 1,024 rows for vocab_size 1,000), int8
+            # rows, or an unknown table, here (each rank keeps its vocabulary rows, those past vocab_size dropped)
+            rows = self.table_rows.get(normalize_prefix(prefix))
+            if route == DENSE and rows in (None, getattr(layer, "org_vocab_size", rows)):
+                return None
+            return self.embedding_method(prefix)
         if isinstance(layer, LinearBase):
             if route == DENSE:
                 return UnquantizedLinearMethod()

@@ -43,7 +43,8 @@ class EmbeddingState:
 
     Attributes:
         prefix: the vLLM module name.
-        vocab_rows: under tensor parallelism, this rank's ``[start, stop)`` rows of the whole table; else None.
+        vocab_rows: this rank's ``[start, stop)`` rows of the whole table (the vocabulary's at size 1); None where
+            vLLM gives the layer no ``shard_indices``.
         rows: rows of the layer's (padded) partition.
         width: the embedding width.
         params_dtype: the model dtype.
@@ -95,19 +96,17 @@ class Int8RowsEmbeddingMethod(QuantizeMethodBase):
         **extra_weight_attrs: object,
     ) -> None:
         """Register placeholders for ``qweight``, ``scales`` and ``weight``; vLLM's narrowing vocab loader in
-        ``extra_weight_attrs`` is not applied: the whole table is captured and, under tensor parallelism, this rank
-        keeps its vocabulary rows (``layer.shard_indices``' ``org_vocab_start_index`` to ``org_vocab_end_index``)
-        at the top of its partition, the rest zero, as vLLM lays out a dense partition."""
+        ``extra_weight_attrs`` is not applied: the whole table is captured and this rank keeps its vocabulary rows
+        (``layer.shard_indices``' ``org_vocab_start_index`` to ``org_vocab_end_index``; all of them at tensor-parallel
+        size 1, where a table longer than ``vocab_size`` loses its rows past it) at the top of its partition, the
+        rest zero, as vLLM lays out a dense partition."""
         for suffix, dtype in self.placeholders.items():
             layer.register_parameter(suffix, ShardParam(suffix, dtype or params_dtype, self.prefix))
         # a model file of vLLM 0.22-0.25 ties its head by ``lm_head.weight = embed_tokens.weight``: the head finds
         # this embedding through its weight (QuantLinearMethod.process_weights_after_loading)
         getattr(layer, DENSE).quantpack_embedding = weakref.ref(layer)
         si = getattr(layer, "shard_indices", None)
-        tp_size = int(getattr(layer, "tp_size", 1) or 1)
-        vocab_rows = (
-            (int(si.org_vocab_start_index), int(si.org_vocab_end_index)) if tp_size > 1 and si is not None else None
-        )
+        vocab_rows = (int(si.org_vocab_start_index), int(si.org_vocab_end_index)) if si is not None else None
         layer.quant_state = EmbeddingState(
             self.prefix, vocab_rows, sum(output_partition_sizes), input_size_per_partition, params_dtype
         )
@@ -127,7 +126,7 @@ class Int8RowsEmbeddingMethod(QuantizeMethodBase):
             getattr(layer, suffix).release()
             delattr(layer, suffix)
         q, s, w = got[rows_name], got[scales_name], got[DENSE]
-        if state.vocab_rows is not None:  # this rank's vocabulary rows of the whole table
+        if state.vocab_rows is not None:  # this rank's vocabulary rows of the whole table (past vocab_size: dropped)
             a, b = state.vocab_rows
             q, s, w = (None if t is None else self._rank_rows(t, a, b) for t in (q, s, w))
         if (q is None) != (s is None):
@@ -163,7 +162,10 @@ class Int8RowsEmbeddingMethod(QuantizeMethodBase):
             layer.register_parameter(DENSE, None)  # empty: shared from a target model after loading
 
     def _rank_rows(self, table: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of a whole ``(vocab, ...)`` table (``scales`` too)."""
+        """Rows ``[start, stop)`` of a whole ``(vocab, ...)`` table (``scales`` too); a shorter table whole where one
+        rank holds the whole vocabulary (``start`` 0: :meth:`_fit` pads it)."""
+        if start == 0 and table.dim() >= 1 and table.shape[0] <= stop:
+            return table
         if table.dim() < 1 or table.shape[0] < stop:
             raise LayerLoadError(
                 f"{self.prefix}: the pack's table has {table.shape[0] if table.dim() else 0} rows, this "

@@ -1,5 +1,5 @@
 """What a format's vLLM plugin does when vLLM calls its ``register``: its config class under its format's name, and
-the embedding / head constructor wrap."""
+the embedding / head constructor wrap, and on CPU the seeded-sampling fix (:mod:`.cpu_sampling`)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def register_config(config_cls: type[QuantpackConfig]) -> None:
     register_quantization_config(name)(config_cls)
     patch_embedding_constructors()
     warn_untested_vllm(config_cls.title)
+    fix_cpu_seeded_sampling()
 
 
 _warned = False
@@ -56,3 +57,16 @@ def warn_untested_vllm(title: str) -> None:
     message = untested_vllm(vllm.__version__, current_platform().kind)
     if message:
         logger.warning("%s: %s", title, message)
+
+
+def fix_cpu_seeded_sampling() -> bool:
+    """On vLLM's CPU platform, in the releases whose runner stops on a seeded request whose prompt spans steps
+    (:mod:`.cpu_sampling`), rewind seeded generators by state. Returns whether the fix applies in this process."""
+    import vllm
+
+    from quantpack_core.kernels import CPU
+
+    from . import cpu_sampling
+    from .platform import current_platform
+
+    return cpu_sampling.install(vllm.__version__, current_platform().kind == CPU)
