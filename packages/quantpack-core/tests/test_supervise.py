@@ -138,3 +138,22 @@ def test_a_server_that_dies_before_it_is_ready(tmp_path):
     assert text.rstrip().endswith(
         f"quantpack serve: vLLM exited with status 3 before it was ready; its whole log: {log}"
     )
+
+
+def test_a_stop_before_ready_says_it_is_stopping(tmp_path):
+    """Ctrl-C while vLLM still starts: a line says the stop is under way (vLLM can take many seconds to stop there),
+    then the one line of a stop."""
+    proc, out, log = _start(tmp_path, "serve")
+    try:
+        _wait_for(out, "decoding layers on CPU", proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = out.read_text().splitlines()
+    assert "ready at" not in out.read_text(), lines
+    assert lines[-2:] == [
+        "quantpack serve: stopping vLLM before it is ready (Ctrl-C again kills it)",
+        f"quantpack serve: stopped (vLLM's log: {log})",
+    ], lines

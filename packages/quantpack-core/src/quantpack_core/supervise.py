@@ -218,6 +218,8 @@ class Supervisor:
             if self.stops and stop_sent is None:
                 stop_sent = time.monotonic()
                 self.display.close()
+                if not self.ready:  # vLLM may take a while to stop mid-start: say so
+                    self.display.line(f"{PREFIX}stopping vLLM before it is ready (Ctrl-C again kills it)")
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
             if stop_sent is not None and (self.stops > 1 or time.monotonic() - stop_sent > STOP_TIMEOUT_S):
