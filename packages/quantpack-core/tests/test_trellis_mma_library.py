@@ -280,9 +280,9 @@ def test_settings_are_read_once_and_replaced_only_inside_using(monkeypatch):
 # ---------------------------------------------------------------------------------------------------- expert banks
 
 
-def _plan_model(counts: list[int], group_lo: list[int]):
+def _plan_model(counts: list[int], group_lo: list[int], item_rows: int):
     """The sort step's plan, written out: slots in order, each slot's picks at consecutive sorted positions and cut
-    into 16-row work items, the items of a K group contiguous."""
+    into work items of ``item_rows`` rows, the items of a K group contiguous."""
     offsets, item_base, group_work, pos, item = [], [], [], 0, 0
     bounds = [*group_lo, len(counts)]
     for g in range(len(group_lo)):
@@ -291,27 +291,30 @@ def _plan_model(counts: list[int], group_lo: list[int]):
             offsets.append(pos)
             item_base.append(item)
             pos += counts[s]
-            item += -(-counts[s] // 16)
+            item += -(-counts[s] // item_rows)
     return [*offsets, pos], [*group_work, item], item_base
 
 
 @needs_nvcc
-@pytest.mark.parametrize("seed", range(6))
-def test_moe_sort_plan(lib, seed):
+@pytest.mark.parametrize("item_rows", [16, 64], ids=["mma-16", "tc-64"])
+@pytest.mark.parametrize("seed", range(8))
+def test_moe_sort_plan(lib, seed, item_rows):
     """The sort kernel's plan (the one serial step, built for the host from the same source) equals the written-out
-    plan; the bank's work items stay within the grid extent the op launches for every K group at once
-    (``group_items`` of all slots = ``qp_moe_items``), and so does each group's share, however the picks fall."""
+    plan for the 16-row kernel's items and the tensor-core path's 64-row ones; the bank's work items stay within the
+    grid extent the op launches for every K group at once (``group_items`` of all slots = ``qp_moe_items``), and so
+    does each group's share, however the picks fall (seeds 6 and 7: a tensor-core chunk of 2,048 tokens at top-8,
+    uniform and all on one expert)."""
     from quantpack_core.trellis_mma.moe import group_items
 
     g = torch.Generator().manual_seed(seed)
-    experts = [8, 64, 128, 256, 3, 128][seed]
-    top_k = [2, 8, 8, 8, 1, 8][seed]
-    tokens = [5, 1, 64, 256, 600, 2][seed]
+    experts = [8, 64, 128, 256, 3, 128, 128, 128][seed]
+    top_k = [2, 8, 8, 8, 1, 8, 8, 8][seed]
+    tokens = [5, 1, 64, 256, 600, 2, 2048, 2048][seed]
     cuts = sorted(torch.randperm(experts - 1, generator=g)[: min(3, experts - 1)].add(1).tolist())
     group_lo = [0, *cuts][: 1 + seed % 4]
     slots = tokens * top_k
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).reshape(-1)
-    if seed == 5:
+    if seed in (5, 7):
         ids[:] = 0  # every pick on one expert
     counts = torch.bincount(ids, minlength=experts).to(torch.int32)
     groups = len(group_lo)
@@ -321,37 +324,39 @@ def test_moe_sort_plan(lib, seed):
     lo = (ctypes.c_int * groups)(*group_lo)
     lib.qp_moe_plan_host(
         ctypes.c_void_p(counts.data_ptr()), experts, lo, groups, ctypes.c_void_p(offsets.data_ptr()),
-        ctypes.c_void_p(group_work.data_ptr()), ctypes.c_void_p(item_base.data_ptr()),
+        ctypes.c_void_p(group_work.data_ptr()), ctypes.c_void_p(item_base.data_ptr()), item_rows,
     )  # fmt: skip
-    want_offsets, want_group_work, want_base = _plan_model(counts.tolist(), group_lo)
+    want_offsets, want_group_work, want_base = _plan_model(counts.tolist(), group_lo, item_rows)
     assert offsets.tolist() == want_offsets
     assert group_work.tolist() == want_group_work
     assert item_base.tolist() == want_base
     assert offsets[-1] == slots
-    assert group_work[-1] <= group_items(slots, experts) == lib.qp_moe_items(slots, experts)
+    assert group_work[-1] <= group_items(slots, experts, item_rows) == lib.qp_moe_items(slots, experts, item_rows)
     bounds = [*group_lo, experts]
     for i in range(groups):
-        cap = group_items(slots, bounds[i + 1] - bounds[i])
-        assert cap == lib.qp_moe_items(slots, bounds[i + 1] - bounds[i])
+        cap = group_items(slots, bounds[i + 1] - bounds[i], item_rows)
+        assert cap == lib.qp_moe_items(slots, bounds[i + 1] - bounds[i], item_rows)
         assert group_work[i + 1] - group_work[i] <= cap
 
 
 @needs_nvcc
+@pytest.mark.parametrize("item_rows", [16, 64], ids=["mma-16", "tc-64"])
 @pytest.mark.parametrize("items", [1, 8, 16, 160, 2200])
 @pytest.mark.parametrize("k,n", [(2048, 1536), (768, 2048), (256, 512), (7168, 4096)])
-def test_moe_split_plan(lib, items, k, n):
-    """An expert launch's splits cover k in whole 128-column blocks, keep the partials and counters within the
-    linear workspace, and a column block's last CTA sums at most 128 partial rows."""
-    splits = lib.qp_moe_splits(items, k, n, 528, PARTIAL_FLOATS, COUNTERS)
+def test_moe_split_plan(lib, items, k, n, item_rows):
+    """An expert launch's splits (16-row items, and the tensor-core path's 64-row ones) cover k in whole 128-column
+    blocks, keep the partials and counters within the linear workspace, and a column block's last CTA sums at most
+    128 partial rows."""
+    splits = lib.qp_moe_splits(items, item_rows, k, n, 528, PARTIAL_FLOATS, COUNTERS)
     ktiles = k // 16
     slice_tiles = (ktiles // 8 + splits - 1) // splits * 8
     assert 1 <= splits <= ktiles // 8
     assert (splits - 1) * slice_tiles < ktiles <= splits * slice_tiles
     if splits > 1:
-        assert items * splits * 16 * n <= PARTIAL_FLOATS
+        assert items * splits * item_rows * n <= PARTIAL_FLOATS
         assert items * (n // 128) <= COUNTERS
-        assert splits * 16 <= TAIL_ROWS
-    if items == 8 and (k, n) == (2048, 1536):
+        assert splits * item_rows <= TAIL_ROWS
+    if items == 8 and (k, n) == (2048, 1536) and item_rows == 16:
         # batch 1, top-8 gate/up of a 30B-A3B layer: 96 CTAs; 5 splits would fit 528, but 16 blocks of k in equal
         # whole-block slices give 4 slices of 4 blocks (384 CTAs)
         assert splits == 4
@@ -384,5 +389,48 @@ def test_moe_bad_arguments_are_refused_before_any_launch(lib):
     assert gemm(1, k8, 4, 256, codebook=7) == -3
     for group_lo in ([0] * 17, [1, 2], [0, 3, 2]):
         lo = (ctypes.c_int * len(group_lo))(*group_lo)
-        code = lib.qp_moe_sort(None, 0, None, 8, 8, lo, len(group_lo), None, None, None, None, None, None)
+        code = lib.qp_moe_sort(None, 0, None, 8, 8, lo, len(group_lo), 16, None, None, None, None, None, None)
         assert code == -1
+    lo = (ctypes.c_int * 1)(0)
+    assert lib.qp_moe_sort(None, 0, None, 8, 8, lo, 1, 0, None, None, None, None, None, None) == -1  # 0-row items
+
+
+@needs_nvcc
+def test_moe_tc_bad_arguments_are_refused_before_any_launch(lib):
+    """The tensor-core expert path refuses rows per item other than 64, the 16-row path's geometry errors, a K with no
+    kernel and an xh too small for the chunk's planes, before any CUDA call (so on any machine)."""
+    k8 = (ctypes.c_int * 1)(8)
+
+    def gemm(k2=k8, nr=64, k=2048, xh_halves=2 * 512 * 2048, down=0, codebook=2, groups=1):
+        return lib.qp_moe_tc_gemm(
+            down, 1, None, None, None, 1, xh_halves, None, 128, None, None, None, None, None, groups, k2, None, 0,
+            None, 0, None, 0, 512, 136, nr, 8, 2048, 2048, k, 768, codebook, 0, 264, None,
+        )  # fmt: skip
+
+    assert gemm(nr=128) == -1
+    assert gemm(nr=16) == -1
+    assert gemm(k=2000) == -1
+    assert gemm(groups=17) == -1
+    assert gemm(k2=(ctypes.c_int * 1)(9)) == -2
+    assert gemm(codebook=7) == -3
+    assert gemm(xh_halves=2 * 512 * 2048 - 1) == -4  # gate/up of a gated bank: two planes
+    assert gemm(down=1, k=768, xh_halves=512 * 768 - 1) == -4
+
+
+def test_moe_path_choice_depends_on_the_token_count_only():
+    """The tensor-core expert path runs a call from ``moe_tc_picks`` picks per expert slot on (tokens x top_k against
+    the threshold x slots), only where the buffers hold its chunk (Hopper), never with the setting 0: the same
+    answer for the same shapes, whatever the routing."""
+    from quantpack_core.trellis_mma.moe import MoeBuffers, uses_tensor_cores
+
+    none = torch.empty(0)
+    with_tc = MoeBuffers(none, none, none, none, none, none, none, xh=torch.empty(1, dtype=torch.float16))
+    without = MoeBuffers(none, none, none, none, none, none, none)
+    with settings.using(moe_tc_picks=32):
+        assert not uses_tensor_cores(with_tc, 511, 8, 128)  # 4088 picks < 32 x 128
+        assert uses_tensor_cores(with_tc, 512, 8, 128)
+        assert not uses_tensor_cores(without, 4096, 8, 128)
+    with settings.using(moe_tc_picks=0):
+        assert not uses_tensor_cores(with_tc, 4096, 8, 128)
+    assert settings.Settings.from_env({"QUANTPACK_TRELLIS_MMA_MOE_TC_PICKS": "0"}).moe_tc_picks == 0
+    assert settings.Settings.from_env({"QUANTPACK_TRELLIS_MMA_MOE_TC_PICKS": "-3"}).moe_tc_picks == 32

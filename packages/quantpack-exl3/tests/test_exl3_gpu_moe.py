@@ -4,10 +4,14 @@ per K group) and ``quantpack::trellis_moe_`` (the trellis_mma grouped kernels).
 Banks of the bundled Qwen3-MoE packs (uniform K and four K groups) and random banks (several K groups, half-integer
 K, every codebook, a padded hidden size, 64 experts top-8) run over token counts that take every path of each op:
 exllamav3's slot-batched launches, token chunks of filtered launches and per-expert path for large eager batches;
-trellis_mma's one sort + gate/up + down per K group + reduce, and its chunks of 2048 picks. Each result is compared
-with the core's float64 per-expert loop over the same bank (``reference_moe_forward``), and trellis_mma's error with
-exllamav3's on the same case (no worse than 1.1x). Plus opcheck, and CUDA-graph capture and replay against eager."""
+trellis_mma's one sort + gate/up + down per K group + reduce, and its chunks of 2048 picks, on each of its two paths:
+the 16-row mma.sync kernel (``trellis_mma``, the tensor-core path off) and, on Hopper, the tensor-core path for every
+call (``trellis_mma-tc``: 64-row work items, chunks of 16,384 picks). Each result is compared with the core's float64
+per-expert loop over the same bank (``reference_moe_forward``), and trellis_mma's error with exllamav3's on the same
+case (no worse than 1.1x). Plus opcheck, CUDA-graph capture and replay against eager, uneven picks per expert and the
+choice between the two paths at its threshold."""
 
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -37,11 +41,18 @@ class GroupedBanks:
     """One CUDA expert kernel, preparing whole (unsharded) banks on this GPU.
 
     Attributes:
-        name: the kernel's name; op: its custom op's name (``quantpack::<op>``).
+        name: the kernel's name (trellis_mma's tensor-core path: ``trellis_mma-tc``); op: its custom op's name
+            (``quantpack::<op>``); settings: the trellis_mma settings its preparation and calls run under.
     """
 
-    def __init__(self, kernel, op: str):
-        self.kernel, self.name, self.op = kernel, kernel.name, op
+    def __init__(self, kernel, op: str, name: str | None = None, settings: dict | None = None):
+        self.kernel, self.name, self.op, self.settings = kernel, name or kernel.name, op, settings
+
+    def pinned(self):
+        """A context in which the op runs this backend's path (trellis_mma's settings)."""
+        from quantpack_core.trellis_mma import settings
+
+        return settings.using(**self.settings) if self.settings is not None else nullcontext()
 
     def prepare_moe(self, bank: Exl3MoeBank, hidden: int, inter: int, dtype: torch.dtype, device: torch.device):
         from quantpack_core.kernels import TP_WHOLE
@@ -49,7 +60,24 @@ class GroupedBanks:
 
         spec = EXL3.expert_spec(bank, current_platform(), dtype, TP_WHOLE)
         assert self.kernel.can_implement(spec) == (True, None)
-        return self.kernel.prepare(bank, spec, hidden, inter, device)
+        with self.pinned():
+            return Pinned(self.kernel.prepare(bank, spec, hidden, inter, device), self)
+
+
+class Pinned:
+    """A prepared bank whose ``run`` calls run under its backend's settings (the path it names)."""
+
+    def __init__(self, run, backend: GroupedBanks):
+        self._run, self._backend = run, backend
+        self.tensors, self.static = run.tensors, run.static
+
+    def run(self, *args):
+        with self._backend.pinned():
+            return self._run.run(*args)
+
+
+#: trellis_mma's paths: the 16-row kernel for every call, and the tensor-core path for every call (Hopper)
+PATHS = {"trellis_mma": {"moe_tc_picks": 0}, "trellis_mma-tc": {"moe_tc_picks": 1}}
 
 
 def _kernel(name: str) -> GroupedBanks:
@@ -57,14 +85,21 @@ def _kernel(name: str) -> GroupedBanks:
     from quantpack_exl3.backends.trellis_mma import TrellisMmaExpertKernel
 
     kinds = {"exllamav3": (Exllamav3ExpertKernel, "exl3_moe_"), "trellis_mma": (TrellisMmaExpertKernel, "trellis_moe_")}
-    kernel, op = kinds[name]
+    kernel, op = kinds[name.removesuffix("-tc")]
     assert kernel.available(current_platform()) == (True, None)
-    return GroupedBanks(kernel, op)
+    return GroupedBanks(kernel, op, name, PATHS.get(name))
 
 
-@pytest.fixture(scope="module", params=["exllamav3", "trellis_mma"])
+def on_hopper() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(scope="module", params=["exllamav3", "trellis_mma", "trellis_mma-tc"])
 def backend(request):
-    """Each CUDA expert kernel; on a GPU machine it must be available (a failure here fails the tier)."""
+    """Each CUDA expert kernel (trellis_mma: each of its paths); on a GPU machine it must be available (a failure here
+    fails the tier)."""
+    if request.param == "trellis_mma-tc" and not on_hopper():
+        pytest.skip("the tensor-core expert path runs on Hopper (compute capability 9.0)")
     return _kernel(request.param)
 
 
@@ -105,13 +140,27 @@ def routing(tokens: int, experts: int, top_k: int, seed: int):
     return ids.cuda(), w.cuda()
 
 
-def check(backend, bank: Exl3MoeBank, hidden: int, tokens: int, top_k: int, seed: int = 1, absent: int = -1) -> float:
-    """Relative error of the op against the float64 oracle; with ``absent`` >= 0, every pick of experts
-    ``e % 3 == absent`` is given as id -1 (an expert of another tensor-parallel rank), and the oracle gives those
-    picks weight 0 instead."""
+def skewed_routing(tokens: int, experts: int, top_k: int, seed: int):
+    """Uneven picks per expert (top_k 3, at least 8 experts): choice 0 is expert 0 for every token (more picks than
+    one 64-row work item), expert 1 has one pick (token 0's choice 1), expert 2 none, and experts 3 .. 7 share the
+    rest."""
+    assert top_k == 3 and experts >= 8
+    t = torch.arange(tokens)
+    c1 = torch.where(t == 0, 1, 3 + t % 5)
+    ids = torch.stack([torch.zeros_like(t), c1, 3 + (t + 1) % 5], 1).to(torch.int32)
+    w = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(seed)).softmax(-1)
+    return ids.cuda(), w.cuda()
+
+
+def check(
+    backend, bank: Exl3MoeBank, hidden: int, tokens: int, top_k: int, seed: int = 1, absent: int = -1, route=routing
+) -> float:
+    """Relative error of the op against the float64 oracle, the picks from ``route`` (:func:`routing` or
+    :func:`skewed_routing`); with ``absent`` >= 0, every pick of experts ``e % 3 == absent`` is given as id -1 (an
+    expert of another tensor-parallel rank), and the oracle gives those picks weight 0 instead."""
     run = backend.prepare_moe(bank, hidden, bank.plan.intermediate, torch.float16, torch.device("cuda"))
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed)).cuda().half()
-    ids, w = routing(tokens, bank.num_experts, top_k, seed)
+    ids, w = route(tokens, bank.num_experts, top_k, seed)
     given, w_ref = ids, w
     if absent >= 0:
         gone = ids % 3 == absent
@@ -192,9 +241,11 @@ def test_mixed_banks_over_several_panels(backend, exllamav3_banks, figures, monk
 
     ks, cb = RANDOM["mul1-mixed"]
     bank = random_bank(ks, hidden, 384, cb, seed=3)
-    if backend.name == "trellis_mma":
+    if backend.name.startswith("trellis_mma"):
         backend.prepare_moe(bank, hidden, 384, torch.float16, torch.device("cuda"))  # reserves the workspace
-        monkeypatch.setattr(ops.workspace(torch.device("cuda")), "target_ctas", 1)
+        ws = ops.workspace(torch.device("cuda"))
+        monkeypatch.setattr(ws, "target_ctas", 1)
+        monkeypatch.setattr(ws, "target_ctas_wide", 1)
     err = check(backend, bank, hidden, tokens, 3)
     monkeypatch.undo()
     note = within_bound(err, backend, exllamav3_banks, bank, hidden, tokens, 3)
@@ -236,7 +287,8 @@ def test_opcheck(backend):
     x = torch.randn(5, 256, device="cuda", dtype=torch.float16)
     ids, w = routing(5, 8, 2, 0)
     out = torch.empty_like(x)
-    opcheck(backend.op, (x, ids, w, *run.tensors.values(), *run.static, out), ("test_schema", "test_faketensor"))
+    with backend.pinned():
+        opcheck(backend.op, (x, ids, w, *run.tensors.values(), *run.static, out), ("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
@@ -268,3 +320,69 @@ def test_cuda_graph_capture_and_replay(backend, tokens, gated):
         replayed = out.clone()
         step()
         torch.testing.assert_close(replayed, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+@pytest.mark.parametrize("absent", [-1, 1], ids=["all-here", "tp-slots"])
+@pytest.mark.parametrize("tokens", [1, 40, 150])
+def test_uneven_picks_per_expert(backend, exllamav3_banks, figures, gated, absent, tokens):
+    """Mixed K (a half-integer K among four K groups), picks spread unevenly over the experts: one expert with every
+    token's first choice (150 tokens: three 64-row items, the last partial), one with a single pick, one with none;
+    with ``tp-slots`` a third of the experts another rank's (id -1), so whole slots and parts of items go empty."""
+    ks, cb = RANDOM["mul1-mixed"]
+    bank = random_bank(ks, 256, 384, cb, seed=5, gated=gated)
+    case = (bank, 200, tokens, 3, 2, absent, skewed_routing)
+    err = check(backend, *case)
+    note = within_bound(err, backend, exllamav3_banks, *case)
+    kind = "gated" if gated else "ungated relu2"
+    figures.append(
+        f"GPU MoE {backend.name} {kind} mixed K, uneven picks{', tp slots' if absent >= 0 else ''}, {tokens} tokens: "
+        f"rel err {err:.2e}{note}"
+    )
+    assert err < TOL
+
+
+def test_prefill_chunks(backend, exllamav3_banks, figures):
+    """A prefill's worth of picks: 32 experts in three K groups (hidden 1024, intermediate 768), top-8 over 2,100
+    tokens = 16,800 picks: the 16-row path in 9 chunks of 2,048 picks, the tensor-core path in two chunks (16,384 and
+    416 picks), about 525 picks per expert in the first (several full 64-row items each)."""
+    ks = [(4, 4)] * 14 + [(3, 4)] * 10 + [(2, 3)] * 8
+    bank = random_bank(ks, 1024, 768, "mul1", seed=7)
+    case = (bank, 1024, 2100, 8)
+    err = check(backend, *case)
+    note = within_bound(err, backend, exllamav3_banks, *case)
+    figures.append(f"GPU MoE {backend.name} 32 experts top-8, 2100 tokens: rel err {err:.2e}{note}")
+    assert err < TOL
+
+
+@contextmanager
+def kernel_names():
+    """The names of the CUDA kernels the block launches (a list filled on exit)."""
+    names: list[str] = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        yield names
+        torch.cuda.synchronize()
+    names.extend(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not on_hopper(), reason="the tensor-core path runs on Hopper")
+def test_path_choice_at_the_threshold(exllamav3_banks, figures):
+    """With the tensor-core path from 4 picks per expert on (8 experts, top-2: 32 picks), 15 tokens (30 picks) run the
+    16-row kernel and 16 tokens (32 picks) the transform and tensor-core launches; both sides within the bound, and
+    the choice is the one ``uses_tensor_cores`` gives for the token count."""
+    from quantpack_core.trellis_mma import moe, settings
+
+    backend = GroupedBanks(_kernel("trellis_mma").kernel, "trellis_moe_", "trellis_mma", {"moe_tc_picks": 4})
+    bank = random_bank(RANDOM["mul1-mixed"][0], 256, 384, "mul1", seed=6)
+    for tokens, tc in ((15, False), (16, True)):
+        with kernel_names() as names:
+            err = check(backend, bank, 256, tokens, 2)
+        with settings.using(moe_tc_picks=4):
+            buffers = moe.reserve_moe(torch.device("cuda"), 8, 256, 384)
+            assert moe.uses_tensor_cores(buffers, tokens, 2, 8) == tc
+        assert any("trellis_moe_tc_kernel" in n for n in names) == tc, sorted(set(names))
+        assert any("moe_transform_kernel" in n for n in names) == tc
+        assert any("trellis_moe_kernel" in n for n in names) == (not tc)
+        note = within_bound(err, backend, exllamav3_banks, bank, 256, tokens, 2)
+        figures.append(f"GPU MoE trellis_mma at 4 picks per expert, {tokens} tokens (tc {tc}): rel err {err:.2e}{note}")
+        assert err < TOL

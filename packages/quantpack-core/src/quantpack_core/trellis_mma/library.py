@@ -50,7 +50,12 @@ class Unit:
 
 
 #: the library's translation units (each includes ``csrc/common.cuh``)
-UNITS = (Unit("linear.cu"), Unit("moe.cu"), Unit("tc.cu", hopper_specific=True))
+UNITS = (
+    Unit("linear.cu"),
+    Unit("moe.cu"),
+    Unit("tc.cu", hopper_specific=True),
+    Unit("moe_tc.cu", hopper_specific=True),
+)
 #: what to install when nvcc is missing
 NVCC_HINT = (
     "install the CUDA toolkit's nvcc (one that knows your GPU's architecture, and no newer than your driver) and put "
@@ -66,7 +71,7 @@ ERRORS = {
     -3: "unknown codebook id",
     -4: "the workspace is too small for this call",
     -5: "one launch runs 1-8 shards",
-    -6: "the tensor-core kernel runs on Hopper (compute capability 9.0) only",
+    -6: "the tensor-core kernels run on Hopper (compute capability 9.0) only",
 }
 
 
@@ -260,14 +265,14 @@ def load(arch: int) -> ctypes.CDLL:
     lib.qp_decode_tile_host.argtypes = [ptr, i32, i32, ptr]
     # expert banks
     lib.qp_moe_items.restype = i32
-    lib.qp_moe_items.argtypes = [i32, i32]
+    lib.qp_moe_items.argtypes = [i32, i32, i32]
     lib.qp_moe_splits.restype = i32
-    lib.qp_moe_splits.argtypes = [i32, i32, i32, i32, i64, i64]
+    lib.qp_moe_splits.argtypes = [i32, i32, i32, i32, i32, i64, i64]
     lib.qp_moe_plan_host.restype = None
-    lib.qp_moe_plan_host.argtypes = [ptr, i32, ptr, i32, ptr, ptr, ptr]
+    lib.qp_moe_plan_host.argtypes = [ptr, i32, ptr, i32, ptr, ptr, ptr, i32]
     lib.qp_moe_sort.restype = i32
     lib.qp_moe_sort.argtypes = [
-        ptr, i32, ptr, i32, i32, ptr, i32,  # ids, ids are int64, perm, picks, slots, group starts (host), groups
+        ptr, i32, ptr, i32, i32, ptr, i32, i32,  # ids, int64?, perm, picks, slots, group starts (host), groups, rows
         ptr, ptr, ptr, ptr, ptr, ptr,  # slot_of, offsets, sorted, work, group_work, stream
     ]  # fmt: skip
     lib.qp_moe_gemm.restype = i32
@@ -277,6 +282,16 @@ def load(arch: int) -> ctypes.CDLL:
         i32, ptr, ptr, i32,  # K groups, their 2K (host array), weights, weights dtype
         ptr, i64, ptr, i64,  # partials, capacity, counters, capacity
         i32, i32, i32, i32, i32, i32,  # items, top_k, x_width, x_stride, k, n_proj
+        i32, i32, i32, ptr,  # codebook, bf16, target CTAs, stream
+    ]  # fmt: skip
+    # the expert banks' tensor-core path (moe_tc.cu; Hopper)
+    lib.qp_moe_tc_gemm.restype = i32
+    lib.qp_moe_tc_gemm.argtypes = [
+        i32, i32, ptr, ptr, ptr, ptr, i64, ptr, i32,  # down, gated, x, gu, y, xh, its capacity, tables, slots
+        ptr, ptr, ptr, ptr, ptr,  # slot_of, sorted, offsets, work, group_work
+        i32, ptr, ptr, i32,  # K groups, their 2K (host array), weights, weights dtype
+        ptr, i64, ptr, i64,  # partials, capacity, counters, capacity
+        i32, i32, i32, i32, i32, i32, i32, i32,  # picks, items, rows per item, top_k, x_width, x_stride, k, n_proj
         i32, i32, i32, ptr,  # codebook, bf16, target CTAs, stream
     ]  # fmt: skip
     lib.qp_moe_reduce.restype = i32

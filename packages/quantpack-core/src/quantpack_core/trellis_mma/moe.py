@@ -3,10 +3,24 @@ tokens through the grouped kernels of ``csrc/moe.cu`` (the sort launch, one gate
 every K group of the bank, each CTA at its work item's K, the reduction), and the per-GPU buffers those launches
 share.
 
+Two paths, chosen per call by its token count alone (:func:`uses_tensor_cores`), so a CUDA graph captured at one
+token count always replays the path it captured:
+
+- the mma.sync kernel (``csrc/moe.cu``): work items of :data:`ITEM_ROWS` rows, each expert's trellis decoded once per
+  16 of its picks, chunks of :data:`SLOTS` picks; every GPU, and every call below the threshold (decode).
+- on Hopper, from :attr:`~.settings.Settings.moe_tc_picks` picks per expert on: the tensor-core path
+  (``csrc/moe_tc.cu``): a transform launch writes each pick's transformed input rows (``xh``), and the wgmma kernel
+  decodes each expert's trellis once per :data:`TC_ITEM_ROWS` of its picks, in chunks of :data:`TC_SLOTS` picks.
+
 The buffers (allocated when a bank is prepared, before any CUDA-graph capture; widened by a later, larger bank) hold
-one chunk of :data:`SLOTS` picks: the sort's arrays, the gate / up outputs (fp16) and the weighted down rows (fp32).
-A call of more tokens runs in chunks of ``SLOTS // top_k`` tokens (a loop whose length depends on the token count
-only). The split-K partials and counters are the linear kernels' workspace (:func:`.ops.reserve`).
+one chunk: the sort's arrays, the gate / up outputs (fp16), the weighted down rows (fp32) and, where the tensor-core
+path can run, the transformed rows. A call of more tokens runs in chunks of ``SLOTS // top_k`` (``TC_SLOTS // top_k``)
+tokens (a loop whose length depends on the token count only). The split-K partials and counters are the linear
+kernels' workspace (:func:`.ops.reserve`).
+
+Memory: ``SLOTS * (4 * I + 4 * H)`` bytes for the mma.sync path (stored hidden ``H`` and intermediate ``I``); where
+the tensor-core path can run, ``TC_SLOTS * (4 * I + 4 * H + 2 * max(2 * H, I))`` instead: for Qwen3-30B-A3B's banks
+(H 2048, I 768) 16384 x 19,456 bytes = 319 MB per GPU, once for all layers.
 
 Source: docs/moe-bank.md (slots, K groups, pointer tables); ``csrc/moe.cu`` describes the kernels.
 """
@@ -23,11 +37,16 @@ from quantpack_core.ops import define_op
 
 from .library import LibraryError, check, load
 from .ops import reserve, workspace
+from .settings import current
 
 #: picks (token x choice) one chunk of launches sorts: bounds every buffer below
 SLOTS = 2048
 #: rows of one work item (MOE_ROWS in csrc/moe.cu)
 ITEM_ROWS = 16
+#: picks one chunk of the tensor-core path sorts: at 8 of 128 experts, 128 picks per expert, two 64-row items each
+TC_SLOTS = 16384
+#: rows of one work item of the tensor-core path (NR of csrc/moe_tc.cu)
+TC_ITEM_ROWS = 64
 #: K groups one bank may have (MOE_MAX_GROUPS)
 MAX_GROUPS = 16
 #: slots one bank may have: the sort kernel keeps 4 ints per slot in 48 KiB of shared memory
@@ -35,23 +54,36 @@ MAX_EXPERTS = 3000
 WEIGHT_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
-def group_items(slots: int, group_slots: int) -> int:
-    """Work items ``group_slots`` consecutive slots (a K group, or a whole bank: the extent of its one launch per
-    projection) can have for ``slots`` picks at most (``qp_moe_items``): one per non-empty slot beyond its share of
-    whole 16-row items."""
-    return min(group_slots, slots) + -(-slots // ITEM_ROWS)
+def group_items(slots: int, group_slots: int, item_rows: int = ITEM_ROWS) -> int:
+    """Work items of up to ``item_rows`` rows that ``group_slots`` consecutive slots (a K group, or a whole bank: the
+    extent of its one launch per projection) can have for ``slots`` picks at most (``qp_moe_items``): one per
+    non-empty slot beyond its share of whole items."""
+    return min(group_slots, slots) + -(-slots // item_rows)
+
+
+def uses_tensor_cores(buffers: MoeBuffers, tokens: int, top_k: int, experts: int) -> bool:
+    """Whether a call of ``tokens`` tokens at ``top_k`` over a bank of ``experts`` slots runs the tensor-core path:
+    the GPU's buffers have it (Hopper) and the call brings at least :attr:`~.settings.Settings.moe_tc_picks` picks
+    per expert on average. The token count is a shape, so the choice is the same at every replay of a captured
+    graph."""
+    threshold = current().moe_tc_picks
+    return buffers.xh is not None and threshold > 0 and tokens * top_k >= threshold * experts
 
 
 @dataclass
 class MoeBuffers:
-    """One GPU's buffers for ``quantpack::trellis_moe_`` (shapes for :data:`SLOTS` picks).
+    """One GPU's buffers for ``quantpack::trellis_moe_`` (one chunk of ``picks`` picks, below).
 
     Attributes:
-        slot_of, sorted: int32 ``(SLOTS,)``: each pick's slot (-1: another rank's expert); picks in slot order.
+        slot_of, sorted: int32 ``(picks,)``: each pick's slot (-1: another rank's expert); picks in slot order.
         offsets: int32 ``(experts + 1,)``.
         work: int32 ``(2 * items,)``: (slot, first row) per work item.
         group_work: int32 ``(MAX_GROUPS + 1,)``.
-        gu: float16 ``(SLOTS, 2 * intermediate)``; y: float32 ``(SLOTS, hidden)`` (stored sizes).
+        gu: float16 ``(picks, 2 * intermediate)``; y: float32 ``(picks, hidden)`` (stored sizes).
+        xh: float16 ``(TC_SLOTS * max(2 * hidden, intermediate),)``: the tensor-core path's transformed rows (gate /
+            up: two planes of ``(picks, hidden)``; down: ``(picks, intermediate)``); None where that path cannot run.
+
+    ``picks`` is :data:`TC_SLOTS` where ``xh`` is allocated, else :data:`SLOTS`.
     """
 
     slot_of: torch.Tensor
@@ -61,6 +93,7 @@ class MoeBuffers:
     group_work: torch.Tensor
     gu: torch.Tensor
     y: torch.Tensor
+    xh: torch.Tensor | None = None
 
 
 _buffers: dict[int, MoeBuffers] = {}
@@ -70,42 +103,57 @@ _retired: list[MoeBuffers] = []
 
 def reserve_moe(device: torch.device, experts: int, hidden: int, intermediate: int) -> MoeBuffers:
     """The MoE buffers of ``device``, created or widened for a bank of ``experts`` slots and stored ``hidden`` /
-    ``intermediate`` sizes (call at load), and the linear workspace the launches share.
+    ``intermediate`` sizes (call at load), and the linear workspace the launches share. On Hopper, unless
+    :attr:`~.settings.Settings.moe_tc_picks` is 0, they hold a chunk of the tensor-core path (:data:`TC_SLOTS` picks;
+    the module's head gives the memory).
 
     Raises:
         quantpack_core.trellis_mma.library.LibraryError: the kernels cannot be built or loaded for this GPU.
     """
-    reserve(device, max(hidden, intermediate))
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    dev = f"cuda:{index}"
+    ws = reserve(device, max(hidden, intermediate))
+    index = ws.partials.device.index
     have = _buffers.get(index)
-    items = experts + MAX_GROUPS * -(-SLOTS // ITEM_ROWS)
+    tc = ws.tensor_cores and current().moe_tc_picks > 0
+    if have is not None:
+        experts = max(experts, have.offsets.numel() - 1)
+        intermediate = max(intermediate, have.gu.shape[1] // 2)
+        hidden = max(hidden, have.y.shape[1])
+        tc = tc or have.xh is not None
+    picks = TC_SLOTS if tc else SLOTS
     if (
         have is None
         or have.offsets.numel() < experts + 1
-        or have.work.numel() < 2 * items
-        or have.gu.shape[1] < 2 * intermediate
+        or have.gu.shape != (picks, 2 * intermediate)
         or have.y.shape[1] < hidden
+        or (tc and have.xh.numel() < _xh_halves(hidden, intermediate))
     ):
-        experts = max(experts, 0 if have is None else have.offsets.numel() - 1)
-        items = experts + MAX_GROUPS * -(-SLOTS // ITEM_ROWS)
-        inter = max(intermediate, 0 if have is None else have.gu.shape[1] // 2)
-        hid = max(hidden, 0 if have is None else have.y.shape[1])
-        i32 = dict(dtype=torch.int32, device=dev)
         if have is not None:
             _retired.append(have)
-        have = MoeBuffers(
-            slot_of=torch.empty(SLOTS, **i32),
-            sorted=torch.empty(SLOTS, **i32),
-            offsets=torch.empty(experts + 1, **i32),
-            work=torch.empty(2 * items, **i32),
-            group_work=torch.empty(MAX_GROUPS + 1, **i32),
-            gu=torch.empty((SLOTS, 2 * inter), dtype=torch.float16, device=dev),
-            y=torch.empty((SLOTS, hid), dtype=torch.float32, device=dev),
-        )
+        have = _allocate(ws.partials.device, experts, hidden, intermediate, tc)
         _buffers[index] = have
     return have
+
+
+def _xh_halves(hidden: int, intermediate: int) -> int:
+    """The tensor-core path's transformed rows of one chunk: two gate/up planes or one down plane."""
+    return TC_SLOTS * max(2 * hidden, intermediate)
+
+
+def _allocate(device: torch.device, experts: int, hidden: int, intermediate: int, tc: bool) -> MoeBuffers:
+    """New buffers for a bank of these sizes (``tc``: with the tensor-core path's chunk)."""
+    picks = TC_SLOTS if tc else SLOTS
+    items = experts + max(MAX_GROUPS * -(-SLOTS // ITEM_ROWS), -(-TC_SLOTS // TC_ITEM_ROWS) if tc else 0)
+    i32 = dict(dtype=torch.int32, device=device)
+    return MoeBuffers(
+        slot_of=torch.empty(picks, **i32),
+        sorted=torch.empty(picks, **i32),
+        offsets=torch.empty(experts + 1, **i32),
+        work=torch.empty(2 * items, **i32),
+        group_work=torch.empty(MAX_GROUPS + 1, **i32),
+        gu=torch.empty((picks, 2 * intermediate), dtype=torch.float16, device=device),
+        y=torch.empty((picks, hidden), dtype=torch.float32, device=device),
+        xh=torch.empty(_xh_halves(hidden, intermediate), dtype=torch.float16, device=device) if tc else None,
+    )
 
 
 def run_trellis_moe(
@@ -142,41 +190,100 @@ def run_trellis_moe(
         )
     if top_k > SLOTS:
         raise LibraryError(f"trellis_moe: top_k {top_k} is more than the {SLOTS} picks one chunk of launches sorts")
-    lib = load(ws.arch)
-    stream = torch.cuda.current_stream(device).cuda_stream
-    x = x if x.stride(1) == 1 else x.contiguous()
-    ids = topk_ids.contiguous()
-    weights = topk_weights.contiguous()
-    lo = (ctypes.c_int * len(group_lo))(*group_lo)
-    k2_gu = (ctypes.c_int * len(group_lo))(*(round(2 * k) for k in k_gu))  # 2K of each group, host arrays
-    k2_d = (ctypes.c_int * len(group_lo))(*(round(2 * k) for k in k_d))
-    gu, y = buf.gu[:, : (2 if gated else 1) * inter], buf.y[:, :hidden_stored]
-    chunk = SLOTS // top_k
+    tc = uses_tensor_cores(buf, tokens, top_k, experts)
+    call = _Call(
+        lib=load(ws.arch), ws=ws, buf=buf, tc=tc, stream=torch.cuda.current_stream(device).cuda_stream,
+        x=x if x.stride(1) == 1 else x.contiguous(), ids=topk_ids.contiguous(), weights=topk_weights.contiguous(),
+        perm=perm, tables=tables, experts=experts, top_k=top_k, gated=gated, hidden_stored=hidden_stored, inter=inter,
+        codebook=codebook, group_lo=(ctypes.c_int * len(group_lo))(*group_lo),
+        k2=[(ctypes.c_int * len(group_lo))(*(round(2 * k) for k in ks)) for ks in (k_gu, k_d)],  # host arrays
+    )  # fmt: skip
+    chunk = (TC_SLOTS if tc else SLOTS) // top_k
     for t0 in range(0, tokens, chunk):
         t1 = min(t0 + chunk, tokens)
-        slots = (t1 - t0) * top_k
-        code = lib.qp_moe_sort(
-            ids[t0:t1].data_ptr(), int(ids.dtype == torch.int64), perm.data_ptr(), slots, experts, lo, len(group_lo),
-            buf.slot_of.data_ptr(), buf.offsets.data_ptr(), buf.sorted.data_ptr(), buf.work.data_ptr(),
-            buf.group_work.data_ptr(), stream,
-        )  # fmt: skip
-        check(code, f"sort of {slots} picks over {experts} experts")
-        for down, k2 in ((0, k2_gu), (1, k2_d)):
-            code = lib.qp_moe_gemm(
-                down, int(gated), x[t0:t1].data_ptr(), gu.data_ptr(), y.data_ptr(), tables.data_ptr(), experts,
-                buf.sorted.data_ptr(), buf.offsets.data_ptr(), buf.work.data_ptr(), buf.group_work.data_ptr(),
-                len(group_lo), k2, weights[t0:t1].data_ptr(), WEIGHT_DTYPES[weights.dtype],
-                ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
-                group_items(slots, experts), top_k, x.shape[1], x.stride(0),
-                inter if down else hidden_stored, hidden_stored if down else inter,
-                codebook, int(x.dtype == torch.bfloat16), ws.target_ctas, stream,
-            )  # fmt: skip
-            check(code, f"{'down' if down else 'gate/up'} of {len(group_lo)} K group(s) ({slots} picks, K {list(k2)})")
-        code = lib.qp_moe_reduce(
-            y.data_ptr(), buf.slot_of.data_ptr(), out[t0:t1].data_ptr(), t1 - t0, top_k, hidden_stored, hidden,
-            out.stride(0), int(out.dtype == torch.bfloat16), stream,
+        call.sort(t0, t1)
+        call.gemm(0, t0, t1)
+        call.gemm(1, t0, t1)
+        code = call.lib.qp_moe_reduce(
+            call.y.data_ptr(), buf.slot_of.data_ptr(), out[t0:t1].data_ptr(), t1 - t0, top_k, hidden_stored, hidden,
+            out.stride(0), int(out.dtype == torch.bfloat16), call.stream,
         )  # fmt: skip
         check(code, f"reduce of {t1 - t0} tokens")
+
+
+@dataclass
+class _Call:
+    """One call's launches (the chunk loop of :func:`run_trellis_moe`): the library, this GPU's buffers, the path
+    (``tc``: the tensor-core one) and the call's tensors and bank geometry; ``k2`` holds the 2K of each K group for
+    gate/up and for down (ctypes host arrays)."""
+
+    lib: ctypes.CDLL
+    ws: object
+    buf: MoeBuffers
+    tc: bool
+    stream: int
+    x: torch.Tensor
+    ids: torch.Tensor
+    weights: torch.Tensor
+    perm: torch.Tensor
+    tables: torch.Tensor
+    experts: int
+    top_k: int
+    gated: bool
+    hidden_stored: int
+    inter: int
+    codebook: int
+    group_lo: ctypes.Array
+    k2: list
+
+    @property
+    def gu(self) -> torch.Tensor:
+        return self.buf.gu[:, : (2 if self.gated else 1) * self.inter]
+
+    @property
+    def y(self) -> torch.Tensor:
+        return self.buf.y[:, : self.hidden_stored]
+
+    def sort(self, t0: int, t1: int) -> None:
+        """The picks of tokens ``t0 .. t1`` bucketed per slot and cut into the path's work items."""
+        slots, buf = (t1 - t0) * self.top_k, self.buf
+        code = self.lib.qp_moe_sort(
+            self.ids[t0:t1].data_ptr(), int(self.ids.dtype == torch.int64), self.perm.data_ptr(), slots,
+            self.experts, self.group_lo, len(self.group_lo), TC_ITEM_ROWS if self.tc else ITEM_ROWS,
+            buf.slot_of.data_ptr(),
+            buf.offsets.data_ptr(), buf.sorted.data_ptr(), buf.work.data_ptr(), buf.group_work.data_ptr(),
+            self.stream,
+        )  # fmt: skip
+        check(code, f"sort of {slots} picks over {self.experts} experts")
+
+    def gemm(self, down: int, t0: int, t1: int) -> None:
+        """Gate/up (``down`` 0: x -> gu) or down (1: gu -> y) of tokens ``t0 .. t1`` on the call's path."""
+        slots, buf, ws, x = (t1 - t0) * self.top_k, self.buf, self.ws, self.x
+        k2 = self.k2[down]
+        shared = (
+            len(self.group_lo), k2, self.weights[t0:t1].data_ptr(), WEIGHT_DTYPES[self.weights.dtype],
+            ws.partials.data_ptr(), ws.partials.numel(), ws.counters.data_ptr(), ws.counters.numel(),
+        )  # fmt: skip
+        tail = (
+            self.top_k, x.shape[1], x.stride(0), self.inter if down else self.hidden_stored,
+            self.hidden_stored if down else self.inter, self.codebook, int(x.dtype == torch.bfloat16),
+        )  # fmt: skip
+        head = (down, int(self.gated), x[t0:t1].data_ptr(), self.gu.data_ptr(), self.y.data_ptr())
+        plan = (buf.sorted.data_ptr(), buf.offsets.data_ptr(), buf.work.data_ptr(), buf.group_work.data_ptr())
+        if self.tc:
+            code = self.lib.qp_moe_tc_gemm(
+                *head, buf.xh.data_ptr(), buf.xh.numel(), self.tables.data_ptr(), self.experts,
+                buf.slot_of.data_ptr(), *plan, *shared,
+                slots, group_items(slots, self.experts, TC_ITEM_ROWS), TC_ITEM_ROWS, *tail,
+                ws.target_ctas_wide, self.stream,
+            )  # fmt: skip
+        else:
+            code = self.lib.qp_moe_gemm(
+                *head, self.tables.data_ptr(), self.experts, *plan, *shared,
+                group_items(slots, self.experts), *tail, ws.target_ctas, self.stream,
+            )  # fmt: skip
+        path = "tensor-core " if self.tc else ""
+        check(code, f"{path}{'down' if down else 'gate/up'} of {len(k2)} K group(s) ({slots} picks, K {list(k2)})")
 
 
 define_op(

@@ -53,6 +53,10 @@ class Settings:
             tensor-core kernel with 64, 128 or 256 rows per CTA) is measured when a run is prepared, where there is a
             choice; "split" / "tc": that kernel for every bucket above 16 rows (the tensor-core one where the GPU
             has it) [``..._WIDE_KERNEL``; another value: None, with a warning].
+        moe_tc_picks: expert banks on Hopper: a call whose tokens x top_k reach this many picks per expert slot runs
+            the tensor-core expert path (``csrc/moe_tc.cu``, 64-row work items), a smaller one the 16-row kernel; 0:
+            never (and no buffers for it). 32 is chosen, not measured: from there a 64-row item is half full on
+            average [``..._MOE_TC_PICKS``].
         nvcc: the compiler; None: ``$CUDA_HOME/bin/nvcc``, then ``nvcc`` on ``PATH`` [``QUANTPACK_NVCC``].
         cache_dir: where built libraries are kept [``QUANTPACK_CACHE_DIR``; default ``$XDG_CACHE_HOME/quantpack``
             or ``~/.cache/quantpack``].
@@ -64,6 +68,7 @@ class Settings:
     ctas_per_sm_wide: int = 2
     wide_fused: bool = True
     wide_kernel: str | None = None
+    moe_tc_picks: int = 32
     nvcc: str | None = None
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "quantpack")
 
@@ -81,6 +86,7 @@ class Settings:
             ctas_per_sm_wide=_env_int(environ, f"{PREFIX}CTAS_PER_SM_WIDE", wide_default, minimum=1),
             wide_fused=_env_int(environ, f"{PREFIX}WIDE_FUSED", 1) > 0,
             wide_kernel=_wide_kernel(environ),
+            moe_tc_picks=_env_int(environ, f"{PREFIX}MOE_TC_PICKS", cls.moe_tc_picks),
             nvcc=environ.get("QUANTPACK_NVCC") or None,
             cache_dir=Path(environ.get("QUANTPACK_CACHE_DIR") or Path(base) / "quantpack"),
         )

@@ -1,5 +1,7 @@
 // Expert banks (docs/moe-bank.md): one MoE layer's routed experts in four kinds of launch per call, each expert's
-// trellis read once per 16 of its routed tokens, graph-safe (every size below depends on the token count only).
+// trellis read once per 16 of its routed tokens, graph-safe (every size below depends on the token count only). On
+// Hopper, calls of many tokens take the tensor-core path instead (moe_tc.cu: the same sort with 64-row items, then a
+// transform and a wgmma launch per projection, and the same reduce).
 //
 //   sort      one CTA: each pick (token t, choice j; pick index t * top_k + j) gets its expert's physical slot
 //             (perm; -1 for an expert another tensor-parallel rank holds). Picks are counted per slot and bucketed in
@@ -22,66 +24,15 @@
 // once. Rows of one work item are independent in the mma, and split-K partials are summed in
 // split order, so results do not depend on the order in which the sort kernel bucketed the picks.
 
-#include "common.cuh"
+#include "moe.cuh"
 
 namespace qp {
-
-constexpr int MOE_ROWS = 16;          // rows per work item (one mma fragment)
-constexpr int MOE_MAX_GROUPS = 16;    // K groups one bank may have
-constexpr int MOE_SORT_THREADS = 1024;
-
-struct MoeParams {
-    const void* x;                 // (tokens, x_width) model dtype, row stride x_stride (gate/up)
-    __half* gu;                    // (slots, 2 * inter) fp16 (ungated: (slots, inter)): gate/up writes, down reads
-    float* y;                      // (slots, hidden) fp32: down writes its weighted rows at the pick's index
-    const long long* tables;       // (9, E) device pointers: w1, w3, w2 x (trellis, suh, svh) per slot
-    const int* sorted;             // (slots,) pick indices in slot order
-    const int* offsets;            // (E + 1,) first sorted position of each slot
-    const int* work;               // (2 * items,) (slot, first row) per work item
-    const int* group_work;         // (groups + 1,) first work item of each K group
-    const void* weights;           // (slots,) routing weights: fp32, fp16 or bf16 (weights_dtype 0 / 1 / 2)
-    float* partials;               // split-K partials: (grid z, splits, 16, n)
-    int* counters;                 // (grid z, n / 128), zero between launches
-    int E, top_k;
-    int groups;                    // K groups of the bank
-    int group_k2[MOE_MAX_GROUPS];  // 2K of each group
-    int x_width, x_stride, bf16, weights_dtype;
-    int k;      // reduction width: stored hidden (gate/up) or stored intermediate (down)
-    int n_proj; // stored output columns of one projection: intermediate (gate/up) or hidden (down)
-    int n;      // the grid's columns: 2 * intermediate (ungated: intermediate) or hidden
-    int gated;  // 1: down(silu(x W1) * (x W3)); 0: ungated down(relu(x W1)^2), no W3 (Nemotron-H's experts)
-    int slice_tiles, splits;
-};
-
-__device__ __forceinline__ float load_weight(const void* w, int i, int dtype) {
-    if (dtype == 0) return static_cast<const float*>(w)[i];
-    if (dtype == 1) return __half2float(static_cast<const __half*>(w)[i]);
-    return __bfloat162float(static_cast<const __nv_bfloat16*>(w)[i]);
-}
-
-// The work items of slots lo .. hi - 1 given their pick counts, numbered from `item`; offsets of their sorted picks
-// from `pos`. Host and device (the sort kernel's one serial step), so a test checks the plan on the CPU.
-__host__ __device__ inline void moe_plan_groups(const int* counts, int E, const int* group_lo, int groups,
-                                                int* offsets, int* group_work, int* item_base) {
-    int pos = 0, item = 0;
-    for (int g = 0; g < groups; ++g) {
-        group_work[g] = item;
-        const int lo = group_lo[g], hi = g + 1 < groups ? group_lo[g + 1] : E;
-        for (int s = lo; s < hi; ++s) {
-            offsets[s] = pos;
-            item_base[s] = item;
-            pos += counts[s];
-            item += (counts[s] + MOE_ROWS - 1) / MOE_ROWS;
-        }
-    }
-    offsets[E] = pos;
-    group_work[groups] = item;
-}
 
 struct MoeSort {
     const void* ids;        // (slots,) logical expert ids, int32 or int64 (ids64)
     const long long* perm;  // (E + 1,) expert id -> slot, last entry -1 (id -1 reads it)
     int ids64, slots, E;
+    int item_rows;  // rows per work item
     int groups;
     int group_lo[MOE_MAX_GROUPS];
     int* slot_of;     // (slots,) each pick's slot, -1 when another rank holds its expert
@@ -107,12 +58,12 @@ __global__ void __launch_bounds__(MOE_SORT_THREADS) moe_sort_kernel(const MoeSor
         if (s >= 0) atomicAdd(&counts[s], 1);
     }
     __syncthreads();
-    if (threadIdx.x == 0) moe_plan_groups(counts, r.E, r.group_lo, r.groups, offsets, r.group_work, item_base);
+    if (threadIdx.x == 0) moe_plan_groups(counts, r.E, r.group_lo, r.groups, offsets, r.group_work, item_base, r.item_rows);
     __syncthreads();
     for (int s = threadIdx.x; s <= r.E; s += blockDim.x) r.offsets[s] = offsets[s];
     for (int s = threadIdx.x; s < r.E; s += blockDim.x)
-        for (int row = 0; row < counts[s]; row += MOE_ROWS) {
-            const int item = item_base[s] + row / MOE_ROWS;
+        for (int row = 0; row < counts[s]; row += r.item_rows) {
+            const int item = item_base[s] + row / r.item_rows;
             r.work[2 * item] = s;
             r.work[2 * item + 1] = row;
         }
@@ -125,26 +76,6 @@ __global__ void __launch_bounds__(MOE_SORT_THREADS) moe_sort_kernel(const MoeSor
 }  // namespace qp
 
 namespace qp {
-
-// One value of an expert GEMM's input row before the Hadamard transform: gate/up (DOWN false) reads the pick's token
-// row of x, down reads silu(gate) * up of the pick from gu (ungated experts: relu(gate)^2); both times the
-// projection's suh.
-template <bool DOWN>
-__device__ __forceinline__ float moe_input(const MoeParams& p, int pick_or_pos, int c, float suh) {
-    if constexpr (DOWN) {
-        const size_t row = (size_t)pick_or_pos * (p.gated ? 2 : 1) * p.k;
-        const float g = __half2float(p.gu[row + c]);
-        if (!p.gated) {
-            const float r = fmaxf(g, 0.0f);
-            return r * r * suh;
-        }
-        const float u = __half2float(p.gu[row + p.k + c]);
-        return g / (1.0f + __expf(-g)) * u * suh;
-    } else {
-        const int token = pick_or_pos / p.top_k;
-        return c < p.x_width ? load_act(p.x, (size_t)token * p.x_stride + c, p.bf16) * suh : 0.0f;
-    }
-}
 
 // Dynamic shared memory of an expert CTA (moe_cta): its 16-row A panel of 64 k tiles (or, after it, the 16 rows of
 // 128-column partial sums) and the warps' trellis rings. Its own function: the linear kernels' one-row panel
@@ -176,7 +107,7 @@ __device__ __forceinline__ void moe_cta(const MoeParams& p, int w, uint8_t* smem
     uint32_t* ring = reinterpret_cast<uint32_t*>(smem + AF_BYTES);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int nb = blockIdx.x, split = blockIdx.y, z = blockIdx.z;
+    const int nb = blockIdx.x, split = blockIdx.y;
     const int slot = p.work[2 * w], r0 = p.work[2 * w + 1];
     const int base = p.offsets[slot] + r0;
     const int rows = min(p.offsets[slot + 1] - base, MOE_ROWS);
@@ -240,58 +171,7 @@ __device__ __forceinline__ void moe_cta(const MoeParams& p, int w, uint8_t* smem
     }
     __syncthreads();
 
-    if (p.splits > 1) {
-        const size_t n0 = (size_t)nb * BLOCK_N;
-        float* mine = p.partials + ((size_t)(z * p.splits + split) * MOE_ROWS) * p.n + n0;
-        for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4)
-            *reinterpret_cast<float4*>(mine + (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N) =
-                *reinterpret_cast<const float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N);
-        __threadfence();
-        __syncthreads();
-        int* counter = p.counters + (size_t)z * gridDim.x + nb;
-        if (threadIdx.x == 0) last_arrival = atomicAdd(counter, 1) == p.splits - 1;
-        __syncthreads();
-        if (!last_arrival) return;
-        __threadfence();
-        const float* all = p.partials + ((size_t)z * p.splits * MOE_ROWS) * p.n + n0;
-        for (int e = threadIdx.x * 4; e < rows * BLOCK_N; e += THREADS * 4) {
-            const size_t at = (size_t)(e / BLOCK_N) * p.n + e % BLOCK_N;
-            float4 s = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            for (int sp = 0; sp < p.splits; ++sp) {
-                const float4 v = __ldcg(reinterpret_cast<const float4*>(all + (size_t)sp * MOE_ROWS * p.n + at));
-                s.x += v.x;
-                s.y += v.y;
-                s.z += v.z;
-                s.w += v.w;
-            }
-            *reinterpret_cast<float4*>(F + (e / BLOCK_N) * F_STRIDE + e % BLOCK_N) = s;
-        }
-        if (threadIdx.x == 0) *counter = 0;
-        __syncthreads();
-    }
-
-    const __half* svh = reinterpret_cast<const __half*>(p.tables[(3 * proj + 2) * p.E + slot]);
-    for (int m = warp; m < rows; m += WARPS) {
-        float v[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = F[m * F_STRIDE + lane * 4 + i];
-        fwht128(v, lane);
-        const int c0 = lnb * BLOCK_N + lane * 4;
-        if constexpr (DOWN) {
-            const int pick = p.sorted[row_pick[m]];
-            const float wt = load_weight(p.weights, pick, p.weights_dtype);
-            float4 o;
-            o.x = v[0] * HAD_SCALE * __half2float(svh[c0]) * wt;
-            o.y = v[1] * HAD_SCALE * __half2float(svh[c0 + 1]) * wt;
-            o.z = v[2] * HAD_SCALE * __half2float(svh[c0 + 2]) * wt;
-            o.w = v[3] * HAD_SCALE * __half2float(svh[c0 + 3]) * wt;
-            *reinterpret_cast<float4*>(p.y + (size_t)pick * p.n + c0) = o;
-        } else {
-            __half2* dst = reinterpret_cast<__half2*>(p.gu + (size_t)(base + m) * p.n + proj * p.n_proj + c0);
-            dst[0] = __floats2half2_rn(v[0] * HAD_SCALE * __half2float(svh[c0]), v[1] * HAD_SCALE * __half2float(svh[c0 + 1]));
-            dst[1] = __floats2half2_rn(v[2] * HAD_SCALE * __half2float(svh[c0 + 2]), v[3] * HAD_SCALE * __half2float(svh[c0 + 3]));
-        }
-    }
+    moe_finish<DOWN>(p, F, last_arrival, MOE_ROWS, rows, proj, lnb, slot, base);
 }
 
 // Every K group of a bank in one launch: grid z runs over all the call's work items, which are numbered in slot
@@ -304,30 +184,9 @@ __global__ void __launch_bounds__(THREADS) trellis_moe_kernel(const MoeParams p)
     __shared__ int row_pick[MOE_ROWS];
     const int w = blockIdx.z;
     if (w >= p.group_work[p.groups]) return;
-    int g = 0;
-#pragma unroll
-    for (int i = 1; i < MOE_MAX_GROUPS; ++i)
-        if (i < p.groups && w >= p.group_work[i]) g = i;
-    switch (p.group_k2[g]) {
-        case 2: moe_cta<CB, 1, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
-        case 4: moe_cta<CB, 2, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
-        case 6: moe_cta<CB, 3, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
-        case 8: moe_cta<CB, 4, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
-        case 10: moe_cta<CB, 5, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
-        case 12: moe_cta<CB, 6, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
-        case 14: moe_cta<CB, 7, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
-        case 16: moe_cta<CB, 8, false, DOWN>(p, w, smem, row_pick, last_arrival); break;
-        default:
-            if constexpr (CB == CB_MUL1) {  // half-integer K: mul1 only (the host refuses others)
-                switch (p.group_k2[g]) {
-                    case 3: moe_cta<CB, 1, true, DOWN>(p, w, smem, row_pick, last_arrival); break;
-                    case 5: moe_cta<CB, 2, true, DOWN>(p, w, smem, row_pick, last_arrival); break;
-                    case 7: moe_cta<CB, 3, true, DOWN>(p, w, smem, row_pick, last_arrival); break;
-                    default: break;
-                }
-            }
-            break;
-    }
+    moe_group_k<CB>(p, w, [&](auto ka, auto half) {
+        moe_cta<CB, decltype(ka)::value, decltype(half)::value, DOWN>(p, w, smem, row_pick, last_arrival);
+    });
 }
 
 // out[t, c] = sum over the token's picks j held here (slot_of >= 0) of y[t * top_k + j, c], for c < hidden.
@@ -347,49 +206,38 @@ __global__ void moe_reduce_kernel(const float* y, const int* slot_of, void* out,
 
 }  // namespace qp
 
-// Work items a K group of `group_slots` slots can have for `slots` picks at most: each non-empty slot one item more
-// than its share of whole 16-row items.
-QP_API int qp_moe_items(int slots, int group_slots) {
-    return (group_slots < slots ? group_slots : slots) + (slots + qp::MOE_ROWS - 1) / qp::MOE_ROWS;
-}
+// Work items a K group of `group_slots` slots can have for `slots` picks at most, in items of up to `item_rows` rows:
+// each non-empty slot one item more than its share of whole items.
+QP_API int qp_moe_items(int slots, int group_slots, int item_rows) { return qp::moe_items(slots, group_slots, item_rows); }
 
-// k splits of one expert launch: as many as keep `items` x (n / 128) x splits within target_ctas (whole 128-column
-// blocks of k per split), within the workspace's partials and counters.
-QP_API int qp_moe_splits(int items, int k, int n, int target_ctas, long long partial_floats, long long counters) {
-    const int ktiles = k / 16, nbk = n / qp::BLOCK_N;
-    const long long ctas = (long long)nbk * items;
-    int splits = (int)(target_ctas / (ctas > 0 ? ctas : 1));
-    if (splits > ktiles / 8) splits = ktiles / 8;
-    if (splits > qp::TAIL_ROWS / qp::MOE_ROWS) splits = qp::TAIL_ROWS / qp::MOE_ROWS;
-    if (splits < 1) splits = 1;
-    int slice = (ktiles / 8 + splits - 1) / splits * 8;
-    splits = (ktiles + slice - 1) / slice;
-    while (splits > 1 && ((long long)items * splits * qp::MOE_ROWS * n > partial_floats || ctas > counters)) {
-        splits /= 2;
-        slice = (ktiles / 8 + splits - 1) / splits * 8;
-        splits = (ktiles + slice - 1) / slice;
-    }
-    return splits;
+// k splits of one expert launch of `items` items of `item_rows` rows (qp::moe_splits).
+QP_API int qp_moe_splits(int items, int item_rows, int k, int n, int target_ctas, long long partial_floats,
+                         long long counters) {
+    return qp::moe_splits(items, item_rows, k, n, target_ctas, partial_floats, counters);
 }
 
 // The sort step's plan on the host (for tests): offsets (E + 1), group_work (groups + 1) and each slot's first work
-// item (E) from per-slot pick counts.
+// item (E) from per-slot pick counts, in items of up to `item_rows` rows.
 QP_API void qp_moe_plan_host(const int* counts, int E, const int* group_lo, int groups, int* offsets, int* group_work,
-                             int* item_base) {
-    qp::moe_plan_groups(counts, E, group_lo, groups, offsets, group_work, item_base);
+                             int* item_base, int item_rows) {
+    qp::moe_plan_groups(counts, E, group_lo, groups, offsets, group_work, item_base, item_rows);
 }
 
 // Sort `slots` picks (ids: int32 or int64 expert ids, -1 for another rank's) over E slots in `groups` K groups
-// (group_lo: host array, the first slot of each). Returns 0, a CUDA error code, or -1 (bad sizes).
+// (group_lo: host array, the first slot of each), cut into work items of up to `item_rows` rows (16: qp_moe_gemm;
+// 64: qp_moe_tc_gemm). Returns 0, a CUDA error code, or -1 (bad sizes).
 QP_API int qp_moe_sort(const void* ids, int ids64, const long long* perm, int slots, int E, const int* group_lo,
-                        int groups, int* slot_of, int* offsets, int* sorted, int* work, int* group_work, void* stream) {
-    if (slots <= 0 || E <= 0 || groups < 1 || groups > qp::MOE_MAX_GROUPS || group_lo[0] != 0) return -1;
+                       int groups, int item_rows, int* slot_of, int* offsets, int* sorted, int* work, int* group_work,
+                       void* stream) {
+    if (slots <= 0 || E <= 0 || groups < 1 || groups > qp::MOE_MAX_GROUPS || group_lo[0] != 0 || item_rows < 1)
+        return -1;
     qp::MoeSort r{};
     r.ids = ids;
     r.perm = perm;
     r.ids64 = ids64;
     r.slots = slots;
     r.E = E;
+    r.item_rows = item_rows;
     r.groups = groups;
     for (int g = 0; g < groups; ++g) {
         if (group_lo[g] >= E || (g > 0 && group_lo[g] <= group_lo[g - 1])) return -1;
@@ -407,57 +255,6 @@ QP_API int qp_moe_sort(const void* ids, int ids64, const long long* perm, int sl
 }
 
 namespace qp {
-
-// The parameters every expert launch shares, checked. Returns 0 or -1 (bad geometry).
-inline int moe_params(MoeParams& p, int down, int gated, const void* x, void* gu, float* y, const long long* tables,
-                      int E,
-                      const int* sorted, const int* offsets, const int* work, const int* group_work,
-                      const void* weights, int weights_dtype, float* partials, int* counters, int items, int top_k,
-                      int x_width, int x_stride, int k, int n_proj, int bf16) {
-    if (k % 128 || k <= 0 || n_proj % 128 || n_proj <= 0 || (!down && x_width > k) || top_k < 1) return -1;
-    if (items > 65535) return -1;  // the grid's z limit
-    p = MoeParams{};
-    p.x = x;
-    p.gu = static_cast<__half*>(gu);
-    p.y = y;
-    p.tables = tables;
-    p.sorted = sorted;
-    p.offsets = offsets;
-    p.work = work;
-    p.group_work = group_work;
-    p.weights = weights;
-    p.partials = partials;
-    p.counters = counters;
-    p.E = E;
-    p.top_k = top_k;
-    p.x_width = x_width;
-    p.x_stride = x_stride;
-    p.bf16 = bf16;
-    p.weights_dtype = weights_dtype;
-    p.k = k;
-    p.n_proj = n_proj;
-    p.gated = gated ? 1 : 0;
-    p.n = down ? n_proj : (p.gated ? 2 : 1) * n_proj;
-    return 0;
-}
-
-// The split plan of a launch of `items` work items whose kernel fits `fit` CTAs per SM. Returns 0, a CUDA error
-// code or -4 (workspace too small).
-inline int moe_plan(MoeParams& p, int fit, int items, int target_ctas, long long partial_floats,
-                    long long counters_len) {
-    int sms = 0, device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-        return (int)cudaGetLastError();
-    if ((long long)fit * sms < target_ctas) target_ctas = fit * sms;
-    p.splits = qp_moe_splits(items, p.k, p.n, target_ctas, partial_floats, counters_len);
-    const int ktiles = p.k / 16;
-    p.slice_tiles = (ktiles / 8 + p.splits - 1) / p.splits * 8;  // a multiple of 8 tiles (TileStream::panel())
-    if (p.splits > 1 && ((long long)items * p.splits * MOE_ROWS * p.n > partial_floats ||
-                         (long long)items * (p.n / BLOCK_N) > counters_len))
-        return -4;
-    return 0;
-}
 
 // The dynamic shared memory of an expert CTA of (codebook, 2K) in bytes, or -2 (no such K) / -3 (bad codebook).
 inline int moe_smem(int codebook, int k2) {
@@ -527,7 +324,7 @@ QP_API int qp_moe_gemm(int down, int gated, const void* x, void* gu, float* y, c
                           : qp::moe_configure<qp::CB_MUL1, false>(k2max, smem, &fit); break;
     }
     if (e != 0) return e;
-    e = qp::moe_plan(p, fit, items, target_ctas, partial_floats, counters_len);
+    e = qp::moe_plan(p, fit, items, qp::MOE_ROWS, target_ctas, partial_floats, counters_len);
     if (e != 0) return e;
     const dim3 grid(p.n / qp::BLOCK_N, p.splits, items);
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
