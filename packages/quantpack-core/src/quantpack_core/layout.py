@@ -648,7 +648,7 @@ def layer_sizes(arch: str, config: dict, i: int) -> dict[str, tuple[int | None, 
     inter = _count(config, "intermediate_size")
     expert = inter if mixtral else _count(config, "moe_intermediate_size")
     shared = _count(config, "shared_expert_intermediate_size")
-    routes = _count(config, "num_local_experts", "num_experts")
+    experts = _count(config, "num_local_experts", "num_experts")
     # Qwen3-Next: attention whose q_proj also gives the output gate (``attn_output_gate``, default on), and the
     # Gated DeltaNet's key / value widths
     q_parts = 1 + bool(config.get("attn_output_gate", True)) if arch == "Qwen3NextForCausalLM" else 1
@@ -676,7 +676,7 @@ def layer_sizes(arch: str, config: dict, i: int) -> dict[str, tuple[int | None, 
         elif path == "mlp.shared_expert.down_proj":
             sizes[path] = (shared, hidden)
         elif path in ("mlp.gate", "block_sparse_moe.gate"):
-            sizes[path] = (hidden, routes)
+            sizes[path] = (hidden, experts)
         elif path == "mlp.shared_expert_gate":
             sizes[path] = (hidden, 1)
         elif path in ("mlp.experts", "block_sparse_moe.experts"):

@@ -1451,7 +1451,7 @@ class Pack:
         """Modules vLLM fuses into one layer (:data:`~quantpack_core.names.FUSED_LAYERS`: q / k / v, gate / up,
         Qwen3.5's in_proj_qkv / in_proj_z and in_proj_b / in_proj_a) stored in different kinds (a dense q_proj beside
         EXL3 k_proj and v_proj): one vLLM layer is all one kind. The plugins refuse such a pack when vLLM builds its
-        config (``quantpack_core.vllm.config.check_fused_routes``, from the manifest); named here from the files too,
+        config (``quantpack_core.vllm.config.check_fused_storage``, from the manifest); named here from the files too,
         so that ``quantpack inspect`` reports it."""
         out: list[Problem] = []
         # each group once (q / k / v back both Llama's qkv_proj and a vision tower's qkv)

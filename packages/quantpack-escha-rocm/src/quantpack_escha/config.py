@@ -129,7 +129,7 @@ class EschaConfig(QuantpackConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         """Coded linear layers -> :class:`~quantpack_escha.methods.EschaLinearMethod`; other linear layers ->
-        vLLM's unquantized method; embeddings and heads as the base routes them (int8 rows here).
+        vLLM's unquantized method; embeddings and heads by the base's storage table (int8 rows here).
 
         Raises:
             LayerLoadError: a merged layer whose sources are partly coded.
@@ -154,12 +154,12 @@ class EschaConfig(QuantpackConfig):
         return super().get_quant_method(layer, prefix)
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
-        """For a local pack, route ``embed_tokens`` / ``lm_head`` by what it stores (int8 rows or a dense table);
+        """For a local pack, record how it stores ``embed_tokens`` / ``lm_head`` (int8 rows or a dense table);
         a stored head is served even when the config ties it. Remote packs keep the default (int8 rows, what
         escha packs store)."""
         if not os.path.isdir(model_name):
             for table in INT8_TABLES:
-                self.routes.setdefault(table, INT8_ROWS)
+                self.storage.setdefault(table, INT8_ROWS)
             return
         names = tensor_names(Path(model_name))
         self.check_layer_meta(code_shapes(Path(model_name)))
@@ -169,9 +169,9 @@ class EschaConfig(QuantpackConfig):
             if key.rsplit(".", 1)[-1] not in INT8_TABLES:
                 continue
             if suffix in (INT8_ROWS_SUFFIX, INT8_SCALES_SUFFIX):
-                self.routes[key] = INT8_ROWS
+                self.storage[key] = INT8_ROWS
             elif suffix == DENSE_SUFFIX:
-                self.routes.setdefault(key, "dense")
+                self.storage.setdefault(key, "dense")
         untie_if_head_stored([n.rpartition(".")[0] for n in names], hf_config, model_name)
         logger.info("quantpack-escha: %s: %r", model_name, self)
 
