@@ -16,8 +16,8 @@ from quantpack_core import Codebook, Pack, PackError
 from quantpack_core.synthetic import random_exl3_layer, write_pack
 
 #: the synthetic packs here hold a few modules of a layer, so their config names a model class whose layer the
-#: project does not state (a real class's layer rule, quantpack_core.layout.architecture_layer, would name every
-#: module they lack; its own tests are in test_layout.py)
+#: project does not state (a real class's layer rule, quantpack_core.check.architectures.architecture_layer, would
+#: name every module they lack; its own tests are in test_layout.py)
 CONFIG = {"architectures": ["SyntheticForCausalLM"], "model_type": "llama", "hidden_size": 256}
 
 
@@ -810,8 +810,8 @@ def test_the_value_limit_lies_far_above_every_bundled_and_converted_pack(fixture
     """The measurement behind VALUE_LIMIT (its comment gives these figures): the largest norm weight, suh / svh,
     escha scale and dense table value of the bundled packs and of escha / int8-table conversions of them; the limit
     stays over 3,000 times above every one."""
+    from quantpack_core.check.layers import is_norm
     from quantpack_core.embedding import convert_embedding_int8
-    from quantpack_core.layout import is_norm
     from quantpack_core.pack import CODED_SUFFIXES, VALUE_LIMIT
 
     packs = sorted(fixtures_dir.glob("*-exl3-*")) + sorted(fixtures_dir.glob("*-bf16"))

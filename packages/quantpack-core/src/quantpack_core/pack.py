@@ -27,27 +27,26 @@ from typing import ClassVar
 import torch
 from safetensors import safe_open
 
+from .check.architectures import activation_rule, layer_sizes, stated_class
+from .check.architectures.problems import architecture_problems
+from .check.layers import (
+    DRAFT_FUSION,
+    FIX_DENSE,
+    LAYER_KEY,
+    OTHER_STACKS,
+    decoder_layers,
+    is_norm,
+    sibling_problems,
+    skipped_by_vllm,
+    stack_problems,
+    sublayer_problems,
+    tensor_problems,
+)
 from .codec import Exl3Tensors, check_marker, unpack_signs
 from .codec.codebook import Codebook
 from .codec.hadamard import HAD_BLOCK
 from .codec.trellis import HALF_K, TILE, k_from_width
 from .errors import CodecError, LayerLoadError, PackError, Problem
-from .layout import (
-    DRAFT_FUSION,
-    FIX_DENSE,
-    LAYER_KEY,
-    activation_rule,
-    architecture_problems,
-    decoder_layers,
-    is_norm,
-    layer_sizes,
-    sibling_problems,
-    skipped_by_vllm,
-    stack_problems,
-    stated_class,
-    sublayer_problems,
-    tensor_problems,
-)
 from .names import FUSED_LAYERS, normalize_prefix, split_tensor_name
 from .ngram import NGRAM_FILE, RECOPY
 
@@ -387,7 +386,8 @@ class Pack:
                 and that the vectors are finite.
             model_config: the model's config as the server built it from config.json (vLLM's ``hf_config`` as a
                 dict: after ``--hf-overrides``, and with a draft's class renamed); the decoder layers are held against
-                the layer of its class (:func:`quantpack_core.layout.architecture_problems`) instead of config.json's.
+                the layer of its class (:func:`.check.architectures.problems.architecture_problems`) instead of
+                config.json's.
 
         Returns:
             the Pack.
@@ -770,7 +770,7 @@ class Pack:
     }
 
     def _coded_norm_problem(self, m: ModuleInfo) -> Problem:
-        """A norm (:func:`~quantpack_core.layout.is_norm`) stored quantized: vLLM builds every norm without the
+        """A norm (:func:`~.check.layers.is_norm`) stored quantized: vLLM builds every norm without the
         quantization config and loads a dense weight only, so its loader would stop in the worker."""
         code = self._main_tensor(m)
         what = (
@@ -812,11 +812,11 @@ class Pack:
         return Problem(m.key, f"{m.key}.{code}", what, fix)
 
     def _layout_problems(self) -> list[Problem]:
-        """Modules of the decoder layers that cannot be absent given those present (:mod:`quantpack_core.layout`):
+        """Modules of the decoder layers that cannot be absent given those present (:mod:`.check.layers`):
         a gated MLP's or an attention block's missing member, a module every other instance of its parent holds, a
         layer short of a sublayer its stack's other layers hold, a plain module's tensor every other layer's has
         (the last three not for DeciLM's ``block_configs``, whose no-op blocks hold fewer by design); and for the
-        model classes whose layer the project states (:func:`~quantpack_core.layout.architecture_layer`), the layers
+        model classes whose layer the project states (:func:`~.check.architectures.architecture_layer`), the layers
         against it, at any layer count. Nothing where a shard file could not be read: its modules are reported
         through the file, not one by one as missing."""
         if self._bad_files:
@@ -824,11 +824,11 @@ class Pack:
         cfg = self.config.get("text_config") if isinstance(self.config.get("text_config"), dict) else self.config
         layers = cfg.get("num_hidden_layers") if isinstance(cfg, dict) else None
         layers = layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
-        stacks = decoder_layers(self.modules, self.OTHER_STACKS, layers)
+        stacks = decoder_layers(self.modules, OTHER_STACKS, layers)
         blocks = isinstance(cfg, dict) and isinstance(cfg.get("block_configs"), list)
         out = [] if blocks else sublayer_problems(stacks)
         out += sibling_problems(stacks, lone=not blocks)
-        out += stack_problems(stacks, self.modules, self.OTHER_STACKS, self.config)
+        out += stack_problems(stacks, self.modules, OTHER_STACKS, self.config)
         if not blocks:
             own = {k: set(m.tensors) for k, m in self.modules.items() if m.format in ("dense", "other")}
             out += tensor_problems(stacks, own, self.modules)
@@ -859,8 +859,6 @@ class Pack:
     #: sizes a config may give per layer or per modality as a list (Gemma 3n's intermediate_size, ERNIE-4.5-VL's
     #: moe_intermediate_size)
     LIST_SIZES = frozenset({"intermediate_size", "moe_intermediate_size"})
-    #: layer keys that belong to another stack than the model's decoder layers (MTP heads, vision towers, drafts)
-    OTHER_STACKS = re.compile(r"(^|\.)(mtp|vision_tower|vision_model|visual|vision|audio_tower|draft)\.")
 
     def _config_problems(self) -> list[Problem]:
         """config.json against itself and the tensors, before vLLM builds the model from it: ``architectures`` a
@@ -903,7 +901,7 @@ class Pack:
                 what = f"a layer index of {len(m.group(1))} digits: no model has that many layers"
                 short = f"{key[:60]}..."
                 out.append(Problem(short, short, what, "the pack is damaged: re-download it"))
-            elif m and not self.OTHER_STACKS.search(key[: m.start() + 1]):
+            elif m and not OTHER_STACKS.search(key[: m.start() + 1]):
                 present.add(int(m.group(1)))
         # DeciLM (Nemotron Ultra / Super): a block whose attention and FFN are both no-ops stores no tensor
         blocks = cfg.get("block_configs")
@@ -1054,10 +1052,10 @@ class Pack:
         takes without a check in the user's process and then stops on in the worker: a RoPE type ``get_rope`` does
         not build (top level, in ``rope_parameters`` / ``rope_scaling``, per layer type too); a RoPE base or rotated
         fraction that is no number (``"10000"``: a TypeError in ``get_rope``); a rotated fraction outside (0, 1]
-        (``get_rope`` raises); for the stated classes (:data:`~quantpack_core.layout.KNOWN_LAYERS`), a fraction that
+        (``get_rope`` raises); for the stated classes (:data:`~.check.architectures.KNOWN_LAYERS`), a fraction that
         rotates an odd number of a head's features (vLLM's rotary tables then disagree with the rotated width: a
         shape error, and on CPU a crash of the process) and an activation their MLP is not built with
-        (:func:`~quantpack_core.layout.activation_rule`)."""
+        (:func:`~.check.architectures.activation_rule`)."""
         built = self._built_config()
         text = built.get("text_config") if isinstance(built, dict) else None
         cfg = text if isinstance(text, dict) and text else built if isinstance(built, dict) else {}
@@ -1144,7 +1142,7 @@ class Pack:
         stack_layers: dict[str, set[int]] = {}
         for key, m in self.modules.items():
             found = re.search(r"(?:^|\.)layers\.(\d{1,9})\.(?:([^.]*norm[^.]*)$)?", key)
-            if not found or self.OTHER_STACKS.search(key[: found.start() + 1]) or int(found.group(1)) >= layers:
+            if not found or OTHER_STACKS.search(key[: found.start() + 1]) or int(found.group(1)) >= layers:
                 continue
             stack = key[: found.start(1)]
             stack_layers.setdefault(stack, set()).add(int(found.group(1)))
@@ -1190,7 +1188,7 @@ class Pack:
         out: list[Problem] = []
         for key, m in self.modules.items():
             name = key.rsplit(".", 1)[-1]
-            if m.padded_shape is None or ".self_attn." not in key or self.OTHER_STACKS.search(key):
+            if m.padded_shape is None or ".self_attn." not in key or OTHER_STACKS.search(key):
                 continue
             if name in ("k_proj", "v_proj"):
                 side, want, what = 1, kv * head_dim, f"num_key_value_heads {kv} x head_dim {head_dim}"
@@ -1230,7 +1228,7 @@ class Pack:
         vocab = sizes.get("vocab_size")
         out: list[Problem] = []
         for key, m in self.modules.items():
-            if self.OTHER_STACKS.search(key):
+            if OTHER_STACKS.search(key):
                 continue
             last = key.rsplit(".", 1)[-1]
             if last in ("lm_head", "embed_tokens") and m.format == "dense" and len(m.tensors["weight"].shape) != 2:
@@ -1298,7 +1296,7 @@ class Pack:
 
     def _stated_size_problems(self, fix: str) -> list[Problem]:
         """For the model classes whose layer the project states, every module of the decoder layers against the
-        sizes vLLM's class gives it (:func:`~quantpack_core.layout.layer_sizes`: the hidden side of every projection,
+        sizes vLLM's class gives it (:func:`~.check.architectures.layer_sizes`: the hidden side of every projection,
         router and expert, the experts' and shared expert's intermediate side, q_norm / k_norm per head, the Gated
         DeltaNet's own A_log / dt_bias), where the
         checks above do not already: stored sizes, padded to 128 for a coded module. vLLM's loaders, or the
@@ -1372,7 +1370,7 @@ class Pack:
         out: list[Problem] = []
         for key, m in self.modules.items():
             found = self.DENSE_MLP.search(key)
-            if not found or m.padded_shape is None or self.OTHER_STACKS.search(key):
+            if not found or m.padded_shape is None or OTHER_STACKS.search(key):
                 continue
             side = 0 if found.group(1) == "down_proj" else 1
             out.extend(self._stored_size_problem(m, side, want, f"intermediate_size {want}", fix))
@@ -2078,18 +2076,18 @@ FIX_STRAY = "remove the stray tensor(s) from a copy of the pack (and from its in
 def stray_tensor_problems(pack: Pack) -> list[Problem]:
     """Tensors a module holds beside its weight that its vLLM layer has no parameter for: on a trellis or escha
     module, anything but its code's tensors (``q_proj.weird``, ``gate_proj.bias0``); for the model classes whose
-    layer the project states (:func:`~quantpack_core.layout.stated_class`), on a dense module of the decoder layers
+    layer the project states (:func:`~.check.architectures.stated_class`), on a dense module of the decoder layers
     anything but ``weight`` and ``bias``, on the token embedding, the final norm or the head anything but
     ``weight``. vLLM's loader stopped on each in the worker without naming it (vLLM 0.32: ``AttributeError:
     'QKVParallelLinear' object has no attribute 'data'``). One problem per module, naming its stray tensors;
     modules that hold only scales or rotary tables are vLLM's to skip
-    (:func:`~quantpack_core.layout.skipped_by_vllm`)."""
+    (:func:`~.check.layers.skipped_by_vllm`)."""
     stated = stated_class(pack._built_config()) is not None
     out: list[Problem] = []
     for key, m in pack.modules.items():
         allowed = CODED_SUFFIXES.get(m.format)
         if allowed is None and stated and m.format == "dense" and not skipped_by_vllm(key, set(m.tensors)):
-            in_layers = re.match(r"model\.layers\.\d{1,9}\.", key) and not Pack.OTHER_STACKS.search(key)
+            in_layers = re.match(r"model\.layers\.\d{1,9}\.", key) and not OTHER_STACKS.search(key)
             allowed = DENSE_SUFFIXES if in_layers else OUTSIDE_SUFFIXES if key in Pack.OUTSIDE_LAYERS else None
         stray = sorted(set(m.tensors) - allowed) if allowed is not None else []
         if stray:
@@ -2252,7 +2250,7 @@ def padding_problems(pack: Pack) -> list[Problem]:
     out: list[Problem] = []
     for key, m in pack.modules.items():
         leaf = key.rsplit(".", 1)[-1]
-        if m.format != "exl3" or leaf == "lm_head" or Pack.OTHER_STACKS.search(key) or "svh" not in m.tensors:
+        if m.format != "exl3" or leaf == "lm_head" or OTHER_STACKS.search(key) or "svh" not in m.tensors:
             continue
         logical = pack.config_logical_shape(m)
         stored = m.padded_shape[1] if m.padded_shape else None
