@@ -25,7 +25,7 @@ from quantpack_core.check.layers import (
     sublayer_problems,
     tensor_problems,
 )
-from quantpack_core.pack import MANIFEST_FILE
+from quantpack_core.inventory import MANIFEST_FILE
 from quantpack_core.synthetic import random_exl3_layer, replace_module
 
 PACK = "llama-tiny-exl3-4.0bpw-mul1"

@@ -328,7 +328,7 @@ def mutate_real(pack: Path, kind: str, draw) -> bool:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from quantpack_core.pack import VALUE_LIMIT
+    from quantpack_core.check.values import VALUE_LIMIT
 
     t = load_file(str(pack / "model.safetensors"))
     config = json.loads((pack / "config.json").read_text())

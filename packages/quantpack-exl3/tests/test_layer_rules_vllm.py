@@ -227,7 +227,7 @@ def test_the_activations_stated_are_those_vllm_builds(vllm_layers, tmp_path, cas
 
 
 def test_the_rope_settings_refused_are_those_vllm_stops_on(vllm_layers):
-    """The pack check's RoPE rules (quantpack_core.pack.Pack.ROPE_TYPES and the rotated fraction) against vLLM's
+    """The pack check's RoPE rules (quantpack_core.check.config.ROPE_TYPES and the rotated fraction) against vLLM's
     get_rope: every type the installed vLLM builds is among those the check takes (it refuses none vLLM knows); an
     unknown type, a base that is a string, a fraction outside (0, 1] stop get_rope; a fraction that rotates an odd
     number of features builds tables of another width than it rotates, so rotating fails."""
@@ -237,13 +237,13 @@ def test_the_rope_settings_refused_are_those_vllm_stops_on(vllm_layers):
     from vllm.model_executor.layers import rotary_embedding
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from quantpack_core.pack import Pack
+    from quantpack_core.check.config import ROPE_TYPES
 
     source = inspect.getsource(rotary_embedding.get_rope)
     known = set(re.findall(r'scaling_type == "([\w-]+)"', source))
     for group in re.findall(r"scaling_type in \[([^\]]*)\]", source):
         known |= set(re.findall(r'"([\w-]+)"', group))
-    assert "default" in known and known <= Pack.ROPE_TYPES, sorted(known - Pack.ROPE_TYPES)
+    assert "default" in known and known <= ROPE_TYPES, sorted(known - ROPE_TYPES)
 
     def rope(**params):
         return get_rope(64, 128, True, {"rope_type": "default", "rope_theta": 10000.0, **params}, dtype=torch.float32)

@@ -205,6 +205,8 @@ def verify_pack(
     """
     import math
 
+    from .codec.exl3 import FORMAT as EXL3
+    from .format import pack_formats
     from .pack import Pack
 
     if max_kl is not None and not (math.isfinite(max_kl) and max_kl >= 0):
@@ -214,7 +216,8 @@ def verify_pack(
     pack = Path(pack)
     qc = _config_top(pack).get("quantization_config")
     method = str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else ""
-    Pack.open(pack, require_exl3=method != "escha")  # a missing or unsound pack is named first
+    own = pack_formats().get(method)  # a pack of another installed format is held to its own rules
+    Pack.open(pack, require_exl3=own is None or own.name == EXL3)  # a missing or unsound pack is named first
     source = Path(against) if against is not None else pack / REFERENCE_FILE
     if against is not None and not source.exists():
         raise VerifyError(

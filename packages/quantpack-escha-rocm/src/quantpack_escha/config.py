@@ -23,10 +23,10 @@ import torch
 
 from quantpack_core.errors import LayerLoadError
 from quantpack_core.names import expand_fused, normalize_prefix
-from quantpack_core.pack import escha_layer_ks, escha_meta_key, escha_meta_mismatches
 from quantpack_core.vllm.config import INT8_ROWS, QuantpackConfig, untie_if_head_stored
 from quantpack_core.vllm.embedding import Int8RowsEmbeddingMethod
 
+from .check import layer_ks, meta_key, meta_mismatches
 from .codec import CODE
 from .format import ESCHA
 from .kernels import BACKEND_ENV, LINEAR_KERNELS
@@ -39,10 +39,6 @@ INT8_ROWS_SUFFIX, INT8_SCALES_SUFFIX = "weight_int8", "weight_scale"
 DENSE_SUFFIX = "weight"
 #: the only tables an escha pack stores as int8 rows
 INT8_TABLES = ("embed_tokens", "lm_head")
-
-
-#: the key a module is matched by in ``layer_meta`` (its tail from ``layers.``; the pack reader's)
-meta_key = escha_meta_key
 
 
 class EschaInt8Embedding(Int8RowsEmbeddingMethod):
@@ -84,7 +80,7 @@ class EschaConfig(QuantpackConfig):
     def __init__(self, quant_config: dict[str, Any]):
         super().__init__(quant_config)
         self.layer_meta = quant_config.get("layer_meta") or {}
-        self._meta = escha_layer_ks(self.layer_meta)
+        self._meta = layer_ks(self.layer_meta)
         self._k = {key: k for key, (_, k) in self._meta.items()}
 
     def __repr__(self) -> str:
@@ -177,7 +173,7 @@ class EschaConfig(QuantpackConfig):
 
     def check_layer_meta(self, codes: dict[str, tuple[int, ...]]) -> None:
         """``layer_meta`` against the pack's codes, in the user's process before any worker loads
-        (:func:`quantpack_core.pack.escha_meta_mismatches`, the check ``quantpack inspect`` makes too): every module
+        (:func:`quantpack_escha.check.meta_mismatches`, the check ``quantpack inspect`` makes too): every module
         storing ``.escha_code`` listed, every listed module storing one, each K the code's.
 
         Args:
@@ -186,7 +182,7 @@ class EschaConfig(QuantpackConfig):
         Raises:
             LayerLoadError: the first disagreement, how many more of its kind there are, and the fix.
         """
-        found = escha_meta_mismatches(self._meta, {m: shape[-1] if shape else 0 for m, shape in codes.items()})
+        found = meta_mismatches(self._meta, {m: shape[-1] if shape else 0 for m, shape in codes.items()})
         if found:
             module, what, fix = found[0]
             raise LayerLoadError(f"{module}: {what} - {fix}")

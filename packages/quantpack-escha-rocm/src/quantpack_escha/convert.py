@@ -29,8 +29,9 @@ from safetensors.torch import save_file
 from quantpack_core.codec import HAD_BLOCK, Codebook, dequantize
 from quantpack_core.embedding import check_output_folder, default_file_mode, quantize_rows
 from quantpack_core.errors import QuantpackError
-from quantpack_core.names import normalize_prefix
-from quantpack_core.pack import EXPERT_MODULE, INDEX_FILE, MANIFEST_FILE, Pack
+from quantpack_core.inventory import INDEX_FILE, MANIFEST_FILE
+from quantpack_core.names import EXPERT_MODULE, normalize_prefix
+from quantpack_core.pack import Pack
 
 from .codec import CODE
 

@@ -368,15 +368,11 @@ def tensor_problems(
     return out
 
 
-#: the tensors of a module that vLLM loads its weight from: a dense weight, an EXL3 or escha trellis, int8 rows
-WEIGHT_TENSORS = frozenset({"weight", "trellis", "escha_code", "qweight", "weight_int8"})
 #: the fix where a module vLLM loads a dense weight into is stored quantized
 FIX_DENSE = (
     "store this module as a dense float16 / bfloat16 weight, as exllamav3's converter does (it keeps norms, routers "
     "and gates dense): re-convert the pack, or re-download it if it was altered"
 )
-#: the weight tensors of a module stored quantized (all of :data:`WEIGHT_TENSORS` but a dense ``weight``)
-QUANTIZED_TENSORS = WEIGHT_TENSORS - {"weight"}
 
 
 def is_norm(path: str) -> bool:

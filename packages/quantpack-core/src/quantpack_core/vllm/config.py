@@ -35,9 +35,9 @@ from quantpack_core.dense import DENSE, DenseKernel
 from quantpack_core.embedding import INT8_FORMAT
 from quantpack_core.errors import BackendUnavailableError, LayerLoadError
 from quantpack_core.format import LinearFormat
+from quantpack_core.inventory import MANIFEST_FILE
 from quantpack_core.kernels import ExpertKernel, KernelLog, LinearKernel, LinearSpec, Platform
 from quantpack_core.names import FUSED_LAYERS, constituents, expand_fused, normalize_prefix
-from quantpack_core.pack import MANIFEST_FILE
 
 from .compile_key import CompileKey
 from .embedding import Int8RowsEmbeddingMethod

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...errors import Problem
-from ..layers import DRAFT_FUSION, FIX, FIX_DENSE, LAYER_KEY, QUANTIZED_TENSORS, WEIGHT_TENSORS, skipped_by_vllm
+from ..base import quantized_tensors, weight_tensors
+from ..layers import DRAFT_FUSION, FIX, FIX_DENSE, LAYER_KEY, skipped_by_vllm
 from . import BY_CLASS, architecture_layer, stated_class, stated_layer, unquantized
 
 #: the fix where config.json's model class and the tensors disagree in every layer
@@ -133,7 +134,7 @@ def _survey_layer(
         return
     held = {path: tensors.get(f"model.layers.{i}.{path}") for path in paths}
     for path in unquantized(arch, layer.required):
-        if tensors.get(f"model.layers.{i}.{path}", set()) & QUANTIZED_TENSORS:
+        if tensors.get(f"model.layers.{i}.{path}", set()) & quantized_tensors():
             found.coded.setdefault(path, []).append(i)
     _survey_required(found, arch, i, paths, layer.required, tensors, draft)
     for other in layer.absent:
@@ -170,7 +171,7 @@ def _survey_required(
             found.lacking.setdefault(need, []).append(i)
         for path in held_here:
             own = tensors.get(f"model.layers.{i}.{path}")
-            if path not in parents and own is not None and not own & WEIGHT_TENSORS:
+            if path not in parents and own is not None and not own & weight_tensors():
                 found.weightless.setdefault(path, []).append(i)
         if held_here and need in own_tensors:
             own = tensors.get(f"model.layers.{i}.{need}", set())
@@ -234,7 +235,7 @@ def _misplaced_problems(found: Findings, arch: str, tensors: dict[str, set[str]]
     out: list[Problem] = []
     for path, idx in found.coded.items():
         key = f"model.layers.{idx[0]}.{path}"
-        held = sorted(tensors[key] & QUANTIZED_TENSORS)
+        held = sorted(tensors[key] & quantized_tensors())
         what = (
             f"layer(s) {_shown(idx)}: {path} is stored quantized ({', '.join(held)}), but vLLM's {arch} builds it "
             "without the quantization config, so it loads a dense weight only: vLLM's loader stops in the worker "
