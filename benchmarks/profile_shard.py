@@ -2,10 +2,10 @@
 
 Usage (GPU machine): ``source ci/gpu/env.sh && ncu --profile-from-start off --launch-count 1 --section SpeedOfLight
 -k regex:trellis_mma_kernel python3 benchmarks/profile_shard.py --kernel trellis_mma --shape 4096,14336 --rows 1``
-(the profiler starts after prepare's warm-up launches: ``ci/gpu/pending.sh ncu``). ``--kernel escha_triton`` and
-``--kernel escha_trellis_mma`` run the same trellis read as an escha shard (mcg only, as ``kernel_8b.py``'s escha
-line); ``--kernel-times`` prints each launch's GPU time per call from ``torch.profiler`` instead (no external
-profiler needed).
+(the profiler starts after prepare's warm-up launches: ``ci/gpu/jobs.toml``'s ``ncu-*`` jobs). ``--kernel
+escha_triton`` and ``--kernel escha_trellis_mma`` run the same trellis read as an escha shard (mcg only, as
+``kernel_8b.py``'s escha line); ``--kernel-times`` prints each launch's GPU time per call from ``torch.profiler``
+instead (no external profiler needed).
 """
 
 from __future__ import annotations

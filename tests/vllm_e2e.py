@@ -77,8 +77,8 @@ def make_llm(job: dict, dtype: str, eager: bool, max_logprobs: int = 1024, **ext
 def env_llm_kwargs() -> dict:
     """The ``vllm.LLM`` arguments of ``QUANTPACK_GPU_LLM_KWARGS`` (a JSON object; none when unset or empty), which
     go over every job's: a diagnostic run's settings (``{"compilation_config": {"cudagraph_mode": "PIECEWISE"}}``),
-    or ``{"kv_cache_memory_bytes": N}`` where engines share a GPU with other processes (ci/gpu/pending.sh's
-    ``matrix``): with a fixed KV cache size vLLM skips its memory profiling, whose check fails when another
+    or ``{"kv_cache_memory_bytes": N}`` where engines share a GPU with other processes (ci/gpu/jobs.toml's
+    ``tier`` group): with a fixed KV cache size vLLM skips its memory profiling, whose check fails when another
     process frees GPU memory while an engine loads (vLLM's ``gpu_worker.determine_available_memory``).
 
     Raises:

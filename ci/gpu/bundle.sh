@@ -11,8 +11,8 @@
 #             read when it exists, and written when it does not)
 # Writes .stage-bundles/vllm-slim-VERSION.tar.xz and its .sha256, then verifies it (ci/gpu/bundle_tools.py verify)
 # and compares the third-party imports on the tier's path with those of a bundle that ran the tier
-# (ci/gpu/import_reach.py; PROVEN_BUNDLE, default ../shared/gpu/vllm-slim-0.25.1.tar.xz, skipped when absent): a
-# package the new release imports there that neither bundle nor machine has fails the script, before any device time.
+# (ci/gpu/import_reach.py; PROVEN_BUNDLE=path, skipped, and said so, when unset): a package the new release imports
+# there that neither bundle nor machine has fails the script, before any device time.
 # Stage it with `VLLM_BUNDLE=.stage-bundles/vllm-slim-VERSION.tar.xz ci/gpu/stage.sh` (see ci/gpu/README.md).
 # Environment: BUNDLE_OUT (output folder, default .stage-bundles), SOURCE_DATE_EPOCH (the archive's mtime, default
 # 2026-01-01), TARGET_PYTHON (bin/vllm's interpreter, default the GPU machine's /opt/torch/.venv/bin/python3),
@@ -131,8 +131,12 @@ cat "$bundle.sha256"
 python3 "$here/bundle_tools.py" verify "$bundle" "$version" "$lock"
 
 # 6. the imports on the tier's path against a bundle that ran it (a package left out would stop every engine)
-proven=${PROVEN_BUNDLE:-$root/../shared/gpu/vllm-slim-0.25.1.tar.xz}
-if [ -f "$proven" ]; then
+proven=${PROVEN_BUNDLE:-}
+if [ -n "$proven" ] && ! [ -f "$proven" ]; then
+  echo "bundle.sh: PROVEN_BUNDLE=$proven: no such file" >&2
+  exit 2
+fi
+if [ -n "$proven" ]; then
   # the new bundle's tree is still unpacked where it was packed from; only the proven one is unpacked here
   proven_site=$(mktemp -d)
   trap '[ "${KEEP_WORK:-0}" = 1 ] || rm -rf "$work"; rm -rf "$proven_site"' EXIT
@@ -143,5 +147,5 @@ if [ -f "$proven" ]; then
     exit 1
   fi
 else
-  echo "import check skipped: no proven bundle at $proven (set PROVEN_BUNDLE)"
+  echo "import check skipped: PROVEN_BUNDLE names no bundle that ran the tier (PROVEN_BUNDLE=path/to/vllm-slim-X.tar.xz)"
 fi

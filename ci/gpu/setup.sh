@@ -8,22 +8,13 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 source ci/gpu/env.sh
 mkdir -p /tmp/site /tmp/vllm-parts
-# the vLLM bundles' parts (one a run, .stage/vllm-<release>-<letter>/ from stage.sh), kept per bundle (sha256) in
-# /tmp/vllm-parts/<sha256>/, so that a second release's parts can travel while the first release's tests run
-for d in .stage/vllm-*; do
-  [ -f "$d/sha256" ] || continue
-  sum=$(cat "$d/sha256")
-  mkdir -p "/tmp/vllm-parts/$sum"
-  cp "$d"/part-* "$d"/sha256 "$d"/parts "/tmp/vllm-parts/$sum/"
-  cp "$d/release" "/tmp/vllm-parts/$sum/" 2>/dev/null || true
-done
+# the vLLM bundles' parts (one an upload, .stage/vllm-<release>-<letter>/ from stage.sh), kept per bundle (sha256) in
+# /tmp/vllm-parts/<sha256>/ (ci/transfer/parts.py), so that a second release's parts can travel while the first
+# release's tests run
+python3 ci/transfer/parts.py gather .stage/vllm-* --store /tmp/vllm-parts > /dev/null
 # each bundle here: "<sha256> <release> <parts here> <parts>"
 bundles() {
-  local d
-  for d in /tmp/vllm-parts/*/; do
-    [ -f "$d/sha256" ] || continue
-    echo "$(cat "$d/sha256") $(cat "$d/release" 2>/dev/null || echo '?') $(find "$d" -name 'part-*' | wc -l) $(cat "$d/parts")"
-  done
+  python3 ci/transfer/parts.py status --store /tmp/vllm-parts | sed -E 's/^([0-9a-f]+) vllm-/\1 /'
 }
 unpacked=$(cat /tmp/site/.vllm-bundle 2>/dev/null || true)
 # which complete bundle to unpack: the one of VLLM_RELEASE when it is not unpacked already; without VLLM_RELEASE
@@ -63,8 +54,7 @@ for pid in /tmp/bg/*.pid; do
   fi
 done
 if [ -n "$want" ]; then
-  cat "/tmp/vllm-parts/$want"/part-* > /tmp/vllm-slim.tar.xz
-  echo "$want  /tmp/vllm-slim.tar.xz" | sha256sum -c -
+  python3 ci/transfer/parts.py join "$want" --store /tmp/vllm-parts --out /tmp/vllm-slim.tar.xz
   # another bundle (another vLLM) may be unpacked: remove what it unpacked (listed when it was), and everything the
   # new one brings (bundles unpacked before that list existed), with any other version's dist-info of the same
   # projects; the console scripts one by one, since bin/ also holds the wheels' scripts
@@ -87,7 +77,7 @@ if [ -n "$want" ]; then
 fi
 # the wheels, once per set of wheels (runs in parallel must not reinstall under each other)
 # (a wheel of a project the unpacked bundle carries is left out: the bundle holds its release's pin, e.g. 0.22.1's
-# compressed-tensors 0.15.0.1 where the shared 0.25.1 bundle, which has none, needs 0.17.0 staged)
+# compressed-tensors 0.15.0.1 where a bundle that has none takes the 0.17.0 staged)
 if compgen -G ".stage/whl/*.whl" >/dev/null; then
   stamp=$( (cat .stage/whl/*.whl; cat /tmp/site/.vllm-bundle 2>/dev/null || true) | sha256sum | cut -d' ' -f1)
   if [ "$(cat /tmp/site/.quantpack-wheels 2>/dev/null)" != "$stamp" ]; then

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # A frozen copy of the code for detached GPU steps, which outlive the call that started them while each later call's
-# checkout replaces the tree (ci/gpu/README.md, "Detached steps").
+# checkout replaces the tree (ci/gpu/README.md, "Detached runs").
 #   here:     ci/gpu/snapshot.sh --stage          HEAD's sources -> .stage/head/src.tgz (about 1 MB, carried to the GPU)
 #   GPU, run: ci/gpu/snapshot.sh /tmp/qp          .stage/head/src.tgz + this checkout's fixtures/ -> /tmp/qp
 # The copy is made beside DEST and moved into place only once whole, so a call cut short never leaves a DEST whose
-# fixtures are half copied (pending.sh's steps then fail on missing pack files, not on the code).
+# fixtures are half copied (run.py's jobs would then fail on missing pack files, not on the code).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"

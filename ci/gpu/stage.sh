@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Step 1 (here): stage what the GPU machine needs under .stage/ (git-ignored). See ci/gpu/README.md.
-# Usage: [VLLM_BUNDLE=path/to/vllm-slim-VERSION.tar.xz] [VLLM_PARTS=N] [EXL3_EXT_SO_XZ=path] ci/gpu/stage.sh
+# Here: stage what the GPU machine needs under .stage/ (git-ignored). See ci/gpu/README.md.
+# Usage: VLLM_BUNDLE=path/to/vllm-slim-VERSION.tar.xz [EXL3_EXT_SO_XZ=path] [UPLOAD_LIMIT=64MiB] [VLLM_PARTS=N] \
+#          ci/gpu/stage.sh
+#   VLLM_BUNDLE     the slim vLLM bundle (ci/gpu/bundle.sh builds one)
+#   EXL3_EXT_SO_XZ  a prebuilt exllamav3_ext.so (xz) from an identical machine; unset: the GPU machine builds it
+#   UPLOAD_LIMIT    bytes one upload to the GPU machine may carry with the checkout: the bundle is split into parts
+#                   that each fit beside it (ci/transfer/parts.py); unset: one part
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 stage=.stage
-bundle=${VLLM_BUNDLE:-$root/../shared/gpu/vllm-slim-0.25.1.tar.xz}
-if [ ! -f "$bundle" ]; then
-  echo "stage.sh: no vLLM bundle at $bundle; set VLLM_BUNDLE=/path/to/vllm-slim-VERSION.tar.xz, e.g. one built by" \
-    "ci/gpu/bundle.sh (see ci/gpu/README.md)" >&2
+bundle=${VLLM_BUNDLE:-}
+if [ -z "$bundle" ] || [ ! -f "$bundle" ]; then
+  echo "stage.sh: VLLM_BUNDLE=${bundle:-(unset)} names no vLLM bundle: set VLLM_BUNDLE=/path/to/vllm-slim-VERSION.tar.xz," \
+    "e.g. one built by ci/gpu/bundle.sh (see ci/gpu/README.md)" >&2
   exit 2
 fi
 # the bundle's release, read before anything is built (./vllm-<release>[+local].dist-info/ among its entries); each
@@ -28,8 +33,8 @@ done
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$stage/whl" exllamav3==1.6.5 marisa-trie
-# vLLM imports compressed-tensors (and its loguru) as soon as any quantization method is resolved: the shared 0.25.1
-# bundle lacks them, bundles built by ci/gpu/bundle.sh carry the version their release pins; staged always, setup.sh
+# vLLM imports compressed-tensors (and its loguru) as soon as any quantization method is resolved: bundles built by
+# ci/gpu/bundle.sh carry the version their release pins, a bundle without them takes these; staged always, setup.sh
 # leaves out a wheel of a project the unpacked bundle carries (0.22.1's 0.15.0.1 stays), so the staged wheels serve
 # every release staged
 python3 -m pip download --quiet --no-deps --only-binary=:all: -d "$stage/whl" compressed-tensors==0.17.0 loguru
@@ -39,12 +44,11 @@ python3 -m pip download --quiet --only-binary=:all: --python-version 3.12 --impl
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$stage/nox" nox
 # optional: a prebuilt exllamav3_ext.so (xz) from an earlier build on an identical machine (same torch, CUDA and
-# GPU arch: torch.utils.cpp_extension's output under $TORCH_EXTENSIONS_DIR/exllamav3_ext/); never committed
-# default: the one ../shared/gpu holds for the GPU machine (torch 2.11.0+cu130, sm_90), where it exists;
-# EXL3_EXT_SO_XZ= (empty) stages none, and the GPU machine then builds it (about 4.5 minutes of device time)
-shared_ext=$root/../shared/gpu/exllamav3_ext-1.6.5-torch2.11.0-cu130-sm90.so.xz
-if [ -z "${EXL3_EXT_SO_XZ+set}" ] && [ -f "$shared_ext" ]; then
-  EXL3_EXT_SO_XZ=$shared_ext
+# GPU arch: torch.utils.cpp_extension's output under $TORCH_EXTENSIONS_DIR/exllamav3_ext/); never committed. Unset:
+# none staged, and the GPU machine builds it (about 4.5 minutes on 16 cores)
+if [ -n "${EXL3_EXT_SO_XZ:-}" ] && [ ! -f "$EXL3_EXT_SO_XZ" ]; then
+  echo "stage.sh: EXL3_EXT_SO_XZ=$EXL3_EXT_SO_XZ: no such file" >&2
+  exit 2
 fi
 rm -rf "$stage/ext"
 if [ -z "${EXL3_EXT_SO_XZ:-}" ]; then
@@ -68,35 +72,19 @@ from trellis_mma import library
 print(library.build(90))")
   xz -T0 -c "$lib" > "$stage/ext/$(basename "$lib").xz"
 fi
-# the bundle in parts (.stage/vllm-<release>-a, -b, ...), each small enough to travel beside the checkout within the 64 MiB
-# of one run (the checkout's tracked and untracked-not-ignored files, about 50 MB, and 1 MiB to spare): four parts
-# of about 14 MB for a 56 MB bundle; VLLM_PARTS=N forces N
+# the bundle in parts (.stage/vllm-<release>-a, -b, ...), each small enough to travel beside the checkout (its tracked
+# and untracked-not-ignored files) within UPLOAD_LIMIT; VLLM_PARTS=N forces N
 checkout=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
-room=$((64 * 1024 * 1024 - checkout - 1024 * 1024))
-size=$(stat -c %s "$bundle")
-parts=${VLLM_PARTS:-$(((size + room - 1) / room))}
-if [ "$parts" -lt 1 ] || [ "$parts" -gt 26 ] || [ $(((size + parts - 1) / parts)) -gt "$room" ]; then
-  echo "stage.sh: a $size-byte bundle in $parts parts does not fit beside a $checkout-byte checkout" >&2
-  exit 2
-fi
-rm -rf "$stage"/vllm-? "$stage/vllm-$release"-? "$stage"/part-*
-split -n "$parts" -d -a 2 "$bundle" "$stage/part-"
-sum=$(sha256sum "$bundle" | cut -d' ' -f1)
-letters=abcdefghijklmnopqrstuvwxyz
-for ((i = 0; i < parts; i++)); do
-  d="$stage/vllm-$release-${letters:i:1}"
-  mkdir -p "$d"
-  mv "$stage/part-$(printf %02d "$i")" "$d/"
-  echo "$sum" > "$d/sha256"
-  echo "$parts" > "$d/parts"
-  echo "$release" > "$d/release"
-done
-echo "vLLM $release bundle $(basename "$bundle"): $size bytes in $parts parts of at most $room bytes" \
-  "(checkout: $checkout bytes): carry .stage/vllm-$release-a .. .stage/vllm-$release-${letters:parts-1:1}, one a run"
+rm -rf "$stage"/vllm-? "$stage"/part-*
+python3 ci/transfer/parts.py split "$bundle" --out "$stage" --label "vllm-$release" --beside "$checkout" \
+  ${UPLOAD_LIMIT:+--limit "$UPLOAD_LIMIT"} ${VLLM_PARTS:+--parts "$VLLM_PARTS"}
 du -sh "$stage"/*
-# .stage/ext travels with the checkout and the source snapshot (.stage/head, about 1 MB) in one run
+# .stage/ext travels with the checkout and the source snapshot (.stage/head, about 1 MB) in one upload
 ext=$(du -sb "$stage/ext" 2>/dev/null | cut -f1)
-if [ -n "$ext" ] && [ $((checkout + ${ext:-0} + 1024 * 1024)) -gt $((64 * 1024 * 1024)) ]; then
-  echo "stage.sh: .stage/ext ($ext bytes) with the checkout ($checkout) and a 1 MB snapshot exceeds the 64 MiB of one" \
-    "run: carry .stage/ext/*.so.xz in two runs, or stage again with TRELLIS_MMA_PREBUILD=0" >&2
+if [ -n "${UPLOAD_LIMIT:-}" ] && [ -n "$ext" ]; then
+  limit=$(python3 -c "import sys; sys.path.insert(0, 'ci/transfer'); import parts; print(parts.size(sys.argv[1]))" "$UPLOAD_LIMIT")
+  if [ $((checkout + ext + 1024 * 1024)) -gt "$limit" ]; then
+    echo "stage.sh: .stage/ext ($ext bytes) with the checkout ($checkout) and a 1 MB snapshot exceeds UPLOAD_LIMIT:" \
+      "carry .stage/ext/*.so.xz in two uploads, or stage again with TRELLIS_MMA_PREBUILD=0" >&2
+  fi
 fi

@@ -102,13 +102,19 @@ def test_phases_warnings_ready_and_a_one_line_stop(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     lines = out.read_text().splitlines()
+    # the decoding phase's counts come from a file the supervisor polls beside the child's output, so how many of them
+    # it shows and where its first one falls among the lines before it depend on the machine's load: the phase must
+    # show, end at 5/5 and come before the compile phase; every other line in this order
+    decoding = "quantpack serve: decoding layers on CPU"
+    counts = [line for line in lines if line.startswith(decoding)]
+    assert counts and counts[-1] == f"{decoding} 5/5", lines
+    assert lines.index(counts[-1]) < lines.index("quantpack serve: compiling (torch.compile) and warming up"), lines
+    others = [line for line in lines if not line.startswith(decoding)]
     want = [
         "quantpack serve: starting vLLM",
         "(APIServer pid=1) WARNING 12-06 04:04:07 [cpu.py:224] Triton is not installed.",
         "quantpack serve: reading shards 0/2",
         "quantpack serve: reading shards 2/2",
-        "quantpack serve: decoding layers on CPU",  # its first count depends on when it was read: prefix only
-        "quantpack serve: decoding layers on CPU 5/5",
         "quantpack serve: compiling (torch.compile) and warming up",
         "(EngineCore pid=3) INFO 12-06 03:59:49 [shm_broadcast.py:871] No available shared memory broadcast block",
         "quantpack serve: vLLM's shared-memory warning above means",
@@ -117,7 +123,7 @@ def test_phases_warnings_ready_and_a_one_line_stop(tmp_path):
         "quantpack serve: ready at http://127.0.0.1:",
         f"quantpack serve: stopped (vLLM's log: {log})",
     ]
-    assert len(lines) == len(want) and all(a.startswith(b) for a, b in zip(lines, want, strict=True)), lines
+    assert len(others) == len(want) and all(a.startswith(b) for a, b in zip(others, want, strict=True)), lines
     whole = log.read_text()
     for kept in ("non-default args", "nanobind: leaked", "EngineDeadError", "GET /health", "signalling HTTP server"):
         assert kept in whole and (kept == "non-default args" or kept not in out.read_text()), kept

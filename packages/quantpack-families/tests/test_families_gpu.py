@@ -88,7 +88,7 @@ def twin_with_layers_naming(twin, tmp_path_factory):
     """A copy of the Nemotron-H bf16 twin whose config.json names its layers as the EXL3 pack's does
     (``layers_block_type``, an MTP layer declared) instead of ``hybrid_override_pattern``: the one config difference
     between the twin, which fails with compile + CUDA graphs on the H200 (KL 4.6), and the EXL3 pack, which passes
-    (``QUANTPACK_NEMOTRON_TWIN_NAMING=1``, step ``nemotron-twin`` of ``ci/gpu/pending.sh``)."""
+    (``QUANTPACK_NEMOTRON_TWIN_NAMING=1``)."""
     import shutil
 
     from nemotron_h_reference import TINY, config_json

@@ -24,7 +24,7 @@ LINEAR_KERNELS = {
 }
 EXPERT_KERNELS = {
     # trellis_mma's grouped expert kernels first: 1.7x exllamav3's at batch 1 and 4x at 64 on the 30B-A3B shape, and
-    # exllamav3's per-slot path failed CUDA-graph capture at vLLM's larger capture sizes (docs/results.md, 2026-12-02);
+    # exllamav3's per-slot path failed CUDA-graph capture at vLLM's larger capture sizes (docs/troubleshooting.md);
     # exllamav3 takes the float32 models
     CUDA: [TrellisMmaExpertKernel, Exllamav3ExpertKernel],
     ROCM: [],

@@ -6,7 +6,7 @@ first runs, after its weights are processed. The kernels a quantpack method choo
 the same pack served once with ``trellis_mma`` (whose fused runs register ``shard0_trellis0`` ...) and once with
 ``QUANTPACK_EXL3_BACKEND=exllamav3`` (one run per shard, other parameter names and ops) hashed alike, and the second
 engine loaded the first one's artifact and failed on a parameter it does not have (``KeyError: 'shard0_trellis0'``,
-H200, vLLM 0.25.1, 2026-12-02). A measured delegated mask (``trellis_mma``'s row buckets) is a constant of the traced
+H200, vLLM 0.25.1). A measured delegated mask (``trellis_mma``'s row buckets) is a constant of the traced
 graph too.
 
 So every layer a method processes adds what its forward traces - the ops, the parameter names, the ops' scalar

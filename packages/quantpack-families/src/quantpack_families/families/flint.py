@@ -6,7 +6,7 @@ An EXL3 Flint pack keeps its shared expert dense where the pack stores it dense:
 model when the shared expert was quantized (every top-10 logprob identical), so a pack made for quantpack should
 store it dense or at high bits; the quant config routes each module as the pack stores it.
 
-Source: docs/families.md (Flint); ../shared/docs/reference/families-notes.md section 2.3 (public descriptions).
+Source: docs/families.md (Flint), from the public descriptions.
 """
 
 from __future__ import annotations

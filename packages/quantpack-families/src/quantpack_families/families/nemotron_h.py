@@ -32,8 +32,8 @@ by ``s``. Other dtypes, layers without a shared expert and a runner that scales 
 
 A warning, not a fix: on CUDA, vLLM 0.25.1 served the tiny Nemotron-H bf16 twin in float16 at KL 4.6 (top-1 7%)
 wherever its torch.compile'd code ran outside CUDA graphs - ``cudagraph_mode: NONE``, or a step of more tokens than
-the largest capture size - while eager, and the same compiled code replayed in graphs, were right (H200,
-2026-12-04; docs/families.md, Nemotron-H). The step at fault was not found, so the family names the risk when such
+the largest capture size - while eager, and the same compiled code replayed in graphs, were right (H200;
+docs/families.md, Nemotron-H). The step at fault was not found, so the family names the risk when such
 a model is built (:func:`compiled_float16_risk`) and leaves the serving to vLLM.
 
 Not a fix here (docs/families.md): the routed experts of the MoE layers are ungated (relu^2); quantpack's expert

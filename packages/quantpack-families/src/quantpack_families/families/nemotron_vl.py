@@ -31,8 +31,8 @@ RADIO and ``mlp1`` are plain modules no quant method reaches, dense as a pack st
 Source: vLLM 0.25.1 and 0.29 - 0.32 ``vllm/model_executor/models/nano_nemotron_vl.py`` (``NemotronH_Nano_VL_V2``:
 ``__init__``, ``extract_feature*``, ``load_weights``), ``model_executor/models/config.py`` (``MODELS_CONFIG_MAP``,
 ``NemotronHNanoVLV2Config``), ``config/vllm.py`` (where the map is read) and ``radio.py``
-(``RadioModel.load_weights``), read; transformers 5.24 ``models/radio`` (its module names);
-../shared/docs/reference/families-notes.md section 2.5; docs/families.md (Nemotron-3.5-Super-VL).
+(``RadioModel.load_weights``), read; transformers 5.24 ``models/radio`` (its module names); docs/families.md
+(Nemotron-3.5-Super-VL).
 """
 
 from __future__ import annotations

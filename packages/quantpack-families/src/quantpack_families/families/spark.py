@@ -3,7 +3,7 @@ nor transformers; the family registers the config class with transformers and th
 (:mod:`quantpack_families.models.spark`) with vLLM, and refuses to run beside the vendor's vLLM plugin, which
 registers the same architecture name (whichever registers last would win, silently).
 
-Source: docs/families.md (Spark); ../shared/docs/reference/families-notes.md section 2.4.
+Source: docs/families.md (Spark).
 """
 
 from __future__ import annotations

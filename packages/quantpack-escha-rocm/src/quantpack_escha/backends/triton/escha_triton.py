@@ -17,7 +17,7 @@ The end of a column block lives in its own launch because its float32 128 x 128 
 registers: inside the decode loop's kernel it made the compiler spill (ptxas for sm_90: 255 registers and 1.1 KB of
 spill stores per thread). The decode loop alone, 8 warps and ``BK`` = 16, takes 96 registers for sm_90, spills
 nothing and issues 157 instructions per warp and step (261 before its per-weight offsets and shifts were made
-loop-invariant, 2026-12-04; bit-identical results).
+loop-invariant; bit-identical results).
 
 The decode is the codec's (``quantpack_core.codec.trellis``: state of stream position ``t`` = the 16 ring bits
 ending at ``(t + 1) * K``, tile placement of the tensor-core layout), written for whole blocks of weights.

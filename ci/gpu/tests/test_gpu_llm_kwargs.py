@@ -1,6 +1,6 @@
 """The end-to-end runner's engine arguments (tests/vllm_e2e.py): ``QUANTPACK_GPU_LLM_KWARGS`` goes over every job's
 ``llm_kwargs``, which go over the runner's defaults; a value that is not a JSON object is refused with the
-variable named. The GPU matrix's lanes rely on it to give every engine a fixed KV cache (ci/gpu/pending.sh)."""
+variable named. The GPU matrix's lanes rely on it to give every engine a fixed KV cache (ci/gpu/jobs.toml)."""
 
 from __future__ import annotations
 

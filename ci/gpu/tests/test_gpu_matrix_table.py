@@ -1,6 +1,7 @@
 """ci/gpu/matrix_table.py on records the GPU tier's writer itself writes (tests/gpu_records.py): per-release cells of
 test outcomes and job figures, "not run" for a test of the tree no record ran, a failure standing until a later
-record on the same card passes, the generated blocks, and a run's records taken from ci/gpu/pending.sh's archive."""
+record on the same card passes, the generated blocks, and a run's records taken from ci/gpu/run.py --collect's
+archive."""
 
 from __future__ import annotations
 
@@ -121,10 +122,10 @@ def test_blocks_are_written_between_their_markers(tmp_path):
 
 def test_a_run_s_records_are_taken_from_the_collected_archive(records, tmp_path, capsys):
     tool = load_tool()
-    archive = tmp_path / "pending.tgz"
+    archive = tmp_path / "gpu-run.tgz"
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(records, arcname="gpu-matrix/records")
-        tar.add(ROOT / "README.md", arcname="pending/lane.log")  # the logs beside them are no records
+        tar.add(ROOT / "README.md", arcname="gpu-run/e2e-llama.log")  # the logs beside them are no records
     dest = tmp_path / "kept"
     copied = tool.take(archive, dest)
     assert sorted(p.relative_to(dest).as_posix() for p in copied) == sorted(
@@ -138,3 +139,40 @@ def test_a_run_s_records_are_taken_from_the_collected_archive(records, tmp_path,
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit, match="no record"):
         tool.take(tmp_path / "empty", dest)
+
+
+SUPPORT = """
+[[row]]
+what = "demo packs"
+cpu = "served (`test_demo`)"
+gpu = ["test_gpu_demo.py::test_a", "test_gpu_demo.py::test_b", "test_gpu_other.py"]
+
+[[row]]
+what = "never run"
+cpu = "yes"
+gpu = ["test_gpu_never.py"]
+
+[[row]]
+what = "no GPU test"
+cpu = "yes"
+gpu_note = "not in these releases"
+"""
+
+
+def test_the_support_table_counts_the_named_tests_per_release_and_card(records, tmp_path):
+    tool = load_tool()
+    support = tmp_path / "support.toml"
+    support.write_text(SUPPORT)
+    made = tool.blocks(tool.load(records), ["0.25.1", "0.26.0"], TREE, support)
+    rows = made["support"].splitlines()[2:]
+    # test_a passed on the H200 (skipped later on the H100), test_b failed on the H200, test_d passed there
+    assert rows[0] == "| demo packs | served (`test_demo`) | 0.25.1, H100 / H200: 1 failed, 2 passed |"
+    assert rows[1] == "| never run | yes | not run |"
+    assert rows[2] == "| no GPU test | yes | not in these releases |"
+
+
+def test_check_regenerates_every_table_from_the_kept_test_list():
+    """The committed tables equal what the committed records and test list give (README, docs/testing.md,
+    docs/results.md)."""
+    tool = load_tool()
+    assert tool.main(["--check"]) == 0
