@@ -94,7 +94,6 @@ FORMAT_PACKAGES = ("quantpack_exl3", "quantpack_escha", "quantpack_families")
 FORMAT_WORDS = re.compile(r"exl3|escha|exllamav3", re.IGNORECASE)
 #: functions over MAX_FUNCTION_LINES lines: only these, each to be split by the change that touches it next
 LONG_FUNCTIONS = {
-    "quantpack_core.vllm.linear.process_weights_after_loading",
     "quantpack_escha.convert.escha_from_exl3",
 }
 MAX_FUNCTION_LINES = 80
