@@ -93,9 +93,7 @@ FORMAT_PACKAGES = ("quantpack_exl3", "quantpack_escha", "quantpack_families")
 #: tiles, codebook id, K and scales in) never use in code, strings or docstrings
 FORMAT_WORDS = re.compile(r"exl3|escha|exllamav3", re.IGNORECASE)
 #: functions over MAX_FUNCTION_LINES lines: only these, each to be split by the change that touches it next
-LONG_FUNCTIONS = {
-    "quantpack_escha.convert.escha_from_exl3",
-}
+LONG_FUNCTIONS: set[str] = set()
 MAX_FUNCTION_LINES = 80
 
 
