@@ -411,8 +411,8 @@ class QuantLinearMethod(LinearMethodBase):
         row fallback (else None)."""
         prepared, selects, row_pad = [], [], None
         for plan in self._plans(state, captured, kind):
-            shard, select, pad = self._prepare_shard(state, captured, plan, kind, device)
-            prepared.append(shard)
+            prepared_shard, select, pad = self._prepare_shard(state, captured, plan, kind, device)
+            prepared.append(prepared_shard)
             selects.append(select)
             if pad is not None:
                 row_pad = pad
