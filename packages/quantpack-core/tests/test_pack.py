@@ -13,11 +13,13 @@ import torch
 from safetensors.torch import save_file
 
 from quantpack_core import Codebook, Pack, PackError
+from quantpack_core.check import values
+from quantpack_core.inventory import INT8_ROW_NAMES
 from quantpack_core.synthetic import random_exl3_layer, write_pack
 
 #: the synthetic packs here hold a few modules of a layer, so their config names a model class whose layer the
-#: project does not state (a real class's layer rule, quantpack_core.layout.architecture_layer, would name every
-#: module they lack; its own tests are in test_layout.py)
+#: project does not state (a real class's layer rule, quantpack_core.check.architectures.architecture_layer, would
+#: name every module they lack; its own tests are in test_layout.py)
 CONFIG = {"architectures": ["SyntheticForCausalLM"], "model_type": "llama", "hidden_size": 256}
 
 
@@ -414,7 +416,7 @@ def test_nan_in_a_norm_weight_is_named(tmp_path):
 def test_nan_rows_in_the_embedding_table_are_named(tmp_path, monkeypatch):
     """A dense vocabulary table is scanned whole, in chunks of rows (made small here so that the bad rows fall in
     different chunks): the count of non-finite rows and the first one are named; a clean table passes."""
-    monkeypatch.setattr(Pack, "TABLE_CHUNK_ELEMENTS", 256 * 100)
+    monkeypatch.setattr(values, "TABLE_CHUNK_ELEMENTS", 256 * 100)
     tensors = base_tensors()
     rows = tensors["model.embed_tokens.weight"].shape[0]
     tensors["model.embed_tokens.weight"][rows - 1, 7] = float("-inf")
@@ -523,7 +525,7 @@ def test_a_bias_must_pad_to_its_layers_outputs(tmp_path):
         expect_problem(path, "model.layers.0.mlp.down_proj.bias", f"shape [{n}] does not fit the 256 output features")
 
 
-@pytest.mark.parametrize("rows,scales", Pack.INT8_ROW_NAMES)
+@pytest.mark.parametrize("rows,scales", INT8_ROW_NAMES)
 def test_int8_table_rows_of_another_dtype_are_refused(tmp_path, rows, scales):
     """An int8 table's rows (either naming) stored as another dtype beside their per-row scales are named: read as
     'other', the table would otherwise pass with its scales ignored."""
@@ -802,7 +804,7 @@ def _embedding_row(t):
 def test_finite_but_impossible_values_are_named(fixtures_dir, tmp_path, edit, needles):
     """Values no trained model holds, each served before without a word: a norm weight of 3.0e38 (every logprob
     NaN), an all-zero suh (KL 5.2 nats) or svh (the layer's weights all 0), scales and table rows far past any
-    measured (quantpack_core.pack.VALUE_LIMIT)."""
+    measured (quantpack_core.check.values.VALUE_LIMIT)."""
     expect_problem(fixture_copy(fixtures_dir, tmp_path / "p", edit), *needles, "re-download the pack")
 
 
@@ -810,9 +812,10 @@ def test_the_value_limit_lies_far_above_every_bundled_and_converted_pack(fixture
     """The measurement behind VALUE_LIMIT (its comment gives these figures): the largest norm weight, suh / svh,
     escha scale and dense table value of the bundled packs and of escha / int8-table conversions of them; the limit
     stays over 3,000 times above every one."""
+    from quantpack_core.check.layers import is_norm
+    from quantpack_core.check.values import TABLE_MODULES, VALUE_LIMIT
     from quantpack_core.embedding import convert_embedding_int8
-    from quantpack_core.layout import is_norm
-    from quantpack_core.pack import CODED_SUFFIXES, VALUE_LIMIT
+    from quantpack_core.format import pack_formats
 
     packs = sorted(fixtures_dir.glob("*-exl3-*")) + sorted(fixtures_dir.glob("*-bf16"))
     packs.append(convert_embedding_int8(fixtures_dir / LLAMA, tmp_path / "int8").out_dir)
@@ -829,11 +832,11 @@ def test_the_value_limit_lies_far_above_every_bundled_and_converted_pack(fixture
         for key, m in p.modules.items():
             for suffix, info in m.tensors.items():
                 kind = None
-                if m.format in CODED_SUFFIXES and len(info.shape) == 1 and info.dtype.is_floating_point:
+                if m.format in pack_formats() and len(info.shape) == 1 and info.dtype.is_floating_point:
                     kind = suffix if suffix != "bias" else None
                 elif m.format == "dense" and is_norm(key) and suffix == "weight":
                     kind = "norm"
-                elif m.format == "dense" and key.rsplit(".", 1)[-1] in Pack.TABLE_MODULES and suffix == "weight":
+                elif m.format == "dense" and key.rsplit(".", 1)[-1] in TABLE_MODULES and suffix == "weight":
                     kind = key.rsplit(".", 1)[-1]
                 if kind is not None:
                     v = float(p.get_tensor(info.name).float().abs().max())

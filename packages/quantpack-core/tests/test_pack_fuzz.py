@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from test_pack import CONFIG, base_tensors, snapshot
 
 from quantpack_core import Pack, PackError
-from quantpack_core.layout import KNOWN_LAYERS
+from quantpack_core.check.architectures import KNOWN_LAYERS
 from quantpack_core.synthetic import write_pack
 
 EXAMPLES = int(os.environ.get("QUANTPACK_FUZZ_EXAMPLES", "300"))
@@ -45,9 +45,9 @@ JSON_VALUES = st.recursive(
     max_leaves=6,
 )
 CONFIG_KEYS = ("architectures", "hidden_size", "num_hidden_layers", "vocab_size", "text_config", "quantization_config")
-#: the settings the layer rule of a known class reads (quantpack_core.layout.architecture_layer), and those the
-#: check reads of the config vLLM builds (activation, RoPE); not Mistral's ada_rms_norm_t_cond, which takes the layer
-#: out of the rule (test_layout.py covers it)
+#: the settings the layer rule of a known class reads (quantpack_core.check.architectures.architecture_layer), and
+#: those the check reads of the config vLLM builds (activation, RoPE); not Mistral's ada_rms_norm_t_cond, which takes
+#: the layer out of the rule (test_layout.py covers it)
 LAYER_KEYS = (
     "attention_bias", "bias", "qkv_bias", "mlp_bias", "qk_norm", "num_experts", "num_local_experts",
     "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size", "hidden_act", "hidden_activation",
@@ -328,7 +328,7 @@ def mutate_real(pack: Path, kind: str, draw) -> bool:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from quantpack_core.pack import VALUE_LIMIT
+    from quantpack_core.check.values import VALUE_LIMIT
 
     t = load_file(str(pack / "model.safetensors"))
     config = json.loads((pack / "config.json").read_text())

@@ -1,8 +1,9 @@
-"""The decoder layers the pack check expects (quantpack_core.layout.architecture_layer) against the layers vLLM itself
-builds for the same config.json: each model class of KNOWN_LAYERS is built by the installed vLLM (on the meta
-device: no weights), and the modules it loads into, mapped back to the checkpoint's names (vLLM's qkv_proj is the
-pack's q/k/v_proj, gate_up_proj its gate/up_proj, a FusedMoE's parameters its experts), and the projections that
-carry a bias, must be exactly the rule's, layer by layer. A vLLM release that changes a layer fails here."""
+"""The decoder layers the pack check expects (quantpack_core.check.architectures.architecture_layer) against the
+layers vLLM itself builds for the same config.json: each model class of KNOWN_LAYERS is built by the installed vLLM
+(on the meta device: no weights), and the modules it loads into, mapped back to the checkpoint's names (vLLM's
+qkv_proj is the pack's q/k/v_proj, gate_up_proj its gate/up_proj, a FusedMoE's parameters its experts), and the
+projections that carry a bias, must be exactly the rule's, layer by layer. A vLLM release that changes a layer fails
+here."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import pytest
 import torch
 
-from quantpack_core.layout import (
+from quantpack_core.check.architectures import (
     KNOWN_LAYERS,
     MLP_ACTIVATIONS,
     OWN_TENSORS,
@@ -209,9 +210,9 @@ def build(folder, config: dict, quant_config=None):
 
 @pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c]["architectures"][0] in MLP_ACTIVATIONS))
 def test_the_activations_stated_are_those_vllm_builds(vllm_layers, tmp_path, case):
-    """quantpack_core.layout.MLP_ACTIVATIONS against vLLM's classes: each value the rule takes builds the class, and a
-    value it refuses (one of another class's, and one no class takes) stops vLLM's build, as it did in the worker;
-    where activation_rule states none (no dense MLP, no shared expert), any value builds."""
+    """quantpack_core.check.architectures.MLP_ACTIVATIONS against vLLM's classes: each value the rule takes builds the
+    class, and a value it refuses (one of another class's, and one no class takes) stops vLLM's build, as it did in
+    the worker; where activation_rule states none (no dense MLP, no shared expert), any value builds."""
     config = {**BASE, **CASES[case]}
     arch = config["architectures"][0]
     key, allowed = MLP_ACTIVATIONS[arch].key, MLP_ACTIVATIONS[arch].allowed
@@ -226,7 +227,7 @@ def test_the_activations_stated_are_those_vllm_builds(vllm_layers, tmp_path, cas
 
 
 def test_the_rope_settings_refused_are_those_vllm_stops_on(vllm_layers):
-    """The pack check's RoPE rules (quantpack_core.pack.Pack.ROPE_TYPES and the rotated fraction) against vLLM's
+    """The pack check's RoPE rules (quantpack_core.check.config.ROPE_TYPES and the rotated fraction) against vLLM's
     get_rope: every type the installed vLLM builds is among those the check takes (it refuses none vLLM knows); an
     unknown type, a base that is a string, a fraction outside (0, 1] stop get_rope; a fraction that rotates an odd
     number of features builds tables of another width than it rotates, so rotating fails."""
@@ -236,13 +237,13 @@ def test_the_rope_settings_refused_are_those_vllm_stops_on(vllm_layers):
     from vllm.model_executor.layers import rotary_embedding
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from quantpack_core.pack import Pack
+    from quantpack_core.check.config import ROPE_TYPES
 
     source = inspect.getsource(rotary_embedding.get_rope)
     known = set(re.findall(r'scaling_type == "([\w-]+)"', source))
     for group in re.findall(r"scaling_type in \[([^\]]*)\]", source):
         known |= set(re.findall(r'"([\w-]+)"', group))
-    assert "default" in known and known <= Pack.ROPE_TYPES, sorted(known - Pack.ROPE_TYPES)
+    assert "default" in known and known <= ROPE_TYPES, sorted(known - ROPE_TYPES)
 
     def rope(**params):
         return get_rope(64, 128, True, {"rope_type": "default", "rope_theta": 10000.0, **params}, dtype=torch.float32)
@@ -281,8 +282,9 @@ def test_the_rule_states_the_layer_vllm_builds(built, case):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_modules_stated_dense_are_those_vllm_builds_without_the_quantization_config(built, case):
     """Each module of a layer is either one vLLM builds with the quantization config (so quantpack's method may take
-    a trellis there) or one quantpack_core.layout.unquantized_layer_modules states dense (a trellis there is refused
-    at the pack check): never both, never neither. Qwen3-MoE's router is built with it, the other classes' not."""
+    a trellis there) or one quantpack_core.check.architectures.unquantized_layer_modules states dense (a trellis there
+    is refused at the pack check): never both, never neither. Qwen3-MoE's router is built with it, the other classes'
+    not."""
     config = {**BASE, **CASES[case]}
     arch = config["architectures"][0]
     layers, asked, _ = built[case]
@@ -309,8 +311,8 @@ def fits(want: tuple, have: tuple) -> bool:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_sizes_stated_are_those_vllm_builds(built, case):
-    """quantpack_core.layout.layer_sizes against the parameters vLLM builds for the same config.json, layer by layer:
-    a linear module's (in, out) in vLLM's (out, in) weight, q / k / v inside qkv_proj, gate / up inside
+    """quantpack_core.check.architectures.layer_sizes against the parameters vLLM builds for the same config.json,
+    layer by layer: a linear module's (in, out) in vLLM's (out, in) weight, q / k / v inside qkv_proj, gate / up inside
     gate_up_proj, an expert bank's projections inside w13_weight / w2_weight (experts, 2 x out, in), a norm's
     size, the Gated DeltaNet's own A_log / dt_bias. Every size the rule gives is checked, and every module of the
     layer has one."""

@@ -1,9 +1,10 @@
 """quantpack-core: the EXL3 format without vLLM.
 
-The reference trellis codec (:mod:`.codebook`, :mod:`.trellis`, :mod:`.hadamard`, :mod:`.codec`), the pack reader and
-validator (:mod:`.pack`), the naming rules between checkpoints and vLLM (:mod:`.names`) and a writer of small packs
-(:mod:`.synthetic`). The names below are loaded on first use (PEP 562), so that importing the package, or its
-``quantpack`` command line, imports no torch until a command needs it; using one imports torch and safetensors only.
+The reference trellis codec (:mod:`.codebook`, :mod:`.trellis`, :mod:`.hadamard`, :mod:`.codec`), the pack reader
+(:mod:`.pack`) and its check (:mod:`.check`), the naming rules between checkpoints and vLLM (:mod:`.names`) and a
+writer of small packs (:mod:`.synthetic`). The names below are loaded on first use (PEP 562), so that importing the
+package, or its ``quantpack`` command line, imports no torch until a command needs it; using one imports torch and
+safetensors only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ _EXPORTS = {
         ".codec",
     ),
     **dict.fromkeys(("CodecError", "GeometryError", "PackError", "Problem", "QuantpackError"), ".errors"),
-    **dict.fromkeys(("ModuleInfo", "Pack", "TensorInfo"), ".pack"),
+    **dict.fromkeys(("ModuleInfo", "TensorInfo"), ".inventory"),
+    "Pack": ".pack",
 }  # fmt: skip
 
 __all__ = sorted(_EXPORTS)

@@ -110,18 +110,23 @@ def inspect(pack: Path, show_all: bool, tp: int | None, max_model_len: int | Non
     """Validate PACK and print its modules (format, K, codebook, padded and logical shapes, dtype, bytes), a K
     histogram and the bytes per storage kind; with --tp N, every module whose cut at N ranks falls back to whole
     blocks or is refused, and the memory per rank (exit status 1 when a module would be refused)."""
-    from .pack import CODED_FORMATS, Pack, unproven_sizes
+    from .check.shapes import unproven_sizes
+    from .codec.exl3 import FORMAT as EXL3
+    from .format import pack_formats
+    from .pack import Pack
 
+    formats = pack_formats()
+    own = formats.get(_config_quant_method(pack))  # a pack of another installed format is held to its own rules
     try:
-        escha = _config_quant_method(pack) == "escha"
-        p = Pack.open(pack, require_exl3=not escha)
+        p = Pack.open(pack, require_exl3=own is None or own.name == EXL3)
     except QuantpackError as e:
         _fail(e)
     header = ("module", "format", "K", "codebook", "padded in x out", "logical", "dtype", "bytes")
-    _table(header, [r for r in p.summary_rows() if show_all or r[1] in CODED_FORMATS or r[4] != "-"])
+    _table(header, [r for r in p.summary_rows() if show_all or r[1] in formats or r[4] != "-"])
     total = sum(m.nbytes for m in p.modules.values())
     hist = ", ".join(f"K={k:g}: {n}" for k, n in p.bits_histogram().items())
-    coded = "escha" if escha else "EXL3"
+    fmt = own or formats.get(EXL3)
+    coded = fmt.label if fmt is not None else EXL3
     click.echo(f"\n{len(p.modules)} modules, {total / 2**20:.1f} MiB in {len(p.files)} file(s); {coded} modules {hist}")
     kinds: dict[str, int] = {}
     for m in p.modules.values():
@@ -153,8 +158,10 @@ def _stated_bits_note(p) -> str | None:
     ``head_bits`` not the EXL3 head's K. No loader reads those two figures (the tensors say each layer's K), so a
     wrong one is noted, not refused; None where they agree or are absent. ``p`` is an opened
     :class:`~quantpack_core.pack.Pack`, whose check refused either figure where it is no bit count."""
+    from .codec.exl3 import FORMAT as EXL3
+
     qc = p.quant_config
-    coded = [(k, m) for k, m in p.modules.items() if m.format == "exl3" and m.k_bits and m.padded_shape]
+    coded = [(k, m) for k, m in p.modules.items() if m.format == EXL3 and m.k_bits and m.padded_shape]
     head = [m.k_bits for k, m in coded if k.split(".")[-1] == "lm_head"]
     body = [(m.k_bits, m.padded_shape[0] * m.padded_shape[1]) for k, m in coded if k.split(".")[-1] != "lm_head"]
     said, wrong = [], []
@@ -189,10 +196,13 @@ def _config_quant_method(pack: Path) -> str:
 
 def _print_tp(p, tp: int, max_model_len: int | None, show_all: bool, kv_cache_dtype: str) -> None:
     """The ``--tp`` part of ``inspect``."""
+    from .codec.exl3 import FORMAT as EXL3
+    from .format import pack_formats
     from .tp_report import EXACT, REPLICATED, tp_report
 
-    fallback = str(p.quant_config.get("quant_method", "exl3")).lower() != "escha"
-    r = tp_report(p, tp, fallback=fallback, kv_cache_dtype=kv_cache_dtype)
+    # the pack's format keeps whole blocks around an inexact share (EXL3) or refuses it
+    fmt = pack_formats().get(str(p.quant_config.get("quant_method", EXL3)).lower())
+    r = tp_report(p, tp, fallback=fmt.tp_fallback if fmt is not None else True, kv_cache_dtype=kv_cache_dtype)
     shown = [c for c in r.cuts if c.outcome not in (EXACT, REPLICATED) or show_all]
     click.echo(f"\ntensor parallelism {tp}:")
     if shown:

@@ -25,7 +25,8 @@ from safetensors.torch import save_file
 from .codec.int8_rows import dequantize_rows as dequantize_rows  # re-exported: the table's reader
 from .codec.int8_rows import quantize_rows
 from .errors import PackError, Problem
-from .pack import INDEX_FILE, MANIFEST_FILE, Pack
+from .inventory import INDEX_FILE, MANIFEST_FILE
+from .pack import Pack
 
 INT8_SUFFIXES = ("qweight", "scales")
 INT8_FORMAT = "int8_rows"

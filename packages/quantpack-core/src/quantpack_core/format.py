@@ -17,19 +17,37 @@ Host copies: what :meth:`LinearFormat.parse` returns may hold views of the check
 machinery drops every captured tensor and placeholder once the kernels have built their forms, so a format keeps
 no host state of its own (:meth:`LinearFormat.release` is where one that did would drop it).
 
+The pack side (:class:`PackFormat`): how the pack reader (:class:`~quantpack_core.pack.Pack`) tells a module stored
+in the format (its main tensor, its codebook) and the format's rules of the pack check (:mod:`quantpack_core.check`):
+one module's tensors, the format's settings in the quantization config, its manifest entries, its modules together
+and their values. An installed plugin registers its format object under the entry point group :data:`PACK_FORMATS`;
+:func:`pack_formats` finds them, so that quantpack-core names no format.
+
 Plain typing; no vLLM import. The EXL3 implementation is ``quantpack_exl3.format``; docs/kernels.md says what a new
 format adds.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
-from typing import Any, ClassVar, Protocol
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from .kernels import ExpertSpec, LinearSpec, Platform
 from .tp import TpCut
+
+if TYPE_CHECKING:
+    from .check.settings import CheckSettings
+    from .codec.codebook import Codebook
+    from .errors import Problem
+    from .inventory import ModuleInfo, PackView, TensorInfo
+
+#: the entry point group under which a plugin registers its format's :class:`PackFormat` (``exl3 =
+#: "quantpack_exl3.format:EXL3"``), named as the format is
+PACK_FORMATS = "quantpack.formats"
 
 
 class LinearFormat(Protocol):
@@ -90,3 +108,89 @@ class ExpertFormat(LinearFormat, Protocol):
 
     def bank_intermediate(self, bank: Any, logical: int) -> int:
         """The rank's logical intermediate channels of a bank planned from a layer of ``logical`` channels."""
+
+
+class PackFormat(Protocol):
+    """A quantized format as the pack reader and the pack check see it (see the module docstring): a module is
+    stored in the format where it holds the format's :attr:`LinearFormat.main_suffix` as a 3-D code; its tensors
+    are :attr:`LinearFormat.suffixes` (with a ``bias``; a dense ``weight`` beside the code is the format's rules' to
+    name). :class:`PackRules` gives every rule as none, for a format to override what it checks."""
+
+    name: ClassVar[str]
+    label: ClassVar[str]
+    suffixes: ClassVar[Mapping[str, torch.dtype]]
+    main_suffix: ClassVar[str]
+    block: ClassVar[int]
+    tp_fallback: ClassVar[bool]
+    #: how messages name a module stored in the format, e.g. ``"an EXL3 trellis"``
+    storage_label: ClassVar[str]
+    #: what writes packs of the format, e.g. ``"exllamav3's converter"``
+    writer: ClassVar[str]
+
+    def codebook_of(self, tensors: Mapping[str, TensorInfo]) -> Codebook | None:
+        """The codebook a coded module's tensors say (None where they contradict each other)."""
+
+    def remains(self, tensors: Mapping[str, TensorInfo]) -> bool:
+        """Whether a module holding no 3-D main tensor is what is left of one stored in the format (its other
+        tensors without the code, nor a dense weight): the reader then names it a module of the format."""
+
+    def module_problems(self, pack: PackView, m: ModuleInfo, settings: CheckSettings) -> list[Problem]:
+        """One module stored in the format: its tensors' layout (and, with ``settings.values``, their values)."""
+
+    def config_problems(self, pack: PackView) -> list[Problem]:
+        """The format's own settings of the quantization config against the pack's modules."""
+
+    def manifest_problems(self, pack: PackView, module: str, entry: dict) -> list[Problem]:
+        """One manifest entry (``tensor_storage[module]``) of a module stored in the format, against its tensors."""
+
+    def pack_problems(self, pack: PackView, settings: CheckSettings) -> list[Problem]:
+        """The format's modules together (one codebook per pack, ...)."""
+
+    def value_problems(self, pack: PackView) -> list[Problem]:
+        """The format's modules' values held against config.json's sizes (run with ``settings.values`` only)."""
+
+    def unproven_sizes(self, pack: PackView) -> list[str]:
+        """config.json's sizes of the format's modules that no tensor proves (``quantpack inspect``'s note)."""
+
+
+class PackRules:
+    """Every rule of :class:`PackFormat` as none: a format subclasses it and overrides the rules it has."""
+
+    def remains(self, tensors: Mapping[str, TensorInfo]) -> bool:
+        return False
+
+    def module_problems(self, pack: PackView, m: ModuleInfo, settings: CheckSettings) -> list[Problem]:
+        return []
+
+    def config_problems(self, pack: PackView) -> list[Problem]:
+        return []
+
+    def manifest_problems(self, pack: PackView, module: str, entry: dict) -> list[Problem]:
+        return []
+
+    def pack_problems(self, pack: PackView, settings: CheckSettings) -> list[Problem]:
+        return []
+
+    def value_problems(self, pack: PackView) -> list[Problem]:
+        return []
+
+    def unproven_sizes(self, pack: PackView) -> list[str]:
+        return []
+
+
+@functools.cache
+def pack_formats() -> Mapping[str, PackFormat]:
+    """The formats the installed plugins register (:data:`PACK_FORMATS`), by name, in the order of their names.
+
+    Raises:
+        TypeError: an entry point whose object is named otherwise than the entry point.
+    """
+    from importlib.metadata import entry_points
+
+    found: dict[str, PackFormat] = {}
+    for ep in entry_points(group=PACK_FORMATS):
+        fmt = ep.load()
+        if getattr(fmt, "name", None) != ep.name:
+            raise TypeError(f"entry point {ep.name} = {ep.value} ({PACK_FORMATS}) is no format named {ep.name!r}")
+        found[ep.name] = fmt
+    return MappingProxyType(dict(sorted(found.items())))

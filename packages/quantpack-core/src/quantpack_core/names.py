@@ -11,6 +11,7 @@ weight loaders pass (``"q"/"k"/"v"``, ints, and tuples such as Qwen3.5's ``in_pr
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable, Iterable
 
 #: Leading path components that wrap the text model differently in checkpoints and in vLLM
@@ -140,3 +141,7 @@ def shard_partitions(shard_id: Hashable | None, num_partitions: int) -> tuple[in
 def canonical_set(names: Iterable[str]) -> frozenset[str]:
     """:func:`normalize_prefix` of every name."""
     return frozenset(normalize_prefix(n) for n in names)
+
+
+#: one expert's projection of an MoE bank in a checkpoint: ``<layer>.experts.<e>.<proj>``
+EXPERT_MODULE = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d{1,9})\.(?P<proj>[A-Za-z0-9_]+)$")

@@ -78,82 +78,22 @@ class NgramTable:
                 numbers, shards of different widths or uneven row counts, a width that is no ring of 160 positions,
                 a missing or misshapen head tensor, head ranges outside the table.
         """
-        problems: list[Problem] = []
-
-        def problem(tensor: str, what: str, fix: str) -> None:
-            problems.append(Problem(key, tensor, what, fix))
-
-        names = [f"{key}.trellis"] if f"{key}.trellis" in tensors else []
-        while f"{key}.shard_{len(names)}.trellis" in tensors:
-            names.append(f"{key}.shard_{len(names)}.trellis")
-        stray = sorted(
-            n for n in tensors if n.startswith(f"{key}.shard_") and n.endswith(".trellis") and n not in names
-        )
-        if stray:
-            problem(stray[0], "a shard after a gap in the shard numbers", "restore the missing shards from the pack")
-        if not names:
-            missing = Problem(key, f"{key}.shard_0.trellis", "no ring rows for this n-gram table", RECOPY)
-            raise PackError(where, [missing])
+        names, problems = ring_names(key, tensors, where)
         shards = [tensors[n] for n in names]
         width = shards[0].shape[1] if shards[0].dim() == 2 else -1
-        for name, shard in zip(names, shards, strict=True):
-            if shard.dtype != torch.int16 or shard.dim() != 2 or shard.shape[1] != width:
-                problem(
-                    name,
-                    f"{shard.dtype} {list(shard.shape)}: ring rows are 2-D int16 of one width",
-                    RECONVERT,
-                )
-        rows_per_shard = shards[0].shape[0]
-        if any(s.shape[0] != rows_per_shard for s in shards[:-1]) or shards[-1].shape[0] > rows_per_shard:
-            problem(names[-1], "shards of uneven row counts (only the last may be shorter)", RECONVERT)
         k_bits = (width - 1) * 16 // NGRAM_ROW_DIM if width > 1 else 0
-        try:
-            if ring_dim(width, k_bits) != NGRAM_ROW_DIM:
-                raise ValueError
-        except Exception:
-            problem(names[0], f"rows of {width} words are no ring of {NGRAM_ROW_DIM} positions", RECONVERT)
-        aux = {}
-        for suffix in AUX:
-            t = tensors.get(f"{key}.{suffix}")
-            if t is None:
-                problem(f"{key}.{suffix}", "missing", RECOPY)
-            aux[suffix] = t
-        if problems:
-            raise PackError(where, problems)
-        heads = aux["head_offsets"].numel()
-        if aux["head_vocab_sizes"].numel() != heads:
-            count = aux["head_vocab_sizes"].numel()
-            problem(f"{key}.head_vocab_sizes", f"{count} entries for {heads} heads", RECONVERT)
-        if tuple(aux["head_bias"].shape) != (heads, NGRAM_ROW_DIM):
-            problem(f"{key}.head_bias", f"shape {list(aux['head_bias'].shape)}, want [{heads}, 160]", RECONVERT)
-        elif aux["head_bias"].dtype.is_floating_point and not torch.isfinite(aux["head_bias"]).all():
-            bad = int((~torch.isfinite(aux["head_bias"])).sum())
-            problem(f"{key}.head_bias", f"{bad} NaN / Inf values (every row of their head would be)", RECONVERT)
-        for suffix in ("head_offsets", "head_vocab_sizes", "layer_multipliers"):
-            if aux[suffix].dtype.is_floating_point or aux[suffix].dtype == torch.bool:
-                problem(
-                    f"{key}.{suffix}", f"{aux[suffix].dtype}: row counts and hash multipliers are integers", RECONVERT
-                )
-        if heads == 0:
-            problem(f"{key}.head_offsets", "no hash heads", RECONVERT)
-        if problems:
-            raise PackError(where, problems)
+        problems += ring_problems(key, names, shards, width, k_bits)
+        aux = {suffix: tensors.get(f"{key}.{suffix}") for suffix in AUX}
+        problems += [Problem(key, f"{key}.{suffix}", "missing", RECOPY) for suffix in AUX if aux[suffix] is None]
+        raise_problems(where, problems)
+        raise_problems(where, head_problems(key, aux))
         offsets = aux["head_offsets"].reshape(-1).long()
         sizes = aux["head_vocab_sizes"].reshape(-1).long()
-        total = sum(s.shape[0] for s in shards)
-        # heads tile the table: the first starts at row 0, each starts where the one before it ends, none is empty
-        ends = offsets + sizes
-        if int(offsets[0]) != 0 or bool((sizes <= 0).any()) or bool((offsets[1:] != ends[:-1]).any()):
-            what = f"heads do not tile the table (offsets {offsets.tolist()[:8]}, sizes {sizes.tolist()[:8]})"
-            problem(f"{key}.head_offsets", what, RECONVERT)
-        elif int(ends[-1]) > total:
-            problem(f"{key}.head_offsets", f"heads reach row {int(ends[-1])}, the table has {total} rows", RECONVERT)
-        if problems:
-            raise PackError(where, problems)
+        raise_problems(where, tiling_problems(key, offsets, sizes, sum(s.shape[0] for s in shards)))
         return cls(
             key=key,
             shards=shards,
-            rows_per_shard=rows_per_shard,
+            rows_per_shard=shards[0].shape[0],
             k_bits=k_bits,
             head_offsets=offsets,
             head_vocab_sizes=sizes,
@@ -269,6 +209,98 @@ class NgramTable:
                 packed[pick] = shard[local[pick]]
         bias = self.head_bias[self.heads_of(flat)]
         return decode_ring_rows(packed, self.k_bits, bias).reshape(*ids.shape, NGRAM_ROW_DIM)
+
+
+def raise_problems(where: str, problems: list[Problem]) -> None:
+    """Raise :class:`PackError` at ``where`` with ``problems``, if there are any."""
+    if problems:
+        raise PackError(where, problems)
+
+
+def ring_names(key: str, tensors: Mapping[str, torch.Tensor], where: str) -> tuple[list[str], list[Problem]]:
+    """The ring tensors of table ``key`` in row order, and a problem if a shard follows a gap in the numbers.
+
+    Raises:
+        PackError: the table has no ring tensor.
+    """
+    names = [f"{key}.trellis"] if f"{key}.trellis" in tensors else []
+    while f"{key}.shard_{len(names)}.trellis" in tensors:
+        names.append(f"{key}.shard_{len(names)}.trellis")
+    stray = sorted(n for n in tensors if n.startswith(f"{key}.shard_") and n.endswith(".trellis") and n not in names)
+    problems = []
+    if stray:
+        problems.append(
+            Problem(
+                key, stray[0], "a shard after a gap in the shard numbers", "restore the missing shards from the pack"
+            )
+        )
+    if not names:
+        missing = Problem(key, f"{key}.shard_0.trellis", "no ring rows for this n-gram table", RECOPY)
+        raise PackError(where, [missing])
+    return names, problems
+
+
+def ring_problems(key: str, names: list[str], shards: list[torch.Tensor], width: int, k_bits: int) -> list[Problem]:
+    """The ring shards' problems: a dtype, rank or width of its own, uneven row counts (only the last may be shorter),
+    rows of ``width`` words that are no ring of 160 positions at ``k_bits``."""
+    problems = []
+    for name, shard in zip(names, shards, strict=True):
+        if shard.dtype != torch.int16 or shard.dim() != 2 or shard.shape[1] != width:
+            what = f"{shard.dtype} {list(shard.shape)}: ring rows are 2-D int16 of one width"
+            problems.append(Problem(key, name, what, RECONVERT))
+    rows_per_shard = shards[0].shape[0]
+    if any(s.shape[0] != rows_per_shard for s in shards[:-1]) or shards[-1].shape[0] > rows_per_shard:
+        problems.append(
+            Problem(key, names[-1], "shards of uneven row counts (only the last may be shorter)", RECONVERT)
+        )
+    try:
+        if ring_dim(width, k_bits) != NGRAM_ROW_DIM:
+            raise ValueError
+    except Exception:
+        what = f"rows of {width} words are no ring of {NGRAM_ROW_DIM} positions"
+        problems.append(Problem(key, names[0], what, RECONVERT))
+    return problems
+
+
+def head_problems(key: str, aux: Mapping[str, torch.Tensor]) -> list[Problem]:
+    """The head tensors' problems (``aux``: the :data:`AUX` tensors, all present): counts that disagree, a bias of
+    another shape or with NaN / Inf, float or bool counts and multipliers, no head at all."""
+    problems = []
+
+    def problem(suffix: str, what: str) -> None:
+        problems.append(Problem(key, f"{key}.{suffix}", what, RECONVERT))
+
+    heads = aux["head_offsets"].numel()
+    if aux["head_vocab_sizes"].numel() != heads:
+        problem("head_vocab_sizes", f"{aux['head_vocab_sizes'].numel()} entries for {heads} heads")
+    bias = aux["head_bias"]
+    if tuple(bias.shape) != (heads, NGRAM_ROW_DIM):
+        problem("head_bias", f"shape {list(bias.shape)}, want [{heads}, 160]")
+    elif bias.dtype.is_floating_point and not torch.isfinite(bias).all():
+        bad = int((~torch.isfinite(bias)).sum())
+        problem("head_bias", f"{bad} NaN / Inf values (every row of their head would be)")
+    for suffix in ("head_offsets", "head_vocab_sizes", "layer_multipliers"):
+        if aux[suffix].dtype.is_floating_point or aux[suffix].dtype == torch.bool:
+            problem(suffix, f"{aux[suffix].dtype}: row counts and hash multipliers are integers")
+    if heads == 0:
+        problem("head_offsets", "no hash heads")
+    return problems
+
+
+def tiling_problems(key: str, offsets: torch.Tensor, sizes: torch.Tensor, total: int) -> list[Problem]:
+    """A problem if the heads do not tile the table of ``total`` rows: the first starts at row 0, each starts where the
+    one before it ends, none is empty, the last ends inside the table."""
+    ends = offsets + sizes
+    if int(offsets[0]) != 0 or bool((sizes <= 0).any()) or bool((offsets[1:] != ends[:-1]).any()):
+        what = f"heads do not tile the table (offsets {offsets.tolist()[:8]}, sizes {sizes.tolist()[:8]})"
+        return [Problem(key, f"{key}.head_offsets", what, RECONVERT)]
+    if int(ends[-1]) > total:
+        return [
+            Problem(
+                key, f"{key}.head_offsets", f"heads reach row {int(ends[-1])}, the table has {total} rows", RECONVERT
+            )
+        ]
+    return []
 
 
 def make_ngram_tensors(

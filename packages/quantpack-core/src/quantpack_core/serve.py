@@ -127,7 +127,8 @@ def pack_sizes(folder: Path, dtype: str | None, tp: int, kv_cache_dtype: str | N
     Raises:
         PackError: an unsound pack (named before vLLM runs).
     """
-    from .pack import CODED_FORMATS, Pack
+    from .format import pack_formats
+    from .pack import Pack
     from .tp_report import kv_element_bytes, tp_report
 
     config = json.loads((folder / "config.json").read_text())
@@ -138,7 +139,7 @@ def pack_sizes(folder: Path, dtype: str | None, tp: int, kv_cache_dtype: str | N
         element = DTYPE_BYTES.get(named) or kv_element_bytes({**config, **text}, "auto")
         weights = 0
         for m in pack.modules.values():
-            coded = m.format in CODED_FORMATS and m.padded_shape
+            coded = m.format in pack_formats() and m.padded_shape
             weights += m.padded_shape[0] * m.padded_shape[1] * element if coded else m.nbytes
         report = tp_report(pack, tp, kv_cache_dtype=kv_cache_dtype or "auto")
         longest = text.get("max_position_embeddings")

@@ -19,9 +19,10 @@ import torch
 from safetensors.torch import save_file
 
 from .codec.codebook import Codebook
+from .codec.exl3 import FORMAT as EXL3
 from .codec.trellis import check_k_codebook, width_from_k
+from .inventory import INDEX_FILE, MANIFEST_FILE
 from .names import split_tensor_name
-from .pack import INDEX_FILE, MANIFEST_FILE
 from .tp import padded
 
 
@@ -89,7 +90,7 @@ def _manifest_entry(module: str, tensors: dict[str, torch.Tensor]) -> dict:
     }
     tr = tensors.get(f"{module}.trellis")
     if tr is not None and tr.dim() == 3:
-        entry["quant_format"] = "exl3"
+        entry["quant_format"] = EXL3
         w = tr.shape[-1]
         entry["bits_per_weight"] = w // 16 if w % 16 == 0 else (w - 8) / 16 + 0.5
         # exllamav3's quantization_config.json records each marker's multiplier (as an unsigned 32-bit value)
@@ -131,7 +132,7 @@ def write_pack(
         raise FileExistsError(f"{path} exists and is not empty; write_pack never overwrites")
     path.mkdir(parents=True, exist_ok=True)
     if quant_config is None:
-        quant_config = {"quant_method": "exl3", "version": "1.6.5", "bits": 4.0, "head_bits": 6}
+        quant_config = {"quant_method": EXL3, "version": "1.6.5", "bits": 4.0, "head_bits": 6}
         trellis = {n.removesuffix(".trellis") for n in tensors if n.endswith(".trellis") and tensors[n].dim() == 3}
         used = {"mcg" if f"{m}.mcg" in tensors else "mul1" if f"{m}.mul1" in tensors else "3inst" for m in trellis}
         if len(used) == 1:

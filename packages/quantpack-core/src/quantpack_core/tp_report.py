@@ -21,7 +21,9 @@ import re
 from dataclasses import dataclass
 
 from .errors import GeometryError
-from .pack import CODED_FORMATS, ModuleInfo, Pack
+from .format import pack_formats
+from .inventory import ModuleInfo
+from .pack import Pack
 from .tp import COLUMN, ROW, make_cut, partition_ranges, plan_cut
 
 #: last name component -> how tensor parallelism splits the module
@@ -223,7 +225,7 @@ def tp_report(pack: Pack, tp: int, fallback: bool = True, kv_cache_dtype: str = 
         parts["in_proj_qkv"] = [lk * lkd, lk * lkd, lv * lvd]
     cuts, weights = [], 0
     for m in pack.modules.values():
-        if m.format in CODED_FORMATS:
+        if m.format in pack_formats():
             c = module_cut(m, tp, kv_heads if isinstance(kv_heads, int) else None, head_dim, fallback, parts)
             cuts.append(c)
             weights += c.rank_bytes if not (c.kind == "expert" and c.outcome == FALLBACK) else m.nbytes // tp
@@ -256,7 +258,7 @@ def _head_vocabulary_refusal(pack: Pack, vocab: object, tp: int) -> list[str]:
     evenly): the plugins cut a quantized head to whole vocabulary rows per rank and refuse a padded partition
     (``QuantLinearMethod``'s check, at load); at size 1 such a vocabulary is served."""
     head = pack.modules.get("lm_head")
-    if tp == 1 or head is None or head.format not in CODED_FORMATS or not isinstance(vocab, int) or vocab < 1:
+    if tp == 1 or head is None or head.format not in pack_formats() or not isinstance(vocab, int) or vocab < 1:
         return []
     padded = -(-vocab // 64) * 64
     if padded % tp == 0 and vocab == padded:

@@ -203,57 +203,25 @@ def verify_pack(
             missing), transformers missing, or a pack that does not fit its config's class.
         PackError: the pack itself is unsound.
     """
-    import math
-
-    from .pack import Pack
-
-    if max_kl is not None and not (math.isfinite(max_kl) and max_kl >= 0):
-        raise VerifyError(f"--max-kl {max_kl}: give a KL bound >= 0 in nats per token")
-    if min_top1 is not None and not (math.isfinite(min_top1) and 0 <= min_top1 <= 1):
-        raise VerifyError(f"--min-top1 {min_top1}: give a fraction between 0 and 1 (0.95 for 95%)")
+    _check_bounds(max_kl, min_top1)
     pack = Path(pack)
-    qc = _config_top(pack).get("quantization_config")
-    method = str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else ""
-    Pack.open(pack, require_exl3=method != "escha")  # a missing or unsound pack is named first
+    _open_pack(pack)  # a missing or unsound pack is named first
     source = Path(against) if against is not None else pack / REFERENCE_FILE
     if against is not None and not source.exists():
         raise VerifyError(
             f"{pack}: no reference to verify against ({source} does not exist) - give --against with the bf16 source "
             f"model's folder or a {REFERENCE_FILE} file"
         )
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise VerifyError(
-            'quantpack verify runs the pack through transformers: pip install "transformers>=5.17,<5.20" (the '
-            "releases tested; docs/install.md)"
-        ) from None
+    _require_transformers()
     cfg = _config(pack)
-    vocab = cfg.get("vocab_size")
     if not source.exists():
         return verify_on_text(pack, tokens)
     if source.is_file():
         kind = "logits"
-        ids, want = _reference_logits(source)
-        if isinstance(vocab, int) and (int(ids.max()) >= vocab or int(ids.min()) < 0):
-            raise VerifyError(f"{source}: input_ids outside the pack's vocabulary of {vocab}")
+        ids, want = _file_reference(source, cfg.get("vocab_size"))
     else:
         kind = "model"
-        other = _config(source)
-        differ = [k for k in SAME_MODEL if k in cfg and other.get(k) != cfg[k]]
-        if differ:
-            shown = ", ".join(f"{k} {cfg[k]!r} vs {other.get(k)!r}" for k in differ)
-            raise VerifyError(f"{source} is another model than the pack ({shown}): give the pack's bf16 source")
-        own = pack / REFERENCE_FILE
-        if tokens is None and own.is_file():
-            ids = _reference_logits(own)[0]
-        else:
-            tokens = DEFAULT_TOKENS if tokens is None else tokens
-            longest = cfg.get("max_position_embeddings")
-            n = min(tokens, longest) if isinstance(longest, int) and longest > 0 else tokens
-            ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            want = _model(source, quantized=False)(ids).logits
+        ids, want = _model_reference(pack, source, cfg, tokens)
     candidate = _model(pack, quantized=True)
     with torch.no_grad():
         got = candidate(ids).logits
@@ -267,6 +235,68 @@ def verify_pack(
         kl if max_kl is None else max_kl,
         top1 if min_top1 is None else min_top1,
     )
+
+
+def _check_bounds(max_kl: float | None, min_top1: float | None) -> None:
+    """:class:`VerifyError` unless the bounds given are a KL >= 0 and a fraction in [0, 1]."""
+    import math
+
+    if max_kl is not None and not (math.isfinite(max_kl) and max_kl >= 0):
+        raise VerifyError(f"--max-kl {max_kl}: give a KL bound >= 0 in nats per token")
+    if min_top1 is not None and not (math.isfinite(min_top1) and 0 <= min_top1 <= 1):
+        raise VerifyError(f"--min-top1 {min_top1}: give a fraction between 0 and 1 (0.95 for 95%)")
+
+
+def _open_pack(pack: Path) -> None:
+    """Open the pack under the rules of its format (:class:`PackError` when it is missing or unsound); a pack of
+    another installed format than EXL3 is held to its own rules."""
+    from .codec.exl3 import FORMAT as EXL3
+    from .format import pack_formats
+    from .pack import Pack
+
+    qc = _config_top(pack).get("quantization_config")
+    method = str(qc.get("quant_method", "")).lower() if isinstance(qc, dict) else ""
+    own = pack_formats().get(method)
+    Pack.open(pack, require_exl3=own is None or own.name == EXL3)
+
+
+def _require_transformers() -> None:
+    """:class:`VerifyError` naming the install when transformers is missing."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise VerifyError(
+            'quantpack verify runs the pack through transformers: pip install "transformers>=5.17,<5.20" (the '
+            "releases tested; docs/install.md)"
+        ) from None
+
+
+def _file_reference(source: Path, vocab: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, logits)`` of a reference logits file, its ids inside the pack's vocabulary of ``vocab``."""
+    ids, want = _reference_logits(source)
+    if isinstance(vocab, int) and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+        raise VerifyError(f"{source}: input_ids outside the pack's vocabulary of {vocab}")
+    return ids, want
+
+
+def _model_reference(pack: Path, source: Path, cfg: dict, tokens: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, logits)`` of the model folder ``source`` (the pack's config ``cfg`` describes the same model) run by
+    transformers on the ids of the pack's own reference file, or on ``tokens`` seeded ids (see :func:`verify_pack`)."""
+    other = _config(source)
+    differ = [k for k in SAME_MODEL if k in cfg and other.get(k) != cfg[k]]
+    if differ:
+        shown = ", ".join(f"{k} {cfg[k]!r} vs {other.get(k)!r}" for k in differ)
+        raise VerifyError(f"{source} is another model than the pack ({shown}): give the pack's bf16 source")
+    own = pack / REFERENCE_FILE
+    if tokens is None and own.is_file():
+        ids = _reference_logits(own)[0]
+    else:
+        tokens = DEFAULT_TOKENS if tokens is None else tokens
+        longest = cfg.get("max_position_embeddings")
+        n = min(tokens, longest) if isinstance(longest, int) and longest > 0 else tokens
+        ids = torch.randint(0, cfg.get("vocab_size"), (1, n), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return ids, _model(source, quantized=False)(ids).logits
 
 
 def text_ids(pack: Path, tokens: int) -> torch.Tensor:

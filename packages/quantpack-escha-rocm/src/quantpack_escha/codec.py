@@ -29,14 +29,16 @@ import torch
 
 from quantpack_core.codec import HAD_BLOCK, TILE, Codebook, decode_matrix, had128, k_from_width
 from quantpack_core.errors import CodecError
-from quantpack_core.pack import ESCHA_CODE, ESCHA_IN_SCALES, ESCHA_OUT_SCALES
 from quantpack_core.tp import TpCut
 
 #: the codebook every escha code is decoded with
 CODEBOOK = Codebook.MCG
-#: the scales' suffixes, input side then output side (the pack reader checks them by the same names)
-IN_SCALES, OUT_SCALES = ESCHA_IN_SCALES, ESCHA_OUT_SCALES
-CODE = ESCHA_CODE  # the pack reader names escha modules by it too
+#: the code tensor's suffix (the pack reader names escha modules by it: :class:`~quantpack_escha.format.EschaFormat`)
+CODE = "escha_code"
+#: the scales' suffixes, input side (``(in,)``) then output side (``(out,)``)
+IN_SCALES, OUT_SCALES = ("escha_rin", "escha_s_in"), ("escha_rout", "escha_s_out")
+#: the optional geometry record of its writer (int32 ``[16, K, 2, 1, in, out]``; informational)
+CONFIG = "escha_config"
 #: unnormalized transforms on both sides: sqrt(128) each relative to EXL3's normalized ones
 HAD_GAIN = math.sqrt(HAD_BLOCK)
 

@@ -23,10 +23,10 @@ import torch
 
 from quantpack_core.errors import LayerLoadError
 from quantpack_core.names import expand_fused, normalize_prefix
-from quantpack_core.pack import escha_layer_ks, escha_meta_key, escha_meta_mismatches
 from quantpack_core.vllm.config import INT8_ROWS, QuantpackConfig, untie_if_head_stored
 from quantpack_core.vllm.embedding import Int8RowsEmbeddingMethod
 
+from .check import layer_ks, meta_key, meta_mismatches
 from .codec import CODE
 from .format import ESCHA
 from .kernels import BACKEND_ENV, LINEAR_KERNELS
@@ -39,10 +39,6 @@ INT8_ROWS_SUFFIX, INT8_SCALES_SUFFIX = "weight_int8", "weight_scale"
 DENSE_SUFFIX = "weight"
 #: the only tables an escha pack stores as int8 rows
 INT8_TABLES = ("embed_tokens", "lm_head")
-
-
-#: the key a module is matched by in ``layer_meta`` (its tail from ``layers.``; the pack reader's)
-meta_key = escha_meta_key
 
 
 class EschaInt8Embedding(Int8RowsEmbeddingMethod):
@@ -84,7 +80,7 @@ class EschaConfig(QuantpackConfig):
     def __init__(self, quant_config: dict[str, Any]):
         super().__init__(quant_config)
         self.layer_meta = quant_config.get("layer_meta") or {}
-        self._meta = escha_layer_ks(self.layer_meta)
+        self._meta = layer_ks(self.layer_meta)
         self._k = {key: k for key, (_, k) in self._meta.items()}
 
     def __repr__(self) -> str:
@@ -129,7 +125,7 @@ class EschaConfig(QuantpackConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         """Coded linear layers -> :class:`~quantpack_escha.methods.EschaLinearMethod`; other linear layers ->
-        vLLM's unquantized method; embeddings and heads as the base routes them (int8 rows here).
+        vLLM's unquantized method; embeddings and heads by the base's storage table (int8 rows here).
 
         Raises:
             LayerLoadError: a merged layer whose sources are partly coded.
@@ -154,12 +150,12 @@ class EschaConfig(QuantpackConfig):
         return super().get_quant_method(layer, prefix)
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
-        """For a local pack, route ``embed_tokens`` / ``lm_head`` by what it stores (int8 rows or a dense table);
+        """For a local pack, record how it stores ``embed_tokens`` / ``lm_head`` (int8 rows or a dense table);
         a stored head is served even when the config ties it. Remote packs keep the default (int8 rows, what
         escha packs store)."""
         if not os.path.isdir(model_name):
             for table in INT8_TABLES:
-                self.routes.setdefault(table, INT8_ROWS)
+                self.storage.setdefault(table, INT8_ROWS)
             return
         names = tensor_names(Path(model_name))
         self.check_layer_meta(code_shapes(Path(model_name)))
@@ -169,15 +165,15 @@ class EschaConfig(QuantpackConfig):
             if key.rsplit(".", 1)[-1] not in INT8_TABLES:
                 continue
             if suffix in (INT8_ROWS_SUFFIX, INT8_SCALES_SUFFIX):
-                self.routes[key] = INT8_ROWS
+                self.storage[key] = INT8_ROWS
             elif suffix == DENSE_SUFFIX:
-                self.routes.setdefault(key, "dense")
+                self.storage.setdefault(key, "dense")
         untie_if_head_stored([n.rpartition(".")[0] for n in names], hf_config, model_name)
         logger.info("quantpack-escha: %s: %r", model_name, self)
 
     def check_layer_meta(self, codes: dict[str, tuple[int, ...]]) -> None:
         """``layer_meta`` against the pack's codes, in the user's process before any worker loads
-        (:func:`quantpack_core.pack.escha_meta_mismatches`, the check ``quantpack inspect`` makes too): every module
+        (:func:`quantpack_escha.check.meta_mismatches`, the check ``quantpack inspect`` makes too): every module
         storing ``.escha_code`` listed, every listed module storing one, each K the code's.
 
         Args:
@@ -186,7 +182,7 @@ class EschaConfig(QuantpackConfig):
         Raises:
             LayerLoadError: the first disagreement, how many more of its kind there are, and the fix.
         """
-        found = escha_meta_mismatches(self._meta, {m: shape[-1] if shape else 0 for m, shape in codes.items()})
+        found = meta_mismatches(self._meta, {m: shape[-1] if shape else 0 for m, shape in codes.items()})
         if found:
             module, what, fix = found[0]
             raise LayerLoadError(f"{module}: {what} - {fix}")

@@ -29,8 +29,9 @@ from safetensors.torch import save_file
 from quantpack_core.codec import HAD_BLOCK, Codebook, dequantize
 from quantpack_core.embedding import check_output_folder, default_file_mode, quantize_rows
 from quantpack_core.errors import QuantpackError
-from quantpack_core.names import normalize_prefix
-from quantpack_core.pack import EXPERT_MODULE, INDEX_FILE, MANIFEST_FILE, Pack
+from quantpack_core.inventory import INDEX_FILE, MANIFEST_FILE
+from quantpack_core.names import EXPERT_MODULE, normalize_prefix
+from quantpack_core.pack import Pack
 
 from .codec import CODE
 
@@ -94,6 +95,38 @@ def escha_from_exl3(
     """
     src, dst = Path(src), Path(out)
     pack = Pack.open(src)
+    check_source(pack)
+    check_output_folder(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    coded: dict[str, int] = {}
+    meta: dict[str, dict] = {}
+    tables: list[str] = []
+    for key, m in pack.modules.items():
+        if normalize_prefix(key).rsplit(".", 1)[-1] in INT8_TABLES:
+            q, s = int8_table(pack, key)
+            tensors[f"{key}.weight_int8"], tensors[f"{key}.weight_scale"] = q, s
+            tables.append(key)
+        elif m.format != "exl3":
+            for info in m.tensors.values():
+                tensors[info.name] = pack.get_tensor(info.name)
+        else:
+            coded[key], meta[key] = escha_module(pack, key, tensors, g if random_split else None, g if biases else None)
+    if not tables:
+        raise ConversionError(f"{src}: no embed_tokens table found; an escha pack stores it as int8 rows")
+    pack.close()
+    config = json.loads((src / "config.json").read_text())
+    bits = sum(coded.values()) / max(len(coded), 1)
+    config["quantization_config"] = {"quant_method": "escha", "bits": bits, "layer_meta": meta}
+    if biases:
+        config["attention_bias"] = config["mlp_bias"] = True
+    write_escha_pack(src, dst, tensors, config)
+    return ConversionReport(dst, coded, tuple(tables), biases)
+
+
+def check_source(pack: Pack) -> None:
+    """:class:`ConversionError` for a pack escha cannot serve: a module coded with another codebook than mcg, or
+    coded experts."""
     other = {k: m.codebook for k, m in pack.modules.items() if m.format == "exl3" and m.codebook != Codebook.MCG}
     if other:
         k, cb = next(iter(other.items()))
@@ -108,73 +141,70 @@ def escha_from_exl3(
             "quantpack-escha-rocm serves no escha expert banks, so the pack it would write could not load - serve "
             "the EXL3 pack with quantpack-exl3"
         )
-    check_output_folder(src, dst)
-    g = torch.Generator().manual_seed(seed)
-    tensors: dict[str, torch.Tensor] = {}
-    coded: dict[str, int] = {}
-    meta: dict[str, dict] = {}
-    tables: list[str] = []
-    for key, m in pack.modules.items():
-        leaf = normalize_prefix(key).rsplit(".", 1)[-1]
-        if leaf in INT8_TABLES:
-            if m.format == "exl3":
-                t = pack.exl3_tensors(key)
-                w = dequantize(t, torch.float32).T  # (out, in), padded
-                text = pack.config.get("text_config") or pack.config
-                vocab = int(text.get("vocab_size", w.shape[0])) if leaf == "lm_head" else w.shape[0]
-                hidden = int(text.get("hidden_size", w.shape[1]))
-                w = w[:vocab, :hidden]
-            elif "weight" in m.tensors:
-                w = pack.get_tensor(m.tensors["weight"].name)
-            elif m.format == "int8-rows":
-                raise ConversionError(
-                    f"{key}: already int8 rows (quantpack embed-int8); convert the pack from before embed-int8, whose "
-                    "table the converter quantizes itself"
-                )
-            else:
-                raise ConversionError(f"{key}: neither an EXL3 nor a dense table; cannot store it as int8 rows")
-            q, s = quantize_rows(w)
-            tensors[f"{key}.weight_int8"], tensors[f"{key}.weight_scale"] = q, s.half()
-            tables.append(key)
-            continue
-        if m.format != "exl3":
-            for info in m.tensors.values():
-                tensors[info.name] = pack.get_tensor(info.name)
-            continue
-        t = pack.exl3_tensors(key)
-        k_in, n_out = t.padded_shape
-        k_bits = int(t.k_bits)
-        split = g if random_split else None
-        rin, s_in = split_scale(t.suh.float() / math.sqrt(HAD_BLOCK), split)
-        rout, s_out = split_scale(t.svh.float() / math.sqrt(HAD_BLOCK), split)
-        tensors.update(
-            {
-                f"{key}.{CODE}": t.trellis.contiguous(),
-                f"{key}.escha_rin": rin,
-                f"{key}.escha_s_in": s_in,
-                f"{key}.escha_rout": rout,
-                f"{key}.escha_s_out": s_out,
-                f"{key}.escha_config": torch.tensor([16, k_bits, 2, 1, k_in, n_out], dtype=torch.int32),
-            }
-        )
-        logical = m.logical_shape[1] if m.logical_shape and m.logical_shape[1] else n_out
-        if t.bias is not None:  # carried as the source stores it (escha never applies it)
-            tensors[f"{key}.bias"] = t.bias
-        elif biases:
-            tensors[f"{key}.bias"] = (torch.randn(logical, generator=g) * 0.5).half()
-        coded[key] = k_bits
-        meta[key] = {"K": k_bits, "bits": k_bits, "in_features": k_in, "out_features": n_out}
-    if not tables:
-        raise ConversionError(f"{src}: no embed_tokens table found; an escha pack stores it as int8 rows")
-    pack.close()
 
-    config = json.loads((src / "config.json").read_text())
-    bits = sum(coded.values()) / max(len(coded), 1)
-    config["quantization_config"] = {"quant_method": "escha", "bits": bits, "layer_meta": meta}
-    if biases:
-        config["attention_bias"] = config["mlp_bias"] = True
-    # written into a hidden folder beside OUT and moved into place whole: a conversion that fails (a full disk) leaves
-    # no partial pack where OUT was asked for
+
+def int8_table(pack: Pack, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight_int8, weight_scale)`` of the embedding or head ``key``: its rows (an EXL3 head decoded and trimmed
+    to the vocabulary and hidden size of the config, or a dense table) as int8 with a float16 scale per row.
+
+    Raises:
+        ConversionError: a table already in int8 rows, or of another format.
+    """
+    m = pack.modules[key]
+    if m.format == "exl3":
+        w = dequantize(pack.exl3_tensors(key), torch.float32).T  # (out, in), padded
+        text = pack.config.get("text_config") or pack.config
+        leaf = normalize_prefix(key).rsplit(".", 1)[-1]
+        vocab = int(text.get("vocab_size", w.shape[0])) if leaf == "lm_head" else w.shape[0]
+        hidden = int(text.get("hidden_size", w.shape[1]))
+        w = w[:vocab, :hidden]
+    elif "weight" in m.tensors:
+        w = pack.get_tensor(m.tensors["weight"].name)
+    elif m.format == "int8-rows":
+        raise ConversionError(
+            f"{key}: already int8 rows (quantpack embed-int8); convert the pack from before embed-int8, whose "
+            "table the converter quantizes itself"
+        )
+    else:
+        raise ConversionError(f"{key}: neither an EXL3 nor a dense table; cannot store it as int8 rows")
+    q, s = quantize_rows(w)
+    return q, s.half()
+
+
+def escha_module(
+    pack: Pack, key: str, tensors: dict[str, torch.Tensor], split: torch.Generator | None, bias: torch.Generator | None
+) -> tuple[int, dict]:
+    """Add the escha tensors of the EXL3 module ``key`` to ``tensors``: its code, the four scales (split at random
+    from ``split``, else plainly), its config, and its bias (the source's, else a random one from ``bias``, else
+    none). Returns ``(K, its layer_meta entry)``."""
+    t = pack.exl3_tensors(key)
+    k_in, n_out = t.padded_shape
+    k_bits = int(t.k_bits)
+    rin, s_in = split_scale(t.suh.float() / math.sqrt(HAD_BLOCK), split)
+    rout, s_out = split_scale(t.svh.float() / math.sqrt(HAD_BLOCK), split)
+    tensors.update(
+        {
+            f"{key}.{CODE}": t.trellis.contiguous(),
+            f"{key}.escha_rin": rin,
+            f"{key}.escha_s_in": s_in,
+            f"{key}.escha_rout": rout,
+            f"{key}.escha_s_out": s_out,
+            f"{key}.escha_config": torch.tensor([16, k_bits, 2, 1, k_in, n_out], dtype=torch.int32),
+        }
+    )
+    logical_shape = pack.modules[key].logical_shape
+    logical = logical_shape[1] if logical_shape and logical_shape[1] else n_out
+    if t.bias is not None:  # carried as the source stores it (escha never applies it)
+        tensors[f"{key}.bias"] = t.bias
+    elif bias is not None:
+        tensors[f"{key}.bias"] = (torch.randn(logical, generator=bias) * 0.5).half()
+    return k_bits, {"K": k_bits, "bits": k_bits, "in_features": k_in, "out_features": n_out}
+
+
+def write_escha_pack(src: Path, dst: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """Write the escha pack into a hidden folder beside ``dst`` and move it into place whole, so that a conversion
+    that fails (a full disk) leaves no partial pack where ``dst`` was asked for: ``tensors`` in one
+    model.safetensors, ``config``, and the source's other files but those of :data:`NOT_COPIED`."""
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
         staging = tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.partial-")
@@ -192,4 +222,3 @@ def escha_from_exl3(
         if dst.is_dir():
             dst.rmdir()  # the empty folder check_output_folder accepted
         work.rename(dst)
-    return ConversionReport(dst, coded, tuple(tables), biases)

@@ -5,6 +5,9 @@ An escha shard is ``escha_code`` (EXL3 trellis tiles, mcg codebook) with its fou
 sizes are the logical ones rounded up to whole 128-feature Hadamard blocks, and a rank keeps whole blocks (a row
 cut: code rows, ``rin`` and ``s_in``; a column cut: each output partition's code columns, ``rout`` and ``s_out``).
 
+Its rules of the pack check (registered under the ``quantpack.formats`` entry point) are
+:mod:`quantpack_escha.check`'s.
+
 Source: docs/escha-format.md.
 """
 
@@ -15,25 +18,31 @@ from typing import ClassVar
 
 import torch
 
+from quantpack_core.check.settings import CheckSettings
 from quantpack_core.codec import HAD_BLOCK
+from quantpack_core.codec.codebook import Codebook
+from quantpack_core.errors import Problem
+from quantpack_core.format import PackRules
+from quantpack_core.inventory import ModuleInfo, PackView, TensorInfo
 from quantpack_core.kernels import LinearSpec, Platform
 from quantpack_core.tp import TpCut, padding_error
 
-from .codec import CODE, CODEBOOK, EschaTensors, cut_tensors
+from . import check
+from .codec import CODE, CODEBOOK, CONFIG, IN_SCALES, OUT_SCALES, EschaTensors, cut_tensors
 
 
-class EschaFormat:
-    """escha linear shards (implements :class:`quantpack_core.format.LinearFormat`)."""
+class EschaFormat(PackRules):
+    """escha linear shards, and their rules of the pack check (implements :class:`quantpack_core.format.LinearFormat`
+    and :class:`quantpack_core.format.PackFormat`)."""
 
     name: ClassVar[str] = "escha"
     label: ClassVar[str] = "escha"
+    storage_label: ClassVar[str] = "escha code"
+    writer: ClassVar[str] = "quantpack escha-from-exl3"
     suffixes: ClassVar[Mapping[str, torch.dtype]] = {
         CODE: torch.int16,
-        "escha_rin": torch.float16,
-        "escha_s_in": torch.float16,
-        "escha_rout": torch.float16,
-        "escha_s_out": torch.float16,
-        "escha_config": torch.int32,  # geometry record of the writer; informational
+        **dict.fromkeys((*IN_SCALES, *OUT_SCALES), torch.float16),
+        CONFIG: torch.int32,  # geometry record of the writer; informational
     }
     main_suffix: ClassVar[str] = CODE
     block: ClassVar[int] = HAD_BLOCK
@@ -73,6 +82,20 @@ class EschaFormat:
     def release(self, shard: EschaTensors) -> None:
         """Nothing to drop beyond the captured tensors."""
 
+    # ------------------------------------------------------------------------------------------- the pack check
 
-#: the one instance the methods and kernels use
+    def codebook_of(self, tensors: Mapping[str, TensorInfo]) -> Codebook:
+        return CODEBOOK
+
+    def module_problems(self, pack: PackView, m: ModuleInfo, settings: CheckSettings) -> list[Problem]:
+        return check.module_problems(pack, m, settings)
+
+    def config_problems(self, pack: PackView) -> list[Problem]:
+        return check.layer_meta_problems(pack)
+
+    def unproven_sizes(self, pack: PackView) -> list[str]:
+        return check.unproven_sizes(pack)
+
+
+#: the one instance the methods, the kernels and the pack check use
 ESCHA = EschaFormat()

@@ -1,7 +1,7 @@
 """``Exl3Config``: vLLM's quantization config for ``quant_method: "exl3"`` packs.
 
-The format-free base (:class:`quantpack_core.vllm.config.QuantpackConfig`) routes layers and resolves the kernel
-lists; this class binds the EXL3 format, its methods and kernels, and validates a local pack with
+The format-free base (:class:`quantpack_core.vllm.config.QuantpackConfig`) gives each layer its method and resolves
+the kernel lists; this class binds the EXL3 format, its methods and kernels, and validates a local pack with
 :class:`quantpack_core.pack.Pack` before any weight is read.
 """
 
@@ -45,7 +45,7 @@ class Exl3Config(QuantpackConfig):
         bits: average bits per weight the pack was made at.
         head_bits: bits of lm_head.
         codebook: default codebook (informational: each tensor's own marker decides).
-        (and those of :class:`~quantpack_core.vllm.config.QuantpackConfig`: platform, kernel lists, routes.)
+        (and those of :class:`~quantpack_core.vllm.config.QuantpackConfig`: platform, kernel lists, storage.)
 
     Raises:
         BackendUnavailableError: at construction, when no kernel can run on this platform.
@@ -77,7 +77,7 @@ class Exl3Config(QuantpackConfig):
         kernels = ", ".join(k.name for k in self.linear_kernels)
         return (
             f"Exl3Config(bits={self.bits}, head_bits={self.head_bits}, codebook={self.codebook}, "
-            f"platform={self.platform}, kernels=[{kernels}], manifest_modules={len(self.routes)})"
+            f"platform={self.platform}, kernels=[{kernels}], manifest_modules={len(self.storage)})"
         )
 
     @classmethod

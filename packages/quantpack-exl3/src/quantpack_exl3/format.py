@@ -7,6 +7,9 @@ An EXL3 shard is the set of tensors exllamav3 stores per linear layer: ``trellis
 blocks out of it (:func:`quantpack_core.codec.cut_tensors`). An MoE layer's experts go into one K-sorted bank
 (:func:`quantpack_core.moe.bank_from_tensors`).
 
+Its rules of the pack check (:class:`quantpack_core.format.PackFormat`, registered under the ``quantpack.formats``
+entry point) are :mod:`quantpack_exl3.check`'s.
+
 Source: docs/exl3-format.md; exllamav3 ``exllamav3/modules/quant/exl3.py`` (``LinearEXL3``: tensors, padding).
 """
 
@@ -17,17 +20,28 @@ from typing import ClassVar
 
 import torch
 
+from quantpack_core.check.settings import CheckSettings
 from quantpack_core.codec import HAD_BLOCK, Exl3Tensors, cut_tensors
+from quantpack_core.codec.codebook import Codebook
+from quantpack_core.codec.exl3 import FORMAT
+from quantpack_core.errors import Problem
+from quantpack_core.format import PackRules
+from quantpack_core.inventory import ModuleInfo, PackView, TensorInfo
 from quantpack_core.kernels import ExpertSpec, LinearSpec, Platform
 from quantpack_core.moe import Exl3MoeBank, bank_from_tensors
 from quantpack_core.tp import TpCut, padding_error
 
+from . import check
 
-class Exl3Format:
-    """EXL3 linear shards and expert banks (implements :class:`quantpack_core.format.ExpertFormat`)."""
 
-    name: ClassVar[str] = "exl3"
+class Exl3Format(PackRules):
+    """EXL3 linear shards and expert banks, and their rules of the pack check (implements
+    :class:`quantpack_core.format.ExpertFormat` and :class:`quantpack_core.format.PackFormat`)."""
+
+    name: ClassVar[str] = FORMAT
     label: ClassVar[str] = "EXL3"
+    storage_label: ClassVar[str] = "an EXL3 trellis"
+    writer: ClassVar[str] = "exllamav3's converter"
     suffixes: ClassVar[Mapping[str, torch.dtype]] = {
         "trellis": torch.int16,
         "suh": torch.float16,
@@ -115,6 +129,26 @@ class Exl3Format:
         plan = bank.plan
         return min(plan.inter_local, max(0, logical - plan.inter_start))
 
+    # ------------------------------------------------------------------------------------------- the pack check
 
-#: the one instance the methods and kernels use
+    def codebook_of(self, tensors: Mapping[str, TensorInfo]) -> Codebook | None:
+        return check.codebook_of(tensors)
+
+    def remains(self, tensors: Mapping[str, TensorInfo]) -> bool:
+        return check.remains(tensors)
+
+    def module_problems(self, pack: PackView, m: ModuleInfo, settings: CheckSettings) -> list[Problem]:
+        return check.module_problems(pack, m, settings)
+
+    def manifest_problems(self, pack: PackView, module: str, entry: dict) -> list[Problem]:
+        return check.manifest_problems(pack, module, entry)
+
+    def pack_problems(self, pack: PackView, settings: CheckSettings) -> list[Problem]:
+        return check.codebook_mixture_problems(pack)
+
+    def value_problems(self, pack: PackView) -> list[Problem]:
+        return check.padding_problems(pack)
+
+
+#: the one instance the methods, the kernels and the pack check use
 EXL3 = Exl3Format()

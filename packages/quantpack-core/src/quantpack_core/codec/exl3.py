@@ -24,6 +24,11 @@ if TYPE_CHECKING:  # tp imports the Hadamard block from this package
     from ..tp import TpCut
 
 
+#: the format's name: the ``quant_method`` exllamav3 writes into config.json, and how the pack reader names a module
+#: stored as these tensors
+FORMAT = "exl3"
+
+
 def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
     """Unpack a legacy ``su`` / ``sv`` sign bitfield (pre-release packs) to a +-1 vector.
 

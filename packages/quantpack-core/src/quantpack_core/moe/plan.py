@@ -374,38 +374,9 @@ def plan_moe_layer(
             f"stored padded to whole {HAD_BLOCK}-channel Hadamard blocks -> pass the stored (padded) size"
         )
     i0, i1 = tp_shard(intermediate, tp_size, tp_rank, layer)
-    bits: list[ExpertBits] = []
-    for e, ks in enumerate(k_bits):
-        if len(ks) != (3 if gated else 2):
-            want = "(K of w1, K of w3, K of w2)" if gated else "(K of w1, K of w2) of an ungated expert"
-            raise ValueError(f"{where}: expert {e}: k_bits entry {ks!r} is not {want}")
-        k1, k3, k2 = (float(k) for k in ks) if gated else (float(ks[0]), float(ks[0]), float(ks[1]))
-        for proj, k in ((PROJ_GATE, k1), (PROJ_UP, k3), (PROJ_DOWN, k2)):
-            try:
-                width_from_k(k)
-                check_k_codebook(k, cb)
-            except CodecError as err:
-                raise CodecError(f"{where}: expert {e} {proj} ({PROJ_MODULES[proj]}): {err}") from None
-        if k1 != k3:
-            raise GeometryError(
-                f"{where}: expert {e}: w1 (gate_proj) has K={k1:g} but w3 (up_proj) has K={k3:g}. Rule: the bank "
-                "stores w1 and w3 of a slot side by side at one width and the grouped kernels run both with one K "
-                "-> re-quantize the layer with one bitrate for each expert's gate_proj and up_proj"
-            )
-        bits.append(ExpertBits(k1, k2))
-    order = sorted(range(len(bits)), key=lambda e: (bits[e].k_gu, bits[e].k_d, e))
-    inv_perm = tuple(order)
-    perm_list = [0] * len(order)
-    for slot, e in enumerate(order):
-        perm_list[e] = slot
-    groups: list[KGroup] = []
-    for slot, e in enumerate(order):
-        b = bits[e]
-        if groups and (groups[-1].k_gu, groups[-1].k_d) == (b.k_gu, b.k_d):
-            g = groups[-1]
-            groups[-1] = KGroup(g.k_gu, g.k_d, g.lo, slot + 1)
-        else:
-            groups.append(KGroup(b.k_gu, b.k_d, slot, slot + 1))
+    bits = [expert_bits(where, e, ks, cb, gated) for e, ks in enumerate(k_bits)]
+    perm, order = slot_permutation(bits)
+    groups = plan_groups([bits[e] for e in order])
     words13, words2, off1, off3, off2 = bank_layout(
         [(bits[e].k_gu, bits[e].k_d) for e in order], hidden, i1 - i0, gated=gated
     )
@@ -417,9 +388,9 @@ def plan_moe_layer(
         tp_rank=tp_rank,
         codebook=cb,
         bits=tuple(bits),
-        perm=tuple(perm_list),
-        inv_perm=inv_perm,
-        groups=tuple(groups),
+        perm=perm,
+        inv_perm=order,
+        groups=groups,
         inter_start=i0,
         inter_local=i1 - i0,
         words_w13=words13,
@@ -431,6 +402,55 @@ def plan_moe_layer(
         total_w2=sum(words2),
         gated=gated,
     )
+
+
+def expert_bits(where: str, e: int, ks: Sequence[float], cb: Codebook, gated: bool) -> ExpertBits:
+    """The :class:`ExpertBits` of logical expert ``e`` from its ``k_bits`` entry ``ks``, checked.
+
+    Raises:
+        ValueError: ``ks`` is not ``(w1, w3, w2)`` (``(w1, w2)`` when ungated).
+        CodecError: an illegal K, or a half-integer K with a codebook other than mul1 (names layer and expert).
+        GeometryError: the expert's w1 and w3 K differ.
+    """
+    if len(ks) != (3 if gated else 2):
+        want = "(K of w1, K of w3, K of w2)" if gated else "(K of w1, K of w2) of an ungated expert"
+        raise ValueError(f"{where}: expert {e}: k_bits entry {ks!r} is not {want}")
+    k1, k3, k2 = (float(k) for k in ks) if gated else (float(ks[0]), float(ks[0]), float(ks[1]))
+    for proj, k in ((PROJ_GATE, k1), (PROJ_UP, k3), (PROJ_DOWN, k2)):
+        try:
+            width_from_k(k)
+            check_k_codebook(k, cb)
+        except CodecError as err:
+            raise CodecError(f"{where}: expert {e} {proj} ({PROJ_MODULES[proj]}): {err}") from None
+    if k1 != k3:
+        raise GeometryError(
+            f"{where}: expert {e}: w1 (gate_proj) has K={k1:g} but w3 (up_proj) has K={k3:g}. Rule: the bank "
+            "stores w1 and w3 of a slot side by side at one width and the grouped kernels run both with one K "
+            "-> re-quantize the layer with one bitrate for each expert's gate_proj and up_proj"
+        )
+    return ExpertBits(k1, k2)
+
+
+def slot_permutation(bits: Sequence[ExpertBits]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(perm, inv_perm)``: logical expert -> physical slot and back, slots sorted by ``(k_gu, k_d)`` ascending
+    (ties in logical order)."""
+    order = tuple(sorted(range(len(bits)), key=lambda e: (bits[e].k_gu, bits[e].k_d, e)))
+    perm = [0] * len(order)
+    for slot, e in enumerate(order):
+        perm[e] = slot
+    return tuple(perm), order
+
+
+def plan_groups(slot_bits: Sequence[ExpertBits]) -> tuple[KGroup, ...]:
+    """The runs of slots sharing ``(k_gu, k_d)``, in slot order (``slot_bits``: the bits of each physical slot)."""
+    groups: list[KGroup] = []
+    for slot, b in enumerate(slot_bits):
+        if groups and (groups[-1].k_gu, groups[-1].k_d) == (b.k_gu, b.k_d):
+            g = groups[-1]
+            groups[-1] = KGroup(g.k_gu, g.k_d, g.lo, slot + 1)
+        else:
+            groups.append(KGroup(b.k_gu, b.k_d, slot, slot + 1))
+    return tuple(groups)
 
 
 def bank_layout(

@@ -5,8 +5,9 @@ class claims its packs with no ``--quantization`` flag once its plugin has regis
 
 * reads the pack's manifest (``tensor_storage`` in ``quantization_config.json``): which checkpoint modules are stored
   in the format, as int8 rows, or dense;
-* routes each layer vLLM builds: quantized layers (and layers the manifest does not know) to the format's linear,
-  expert or embedding method, dense layers to vLLM's own unquantized methods; a fused layer mixing kinds is refused;
+* gives each layer vLLM builds its method: quantized layers (and layers the manifest does not know) the format's
+  linear, expert or embedding method, dense layers vLLM's own unquantized methods; a fused layer mixing kinds is
+  refused;
 * resolves, once per process, the platform (:func:`~.platform.current_platform`) and the format's kernel priority
   lists for it, so that a platform with no usable kernel fails here, naming the fix, before any weight is read
   (``<FORMAT>_BACKEND``-style environment variable: one kernel forced);
@@ -34,9 +35,9 @@ from quantpack_core.dense import DENSE, DenseKernel
 from quantpack_core.embedding import INT8_FORMAT
 from quantpack_core.errors import BackendUnavailableError, LayerLoadError
 from quantpack_core.format import LinearFormat
+from quantpack_core.inventory import MANIFEST_FILE
 from quantpack_core.kernels import ExpertKernel, KernelLog, LinearKernel, LinearSpec, Platform
 from quantpack_core.names import FUSED_LAYERS, constituents, expand_fused, normalize_prefix
-from quantpack_core.pack import MANIFEST_FILE
 
 from .compile_key import CompileKey
 from .embedding import Int8RowsEmbeddingMethod
@@ -48,7 +49,7 @@ logger = logging.getLogger("vllm.quantpack")
 INT8_ROWS = "int8_rows"
 
 
-def manifest_routes(tensor_storage: Mapping[str, Any], fmt: LinearFormat) -> dict[str, str]:
+def manifest_storage(tensor_storage: Mapping[str, Any], fmt: LinearFormat) -> dict[str, str]:
     """Canonical module name -> ``fmt.name``, ``"int8_rows"`` or ``"dense"`` from a pack's ``tensor_storage``.
 
     Args:
@@ -60,17 +61,17 @@ def manifest_routes(tensor_storage: Mapping[str, Any], fmt: LinearFormat) -> dic
         ``{normalize_prefix(module): kind}``; modules that are neither (norms' weights count as dense, which is
         harmless: no linear layer asks for them) are left out.
     """
-    routes: dict[str, str] = {}
+    storage: dict[str, str] = {}
     for module, entry in (tensor_storage or {}).items():
         entry = entry or {}
         stored = entry.get("stored_tensors") or {}
         if entry.get("quant_format") == fmt.name or f"{module}.{fmt.main_suffix}" in stored:
-            routes[normalize_prefix(module)] = fmt.name
+            storage[normalize_prefix(module)] = fmt.name
         elif entry.get("quant_format") == INT8_FORMAT or f"{module}.qweight" in stored:
-            routes[normalize_prefix(module)] = INT8_ROWS
+            storage[normalize_prefix(module)] = INT8_ROWS
         elif f"{module}.weight" in stored:
-            routes[normalize_prefix(module)] = DENSE
-    return routes
+            storage[normalize_prefix(module)] = DENSE
+    return storage
 
 
 def manifest_table_rows(tensor_storage: Mapping[str, Any]) -> dict[str, int]:
@@ -86,7 +87,7 @@ def manifest_table_rows(tensor_storage: Mapping[str, Any]) -> dict[str, int]:
     return rows
 
 
-def check_fused_routes(routes: Mapping[str, str]) -> None:
+def check_fused_storage(storage: Mapping[str, str]) -> None:
     """Refuse a manifest that stores some modules behind one fused vLLM layer quantized and others dense (e.g.
     ``q_proj`` / ``v_proj`` quantized but ``k_proj`` dense): one vLLM layer is all one kind.
 
@@ -98,7 +99,7 @@ def check_fused_routes(routes: Mapping[str, str]) -> None:
             if len(group) < 2:
                 continue
             parents: dict[str, dict[str, str]] = {}
-            for name, kind in routes.items():
+            for name, kind in storage.items():
                 parent, _, last = name.rpartition(".")
                 if last in group:
                     parents.setdefault(parent, {})[last] = kind
@@ -178,7 +179,8 @@ class QuantpackConfig(QuantizationConfig):
         platform: where the kernels run.
         linear_kernels, expert_kernels: the priority lists in force (the platform's, or the one forced kernel).
         dense_kernels: the kernels of dense shards.
-        routes: canonical module name -> kind (empty without a manifest).
+        storage: canonical module name -> how the pack stores it: the format's name, ``"int8_rows"`` or
+            ``"dense"`` (empty without a manifest).
         kernel_log: the model's kernel choices.
         compile_key: the model's kernel plan, in vLLM's compile-cache key (:mod:`.compile_key`).
         pack_source: ``(model, revision)`` as vLLM named the pack, once :meth:`maybe_update_config` ran (the
@@ -207,9 +209,9 @@ class QuantpackConfig(QuantizationConfig):
         self.platform: Platform = current_platform()
         self.linear_kernels, self.expert_kernels = self.resolve_kernels(self.platform)
         self.dense_kernels: tuple[type[LinearKernel], ...] = (DenseKernel,)
-        self.routes: dict[str, str] = manifest_routes(quant_config.get("tensor_storage") or {}, self.format)
+        self.storage: dict[str, str] = manifest_storage(quant_config.get("tensor_storage") or {}, self.format)
         self.table_rows: dict[str, int] = manifest_table_rows(quant_config.get("tensor_storage") or {})
-        check_fused_routes(self.routes)
+        check_fused_storage(self.storage)
         self.kernel_log = KernelLog(self.title)
         self.compile_key = CompileKey()
         self.pack_source: tuple[str, str | None] | None = None
@@ -302,18 +304,18 @@ class QuantpackConfig(QuantizationConfig):
         return None
 
     def read_manifest(self, tensor_storage: Mapping[str, Any]) -> None:
-        """Take the pack's manifest (``tensor_storage``) as the routes.
+        """Take the pack's manifest (``tensor_storage``) as :attr:`storage`.
 
         Raises:
             LayerLoadError: a manifest that mixes kinds behind one fused layer.
         """
-        self.routes = manifest_routes(tensor_storage, self.format)
+        self.storage = manifest_storage(tensor_storage, self.format)
         self.table_rows = manifest_table_rows(tensor_storage)
-        check_fused_routes(self.routes)
+        check_fused_storage(self.storage)
 
     def fetch_manifest(self, repo_id: str, revision: str | None) -> None:
-        """Read the manifest of a pack on the Hugging Face hub, where it can be had; otherwise every layer is routed
-        to the format's methods, which still tell quantized from dense shards by the tensors that arrive."""
+        """Read the manifest of a pack on the Hugging Face hub, where it can be had; otherwise every layer goes to the
+        format's methods, which still tell quantized from dense shards by the tensors that arrive."""
         try:
             from huggingface_hub import hf_hub_download
 
@@ -325,37 +327,37 @@ class QuantpackConfig(QuantizationConfig):
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         """Add vLLM's spelling of every manifest module (names are also compared in canonical form)."""
-        if not self.routes:
+        if not self.storage:
             return
         mapped, rows = {}, {}
-        for name, kind in self.routes.items():
+        for name, kind in self.storage.items():
             for out in hf_to_vllm_mapper.apply_list([name]):
                 mapped[normalize_prefix(out)] = kind
                 if name in self.table_rows:
                     rows[normalize_prefix(out)] = self.table_rows[name]
-        self.routes.update(mapped)
+        self.storage.update(mapped)
         self.table_rows.update(rows)
 
-    # ------------------------------------------------------------------------------------------------ routing
+    # ------------------------------------------------------------------------------------------------ storage
 
-    def route(self, prefix: str) -> str | None:
+    def storage_of(self, prefix: str) -> str | None:
         """How the pack stores the checkpoint modules behind vLLM layer ``prefix``: the format's name, ``"int8_rows"``,
         ``"dense"`` or None (not in the manifest, or no manifest).
 
         Where the manifest holds a whole alternative layout of the layer (every module of it, e.g. the split
         ``q_proj`` / ``k_proj`` / ``v_proj`` of a vision ``qkv``), the first such layout decides, so a pack that also
-        keeps the other layout (exllamav3's converter's dense fused ``qkv``) routes to the one its loader serves.
+        keeps the other layout (exllamav3's converter's dense fused ``qkv``) is served by the one its loader reads.
 
         Raises:
             LayerLoadError: when the manifest has quantized and dense modules behind one fused layer.
         """
         for alt in expand_fused(prefix):
-            whole = {name: self.routes.get(normalize_prefix(name)) for name in alt}
+            whole = {name: self.storage.get(normalize_prefix(name)) for name in alt}
             if None not in whole.values():
                 return self._one_kind(prefix, whole)
         kinds = {}
         for name in constituents(prefix):
-            kind = self.routes.get(normalize_prefix(name))
+            kind = self.storage.get(normalize_prefix(name))
             if kind is not None:
                 kinds[name] = kind
         return self._one_kind(prefix, kinds)
@@ -374,11 +376,11 @@ class QuantpackConfig(QuantizationConfig):
             )
         return next(iter(kinds.values()), None)
 
-    def expert_routes(self, prefix: str) -> set[str]:
+    def expert_storage(self, prefix: str) -> set[str]:
         """Kinds the manifest gives the expert modules under the MoE layer ``prefix`` (``...mlp.experts``); empty
         without a manifest."""
         key = normalize_prefix(prefix) + "."
-        return {kind for name, kind in self.routes.items() if name.startswith(key)}
+        return {kind for name, kind in self.storage.items() if name.startswith(key)}
 
     def ngram_embedding_method(self, prefix: str) -> QuantizeMethodBase:
         """The method of the hashed n-gram table ``prefix`` (vLLM's PLE embedding layer; the Flash-Next family fix
@@ -412,11 +414,11 @@ class QuantpackConfig(QuantizationConfig):
         from .compat import routed_experts_class
 
         self.compile_key.bind()
-        route = self.route(prefix)
+        stored = self.storage_of(prefix)
         if isinstance(layer, ParallelLMHead):
-            if route == DENSE:
+            if stored == DENSE:
                 return UnquantizedEmbeddingMethod()
-            if route == INT8_ROWS:
+            if stored == INT8_ROWS:
                 return self.embedding_method(prefix)
             return self.linear_method(self, prefix, is_lm_head=True)
         if isinstance(layer, VocabParallelEmbedding) and prefix.rsplit(".", 1)[-1] == NGRAM_MODULE:
@@ -426,16 +428,16 @@ class QuantpackConfig(QuantizationConfig):
             # rows; one of another length (a vocabulary the model padded: 1,024 rows for vocab_size 1,000), int8
             # rows, or an unknown table, here (each rank keeps its vocabulary rows, those past vocab_size dropped)
             rows = self.table_rows.get(normalize_prefix(prefix))
-            if route == DENSE and rows in (None, getattr(layer, "org_vocab_size", rows)):
+            if stored == DENSE and rows in (None, getattr(layer, "org_vocab_size", rows)):
                 return None
             return self.embedding_method(prefix)
         if isinstance(layer, LinearBase):
-            if route == DENSE:
+            if stored == DENSE:
                 return UnquantizedLinearMethod()
             return self.linear_method(self, prefix)
         experts = routed_experts_class()
         if experts is not None and isinstance(layer, experts) and self.moe_method is not None:
-            kinds = self.expert_routes(prefix)
+            kinds = self.expert_storage(prefix)
             if kinds == {DENSE}:
                 return None  # vLLM's unquantized MoE method loads per-expert .weight tensors
             if len(kinds) > 1:

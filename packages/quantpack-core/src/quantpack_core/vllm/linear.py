@@ -344,6 +344,10 @@ class QuantLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Validate the captured tensors, choose a kernel per shard, build its form, release the host copies.
 
+        Steps: what the layer received (:meth:`_loaded_kind`); per shard, its checks and this rank's cut with the
+        tensor-parallel fallbacks, its kernel and its prepared form (:meth:`_prepare_shards`); the placeholders
+        dropped; the runs fused and their tensors registered (:meth:`_register_runs`).
+
         Raises:
             LayerLoadError: no tensor at all, quantized and dense shards mixed, a shard missing or doubled, a tensor
                 of a shard missing (e.g. ``svh`` without ``trellis``), or an unsound tensor.
@@ -359,6 +363,27 @@ class QuantLinearMethod(LinearMethodBase):
             log.finish(layer)
             return
         captured: dict[str, ShardParam] = {s: getattr(layer, s) for s in self.suffixes}
+        kind = self._loaded_kind(state, captured)
+        if kind is None:
+            # A speculative-decoding draft's head: vLLM replaces it with the target's after loading. Left empty;
+            # apply() says so if it is ever used.
+            self._drop_placeholders(layer, captured)
+            state.empty_head = True
+            log.finish(layer)
+            return
+        device = captured[self.format.main_suffix].device  # the placeholders live on the layer's target device
+        prepared, selects, row_pad = self._prepare_shards(state, captured, kind, device)
+        self._drop_placeholders(layer, captured)
+        self._register_runs(layer, state, prepared, selects, row_pad, device)
+        log.finish(layer)
+
+    def _loaded_kind(self, state: LinearState, captured: dict[str, ShardParam]) -> str | None:
+        """What the layer received: ``"quantized"`` or ``"dense"`` shards, or None for a head that received none
+        (a draft's).
+
+        Raises:
+            LayerLoadError: quantized and dense shards mixed, or no tensor at all in a layer other than a head.
+        """
         quantized = any(captured[s].shards for s in self.format.suffixes)
         dense = bool(captured[DENSE_SUFFIX].shards)
         if quantized and dense:
@@ -371,69 +396,120 @@ class QuantLinearMethod(LinearMethodBase):
             )
         if not quantized and not dense:
             if self.is_lm_head:
-                # A speculative-decoding draft's head: vLLM replaces it with the target's after loading. Left
-                # empty; apply() says so if it is ever used.
-                self._drop_placeholders(layer, captured)
-                state.empty_head = True
-                log.finish(layer)
-                return
+                return None
             raise LayerLoadError(
                 f"{self.prefix}: no tensor of this layer was loaded (neither .{self.format.main_suffix} nor .weight); "
                 "the pack lacks it - re-download the pack, or check that it matches config.json's architecture"
             )
-        device = captured[self.format.main_suffix].device  # the placeholders live on the layer's target device
+        return "quantized" if quantized else "dense"
+
+    def _prepare_shards(
+        self, state: LinearState, captured: dict[str, ShardParam], kind: str, device: torch.device
+    ) -> tuple[list[tuple[type, PreparedShard]], list[list[int] | None], tuple[int, int] | None]:
+        """Every shard prepared by its kernel (:meth:`_prepare_shard`), in output order: ``(prepared, selects,
+        row_pad)``, with per shard the columns a column fallback selects (else None), and the input padding of a
+        row fallback (else None)."""
         prepared, selects, row_pad = [], [], None
-        for plan in self._plans(state, captured, "quantized" if quantized else "dense"):
-            cut = state.tp.cut(plan.partitions) if state.tp is not None else None
-            in_f, out_f = self._full_sizes(plan, cut)
-            select = None
-            if quantized:
-                tp = TP_WHOLE if cut is None else TP_SLICED
-                shard = self._parse(captured, plan)
-                why = self.format.geometry_error(shard, in_f, out_f, self.is_lm_head)
-                if why is not None:
-                    raise GeometryError(
-                        f"{self.where(plan)} {why}: the pack does not match config.json - use the config the "
-                        "pack was made with"
-                    )
-                if cut is not None and not cut.sliced and not self.format.tp_fallback:
-                    side = "output" if cut.column else "input"
-                    raise GeometryError(
-                        f"{self.where(plan)}: tensor parallelism gives this rank {side} features "
-                        f"{list(cut.ranges)} of {cut.features}, not whole {self.format.block}-feature blocks; "
-                        f"{self.format.label} shards are cut in whole blocks per rank - serve with a tensor-parallel "
-                        f"size whose shares of {cut.features} are multiples of {self.format.block}"
-                    )
-                if cut is not None:  # the blocks the rank's share touches (exactly its share when sliced)
-                    shard = self.format.cut(shard, cut)
-                    in_f, out_f = (cut.kept_features, out_f) if cut.kind == ROW else (in_f, cut.kept_features)
-                    if not cut.sliced and cut.kind == ROW:  # fallback: input zero-extended to the kept span
-                        row_pad, tp = cut.row_pad(), TP_ROW_FALLBACK
-                    elif not cut.sliced:  # fallback: this rank's columns selected from the kept spans' product
-                        select, tp = cut.kept_positions(), TP_COLUMN_FALLBACK
-                spec = self.format.spec(shard, self.config.platform, in_f, out_f, state.params_dtype, tp)
-                kernels = self.config.linear_kernels
-            else:
-                shard = self._fit_dense(captured[DENSE_SUFFIX].shards[plan.slot], plan, in_f, out_f)
-                if cut is not None:
-                    shard = cut_dense(shard, cut)
-                out_n, in_n = shard.shape
-                spec = self.config.dense_spec(in_n, out_n, state.params_dtype, TP_WHOLE if cut is None else TP_SLICED)
-                kernels = self.config.dense_kernels
-            choice = choose_kernel(kernels, spec, self.where(plan))
-            log.record("linear", choice)
-            try:
-                prepared.append((choice.kernel, choice.kernel.prepare(shard, spec, device)))
-            except LayerLoadError as e:  # a kernel's refusal of the shard's values: name the layer and the shard
-                raise LayerLoadError(f"{self.where(plan)}: {e}") from None
-            if quantized:
-                self.format.release(shard)
+        for plan in self._plans(state, captured, kind):
+            prepared_shard, select, pad = self._prepare_shard(state, captured, plan, kind, device)
+            prepared.append(prepared_shard)
             selects.append(select)
-        self._drop_placeholders(layer, captured)
-        col, columns = 0, []
-        for (_, p), select in zip(prepared, selects, strict=True):
-            columns.extend(range(col, col + p.out_features) if select is None else [col + c for c in select])
-            col += p.out_features
+            if pad is not None:
+                row_pad = pad
+        return prepared, selects, row_pad
+
+    def _prepare_shard(
+        self, state: LinearState, captured: dict[str, ShardParam], plan: ShardPlan, kind: str, device: torch.device
+    ) -> tuple[tuple[type, PreparedShard], list[int] | None, tuple[int, int] | None]:
+        """One shard cut to this rank, its kernel chosen from the platform's list and its form prepared on
+        ``device``: ``((kernel, prepared), select, row_pad)`` (see :meth:`_quantized_spec`); a quantized shard's host
+        tensors are released.
+
+        Raises:
+            LayerLoadError: a kernel's refusal of the shard's values (naming the layer and the shard).
+            NoKernelError: no kernel of the list runs the shard.
+        """
+        cut = state.tp.cut(plan.partitions) if state.tp is not None else None
+        in_f, out_f = self._full_sizes(plan, cut)
+        select = row_pad = None
+        if kind == "quantized":
+            shard, spec, select, row_pad = self._quantized_spec(state, captured, plan, cut, in_f, out_f)
+            kernels = self.config.linear_kernels
+        else:
+            shard = self._fit_dense(captured[DENSE_SUFFIX].shards[plan.slot], plan, in_f, out_f)
+            if cut is not None:
+                shard = cut_dense(shard, cut)
+            out_n, in_n = shard.shape
+            spec = self.config.dense_spec(in_n, out_n, state.params_dtype, TP_WHOLE if cut is None else TP_SLICED)
+            kernels = self.config.dense_kernels
+        choice = choose_kernel(kernels, spec, self.where(plan))
+        self.config.kernel_log.record("linear", choice)
+        try:
+            prepared = choice.kernel.prepare(shard, spec, device)
+        except LayerLoadError as e:  # a kernel's refusal of the shard's values: name the layer and the shard
+            raise LayerLoadError(f"{self.where(plan)}: {e}") from None
+        if kind == "quantized":
+            self.format.release(shard)
+        return (choice.kernel, prepared), select, row_pad
+
+    def _quantized_spec(
+        self,
+        state: LinearState,
+        captured: dict[str, ShardParam],
+        plan: ShardPlan,
+        cut: TpCut | None,
+        in_f: int,
+        out_f: int,
+    ) -> tuple[Any, Any, list[int] | None, tuple[int, int] | None]:
+        """A quantized shard parsed, checked (:meth:`_check_quantized`) and cut to the blocks this rank's share
+        touches (exactly its share when sliced), and its kernel spec: ``(shard, spec, select, row_pad)``. A share
+        inside a block takes a tensor-parallel fallback: a row cut's input is zero-extended to the kept span
+        (``row_pad``), a column cut's columns are selected from the kept spans' product (``select``); else both are
+        None."""
+        shard = self._parse(captured, plan)
+        self._check_quantized(shard, plan, cut, in_f, out_f)
+        tp, select, row_pad = (TP_WHOLE if cut is None else TP_SLICED), None, None
+        if cut is not None:
+            shard = self.format.cut(shard, cut)
+            in_f, out_f = (cut.kept_features, out_f) if cut.kind == ROW else (in_f, cut.kept_features)
+            if not cut.sliced and cut.kind == ROW:
+                row_pad, tp = cut.row_pad(), TP_ROW_FALLBACK
+            elif not cut.sliced:
+                select, tp = cut.kept_positions(), TP_COLUMN_FALLBACK
+        spec = self.format.spec(shard, self.config.platform, in_f, out_f, state.params_dtype, tp)
+        return shard, spec, select, row_pad
+
+    def _check_quantized(self, shard: Any, plan: ShardPlan, cut: TpCut | None, in_f: int, out_f: int) -> None:
+        """:class:`GeometryError` when the shard's stored sizes break the format's geometry for the layer's whole
+        ``(in_f, out_f)``, or when this rank's share falls inside a block and the format has no fallback."""
+        why = self.format.geometry_error(shard, in_f, out_f, self.is_lm_head)
+        if why is not None:
+            raise GeometryError(
+                f"{self.where(plan)} {why}: the pack does not match config.json - use the config the pack was made with"
+            )
+        if cut is not None and not cut.sliced and not self.format.tp_fallback:
+            side = "output" if cut.column else "input"
+            raise GeometryError(
+                f"{self.where(plan)}: tensor parallelism gives this rank {side} features "
+                f"{list(cut.ranges)} of {cut.features}, not whole {self.format.block}-feature blocks; "
+                f"{self.format.label} shards are cut in whole blocks per rank - serve with a tensor-parallel "
+                f"size whose shares of {cut.features} are multiples of {self.format.block}"
+            )
+
+    def _register_runs(
+        self,
+        layer: torch.nn.Module,
+        state: LinearState,
+        prepared: list[tuple[type, PreparedShard]],
+        selects: list[list[int] | None],
+        row_pad: tuple[int, int] | None,
+        device: torch.device,
+    ) -> None:
+        """Fuse the prepared shards into runs (:meth:`_fused`), finalize each and register its tensors as the
+        layer's parameters ``shard{i}_{name}``; register a column fallback's selection as the buffer
+        ``col_select``; complete ``state`` (``returns`` where one run writes every column) and add the layer's runs
+        to the compile key. Each run's unpacked form is freed once it is packed (``prepared`` is emptied)."""
+        col, columns = self._columns(prepared, selects)
         runs, first = [], 0
         fused = self._fused(prepared)
         prepared.clear()
@@ -459,7 +535,16 @@ class QuantLinearMethod(LinearMethodBase):
             state.col_select,
             row_pad,
         )
-        log.finish(layer)
+
+    @staticmethod
+    def _columns(prepared: list[tuple[type, PreparedShard]], selects: list[list[int] | None]) -> tuple[int, list[int]]:
+        """``(columns the shards write, the columns apply returns)``: every column, or a column fallback's selection
+        of them."""
+        col, columns = 0, []
+        for (_, p), select in zip(prepared, selects, strict=True):
+            columns.extend(range(col, col + p.out_features) if select is None else [col + c for c in select])
+            col += p.out_features
+        return col, columns
 
     @staticmethod
     def _fused(prepared: list[tuple[type, PreparedShard]]) -> list[tuple[type, PreparedShard]]:

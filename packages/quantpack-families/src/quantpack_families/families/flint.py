@@ -4,7 +4,7 @@ transformers; the family registers the config class with transformers and the mo
 
 An EXL3 Flint pack keeps its shared expert dense where the pack stores it dense: a public 4-bit Flint pack lost the
 model when the shared expert was quantized (every top-10 logprob identical), so a pack made for quantpack should
-store it dense or at high bits; the quant config routes each module as the pack stores it.
+store it dense or at high bits; the quant config gives each module the method of its storage.
 
 Source: docs/families.md (Flint), from the public descriptions.
 """

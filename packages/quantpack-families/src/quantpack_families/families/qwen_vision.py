@@ -12,8 +12,8 @@ What vLLM's tower cannot load from an EXL3 pack, and what the family does about 
   ``attn.qkv.{weight,bias}`` and the split EXL3 parts of the same block. Loading both would give the layer two kinds
   of the same outputs (a load error), so where all three EXL3 parts are present the dense fused weight is dropped (and
   the fused bias, where the three parts carry their own), and one log line says which layout was served. The quant
-  config routes such a layer by its split parts (``quantpack_core.names.FUSED_LAYERS``: the first whole layout in the
-  manifest decides).
+  config takes such a layer's storage from its split parts (``quantpack_core.names.FUSED_LAYERS``: the first whole
+  layout in the manifest decides).
 * A quantized linear's stored ``bias`` is padded like its output (the tower's MLP width 4304 is stored as 4352;
   a loader that compares shapes fails with "(4304,) != (4352,)"). quantpack's linear method trims the padded
   outputs and zero-extends the padded inputs (``linear_fc2``) itself, and vLLM's column-parallel loader takes the

@@ -12,7 +12,8 @@ Checkpoint names are Qwen2-MoE's (``model.layers.N.self_attn.{q,k,v,o}_proj``, `
 ``sinks``; ``mlp.gate``, ``mlp.experts.E.{gate,up,down}_proj``, ``mlp.shared_expert.{gate,up,down}_proj``;
 ``mlp.{gate,up,down}_proj`` on dense layers): loading is vLLM's ``Qwen2MoeForCausalLM.load_weights`` (its mapper
 fuses q / k / v and gate / up), so any quantization vLLM or a quantpack plugin loads for Qwen2-MoE loads here, and
-a pack that stores the shared expert dense keeps it dense (the quant config routes each module as stored).
+a pack that stores the shared expert dense keeps it dense (the quant config gives each module the method of its
+storage).
 
 Follows vLLM 0.29-0.32 ``vllm/model_executor/models/qwen2_moe.py`` (``Qwen2MoeMLP``, ``Qwen2MoeSparseMoeBlock``,
 ``Qwen2MoeForCausalLM``) and ``gpt_oss.py`` (attention sinks through ``Attention(..., sinks=)``); the semantics
