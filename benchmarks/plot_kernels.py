@@ -5,6 +5,8 @@
   floor (at the run's measured copy bandwidth and at 4.3 TB/s); right, each shape class at the largest row count,
   per kernel.
 * serve_<model>.png: decode tokens/s per batch size for every engine, per ``serve_8b.py`` record.
+* moe_op.png: milliseconds per call of one 30B-A3B expert bank per token count, each path of the op and vLLM's bf16
+  fused MoE (``moe_op.py``).
 
 Usage: ``uv run --group bench python3 benchmarks/plot_kernels.py [--results DIR]``.
 """
@@ -98,12 +100,36 @@ def plot_serve(record: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def plot_moe_op(record: dict, out: Path) -> None:
+    """Draw a ``moe_op.py`` record (see the module) to ``out`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series = dict(record["paths"])
+    if isinstance(record.get("vllm_bf16_fused_experts"), list):
+        series["vLLM bf16 fused_experts"] = record["vllm_bf16_fused_experts"]
+    for name, rows in series.items():
+        ax.plot([r["tokens"] for r in rows], [r["min_ms"] for r in rows], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens (top 8 of 128 experts)")
+    ax.set_ylabel("ms per call (min)")
+    ax.set_title(f"one 30B-A3B expert bank, K 4, {record['gpu']} ({record['date']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main() -> None:
     """Draw every record present in the results folder."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, default=Path(__file__).with_name("results"))
     args = ap.parse_args()
-    for pattern, draw in (("kernel_8b.json", plot_kernels), ("serve_*.json", plot_serve)):
+    plots = (("kernel_8b.json", plot_kernels), ("serve_*.json", plot_serve), ("moe_op.json", plot_moe_op))
+    for pattern, draw in plots:
         for src in sorted(args.results.glob(pattern)):
             draw(json.loads(src.read_text()), src.with_suffix(".png"))
             print(f"wrote {src.with_suffix('.png')}")
