@@ -153,12 +153,14 @@ def skewed_routing(tokens: int, experts: int, top_k: int, seed: int):
 
 
 def check(
-    backend, bank: Exl3MoeBank, hidden: int, tokens: int, top_k: int, seed: int = 1, absent: int = -1, route=routing
-) -> float:
+    backend, bank: Exl3MoeBank, hidden: int, tokens: int, top_k: int, seed: int = 1, absent: int = -1, route=routing,
+    run=None,
+) -> float:  # fmt: skip
     """Relative error of the op against the float64 oracle, the picks from ``route`` (:func:`routing` or
     :func:`skewed_routing`); with ``absent`` >= 0, every pick of experts ``e % 3 == absent`` is given as id -1 (an
-    expert of another tensor-parallel rank), and the oracle gives those picks weight 0 instead."""
-    run = backend.prepare_moe(bank, hidden, bank.plan.intermediate, torch.float16, torch.device("cuda"))
+    expert of another tensor-parallel rank), and the oracle gives those picks weight 0 instead. ``run``: the bank
+    prepared already (its preparation's warm-up call launched outside the caller's block)."""
+    run = run or backend.prepare_moe(bank, hidden, bank.plan.intermediate, torch.float16, torch.device("cuda"))
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed)).cuda().half()
     ids, w = route(tokens, bank.num_experts, top_k, seed)
     given, w_ref = ids, w
@@ -375,8 +377,9 @@ def test_path_choice_at_the_threshold(exllamav3_banks, figures):
     backend = GroupedBanks(_kernel("trellis_mma").kernel, "trellis_moe_", "trellis_mma", {"moe_tc_picks": 4})
     bank = random_bank(RANDOM["mul1-mixed"][0], 256, 384, "mul1", seed=6)
     for tokens, tc in ((15, False), (16, True)):
+        run = backend.prepare_moe(bank, 256, 384, torch.float16, torch.device("cuda"))  # its warm-up: 1 token
         with kernel_names() as names:
-            err = check(backend, bank, 256, tokens, 2)
+            err = check(backend, bank, 256, tokens, 2, run=run)
         with settings.using(moe_tc_picks=4):
             buffers = moe.reserve_moe(torch.device("cuda"), 8, 256, 384)
             assert moe.uses_tensor_cores(buffers, tokens, 2, 8) == tc
