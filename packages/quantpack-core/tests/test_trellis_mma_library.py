@@ -433,4 +433,4 @@ def test_moe_path_choice_depends_on_the_token_count_only():
     with settings.using(moe_tc_picks=0):
         assert not uses_tensor_cores(with_tc, 4096, 8, 128)
     assert settings.Settings.from_env({"QUANTPACK_TRELLIS_MMA_MOE_TC_PICKS": "0"}).moe_tc_picks == 0
-    assert settings.Settings.from_env({"QUANTPACK_TRELLIS_MMA_MOE_TC_PICKS": "-3"}).moe_tc_picks == 32
+    assert settings.Settings.from_env({"QUANTPACK_TRELLIS_MMA_MOE_TC_PICKS": "-3"}).moe_tc_picks == 8

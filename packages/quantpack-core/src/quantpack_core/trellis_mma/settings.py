@@ -55,8 +55,8 @@ class Settings:
             has it) [``..._WIDE_KERNEL``; another value: None, with a warning].
         moe_tc_picks: expert banks on Hopper: a call whose tokens x top_k reach this many picks per expert slot runs
             the tensor-core expert path (``csrc/moe_tc.cu``, 64-row work items), a smaller one the 16-row kernel; 0:
-            never (and no buffers for it). 32 is chosen, not measured: from there a 64-row item is half full on
-            average [``..._MOE_TC_PICKS``].
+            never (and no buffers for it). 8: where the two paths cross on an H100 (``benchmarks/moe_op.py``, a
+            30B-A3B bank: 0.317 / 0.319 ms at 8 picks per expert, 0.483 / 0.347 at 16) [``..._MOE_TC_PICKS``].
         nvcc: the compiler; None: ``$CUDA_HOME/bin/nvcc``, then ``nvcc`` on ``PATH`` [``QUANTPACK_NVCC``].
         cache_dir: where built libraries are kept [``QUANTPACK_CACHE_DIR``; default ``$XDG_CACHE_HOME/quantpack``
             or ``~/.cache/quantpack``].
@@ -68,7 +68,7 @@ class Settings:
     ctas_per_sm_wide: int = 2
     wide_fused: bool = True
     wide_kernel: str | None = None
-    moe_tc_picks: int = 32
+    moe_tc_picks: int = 8
     nvcc: str | None = None
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "quantpack")
 
