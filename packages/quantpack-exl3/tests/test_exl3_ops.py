@@ -30,6 +30,11 @@ def test_every_op_the_project_defines_has_an_opcheck_case():
     assert set(defined_ops()) == expected, set(defined_ops()) ^ expected
 
 
+#: worst |out - ref| / (1 + |ref|) against the float64 product, measured over 20 seeds x rows 1 / 7 / 64 on CPU:
+#: float32 1.9e-5, float16 4.7e-4, bfloat16 3.8e-3 (the output's rounding); each tolerance about 20x / 10x / 5x that
+DENSE_TOL = {torch.float32: 4e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_dense_gemm_opcheck_and_columns(dtype, rows):
@@ -39,7 +44,8 @@ def test_dense_gemm_opcheck_and_columns(dtype, rows):
     opcheck("dense_gemm_", (x, w, out.clone(), 100))
     dense_gemm_(x, w, out, 100)
     assert torch.isnan(out[:, :100]).all() and torch.isnan(out[:, 484:]).all()
-    assert torch.allclose(out[:, 100:484].float(), x.float() @ w.float(), rtol=2e-2, atol=2e-2)
+    tol = DENSE_TOL[dtype]
+    torch.testing.assert_close(out[:, 100:484].double(), x.double() @ w.double(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("tokens", [1, 9])
