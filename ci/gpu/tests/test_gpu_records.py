@@ -132,3 +132,29 @@ def test_every_gpu_bound_sits_within_20x_of_its_measurement():
             assert bound.measured is not None and bound.measured <= bound.limit <= 20 * bound.measured, name
         else:
             assert bound.op == ">=" and (bound.measured is None or bound.limit <= bound.measured), name
+
+
+def test_each_bound_states_the_worst_value_its_committed_records_hold():
+    """A bound's ``measured`` is the worst value of the checks that held under it in ci/gpu/records/ (matched by
+    the bound's ``basis``, as each record writes it), to the figures it is stated with: a run that measured worse
+    and still passed moves the stated figure (and with it the 20x room above), in a commit of its own."""
+    import e2e_bounds
+
+    values: dict[str, list[float]] = {}
+    for path in (ROOT / "ci" / "gpu" / "records").rglob("job-*.json"):
+        for check in json.loads(path.read_text()).get("checks", []):
+            if check.get("ok"):
+                values.setdefault(check["basis"], []).append(check["value"])
+    stale = {}
+    for name, bound in e2e_bounds.ALL.items():
+        held = values.get(bound.basis)
+        if not held:
+            continue  # no committed run of this kind (e.g. Qwen3-Next at TP 2)
+        worst = max(held) if bound.op == "<=" else min(held)
+        if bound.op == "<=":  # stated to two or three figures: 5% of rounding
+            beyond = worst > 1.05 * bound.measured
+        else:  # a top-1 stated to three figures
+            beyond = bound.measured is None or worst < bound.measured - 1e-3
+        if beyond:
+            stale[name] = (bound.measured, worst)
+    assert not stale, f"bounds whose stated measurement is not their records' worst (stated, records): {stale}"
