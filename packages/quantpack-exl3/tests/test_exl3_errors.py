@@ -236,3 +236,33 @@ def test_the_pack_check_reads_the_config_the_server_built(vllm_layers, fixtures_
     cfg.maybe_update_config(str(pack), LlamaConfig(**{**config, "attention_bias": False}))  # --hf-overrides
     draft = LlamaConfig(**{**config, "attention_bias": True, "architectures": ["EagleLlamaForCausalLM"]})
     cfg.maybe_update_config(str(pack), draft)
+
+
+def test_a_hugging_face_repository_is_checked_before_loading(vllm_layers, fixtures_dir, tmp_path, monkeypatch):
+    """``vllm serve OWNER/REPO --revision B`` hands maybe_update_config the repository id: the check runs on the
+    branch's snapshot in huggingface_hub's cache (here an offline cache holding it), as on a folder - the damaged
+    branch refused with the pack check's message, the sound one read (its manifest) - instead of only fetching the
+    manifest and leaving the check to no one."""
+    import json
+    import shutil
+
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    from quantpack_core.errors import PackError
+
+    cache, repo = tmp_path / "hub", "someone/llama-tiny-exl3"
+    root = cache / f"models--{repo.replace('/', '--')}"
+    for i, branch in enumerate(("4.0bpw", "broken")):
+        (root / "refs").mkdir(parents=True, exist_ok=True)
+        (root / "refs" / branch).write_text(f"{i + 1:040x}")
+        shutil.copytree(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1", root / "snapshots" / f"{i + 1:040x}")
+    broken = root / "snapshots" / f"{2:040x}" / "config.json"
+    config = json.loads(broken.read_text())
+    config["quantization_config"]["bits"] = "four"
+    broken.write_text(json.dumps(config))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    cfg = vllm_layers.from_config(config["quantization_config"] | {"bits": 4})
+    with pytest.raises(PackError, match=r"config.json: quantization_config: bits is 'four', not a bit count in"):
+        cfg.maybe_update_config(repo, None, "broken")
+    cfg.maybe_update_config(repo, None, "4.0bpw")
+    assert cfg.storage and set(cfg.storage.values()) >= {"exl3"}

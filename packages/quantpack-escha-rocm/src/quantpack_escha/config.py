@@ -15,7 +15,6 @@ described in docs/escha-format.md.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -150,15 +149,16 @@ class EschaConfig(QuantpackConfig):
         return super().get_quant_method(layer, prefix)
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
-        """For a local pack, record how it stores ``embed_tokens`` / ``lm_head`` (int8 rows or a dense table);
-        a stored head is served even when the config ties it. Remote packs keep the default (int8 rows, what
-        escha packs store)."""
-        if not os.path.isdir(model_name):
+        """For a pack folder or a Hugging Face repository's snapshot (:meth:`local_pack`), record how it stores
+        ``embed_tokens`` / ``lm_head`` (int8 rows or a dense table); a stored head is served even when the config ties
+        it. Where no snapshot can be had, the default (int8 rows, what escha packs store)."""
+        folder = self.local_pack(model_name, revision)
+        if folder is None:
             for table in INT8_TABLES:
                 self.storage.setdefault(table, INT8_ROWS)
             return
-        names = tensor_names(Path(model_name))
-        self.check_layer_meta(code_shapes(Path(model_name)))
+        names = tensor_names(Path(folder))
+        self.check_layer_meta(code_shapes(Path(folder)))
         for name in names:
             module, _, suffix = name.rpartition(".")
             key = normalize_prefix(module)
@@ -168,7 +168,7 @@ class EschaConfig(QuantpackConfig):
                 self.storage[key] = INT8_ROWS
             elif suffix == DENSE_SUFFIX:
                 self.storage.setdefault(key, "dense")
-        untie_if_head_stored([n.rpartition(".")[0] for n in names], hf_config, model_name)
+        untie_if_head_stored([n.rpartition(".")[0] for n in names], hf_config, folder)
         logger.info("quantpack-escha: %s: %r", model_name, self)
 
     def check_layer_meta(self, codes: dict[str, tuple[int, ...]]) -> None:

@@ -8,7 +8,6 @@ the kernel lists; this class binds the EXL3 format, its methods and kernels, and
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from quantpack_core.codec import Codebook
@@ -87,16 +86,18 @@ class Exl3Config(QuantpackConfig):
         return 0
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
-        """Validate a local pack and read its manifest, before any weight is loaded.
+        """Validate the pack (a folder, or a Hugging Face repository's snapshot) and read its manifest, before any
+        weight is loaded.
 
         Raises:
             PackError: the pack is unsound (every problem is listed, each with module, tensor and fix).
         """
         self.pack_source = (model_name, revision)
-        if not os.path.isdir(model_name):
+        folder = self.local_pack(model_name, revision)
+        if folder is None:
             self.fetch_manifest(model_name, revision)
             return
-        pack = Pack.open(model_name, model_config=built_config(hf_config))
+        pack = Pack.open(folder, model_config=built_config(hf_config))
         if pack.manifest:
             self.read_manifest(pack.manifest)
         untie_if_head_stored(list(pack.modules), hf_config, str(pack.path))

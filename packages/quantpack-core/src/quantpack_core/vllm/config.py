@@ -45,6 +45,8 @@ from .ngram import NGRAM_MODULE
 from .platform import current_platform
 
 logger = logging.getLogger("vllm.quantpack")
+#: the files of a pack repository the check reads and vLLM loads (weights, index, configs, tokenizer)
+PACK_FILE_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt"]
 
 INT8_ROWS = "int8_rows"
 
@@ -312,6 +314,22 @@ class QuantpackConfig(QuantizationConfig):
         self.storage = manifest_storage(tensor_storage, self.format)
         self.table_rows = manifest_table_rows(tensor_storage)
         check_fused_storage(self.storage)
+
+    @staticmethod
+    def local_pack(model_name: str, revision: str | None) -> str | None:
+        """The pack's folder: ``model_name`` itself, or a Hugging Face repository's snapshot at ``revision`` in
+        huggingface_hub's cache (fetched there when missing: vLLM's loader reads the same files from there next), so
+        that the pack check and the head's untie run before vLLM loads a repository too; None where the snapshot
+        cannot be had (vLLM's own download then says why)."""
+        if os.path.isdir(model_name):
+            return model_name
+        try:
+            from huggingface_hub import snapshot_download
+
+            return snapshot_download(model_name, revision=revision, allow_patterns=PACK_FILE_PATTERNS)
+        except Exception as e:  # not a repository id, offline without it, no access
+            logger.warning("quantpack: %s: no local snapshot to check before loading (%s)", model_name, e)
+            return None
 
     def fetch_manifest(self, repo_id: str, revision: str | None) -> None:
         """Read the manifest of a pack on the Hugging Face hub, where it can be had; otherwise every layer goes to the
