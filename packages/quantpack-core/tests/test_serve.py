@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -102,7 +103,7 @@ def test_a_missing_or_invalid_config_is_named_by_the_pack_check(fixtures_dir, tm
         (folder / "config.json").unlink()
     else:
         (folder / "config.json").write_text(config)
-    with pytest.raises(PackError, match="config.json"):
+    with pytest.raises(PackError, match=r"config\.json: "):
         pack_sizes(folder, None, 1, None)
 
 
@@ -110,7 +111,8 @@ def test_a_missing_or_invalid_config_is_named_by_the_pack_check(fixtures_dir, tm
 def test_a_kv_cache_space_that_is_no_whole_number(space):
     """VLLM_CPU_KVCACHE_SPACE is read by vLLM with int(): 4GiB crashed here (ValueError), 1.5 passed and vLLM died."""
     sizes = PackSizes(weights=GIB, kv_per_token=2048, max_positions=1 << 20)
-    with pytest.raises(ServeError, match=f"VLLM_CPU_KVCACHE_SPACE is '{space}': it must be a whole number of GiB"):
+    said = re.escape(f"VLLM_CPU_KVCACHE_SPACE is {space!r}: it must be a whole number of GiB")
+    with pytest.raises(ServeError, match=said):
         cpu_defaults(sizes, "m", [], {"VLLM_CPU_KVCACHE_SPACE": space}, available=64 * GIB)
 
 
