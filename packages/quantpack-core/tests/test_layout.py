@@ -1220,7 +1220,8 @@ def test_what_a_hostile_user_found(tmp_path, fixtures_dir):
         (PACK, {"rope_scaling": {"rope_type": None, "factor": 2.0}}, "rope_scaling.rope_type is None"),
         (PACK, {"rope_scaling": {"rope_type": ["linear"]}}, "rope_scaling.rope_type is ['linear']"),
         (PACK, {"rope_parameters": {"full": {"rope_type": "foo"}, "sliding": None}}, "rope_parameters.full.rope_type"),
-        (PACK, {"rope_theta": 10**400}, None),  # a huge integer: a number (no float of it is taken)
+        # a base past a float64: an OverflowError in vLLM's rotary embedding (was taken as a number here)
+        (PACK, {"rope_theta": 10**400}, "rope_theta is 1000000000000000000000000000000000000000, above 1e+12"),
         (PACK, {"partial_rotary_factor": 10**400}, "partial_rotary_factor is 1000"),
         (PACK, {"partial_rotary_factor": 0.5, "head_dim": 10**400}, "head_dim"),  # refused by the size checks
         (
@@ -1247,6 +1248,76 @@ def test_settings_vllm_stops_on_in_the_worker(tmp_path, fixtures_dir, pack, chan
         return
     error = expect_problem(dst, needle)
     assert sum(needle.split(":")[0] in str(p) for p in error.problems) == 1 or needle == "head_dim", error.problems
+
+
+def with_raw_config(src, dst, **changes):
+    """A copy of pack ``src`` whose config.json has ``changes`` (a value of None is written as null)."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **changes}))
+    return dst
+
+
+SLIDING = ["sliding_attention", "full_attention", "full_attention", "full_attention"]
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"logit_scale": 0.1}, "logit_scale is 0.1: vLLM multiplies every logit by it"),
+        ({"sliding_window": 4}, "sliding_window is 4: vLLM limits every layer's attention to that many tokens"),
+        ({"layer_types": SLIDING}, "layer_types is ['sliding_attention'"),
+        ({"logit_scale": 1.0, "sliding_window": None, "layer_types": ["full_attention"] * 4}, None),
+        ({"logit_scale": 1}, None),
+    ],
+)
+def test_settings_the_reference_ignores(tmp_path, fixtures_dir, change, needle):
+    """config.json settings vLLM's LlamaForCausalLM reads and transformers' Llama (``quantpack verify``'s reference)
+    has none of: logit_scale 0.1 passed inspect, the load-time check and verify (KL 5.5e-6) while vLLM served KL
+    3.96; sliding_window 4 KL 0.86. Each is named with what vLLM does and the fix; their neutral values pass."""
+    dst = with_raw_config(fixtures_dir / PACK, tmp_path / "p", **change)
+    if needle is None:
+        Pack.open(dst)
+        return
+    error = expect_problem(dst, needle, "while transformers' LlamaForCausalLM (the reference quantpack verify")
+    key = next(iter(change))
+    assert f"remove {key} from it" in str(error)
+    assert len(error.problems) == 1, error.problems
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"logit_scale": "x"}, "logit_scale is 'x', not a finite number > 0"),
+        ({"logit_scale": 0}, "logit_scale is 0, not a finite number > 0"),
+        ({"logit_scale": 10**400}, "logit_scale is 1000000000"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 10**30}}, "rope_parameters.rope_theta is 1000"),
+        ({"rope_theta": 10**30}, "rope_theta is 1000000000000000000000000000000, above 1e+12"),
+        ({"rope_theta": 2e12}, "rope_theta is 2000000000000.0, above 1e+12"),
+        ({"max_position_embeddings": 10**30}, "max_position_embeddings is 1000000000000000000000000000000, not an"),
+        ({"max_position_embeddings": 1.5}, "max_position_embeddings is 1.5, not an integer in 1 .. 134,217,728"),
+        ({"max_position_embeddings": "x"}, "max_position_embeddings is 'x'"),
+        ({"sliding_window": 10**30}, "sliding_window is 1000000000000000000000000000000, neither null nor"),
+        ({"hidden_size": None}, "hidden_size is null: vLLM's config parser refuses the model"),
+        ({"vocab_size": None}, "vocab_size is null"),
+        ({"num_hidden_layers": None}, "num_hidden_layers is null"),
+        ({"hidden_act": None}, "hidden_act is null"),
+        ({"rms_norm_eps": "x"}, "rms_norm_eps is 'x', not a number between 0 and 1"),
+        ({"rms_norm_eps": True}, "rms_norm_eps is True, not a number between 0 and 1"),
+        ({"rms_norm_eps": []}, "rms_norm_eps is [], not a number between 0 and 1"),
+        ({"max_position_embeddings": 2**27, "rope_theta": 1e12}, None),
+    ],
+)
+def test_settings_that_stop_vllm_at_start(tmp_path, fixtures_dir, change, needle):
+    """config.json settings the check took and vLLM then crashed on: a RoPE base of 30 digits (an OverflowError in
+    its rotary embedding), positions and windows past what it builds or holds, a logit scale that is no number, null
+    sizes and epsilons that are no number (its config parser refuses them). Each is named, once."""
+    dst = with_raw_config(fixtures_dir / PACK, tmp_path / "p", **change)
+    if needle is None:
+        Pack.open(dst)
+        return
+    error = expect_problem(dst, needle)
+    assert sum(needle.split(",")[0] in str(p) for p in error.problems) == 1, error.problems
 
 
 @pytest.mark.parametrize("module", ["model.layers.0.input_layernorm", "model.embed_tokens", "model.norm"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from quantpack_core.errors import PackError
 from quantpack_core.kernels import KernelLog
 from quantpack_core.progress import PROGRESS_ENV, read_progress
 from quantpack_core.serve import GIB, PackSizes, ServeError, cpu_defaults, health_url, option, pack_sizes, resolve_model
@@ -80,6 +82,38 @@ def test_a_local_folder_and_bad_names(fixtures_dir, tmp_path):
         resolve_model(str(fixtures_dir / LLAMA), "4.0bpw")
     with pytest.raises(ServeError, match="no such folder, and not a Hugging Face repository id"):
         resolve_model(str(tmp_path / "missing"), None)
+
+
+def test_a_symlinked_folder_is_served_by_its_own_name(fixtures_dir, tmp_path):
+    """The served name is the given folder's name (docs/install.md), not a symlink target's."""
+    link = tmp_path / "my-model"
+    link.symlink_to(fixtures_dir / LLAMA, target_is_directory=True)
+    folder, name = resolve_model(str(link), None)
+    assert folder == (fixtures_dir / LLAMA).resolve() and name == "my-model"
+    assert resolve_model(f"{link}/", None)[1] == "my-model"
+
+
+@pytest.mark.parametrize("config", [None, "{not json", "[]"])
+def test_a_missing_or_invalid_config_is_named_by_the_pack_check(fixtures_dir, tmp_path, config):
+    """A folder without config.json, or with one that is no JSON object: the pack check names it (a raw
+    FileNotFoundError / JSONDecodeError traceback before)."""
+    folder = tmp_path / "p"
+    shutil.copytree(fixtures_dir / LLAMA, folder)
+    if config is None:
+        (folder / "config.json").unlink()
+    else:
+        (folder / "config.json").write_text(config)
+    with pytest.raises(PackError, match=r"config\.json: "):
+        pack_sizes(folder, None, 1, None)
+
+
+@pytest.mark.parametrize("space", ["4GiB", "1.5", ""])
+def test_a_kv_cache_space_that_is_no_whole_number(space):
+    """VLLM_CPU_KVCACHE_SPACE is read by vLLM with int(): 4GiB crashed here (ValueError), 1.5 passed and vLLM died."""
+    sizes = PackSizes(weights=GIB, kv_per_token=2048, max_positions=1 << 20)
+    said = re.escape(f"VLLM_CPU_KVCACHE_SPACE is {space!r}: it must be a whole number of GiB")
+    with pytest.raises(ServeError, match=said):
+        cpu_defaults(sizes, "m", [], {"VLLM_CPU_KVCACHE_SPACE": space}, available=64 * GIB)
 
 
 def _hub_mirror(cache: Path, repo: str, branches: dict[str, Path]) -> dict[str, Path]:

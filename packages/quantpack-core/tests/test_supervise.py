@@ -157,3 +157,33 @@ def test_a_stop_before_ready_says_it_is_stopping(tmp_path):
         "quantpack serve: stopping vLLM before it is ready (Ctrl-C again kills it)",
         f"quantpack serve: stopped (vLLM's log: {log})",
     ], lines
+
+
+def test_a_stop_as_the_server_starts(tmp_path, monkeypatch):
+    """A Ctrl-C that arrives as Popen returns (before the loop runs) is a stop like any other: the server is stopped
+    and the status is 0. The handlers were installed after Popen, so it raised KeyboardInterrupt and left the server
+    running."""
+    from quantpack_core import supervise
+
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen_then_ctrl_c(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        signal.raise_signal(signal.SIGINT)
+        return started[-1]
+
+    monkeypatch.setattr(supervise.subprocess, "Popen", popen_then_ctrl_c)
+    argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+    sup = supervise.Supervisor(argv, {}, "http://127.0.0.1:9", tmp_path / "vllm.log", cpu=True, verbose=False)
+    try:
+        try:
+            status = sup.run()
+        except KeyboardInterrupt:
+            pytest.fail("a Ctrl-C as the server started raised KeyboardInterrupt, the server left running")
+        assert status == 0
+        assert started[0].wait(timeout=10) is not None  # the server was stopped
+    finally:
+        if started and started[0].poll() is None:
+            os.killpg(started[0].pid, signal.SIGKILL)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the previous handler is back

@@ -13,7 +13,6 @@ Nothing here imports vLLM or torch until a pack is measured (:func:`pack_sizes`)
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -80,7 +79,8 @@ def resolve_model(model: str, revision: str | None) -> tuple[Path, str]:
     if path.is_dir():
         if revision is not None:
             raise ServeError(f"{model} is a local folder: --revision names a branch of a Hugging Face repository")
-        return path.resolve(), path.resolve().name
+        # the given folder's name (a symlink's own, not its target's): docs/install.md's "the folder's name"
+        return path.resolve(), Path(os.path.abspath(path)).name
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", model) or model.startswith((".", "/", "~")):
         raise ServeError(f"{model}: no such folder, and not a Hugging Face repository id (owner/name)")
     return _snapshot(model, revision), model
@@ -131,8 +131,8 @@ def pack_sizes(folder: Path, dtype: str | None, tp: int, kv_cache_dtype: str | N
     from .pack import Pack
     from .tp_report import kv_element_bytes, tp_report
 
-    config = json.loads((folder / "config.json").read_text())
-    pack = Pack.open(folder, require_exl3=False)
+    pack = Pack.open(folder, require_exl3=False)  # names a missing or invalid config.json before it is read here
+    config = pack.config
     try:
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
         named = (dtype or "auto").lower()
@@ -172,6 +172,20 @@ def kv_cache_gib(sizes: PackSizes, available: int, length: int | None) -> int:
     return kv
 
 
+def kv_space(value: str) -> int:
+    """``VLLM_CPU_KVCACHE_SPACE`` as vLLM reads it (``int()``, its envs.py).
+
+    Raises:
+        ServeError: not a whole number of GiB (``4GiB``, ``1.5``: vLLM would stop on it after loading).
+    """
+    try:
+        return int(value)
+    except ValueError:
+        raise ServeError(
+            f"VLLM_CPU_KVCACHE_SPACE is {value!r}: it must be a whole number of GiB (e.g. VLLM_CPU_KVCACHE_SPACE=4)"
+        ) from None
+
+
 def cpu_defaults(sizes: PackSizes, name: str, args: list[str], env: dict[str, str], available: int) -> CpuDefaults:
     """Settings for what the user left out, fitting ``available`` bytes of memory: ``VLLM_CPU_KVCACHE_SPACE``
     (:func:`kv_cache_gib`), ``--max-model-len`` the longest one sequence that fits it (at most the config's
@@ -180,7 +194,7 @@ def cpu_defaults(sizes: PackSizes, name: str, args: list[str], env: dict[str, st
     given_len = option(args, "--max-model-len")
     chosen_env, chosen_args, said = {}, [], []
     if "VLLM_CPU_KVCACHE_SPACE" in env:
-        kv = float(env["VLLM_CPU_KVCACHE_SPACE"])
+        kv = kv_space(env["VLLM_CPU_KVCACHE_SPACE"])
     else:
         kv = kv_cache_gib(sizes, available, int(given_len) if given_len and given_len.isdigit() else None)
         chosen_env["VLLM_CPU_KVCACHE_SPACE"] = str(kv)

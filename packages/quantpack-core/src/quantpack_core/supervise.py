@@ -190,23 +190,27 @@ class Supervisor:
         env = {**self.env, PROGRESS_ENV: str(progress), "PYTHONUNBUFFERED": "1"}
         lines: queue.Queue = queue.Queue()
         started = time.monotonic()
-        with self.log_path.open("ab") as log:
-            proc = subprocess.Popen(
-                self.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )  # fmt: skip
-            reader = threading.Thread(target=_read_lines, args=(proc.stdout, log, lines), daemon=True)
-            reader.start()
-            previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                self.display.phase("starting vLLM")
-                self._loop(proc, lines, progress, started)
-            finally:
-                for s, handler in previous.items():
-                    signal.signal(s, handler)
-                self._kill_group(proc, signal.SIGKILL)
-                reader.join(timeout=5)
-                progress.unlink(missing_ok=True)
+        # the handlers come before the server starts: a Ctrl-C while Popen returns is a stop, not a KeyboardInterrupt
+        # that would leave vLLM running
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            with self.log_path.open("ab") as log:
+                proc = subprocess.Popen(
+                    self.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )  # fmt: skip
+                reader = threading.Thread(target=_read_lines, args=(proc.stdout, log, lines), daemon=True)
+                reader.start()
+                try:
+                    self.display.phase("starting vLLM")
+                    self._loop(proc, lines, progress, started)
+                finally:
+                    self._kill_group(proc, signal.SIGKILL)
+                    reader.join(timeout=5)
+                    progress.unlink(missing_ok=True)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
         return self._outcome(proc)
 
     def _on_signal(self, _signum, _frame) -> None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 
 from ..errors import Problem
 from ..format import pack_formats
 from ..inventory import DENSE, MANIFEST_FILE, PackView
-from .architectures import activation_rule, stated_class
+from .architectures import BY_CLASS, activation_rule, stated_class
 from .base import configured_experts, with_article
 from .layers import OTHER_STACKS
 from .settings import CheckSettings
@@ -65,6 +66,20 @@ ROPE_TYPES = frozenset(
         "mrope",
     }
 )
+#: the largest RoPE base taken: vLLM computes its inverse frequencies as ``1 / base ** (2i / d)`` in floating point,
+#: and a base past a float64 (an integer of 30 digits already: an OverflowError in its rotary embedding) stops it;
+#: published models use up to about 1e8, and above 1e12 the slowest pairs of a 128-wide head turn less than a
+#: float32 step per position (a damaged config, not a longer context)
+ROPE_BASE_LIMIT = 1e12
+#: the most positions taken: vLLM builds its RoPE cos / sin cache for max_position_embeddings positions, float32
+#: on every GPU (2**27 positions of a 128-wide head: 64 GiB), and a larger one does not fit
+MAX_POSITIONS = 2**27
+#: the widest sliding window taken: vLLM's attention backends hold the window in a signed 32-bit integer
+MAX_WINDOW = 2**31 - 1
+#: config.json settings vLLM's config parser (transformers' typed config classes) refuses as null
+NOT_NULL = ("hidden_size", "vocab_size", "num_hidden_layers", "hidden_act")
+#: the fix of a setting vLLM reads and the reference of ``quantpack verify`` does not
+FIX_UNVERIFIED = "use the config.json the pack was made with, or remove {key} from it"
 #: config.json's names of the RoPE base and of the rotated fraction of a head (vLLM's ``patch_rope_parameters``
 #: reads the alternatives of older model files)
 ROPE_BASES = ("rope_theta", "rotary_emb_base")
@@ -74,6 +89,11 @@ ROTARY_FRACTIONS = ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction"
 def _number(v) -> bool:
     """Whether ``v`` is a finite number (a JSON integer of hundreds of digits too: no float of it is taken)."""
     return isinstance(v, int | float) and not isinstance(v, bool) and (isinstance(v, int) or math.isfinite(v))
+
+
+def _integer(v) -> bool:
+    """Whether ``v`` is an integer (not a bool)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def bits_problems(pack: PackView, settings: CheckSettings) -> list[Problem]:
@@ -130,6 +150,10 @@ def config_sizes(pack: PackView) -> tuple[dict[str, int], list[Problem]]:
     for where, c in (("config.json", pack.config), ("config.json: text_config", text)):
         if not isinstance(c, dict):
             continue
+        for key in NOT_NULL:
+            if key in c and c[key] is None:
+                what = f"{key} is null: vLLM's config parser refuses the model"
+                out.append(Problem("", where, what, FIX_CONFIG))
         for key in (*CONFIG_SIZES, "num_experts"):
             v = c.get(key)
             if v is None:
@@ -179,12 +203,21 @@ def _value_problems(pack: PackView, cfg: dict, sizes: dict[str, int]) -> list[Pr
 
     for key in EPSILONS:
         v = cfg.get(key)
-        if number(v) and not 0 < v < 1:
-            out.append(Problem("", "config.json", f"{key} is {v!r}, not a number between 0 and 1", FIX_CONFIG))
+        if v is not None and not (number(v) and 0 < v < 1):  # "x", true, []: vLLM's config parser refuses them
+            what = f"{key} is {repr(v)[:40]}, not a number between 0 and 1"
+            out.append(Problem("", "config.json", what, FIX_CONFIG))
     for where, d in rope_settings(cfg):
         v = d.get("rope_theta")
         if number(v) and not (v > 0 and (isinstance(v, int) or math.isfinite(v))):
             out.append(Problem("", "config.json", f"{where}rope_theta is {v!r}, not a positive number", FIX_CONFIG))
+        for key in ROPE_BASES:
+            v = d.get(key)
+            if number(v) and v > ROPE_BASE_LIMIT:
+                what = (
+                    f"{where}{key} is {repr(v)[:40]}, above {ROPE_BASE_LIMIT:g}: vLLM's rotary embedding cannot "
+                    "build its frequencies from it (an OverflowError past a float64)"
+                )
+                out.append(Problem("", "config.json", what, FIX_CONFIG))
     experts = configured_experts(pack)
     topk = sizes.get("num_experts_per_tok")
     if experts and topk is not None and not 1 <= topk <= experts:
@@ -219,15 +252,62 @@ def _built_problems(built: dict) -> list[Problem]:
     cfg = text if isinstance(text, dict) and text else built if isinstance(built, dict) else {}
     rope_sets = rope_settings(cfg)
     out, fractions = _rope_problems(rope_sets)
+    bounds = _bound_problems(cfg)
+    out += bounds
     arch = stated_class(built)
     if arch is None:
         return out
     out += _fraction_problems(arch, cfg, rope_sets, fractions)
+    out += _unverified_problems(arch, cfg, {p.what.split(" ", 1)[0] for p in bounds})
     rule = activation_rule(arch, cfg)
     act = cfg.get(rule.key) if rule else None
     if act is not None and not rule.takes(act):
         what = f"{rule.key} is {act!r}, but vLLM's {arch} builds its MLP with {' / '.join(sorted(rule.allowed))} only"
         out.append(Problem("", "config.json", what, FIX_CONFIG))
+    return out
+
+
+def _bound_problems(cfg: dict) -> list[Problem]:
+    """Settings of the config vLLM builds that it takes in the user's process and then stops on (or serves garbage
+    with): ``logit_scale`` that is no finite float64 above 0 (every logit is multiplied by it),
+    ``max_position_embeddings`` that is no integer in 1 .. :data:`MAX_POSITIONS` (vLLM's RoPE cache),
+    ``sliding_window`` that is neither null nor an integer in 1 .. :data:`MAX_WINDOW`."""
+    out: list[Problem] = []
+    scale = cfg.get("logit_scale")
+    if "logit_scale" in cfg and not (_number(scale) and 0 < scale <= sys.float_info.max):
+        what = f"logit_scale is {repr(scale)[:40]}, not a finite number > 0: vLLM multiplies every logit by it"
+        out.append(Problem("", "config.json", what, FIX_CONFIG))
+    positions = cfg.get("max_position_embeddings")
+    if positions is not None and not (_integer(positions) and 1 <= positions <= MAX_POSITIONS):
+        what = (
+            f"max_position_embeddings is {repr(positions)[:40]}, not an integer in 1 .. {MAX_POSITIONS:,}: vLLM "
+            "builds its RoPE cache for that many positions"
+        )
+        out.append(Problem("", "config.json", what, FIX_CONFIG))
+    window = cfg.get("sliding_window")
+    if window is not None and not (_integer(window) and 1 <= window <= MAX_WINDOW):
+        what = (
+            f"sliding_window is {repr(window)[:40]}, neither null nor an integer in 1 .. {MAX_WINDOW:,}: vLLM's "
+            "attention holds the window in a 32-bit integer"
+        )
+        out.append(Problem("", "config.json", what, FIX_CONFIG))
+    return out
+
+
+def _unverified_problems(arch: str, cfg: dict, refused: set[str]) -> list[Problem]:
+    """The settings vLLM's model class ``arch`` reads that transformers' class has none of
+    (:attr:`~quantpack_core.check.architectures.base.Architecture.unverified`), given another than their neutral value
+    (``logit_scale`` other than 1, a ``sliding_window`` for Llama): ``quantpack verify``'s reference ignores them, so
+    vLLM would serve other logits than every check saw. Not the keys of ``refused`` (named as malformed already)."""
+    out: list[Problem] = []
+    for setting in BY_CLASS[arch].unverified:
+        v = cfg.get(setting.key)
+        if setting.key in cfg and setting.key not in refused and not setting.neutral(v):
+            what = (
+                f"{setting.key} is {repr(v)[:60]}: {setting.effect}, while transformers' {arch} (the reference "
+                "quantpack verify compares with) has no such setting"
+            )
+            out.append(Problem("", "config.json", what, FIX_UNVERIFIED.format(key=setting.key)))
     return out
 
 

@@ -44,6 +44,45 @@ class ActivationRule(NamedTuple):
 SILU_ONLY = ActivationRule("hidden_act", frozenset({"silu"}))
 
 
+class UnverifiedSetting(NamedTuple):
+    """A config.json setting vLLM's model class reads and transformers' class of the same model has none of: the
+    reference ``quantpack verify`` compares against (transformers) ignores it, so a value other than the neutral one
+    passes every check while vLLM serves something else.
+
+    Attributes:
+        key: the setting's name in config.json (its text config, as vLLM reads it).
+        neutral: ``value -> bool``: whether vLLM, given the value, serves what transformers computes.
+        effect: what vLLM does with another value (for the message).
+    """
+
+    key: str
+    neutral: Callable[[object], bool]
+    effect: str
+
+
+def _no_sliding_layer(v: object) -> bool:
+    """Whether a ``layer_types`` value names no sliding-window attention."""
+    return not (isinstance(v, list) and any(isinstance(t, str) and "sliding" in t for t in v))
+
+
+#: vLLM's LlamaForCausalLM (and the classes built on it) multiplies the logits by ``logit_scale``
+LOGIT_SCALE = UnverifiedSetting(
+    "logit_scale",
+    lambda v: v == 1 and not isinstance(v, bool),
+    "vLLM multiplies every logit by it (its LlamaForCausalLM reads logit_scale) and serves other probabilities",
+)
+#: vLLM gives every layer's attention the window of ``ModelConfig.get_sliding_window`` (config.json's
+#: ``sliding_window``), or the layers ``layer_types`` names sliding a windowed one
+SLIDING_WINDOW = UnverifiedSetting(
+    "sliding_window",
+    lambda v: v is None,
+    "vLLM limits every layer's attention to that many tokens (ModelConfig.get_sliding_window)",
+)
+SLIDING_LAYERS = UnverifiedSetting(
+    "layer_types", _no_sliding_layer, "vLLM gives the layers it names sliding a windowed attention"
+)
+
+
 class Layer(NamedTuple):
     """What vLLM's model class builds in one decoder layer.
 
@@ -177,6 +216,8 @@ class Architecture:
         plan_problems: ``(class, config, layer indices) -> problems``: settings vLLM cannot build the layers from.
         builds_mlp: ``config -> bool``: whether the config alone shows some layer builds a module that takes the
             activation (where the layers' own kinds may not tell); None to look at the layers.
+        unverified: the settings vLLM's class reads that transformers' class has none of
+            (:class:`UnverifiedSetting`).
     """
 
     classes: tuple[str, ...]
@@ -187,3 +228,4 @@ class Architecture:
     sizes: Callable[[dict, Sizes], dict[str, dict]] | None = None
     plan_problems: Callable[[str, dict, Iterable[int]], list[Problem]] | None = None
     builds_mlp: Callable[[dict], bool] | None = None
+    unverified: tuple[UnverifiedSetting, ...] = ()

@@ -3,7 +3,19 @@
 
 from __future__ import annotations
 
-from .base import ATTENTION, GATED_MLP, LAYER_NORMS, QK_NORMS, SILU_ONLY, Architecture, Layer, flag
+from .base import (
+    ATTENTION,
+    GATED_MLP,
+    LAYER_NORMS,
+    LOGIT_SCALE,
+    QK_NORMS,
+    SILU_ONLY,
+    SLIDING_LAYERS,
+    SLIDING_WINDOW,
+    Architecture,
+    Layer,
+    flag,
+)
 
 
 def layer(arch: str, config: dict, i: int) -> Layer:
@@ -15,4 +27,6 @@ def layer(arch: str, config: dict, i: int) -> Layer:
     return Layer((*ATTENTION, *GATED_MLP, *LAYER_NORMS), QK_NORMS, bias)
 
 
-ARCHITECTURE = Architecture(("LlamaForCausalLM",), layer, {"LlamaForCausalLM": SILU_ONLY})
+#: transformers' Llama has neither a logit scale nor a sliding window; vLLM's llama.py reads both
+UNVERIFIED = (LOGIT_SCALE, SLIDING_WINDOW, SLIDING_LAYERS)
+ARCHITECTURE = Architecture(("LlamaForCausalLM",), layer, {"LlamaForCausalLM": SILU_ONLY}, unverified=UNVERIFIED)

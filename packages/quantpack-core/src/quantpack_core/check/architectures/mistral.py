@@ -4,7 +4,7 @@ only."""
 
 from __future__ import annotations
 
-from .base import SILU_ONLY, Architecture, Layer, flag
+from .base import LOGIT_SCALE, SILU_ONLY, Architecture, Layer, flag
 from .llama import layer as llama_layer
 
 CLASSES = ("MistralForCausalLM", "Ministral3ForCausalLM")
@@ -17,4 +17,6 @@ def layer(arch: str, config: dict, i: int) -> Layer:
     return llama_layer(arch, config, i)
 
 
-ARCHITECTURE = Architecture(CLASSES, layer, dict.fromkeys(CLASSES, SILU_ONLY))
+#: vLLM's MistralForCausalLM is its LlamaForCausalLM (logit_scale read); transformers' Mistral and Ministral 3 have a
+#: sliding window of their own, but no logit scale
+ARCHITECTURE = Architecture(CLASSES, layer, dict.fromkeys(CLASSES, SILU_ONLY), unverified=(LOGIT_SCALE,))
