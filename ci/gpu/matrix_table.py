@@ -49,6 +49,14 @@ VERSIONS = "0.22.1,0.25.1,0.26.0"
 #: outcomes in the order a cell counts them; a test's outcome over several cards is the first of these any card has
 OUTCOMES = ("failed", "xfailed", "passed", "skipped", "not run")
 RUN = re.compile(r"^(?P<stamp>\d{8}-\d{6})-(?P<step>.+)$")
+#: the release of records written where no vLLM is installed (tests of kernels and codecs that import none): a column
+#: of their own, after the releases, wherever such records exist
+NO_VLLM = "none"
+
+
+def release_name(release: str) -> str:
+    """A column's or a cell's name for a release: ``vLLM 0.25.1``, or ``without vLLM`` (:data:`NO_VLLM`)."""
+    return "without vLLM" if release == NO_VLLM else f"vLLM {release}"
 
 
 @dataclass(frozen=True)
@@ -145,7 +153,7 @@ def failures(outcomes: dict, versions: list[str]) -> list[str]:
             for test, cards in sorted(per_test.items()):
                 bad = [run for outcome, run in cards.values() if outcome == "failed"]
                 if bad:
-                    lines.append(f"- vLLM {release}, `{test}`: failed on " + "; ".join(r.short() for r in bad))
+                    lines.append(f"- {release_name(release)}, `{test}`: failed on " + "; ".join(r.short() for r in bad))
     return lines
 
 
@@ -181,7 +189,10 @@ def files_table(outcomes: dict, versions: list[str], tests: list[str] | None, de
     """The Markdown table test file x release (:func:`file_cells`)."""
     cells = {v: file_cells(outcomes, v, tests, detail) for v in versions}
     names = sorted({f for c in cells.values() for f in c})
-    lines = ["| test file | " + " | ".join(f"vLLM {v}" for v in versions) + " |", "|---" * (len(versions) + 1) + "|"]
+    lines = [
+        "| test file | " + " | ".join(release_name(v) for v in versions) + " |",
+        "|---" * (len(versions) + 1) + "|",
+    ]
     lines += [f"| `{f}` | " + " | ".join(cells[v].get(f, "not run") for v in versions) + " |" for f in names]
     return "\n".join(lines)
 
@@ -189,7 +200,7 @@ def files_table(outcomes: dict, versions: list[str], tests: list[str] | None, de
 def jobs_table(jobs: dict, versions: list[str]) -> str:
     """The Markdown table measured job x release (:func:`job_cell`); "not run" where a release has no record."""
     names = sorted({j for per in jobs.values() for j in per})
-    lines = ["| job | " + " | ".join(f"vLLM {v}" for v in versions) + " |", "|---" * (len(versions) + 1) + "|"]
+    lines = ["| job | " + " | ".join(release_name(v) for v in versions) + " |", "|---" * (len(versions) + 1) + "|"]
     for name in names:
         cells = [job_cell(jobs[v][name]) if name in jobs.get(v, {}) else "not run" for v in versions]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
@@ -240,7 +251,8 @@ def support_cell(outcomes: dict, versions: list[str], prefixes: list[str], tests
             continue
         cards = sorted({card_name(run.card) for c in per_test.values() for o, run in c.values() if o != "skipped"})
         what = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o])
-        parts.append(f"{release}{', ' + ' / '.join(cards) if cards else ''}: {what}")
+        name = release_name(release) if release == NO_VLLM else release
+        parts.append(f"{name}{', ' + ' / '.join(cards) if cards else ''}: {what}")
     return "; ".join(parts) or "not run"
 
 
@@ -375,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         args.tests = TESTS
     tests = args.tests.read_text().split() if args.tests else collected_tests() if args.collect or args.write else None
     records, versions = load(args.records), args.versions.split(",")
+    if NO_VLLM not in versions and any(run.release == NO_VLLM for run, _ in records):
+        versions.append(NO_VLLM)
     made = blocks(records, versions, tests)
     if args.check:
         bad = stale(ROOT, made)

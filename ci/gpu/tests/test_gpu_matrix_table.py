@@ -28,15 +28,18 @@ def load_tool():
 H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 
 
-def write_run(monkeypatch, records: Path, stamp: str, card: str, commit: str, tests: dict, jobs: dict) -> None:
+def write_run(
+    monkeypatch, records: Path, stamp: str, card: str, commit: str, tests: dict, jobs: dict, vllm: str = "0.25.1"
+) -> None:
     """One GPU run's records through the writer: ``tests`` ``{node id: outcome}``, ``jobs`` ``{job: KL}`` (each a
-    job of test_gpu_demo.py checked against a 1e-3 ceiling), as vLLM 0.25.1 on ``card`` at ``commit``."""
+    job of test_gpu_demo.py checked against a 1e-3 ceiling), as vLLM ``vllm`` (``none``: no vLLM installed) on
+    ``card`` at ``commit``."""
     import gpu_records
     from e2e_bounds import Bound
 
     monkeypatch.setenv("QUANTPACK_GPU_RECORDS", str(records))
     monkeypatch.setattr(gpu_records, "_STARTED", stamp)
-    where = {"card": card, "vllm": "0.25.1", "torch": "2.11.0+cu130", "commit": commit, "step": "matrix"}
+    where = {"card": card, "vllm": vllm, "torch": "2.11.0+cu130", "commit": commit, "step": "matrix"}
     monkeypatch.setattr(gpu_records, "environment", lambda: where)
     gpu_records.write_outcomes(tests)
     for job, kl in jobs.items():
@@ -94,6 +97,20 @@ def write_tree(folder: Path) -> Path:
     path = folder / "tests.txt"
     path.write_text("\n".join(TREE) + "\n")
     return path
+
+
+def test_a_run_without_vllm_gets_a_column_of_its_own(records, monkeypatch, capsys):
+    """A file whose tests import no vLLM (kernels, codecs) run where none is installed: its records are release
+    ``none``, shown in a "without vLLM" column after the releases, never in a release's."""
+    tool = load_tool()
+    write_run(monkeypatch, records, "20261206-130000", H100, "d" * 40, {f"{B}::test_d": "passed"}, {}, vllm="none")
+    assert (
+        tool.main(["--records", str(records), "--tests", str(write_tree(records.parent)), "--versions", "0.26.0"]) == 0
+    )
+    header, _, *rows = capsys.readouterr().out.split("\n\n")[0].splitlines()
+    assert header == "| test file | vLLM 0.26.0 | without vLLM |", header
+    assert "| `test_gpu_other.py` | not run | 1 passed (ddddddd NVIDIA H100 80GB HBM3) |" in rows, rows
+    assert "| `test_gpu_never.py` | not run | not run |" in rows, rows
 
 
 def test_without_a_test_list_the_records_name_the_tests(records):
