@@ -1,7 +1,7 @@
 """``quantpack serve``'s supervision of vLLM's server (quantpack_core.supervise) on a child that prints what vLLM
-0.32's CPU server prints at start and at stop (its lines copied from a real log) and answers /health like it: what the
-user sees while it starts, once ready and after Ctrl-C, and a server that dies before it is ready. The real server:
-quantpack-exl3's test_exl3_serve.py."""
+0.32's CPU server prints at start and at stop (its lines copied from a real log) and answers /health like it (or,
+busy, answers a client's request only): what the user sees while it starts, once ready and after Ctrl-C, and a server
+that dies before it is ready. The real server: quantpack-exl3's test_exl3_serve.py."""
 
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ SERVER = textwrap.dedent("""
     def say(line):
         print(line, flush=True)
 
-    port, fail = int(sys.argv[1]), sys.argv[2] == "fail"
+    port, mode = int(sys.argv[1]), sys.argv[2]
     say("(APIServer pid=1) INFO 12-06 04:03:16 [api_utils.py:286] non-default args: {}")
     say("(APIServer pid=1) WARNING 12-06 04:04:07 [cpu.py:224] Triton is not installed.")
-    if fail:
+    if mode == "fail":
         say("Traceback (most recent call last):")
         say("RuntimeError: Engine core initialization failed. See root cause above.")
         sys.exit(3)
@@ -53,10 +53,17 @@ SERVER = textwrap.dedent("""
         def log_message(self, *args):
             pass
 
+    class Busy(Health):  # busy with a client's request: /health does not answer in time
+        def do_GET(self):
+            time.sleep(30)
+
     stopped = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Busy if mode == "busy" else Health)
+    server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    if mode == "busy":
+        say('(APIServer pid=1) INFO:     127.0.0.1:2 - "POST /v1/completions HTTP/1.1" 200 OK')
     stopped.wait()
     say("(APIServer pid=1) INFO 12-06 04:08:27 [launcher.py:282] [shutdown] API server: signalling HTTP server")
     print("nanobind: leaked 4 instances!", file=sys.stderr, flush=True)
@@ -127,6 +134,21 @@ def test_phases_warnings_ready_and_a_one_line_stop(tmp_path):
     whole = log.read_text()
     for kept in ("non-default args", "nanobind: leaked", "EngineDeadError", "GET /health", "signalling HTTP server"):
         assert kept in whole and (kept == "non-default args" or kept not in out.read_text()), kept
+
+
+def test_a_request_answered_while_health_waits_is_ready(tmp_path):
+    """A machine of few cores busy with the first clients' requests: quantpack serve's own /health request times out,
+    but the access log shows a request answered, so the user is told it is ready (the failure this guards: "ready at"
+    printed long after clients were served)."""
+    proc, out, log = _start(tmp_path, "busy")
+    try:
+        _wait_for(out, "ready at", proc, timeout_s=20)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "GET /health" not in log.read_text() and "POST /v1/completions" in log.read_text()
 
 
 def test_a_server_that_dies_before_it_is_ready(tmp_path):

@@ -20,6 +20,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[3]
 #: seconds a start may take (about 2 minutes measured on 2 cores, 5 beside other engines)
 START_TIMEOUT_S = 600
+#: seconds from the test's first /health answer to quantpack serve's ready line (it asks every second or two)
+READY_LINE_S = 30
 #: seconds a Ctrl-C may take to stop everything (a few measured; quantpack serve kills the group after 30)
 STOP_TIMEOUT_S = 60
 
@@ -32,9 +34,17 @@ def start_demo(folder: Path, cache: Path) -> Served:
     env = {k: v for k, v in os.environ.items() if k not in chosen}
     env.update(QUANTPACK_PYTHON=sys.executable, VLLM_CACHE_ROOT=str(cache))
     try:
-        return start_served([str(ROOT / "scripts" / "serve-demo"), "--dtype", "float32"], env, folder, START_TIMEOUT_S)
+        demo = start_served([str(ROOT / "scripts" / "serve-demo"), "--dtype", "float32"], env, folder, START_TIMEOUT_S)
     except ServerError as e:
         pytest.fail(f"quantpack serve: {e}")
+    # /health answered the test first: quantpack serve says so on its next look, before any test reads what it printed
+    deadline = time.monotonic() + READY_LINE_S
+    while "quantpack serve: ready at" not in demo.out.read_text():
+        if demo.proc.poll() is not None or time.monotonic() > deadline:
+            stop_group(demo.proc, wait_s=60)
+            pytest.fail(f"/health answers, but quantpack serve printed no ready line:\n{demo.out.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return demo
 
 
 def ctrl_c(demo: Served) -> tuple[int, str]:

@@ -50,6 +50,9 @@ PHASE_LINES = (
 SERVING = re.compile(r"init engine \(profile|Starting vLLM (API )?server on|Application startup complete")
 #: uvicorn's access-log line of a /health request (quantpack serve's own; not shown)
 HEALTH_LOG = re.compile(r'"GET /health HTTP/[\d.]+" 200')
+#: uvicorn's access-log line of any request answered with success: the server is ready even where quantpack serve's
+#: own /health request timed out (a machine of few cores busy with the first clients' requests)
+ANSWERED = re.compile(r'"[A-Z]+ /\S* HTTP/[\d.]+" 2\d\d\b')
 SHM_WARNING = "No available shared memory broadcast block found"
 SHM_NOTE = (
     "vLLM's shared-memory warning above means one of its processes waited over a minute for another that is "
@@ -178,7 +181,7 @@ class Supervisor:
         self.argv, self.env, self.url, self.log_path = argv, env, url, log_path
         self.cpu, self.verbose = cpu, verbose
         self.display = Display()
-        self.ready = self.serving = False
+        self.ready = self.serving = self.answered = False
         self.stops = 0
         self.shm_noted = False
         self.tail: list[str] = []
@@ -238,7 +241,9 @@ class Supervisor:
                 if (found := read_progress(progress)) is not None and found != decoded:
                     decoded = found
                     self.display.phase("decoding layers on CPU" if self.cpu else "preparing layers", *found)
-                if self.serving and time.monotonic() - last_health > 1:
+                if self.serving and self.answered:
+                    self._on_ready(started)
+                elif self.serving and time.monotonic() - last_health > 1:
                     last_health = time.monotonic()
                     if healthy(self.url):
                         self._on_ready(started)
@@ -247,6 +252,7 @@ class Supervisor:
     def _on_line(self, line: str, stopping: bool) -> None:
         self.tail = [*self.tail[-59:], line]
         self.serving = self.serving or bool(SERVING.search(line))
+        self.answered = self.answered or bool(ANSWERED.search(line))
         if stopping or HEALTH_LOG.search(line):
             return
         if self.ready or self.verbose:
