@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "ci"))
+import markdown_blocks  # noqa: E402  (the repository's ci/)
+
+TOOL = "results_page.py"
 RESULTS = ROOT / "benchmarks" / "results"
 #: the engines of ``serve_8b.py`` records, as the tables name them
 ENGINES = {
@@ -305,26 +308,9 @@ TARGETS = {
 }
 
 
-def rewrite(text: str, name: str, body: str) -> str:
-    """``text`` with block ``name``'s lines replaced by ``body``.
-
-    Raises:
-        SystemExit: the block's markers are not there exactly once.
-    """
-    begin, end = f"<!-- results_page.py {name} -->", "<!-- results_page.py end -->"
-    pattern = re.compile(rf"^{re.escape(begin)}\n.*?^{re.escape(end)}$", re.S | re.M)
-    if len(pattern.findall(text)) != 1:
-        raise SystemExit(f"no single '{begin}' ... '{end}' block to write")
-    return pattern.sub(lambda _: f"{begin}\n{body}\n{end}", text)
-
-
 def stale(root: Path = ROOT, results: Path = RESULTS) -> list[str]:
-    """The files whose blocks differ from what the records give (``file: block``)."""
-    made, out = blocks(results), []
-    for file, names in TARGETS.items():
-        text = (root / file).read_text()
-        out += [f"{file}: {n}" for n in names if rewrite(text, n, made[n]) != text]
-    return out
+    """The blocks (``file: name``) that differ from what the records give."""
+    return markdown_blocks.stale(root, TOOL, TARGETS, blocks(results))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,13 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.write:
         print("\n\n".join(f"<!-- {name} -->\n{body}" for name, body in made.items()))
         return 0
-    for file, names in TARGETS.items():
-        path = ROOT / file
-        text = path.read_text()
-        for name in names:
-            text = rewrite(text, name, made[name])
-        path.write_text(text)
-        print(f"{file}: {', '.join(names)} written")
+    print("\n".join(markdown_blocks.write(ROOT, TOOL, TARGETS, made)))
     return 0
 
 

@@ -40,6 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "ci"))
+import markdown_blocks  # noqa: E402  (ci/, beside this tool's folder)
+
+TOOL = "matrix_table.py"
 RECORDS = ROOT / "ci" / "gpu" / "records"
 #: the GPU tests of the tree when the tables were last written (``--write``; ``--check`` reads it)
 TESTS = RECORDS / "gpu-tests.txt"
@@ -266,20 +270,20 @@ def support_table(outcomes: dict, versions: list[str], tests: list[str] | None, 
     return "\n".join(lines)
 
 
-#: the generated blocks: (file, block name) -> what fills it; each sits between ``<!-- matrix_table.py NAME -->`` and
-#: ``<!-- matrix_table.py end -->`` lines
-BLOCKS = {
-    ("README.md", "support"): "the support table: CPU tests as written, GPU outcomes from the records",
-    ("docs/testing.md", "files-brief"): "the test-file table without the runs",
-    ("docs/results.md", "files"): "the test-file table with the runs, then the failures",
-    ("docs/results.md", "jobs"): "the job table",
+#: the generated blocks (ci/markdown_blocks.py) by file: the support table (CPU tests as written, GPU outcomes from
+#: the records), the test-file table without the runs, the test-file table with the runs then the failures, the job
+#: table
+TARGETS = {
+    "README.md": ["support"],
+    "docs/testing.md": ["files-brief"],
+    "docs/results.md": ["files", "jobs"],
 }
 
 
 def blocks(
     records: list[tuple[Run, dict]], versions: list[str], tests: list[str] | None, support: Path = SUPPORT
 ) -> dict[str, str]:
-    """Each block's Markdown by name (:data:`BLOCKS`)."""
+    """Each block's Markdown by name (:data:`TARGETS`)."""
     outcomes = test_outcomes(records)
     failed = failures(outcomes, versions)
     rows = tomllib.loads(support.read_text())["row"]
@@ -290,37 +294,6 @@ def blocks(
         + ("\n\nFailed, until a later record on the same card passes:\n" + "\n".join(failed) if failed else ""),
         "jobs": jobs_table(job_records(records), versions),
     }
-
-
-def rewrite(text: str, name: str, body: str) -> str:
-    """``text`` with block ``name``'s lines replaced by ``body``.
-
-    Raises:
-        SystemExit: the block's markers are not there exactly once.
-    """
-    begin, end = f"<!-- matrix_table.py {name} -->", "<!-- matrix_table.py end -->"
-    pattern = re.compile(rf"^{re.escape(begin)}\n.*?^{re.escape(end)}$", re.S | re.M)
-    if len(pattern.findall(text)) != 1:
-        raise SystemExit(f"no single '{begin}' ... '{end}' block to write")
-    return pattern.sub(lambda _: f"{begin}\n{body}\n{end}", text)
-
-
-def write_blocks(root: Path, made: dict[str, str]) -> None:
-    """Rewrite every block of :data:`BLOCKS` under ``root`` (the repository)."""
-    for (file, name), _ in BLOCKS.items():
-        path = root / file
-        path.write_text(rewrite(path.read_text(), name, made[name]))
-        print(f"{file}: {name} written")
-
-
-def stale(root: Path, made: dict[str, str]) -> list[str]:
-    """The blocks of :data:`BLOCKS` under ``root`` that differ from ``made`` (``file: block``)."""
-    out = []
-    for file, name in BLOCKS:
-        text = (root / file).read_text()
-        if rewrite(text, name, made[name]) != text:
-            out.append(f"{file}: {name}")
-    return out
 
 
 def take(source: Path, dest: Path) -> list[Path]:
@@ -391,13 +364,13 @@ def main(argv: list[str] | None = None) -> int:
         versions.append(NO_VLLM)
     made = blocks(records, versions, tests)
     if args.check:
-        bad = stale(ROOT, made)
+        bad = markdown_blocks.stale(ROOT, TOOL, TARGETS, made)
         print("\n".join(f"{b}: regenerate with matrix_table.py --write" for b in bad) or "tables current")
         return int(bool(bad))
     if args.write:
         if tests is not None and not args.tests:
             TESTS.write_text("\n".join(tests) + "\n")
-        write_blocks(ROOT, made)
+        print("\n".join(markdown_blocks.write(ROOT, TOOL, TARGETS, made)))
         return 0
     print(made["files"] + "\n\n" + made["jobs"])
     return int(bool(failures(test_outcomes(records), versions)))

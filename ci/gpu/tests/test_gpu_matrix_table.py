@@ -130,11 +130,11 @@ def test_no_record_is_not_run_everywhere(tmp_path):
 def test_blocks_are_written_between_their_markers(tmp_path):
     tool = load_tool()
     text = "intro\n<!-- matrix_table.py files-brief -->\nold table\n<!-- matrix_table.py end -->\nafter\n"
-    assert tool.rewrite(text, "files-brief", "| new |") == (
+    assert tool.markdown_blocks.rewrite(text, tool.TOOL, "files-brief", "| new |") == (
         "intro\n<!-- matrix_table.py files-brief -->\n| new |\n<!-- matrix_table.py end -->\nafter\n"
     )
     with pytest.raises(SystemExit, match=r"no single '<!-- matrix_table\.py jobs -->'"):
-        tool.rewrite(text, "jobs", "x")
+        tool.markdown_blocks.rewrite(text, tool.TOOL, "jobs", "x")
 
 
 def test_a_run_s_records_are_taken_from_the_collected_archive(records, tmp_path, capsys):
