@@ -267,30 +267,29 @@ def _built_problems(built: dict) -> list[Problem]:
     return out
 
 
+#: integer settings vLLM takes in the user's process and then stops on: key, upper end, the message's words before
+#: "an integer", and what vLLM does with the value (null means "none" for each of them)
+INTEGER_BOUNDS = (
+    ("max_position_embeddings", MAX_POSITIONS, "not ", "vLLM builds its RoPE cache for that many positions"),
+    ("sliding_window", MAX_WINDOW, "neither null nor ", "vLLM's attention holds the window in a 32-bit integer"),
+)
+
+
 def _bound_problems(cfg: dict) -> list[Problem]:
     """Settings of the config vLLM builds that it takes in the user's process and then stops on (or serves garbage
-    with): ``logit_scale`` that is no finite float64 above 0 (every logit is multiplied by it),
-    ``max_position_embeddings`` that is no integer in 1 .. :data:`MAX_POSITIONS` (vLLM's RoPE cache),
-    ``sliding_window`` that is neither null nor an integer in 1 .. :data:`MAX_WINDOW`."""
+    with): ``logit_scale`` that is no finite float64 above 0 (every logit is multiplied by it), and each setting of
+    :data:`INTEGER_BOUNDS` (``max_position_embeddings`` up to :data:`MAX_POSITIONS`, ``sliding_window`` up to
+    :data:`MAX_WINDOW`) that is neither null nor an integer in 1 .. its upper end."""
     out: list[Problem] = []
     scale = cfg.get("logit_scale")
     if "logit_scale" in cfg and not (_number(scale) and 0 < scale <= sys.float_info.max):
         what = f"logit_scale is {repr(scale)[:40]}, not a finite number > 0: vLLM multiplies every logit by it"
         out.append(Problem("", "config.json", what, FIX_CONFIG))
-    positions = cfg.get("max_position_embeddings")
-    if positions is not None and not (_integer(positions) and 1 <= positions <= MAX_POSITIONS):
-        what = (
-            f"max_position_embeddings is {repr(positions)[:40]}, not an integer in 1 .. {MAX_POSITIONS:,}: vLLM "
-            "builds its RoPE cache for that many positions"
-        )
-        out.append(Problem("", "config.json", what, FIX_CONFIG))
-    window = cfg.get("sliding_window")
-    if window is not None and not (_integer(window) and 1 <= window <= MAX_WINDOW):
-        what = (
-            f"sliding_window is {repr(window)[:40]}, neither null nor an integer in 1 .. {MAX_WINDOW:,}: vLLM's "
-            "attention holds the window in a 32-bit integer"
-        )
-        out.append(Problem("", "config.json", what, FIX_CONFIG))
+    for key, most, accepted, effect in INTEGER_BOUNDS:
+        v = cfg.get(key)
+        if v is not None and not (_integer(v) and 1 <= v <= most):
+            what = f"{key} is {repr(v)[:40]}, {accepted}an integer in 1 .. {most:,}: {effect}"
+            out.append(Problem("", "config.json", what, FIX_CONFIG))
     return out
 
 
