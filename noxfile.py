@@ -140,13 +140,18 @@ CORE_AND_FORMATS = [
 ]
 
 
+def install_core_and_formats(session: nox.Session) -> None:
+    """CPU torch, then :data:`CORE_AND_FORMATS` with the test tools and transformers (the checks' references)."""
+    session.install(TORCH_CPU, *torch_source())
+    session.install(*CORE_AND_FORMATS, *TEST_TOOLS, "transformers>=5.17,<5.20", "--override", overrides_file(session))
+
+
 @nox.session
 def core(session: nox.Session) -> None:
     """quantpack-core and the formats it checks, without vLLM: core must import and pass its tests with no vLLM
     installed. The CPU tests of ci/'s tools (the GPU tier's runner, records and tables, the upload parts) and of the
     docs run here too: they need nothing more."""
-    session.install(TORCH_CPU, *torch_source())
-    session.install(*CORE_AND_FORMATS, *TEST_TOOLS, "transformers>=5.17,<5.20", "--override", overrides_file(session))
+    install_core_and_formats(session)
     session.run("python", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is not None)")
     run_pytest(session, "packages/quantpack-core/tests", *CI_TESTS)
 
@@ -156,8 +161,7 @@ def fuzz(session: nox.Session) -> None:
     """10,000 random corruptions of a small pack through the pack check and 1,000 value and size corruptions of the
     bundled llama pack, each accepted one compared with its reference through transformers (CI runs 300 and 30 of
     them in every test session), printing the count per corruption and outcome. Not in the default sessions."""
-    session.install(TORCH_CPU, *torch_source())
-    session.install(*CORE_AND_FORMATS, *TEST_TOOLS, "transformers>=5.17,<5.20", "--override", overrides_file(session))
+    install_core_and_formats(session)
     env = {"QUANTPACK_FUZZ_EXAMPLES": "10000"}
     session.run(*PYTEST, "-s", "packages/quantpack-core/tests/test_pack_fuzz.py", *session.posargs, env=env)
 
@@ -177,12 +181,7 @@ def tests_matrix(session: nox.Session, vllm: str) -> None:
         session.run_install("uv", "sync", "--locked", env=uv_env(session), external=True)
     else:
         session.install(
-            "-e",
-            "packages/quantpack-core",
-            "-e",
-            "packages/quantpack-exl3",
-            "-e",
-            "packages/quantpack-escha-rocm",
+            *CORE_AND_FORMATS,
             "-e",
             "packages/quantpack-families",
             *TEST_TOOLS,
