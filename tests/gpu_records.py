@@ -2,8 +2,9 @@
 the README's and docs/results.md's GPU tables (ci/gpu/records/README.md).
 
 Two kinds, both written only where ``QUANTPACK_GPU_RECORDS`` names a folder (ci/gpu/env.sh sets it on the GPU
-machine; elsewhere nothing is written), under ``<folder>/vllm-<release>/<run>/``, ``<run>`` being the test process's
-start (``YYYYMMDD-HHMMSS``) and ``QUANTPACK_GPU_STEP`` (ci/gpu/run.py's job, else ``run``):
+machine; elsewhere nothing is written), under ``<folder>/vllm-<release>/<run>/``, ``<run>`` being the test session's
+start (``YYYYMMDD-HHMMSS``) and ``QUANTPACK_GPU_STEP`` (ci/gpu/run.py's job, else ``run``); the repository's
+conftest.py fixes both, and what :func:`environment` names, as the session starts:
 
 * a job record (``job-<job>.json``) per measured job: its KL (mean, median, worst position), top-1, the positions
   left out of the mean with their router margins (``quantpack_core.compare.outside_router_ties``), each check with

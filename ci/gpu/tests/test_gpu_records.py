@@ -56,12 +56,27 @@ def test_expected_failure():
 """
 
 
-def run_module(tmp: Path, records: Path | None) -> subprocess.CompletedProcess:
+#: a test that changes, while it runs, what a record names (the commit and step variables, as an install beside it
+#: changes the vLLM release)
+LATE = """
+import os
+import time
+from pathlib import Path
+
+
+def test_changes_what_runs():
+    Path("began.txt").write_text(time.strftime("%Y%m%d-%H%M%S"))
+    os.environ.update(QUANTPACK_GPU_STEP="late", QUANTPACK_COMMIT="late")
+    time.sleep(1.5)
+"""
+
+
+def run_module(tmp: Path, records: Path | None, module: str = MODULE) -> subprocess.CompletedProcess:
     """pytest on :data:`MODULE` (``test_gpu_demo.py``) with the repository's conftest.py as a plugin, records kept in
     ``records`` (none when None), as GPU step ``demo`` of commit ``abc123``."""
     mod = tmp / "pkg" / "tests"
     mod.mkdir(parents=True, exist_ok=True)
-    (mod / "test_gpu_demo.py").write_text(MODULE)
+    (mod / "test_gpu_demo.py").write_text(module)
     (tmp / "pytest.ini").write_text("[pytest]\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "QUANTPACK_GPU_RECORDS")}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), QUANTPACK_GPU_STEP="demo")
@@ -113,6 +128,18 @@ def test_a_run_writes_every_field_of_its_records(tmp_path):
         "test_gpu_demo.py::test_skipped": "skipped",
         "test_gpu_demo.py::test_expected_failure": "xfailed",
     }
+
+
+def test_a_record_names_the_run_as_it_began(tmp_path):
+    """The run's folder (start and step) and each record's commit and release are those of the session's start: a
+    record written at the end after the environment changed still names what its tests began on."""
+    proc = run_module(tmp_path / "run", tmp_path / "records", LATE)
+    assert "1 passed" in proc.stdout, proc.stdout + proc.stderr
+    (run,) = (tmp_path / "records").glob("vllm-*/*")
+    record = json.loads((run / "tests-test_gpu_demo.py.json").read_text())
+    assert run.name.endswith("-demo") and record["step"] == "demo" and record["commit"] == "abc123", (run, record)
+    # the folder's stamp (local time, to the second) is no later than the test's start, 1.5 s before the record
+    assert run.name[:15] <= (tmp_path / "run" / "began.txt").read_text(), run.name
 
 
 def test_nothing_is_written_without_the_records_folder(tmp_path):
