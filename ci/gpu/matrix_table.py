@@ -109,17 +109,26 @@ def load(root: Path) -> list[tuple[Run, dict]]:
 
 def test_outcomes(records: list[tuple[Run, dict]]) -> dict[str, dict[str, dict[str, dict[str, tuple]]]]:
     """``{release: {file: {test id: {card: (outcome, Run)}}}}``: per card, the newest record's outcome of the test
-    that ran it (passed / failed / xfailed), else the newest that skipped it."""
+    that ran it (passed / failed / xfailed), else the newest that skipped it; a failure stands until a newer record
+    on that card passes (:func:`replaces`)."""
     out: dict = {}
-    for run, record in records:  # oldest first: a newer outcome replaces an older one unless it only skipped
+    for run, record in records:  # oldest first
         if record["kind"] != "tests":
             continue
         tests = out.setdefault(run.release, {}).setdefault(record["file"], {})
         for test, outcome in record["tests"].items():
             cards = tests.setdefault(test, {})
-            if outcome != "skipped" or cards.get(run.card, ("skipped",))[0] == "skipped":
+            if replaces(outcome, cards.get(run.card, ("skipped",))[0]):
                 cards[run.card] = (outcome, run)
     return out
+
+
+def replaces(newer: str, held: str) -> bool:
+    """Whether a newer record's outcome of a test replaces the one held for its card: a skip replaces only a skip,
+    and only a pass (or a newer failure) replaces a failure - an expected failure after it does not clear it."""
+    if newer == "skipped":
+        return held == "skipped"
+    return held != "failed" or newer in ("passed", "failed")
 
 
 def combined(cards: dict[str, tuple]) -> str:

@@ -93,6 +93,19 @@ def test_a_failure_stands_until_the_same_card_passes_and_untested_tests_are_not_
     assert tool.main(["--records", str(records), "--tests", str(write_tree(records.parent))]) == 0
 
 
+def test_an_expected_failure_after_a_failure_does_not_clear_it(records, monkeypatch):
+    """test_b failed on the H200: a later run there where it is an expected failure keeps the failure in the cells
+    and the failure list; only a pass on the H200 clears it."""
+    tool = load_tool()
+    write_run(monkeypatch, records, "20261206-120000", H200, "c" * 40, {f"{A}::test_b": "xfailed"}, {})
+    made = tool.blocks(tool.load(records), ["0.25.1"], TREE)
+    assert "| `test_gpu_demo.py` | 1 failed, 1 passed, 1 skipped, 1 not run |" in made["files-brief"]
+    assert "`test_gpu_demo.py::test_b`: failed on aaaaaaa" in made["files"]
+    write_run(monkeypatch, records, "20261206-130000", H200, "d" * 40, {f"{A}::test_b": "passed"}, {})
+    made = tool.blocks(tool.load(records), ["0.25.1"], TREE)
+    assert "| `test_gpu_demo.py` | 2 passed, 1 skipped, 1 not run |" in made["files-brief"]
+
+
 def write_tree(folder: Path) -> Path:
     path = folder / "tests.txt"
     path.write_text("\n".join(TREE) + "\n")
