@@ -26,6 +26,13 @@ SERVER = textwrap.dedent("""
     port, mode = int(sys.argv[1]), sys.argv[2]
     say("(APIServer pid=1) INFO 12-06 04:03:16 [api_utils.py:286] non-default args: {}")
     say("(APIServer pid=1) WARNING 12-06 04:04:07 [cpu.py:224] Triton is not installed.")
+    if mode == "lie":  # lines that look like an answered request before vLLM serves, then a failed start
+        say('urllib3.connectionpool DEBUG https://huggingface.co:443 "HEAD /org/model/resolve/main/config.json '
+            'HTTP/1.1" 200 0')
+        say("(EngineCore pid=3) INFO 12-06 04:00:19 [core.py:402] init engine (profile, create kv cache, warmup model) "
+            "took 90.63 s")
+        say('(APIServer pid=1) Traceback: "GET /health HTTP/1.1" 200 quoted in an error')
+        sys.exit(3)
     if mode == "fail":
         say("Traceback (most recent call last):")
         say("RuntimeError: Engine core initialization failed. See root cause above.")
@@ -149,6 +156,18 @@ def test_a_request_answered_while_health_waits_is_ready(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert "GET /health" not in log.read_text() and "POST /v1/completions" in log.read_text()
+
+
+def test_a_line_that_only_looks_like_an_answer_is_no_ready_server(tmp_path):
+    """A download's debug line before the engine starts, and an error quoting a request after it, are not uvicorn's
+    access log: a server that exits then is still one that died before it was ready."""
+    proc, out, log = _start(tmp_path, "lie")
+    assert proc.wait(timeout=60) == 3
+    text = out.read_text()
+    assert "ready at" not in text, text
+    assert text.rstrip().endswith(
+        f"quantpack serve: vLLM exited with status 3 before it was ready; its whole log: {log}"
+    )
 
 
 def test_a_server_that_dies_before_it_is_ready(tmp_path):

@@ -41,8 +41,10 @@ def start_demo(folder: Path, cache: Path) -> Served:
     deadline = time.monotonic() + READY_LINE_S
     while "quantpack serve: ready at" not in demo.out.read_text():
         if demo.proc.poll() is not None or time.monotonic() > deadline:
+            ended = demo.proc.poll()
             stop_group(demo.proc, wait_s=60)
-            pytest.fail(f"/health answers, but quantpack serve printed no ready line:\n{demo.out.read_text()[-3000:]}")
+            what = f"exited ({ended})" if ended is not None else f"printed no ready line within {READY_LINE_S} s"
+            pytest.fail(f"/health answered, but quantpack serve {what}:\n{demo.out.read_text()[-3000:]}")
         time.sleep(0.2)
     return demo
 

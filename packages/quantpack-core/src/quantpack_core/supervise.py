@@ -50,9 +50,11 @@ PHASE_LINES = (
 SERVING = re.compile(r"init engine \(profile|Starting vLLM (API )?server on|Application startup complete")
 #: uvicorn's access-log line of a /health request (quantpack serve's own; not shown)
 HEALTH_LOG = re.compile(r'"GET /health HTTP/[\d.]+" 200')
-#: uvicorn's access-log line of any request answered with success: the server is ready even where quantpack serve's
-#: own /health request timed out (a machine of few cores busy with the first clients' requests)
-ANSWERED = re.compile(r'"[A-Z]+ /\S* HTTP/[\d.]+" 2\d\d\b')
+#: uvicorn's access-log line of a request answered with success (``INFO:     127.0.0.1:36736 - "POST /v1/completions
+#: HTTP/1.1" 200 OK``, a process prefix allowed): once vLLM serves, the server is ready even where quantpack serve's own
+#: /health request timed out (a machine of few cores busy with the first clients' requests). Anchored to that shape:
+#: a download's debug line (``huggingface.co:443 "HEAD /... HTTP/1.1" 200``) is none
+ANSWERED = re.compile(r'^(?:\(\w+ pid=\d+\) )?INFO:\s+\S+ - "[A-Z]+ /\S* HTTP/[\d.]+" 2\d\d\b')
 SHM_WARNING = "No available shared memory broadcast block found"
 SHM_NOTE = (
     "vLLM's shared-memory warning above means one of its processes waited over a minute for another that is "
@@ -252,7 +254,7 @@ class Supervisor:
     def _on_line(self, line: str, stopping: bool) -> None:
         self.tail = [*self.tail[-59:], line]
         self.serving = self.serving or bool(SERVING.search(line))
-        self.answered = self.answered or bool(ANSWERED.search(line))
+        self.answered = self.answered or (self.serving and bool(ANSWERED.match(line)))
         if stopping or HEALTH_LOG.search(line):
             return
         if self.ready or self.verbose:
