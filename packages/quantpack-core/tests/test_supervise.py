@@ -70,7 +70,7 @@ SERVER = textwrap.dedent("""
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     if mode == "busy":
-        say('(APIServer pid=1) INFO:     127.0.0.1:2 - "POST /v1/completions HTTP/1.1" 200 OK')
+        say('\\x1b[0;36m(APIServer pid=1)\\x1b[0;0m INFO:     ::1:2 - "POST /v1/completions?x=1 HTTP/1.1" 200 OK')
     stopped.wait()
     say("(APIServer pid=1) INFO 12-06 04:08:27 [launcher.py:282] [shutdown] API server: signalling HTTP server")
     print("nanobind: leaked 4 instances!", file=sys.stderr, flush=True)
@@ -215,7 +215,9 @@ def test_a_stop_as_the_server_starts(tmp_path, monkeypatch):
         return started[-1]
 
     monkeypatch.setattr(supervise.subprocess, "Popen", popen_then_ctrl_c)
-    before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN where the tests run in the background
+    # handlers of the caller's own, which the supervisor must put back (not Python's defaults)
+    before = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    mine = {s: signal.getsignal(s) for s in before}
     argv = [sys.executable, "-c", "import time; time.sleep(60)"]
     sup = supervise.Supervisor(argv, {}, "http://127.0.0.1:9", tmp_path / "vllm.log", cpu=True, verbose=False)
     try:
@@ -225,7 +227,9 @@ def test_a_stop_as_the_server_starts(tmp_path, monkeypatch):
             pytest.fail("a Ctrl-C as the server started raised KeyboardInterrupt, the server left running")
         assert status == 0
         assert started[0].wait(timeout=10) is not None  # the server was stopped
+        assert {s: signal.getsignal(s) for s in mine} == mine  # the caller's handlers are back
     finally:
         if started and started[0].poll() is None:
             os.killpg(started[0].pid, signal.SIGKILL)
-    assert signal.getsignal(signal.SIGINT) is before  # the previous handler is back
+        for s, handler in before.items():
+            signal.signal(s, handler)
