@@ -52,13 +52,14 @@ OUTCOMES: dict[str, str] = {}
 
 
 def pytest_sessionstart(session):
-    """Where records are kept: fix the run's start and what it runs on (card, vLLM release, torch, commit, step) now,
-    before any test runs (tests/gpu_records.py), so that a record written at the end names the run's start and what
-    was installed when its tests began, not what a step beside it installed meanwhile."""
+    """Where records are kept: fix the run's start and what it runs (vLLM release, torch, commit, step) now, before any
+    test runs (tests/gpu_records.py: no GPU is read, CUDA stays uninitialized), so that a record written at the end
+    names the run's start and what was installed when its tests began, not what a step beside it installed
+    meanwhile."""
     if os.environ.get("QUANTPACK_GPU_RECORDS"):
         import gpu_records
 
-        gpu_records.environment()
+        gpu_records.begun()
 
 
 def pytest_runtest_logreport(report):

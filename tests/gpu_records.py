@@ -34,19 +34,33 @@ RECORDS = "QUANTPACK_GPU_RECORDS"
 _STARTED = time.strftime("%Y%m%d-%H%M%S")
 
 
-@functools.cache
 def environment() -> dict:
-    """Where and what runs: ``card`` (torch's name of GPU 0, ``none`` without one), ``vllm`` (the release installed,
-    ``none`` without it), ``torch``, ``commit`` and ``step`` (``QUANTPACK_GPU_STEP``, else ``run``)."""
+    """Where and what runs: ``card`` (torch's name of GPU 0, ``none`` without one) and :func:`begun`'s fields."""
+    return {"card": card(), **begun()}
+
+
+@functools.cache
+def begun() -> dict:
+    """What runs, fixed when first asked (the repository's conftest.py asks as the session starts): ``vllm`` (the
+    release installed, ``none`` without it), ``torch`` (``none`` without it), ``commit`` and ``step``
+    (``QUANTPACK_GPU_STEP``, else ``run``). Reads no GPU: CUDA stays uninitialized in the test process."""
+    try:
+        import torch
+
+        version = torch.__version__
+    except ImportError:
+        version = "none"
+    step = os.environ.get("QUANTPACK_GPU_STEP") or "run"
+    return {"vllm": vllm_release(), "torch": version, "commit": commit(), "step": step}
+
+
+@functools.cache
+def card() -> str:
+    """torch's name of GPU 0 (``none`` without one), read once, when the first record is written (reading it
+    initializes CUDA in this process)."""
     import torch
 
-    return {
-        "card": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
-        "vllm": vllm_release(),
-        "torch": torch.__version__,
-        "commit": commit(),
-        "step": os.environ.get("QUANTPACK_GPU_STEP") or "run",
-    }
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
 
 
 def vllm_release() -> str:
