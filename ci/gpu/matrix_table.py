@@ -110,13 +110,18 @@ def load(root: Path) -> list[tuple[Run, dict]]:
 def test_outcomes(records: list[tuple[Run, dict]]) -> dict[str, dict[str, dict[str, dict[str, tuple]]]]:
     """``{release: {file: {test id: {card: (outcome, Run)}}}}``: per card, the newest record's outcome of the test
     that ran it (passed / failed / xfailed), else the newest that skipped it; a failure stands until a newer record
-    on that card passes (:func:`replaces`)."""
+    on that card passes (:func:`replaces`). A file that did not import (``<file>::(collection)`` failed) counts as
+    importing again in a newer record on that card where its tests ran."""
     out: dict = {}
     for run, record in records:  # oldest first
         if record["kind"] != "tests":
             continue
         tests = out.setdefault(run.release, {}).setdefault(record["file"], {})
-        for test, outcome in record["tests"].items():
+        ran = dict(record["tests"])
+        collection = f"{record['file']}::(collection)"
+        if collection not in ran and collection in tests and any(o != "skipped" for o in ran.values()):
+            ran[collection] = "passed"  # the file imports again: its tests ran on this card
+        for test, outcome in ran.items():
             cards = tests.setdefault(test, {})
             if replaces(outcome, cards.get(run.card, ("skipped",))[0]):
                 cards[run.card] = (outcome, run)

@@ -106,6 +106,18 @@ def test_an_expected_failure_after_a_failure_does_not_clear_it(records, monkeypa
     assert "| `test_gpu_demo.py` | 2 passed, 1 skipped, 1 not run |" in made["files-brief"]
 
 
+def test_a_file_that_imports_again_clears_its_import_failure(records, monkeypatch):
+    """test_gpu_other.py failed to import on the H100 (its ``(collection)`` id failed); a later H100 run where its
+    test ran clears the failure from the failure list."""
+    tool = load_tool()
+    write_run(monkeypatch, records, "20261206-120000", H100, "c" * 40, {f"{B}::(collection)": "failed"}, {})
+    made = tool.blocks(tool.load(records), ["0.25.1"], TREE)
+    assert "`test_gpu_other.py::(collection)`: failed on ccccccc" in made["files"]
+    write_run(monkeypatch, records, "20261206-130000", H100, "d" * 40, {f"{B}::test_d": "passed"}, {})
+    made = tool.blocks(tool.load(records), ["0.25.1"], TREE)
+    assert "(collection)" not in made["files"] and "| `test_gpu_other.py` | 1 passed |" in made["files-brief"]
+
+
 def write_tree(folder: Path) -> Path:
     path = folder / "tests.txt"
     path.write_text("\n".join(TREE) + "\n")
