@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     made = blocks()
     if args.check:
-        bad = stale()
+        bad = markdown_blocks.stale(ROOT, TOOL, TARGETS, made)
         print("\n".join(f"{b}: regenerate with benchmarks/results_page.py --write" for b in bad) or "blocks current")
         return int(bool(bad))
     if not args.write:
