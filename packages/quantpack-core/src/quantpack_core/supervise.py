@@ -50,10 +50,10 @@ PHASE_LINES = (
 SERVING = re.compile(r"init engine \(profile|Starting vLLM (API )?server on|Application startup complete")
 #: uvicorn's access-log line of a request (``INFO:     127.0.0.1:36736 - "POST /v1/completions HTTP/1.1" 200 OK``;
 #: a prefix such as vLLM's ``(APIServer pid=1) `` or a progress bar's end allowed, colour codes removed first): its
-#: status is the group. A download's debug line (``huggingface.co:443 "HEAD /... HTTP/1.1" 200``) is none
-ACCESS_LOG = re.compile(r'(?:^|[\s)|])INFO:\s+\S* - "[A-Z]+ /\S* HTTP/[\d.]+" (\d{3})\b')
-#: uvicorn's access-log line of a /health request answered (quantpack serve's own; not shown)
-HEALTH_LOG = re.compile(r'(?:^|[\s)|])INFO:\s+\S* - "GET /health HTTP/[\d.]+" 200\b')
+#: method, path and status. A download's debug line (``huggingface.co:443 "HEAD /... HTTP/1.1" 200``) is none
+ACCESS_LOG = re.compile(
+    r'(?:^|[\s)|])INFO:\s+\S* - "(?P<method>[A-Z]+) (?P<path>/\S*) HTTP/[\d.]+" (?P<status>\d{3})\b'
+)
 #: terminal colour codes (vLLM colours its lines where FORCE_COLOR or VLLM_LOGGING_COLOR asks)
 COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 SHM_WARNING = "No available shared memory broadcast block found"
@@ -161,14 +161,6 @@ def _die_with_parent() -> None:
         pass
 
 
-def answered(line: str) -> bool:
-    """Whether ``line`` is uvicorn's access log of a request the server answered (any status below 500): once vLLM
-    serves, the server is ready even where quantpack serve's own /health request timed out (a machine of few cores
-    busy with the first clients' requests)."""
-    m = ACCESS_LOG.search(line)
-    return m is not None and int(m.group(1)) < 500
-
-
 def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
@@ -263,9 +255,13 @@ class Supervisor:
     def _on_line(self, line: str, stopping: bool) -> None:
         self.tail = [*self.tail[-59:], line]
         self.serving = self.serving or bool(SERVING.search(line))
-        plain = COLOUR.sub("", line)
-        self.answered = self.answered or (self.serving and answered(plain))
-        if stopping or HEALTH_LOG.search(plain):
+        # uvicorn's access log: once vLLM serves, a request answered (any status below 500) says it is ready even
+        # where quantpack serve's own /health request timed out (few cores busy with the first clients' requests);
+        # that /health request's own line is not shown
+        access = ACCESS_LOG.search(COLOUR.sub("", line))
+        self.answered = self.answered or (self.serving and access is not None and int(access["status"]) < 500)
+        own_health = access is not None and access.group("method", "path", "status") == ("GET", "/health", "200")
+        if stopping or own_health:
             return
         if self.ready or self.verbose:
             self.display.line(line)
