@@ -9,7 +9,8 @@ replayed; the time is the median over replays. Each shape class (the 32 layers' 
 which is what the per-shard kernel choice rests on. A kernel that fuses a layer's shards (``fuse``: q / k / v and gate /
 up in one launch) is also timed as the linear method runs it, fused (record key ``fused``, classes qkv, o, gate_up,
 down, head). trellis_mma runs with its split-K kernel above 16 rows (record key ``trellis_mma``) and, on Hopper, with
-its tensor-core kernel there (``trellis_mma_tc``); and as served: each fused run's row buckets on the kernel the
+its tensor-core kernel there (``trellis_mma_tc``), with its dense route there (``trellis_mma_dense``: each shard's
+weights rebuilt per call, then cuBLAS); and as served: each fused run's row buckets on the kernel the
 load-time measurement found fastest, exllamav3's included (key ``served``, with the measured ``selection``). Dense bf16
 (``torch.matmul`` on the same shapes) is timed the same way, and the GPU's copy bandwidth is measured in the same run:
 the bandwidth floor of a stack is its bytes (trellis + suh + svh; bf16 weights for dense) over that bandwidth.
@@ -374,6 +375,10 @@ def run(args) -> None:
         if name == "trellis_mma" and ok and torch.cuda.get_device_capability() == (9, 0):
             with settings.using(wide_kernel="tc"):
                 record["kernels"]["trellis_mma_tc"] = bench_kernel(kernel, stack, rows_list, device, label=name)
+            torch.cuda.empty_cache()
+        if name == "trellis_mma" and ok:
+            with settings.using(wide_kernel="dense"):
+                record["kernels"]["trellis_mma_dense"] = bench_kernel(kernel, stack, rows_list, device, label=name)
             torch.cuda.empty_cache()
         if name == "trellis_mma" and ok and "exllamav3" in args.kernels.split(","):
             record["kernels"]["trellis_mma"]["served"] = bench_served(kernel, stack, rows_list, device)

@@ -42,6 +42,8 @@ KERNEL_LINES = (
     ("trellis_mma", None),
     ("trellis_mma_tc", "fused"),
     ("trellis_mma_tc", None),
+    ("trellis_mma_dense", "fused"),
+    ("trellis_mma_dense", None),
     ("exllamav3", None),
     ("escha_trellis_mma", None),
     ("escha_triton", None),

@@ -173,27 +173,32 @@ def test_row_buckets_and_their_codes():
 
 
 def test_the_options_of_each_bucket_under_the_settings():
-    """Which kernels may serve a row bucket: up to 16 rows, or without tensor cores, the split-K kernel; above, on
-    Hopper, the split-K kernel and the tensor-core one at every row count per CTA up to the bucket's (timed at load),
-    or one of them where QUANTPACK_TRELLIS_MMA_WIDE_KERNEL says; a delegate is timed beside them unless
-    QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS is set, which then sends exactly the buckets whose smallest row count exceeds
-    it (a threshold above 1024 counting as 1024: the open-ended bucket above 1024 rows goes to the delegate)."""
-    from quantpack_core.trellis_mma.ops import DELEGATE, ROW_BUCKETS, SPLIT, TC64, TC128, TC256
+    """Which kernels may serve a row bucket: up to 16 rows the split-K kernel; above, the split-K kernel, on Hopper the
+    tensor-core one at every row count per CTA up to the bucket's, and from 128 rows the dense route (timed at load),
+    or one of them where QUANTPACK_TRELLIS_MMA_WIDE_KERNEL says (the tensor-core kernel only on Hopper); a delegate
+    is timed beside them unless QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS is set, which then sends exactly the buckets
+    whose smallest row count exceeds it (a threshold above 1024 counting as 1024: the open-ended bucket above 1024
+    rows goes to the delegate)."""
+    from quantpack_core.trellis_mma.ops import DELEGATE, DENSE, ROW_BUCKETS, SPLIT, TC64, TC128, TC256
     from quantpack_core.trellis_mma.selection import Delegate, bucket_options
     from quantpack_core.trellis_mma.settings import using
 
     other = Delegate("other", lambda *a: None)
     every = range(len(ROW_BUCKETS))
     with using(delegate_rows=None, wide_kernel=None):
-        assert [bucket_options(i, False, None) for i in every] == [[SPLIT]] * len(ROW_BUCKETS)
+        assert [bucket_options(i, False, None) for i in every] == [[SPLIT]] * 7 + [[SPLIT, DENSE]] * 5
         hopper = [bucket_options(i, True, other) for i in every]
         assert hopper[:5] == [[SPLIT, DELEGATE]] * 5 and hopper[5] == hopper[6] == [SPLIT, TC64, DELEGATE]
-        assert hopper[7] == [SPLIT, TC64, TC128, DELEGATE] and hopper[8] == [SPLIT, TC64, TC128, TC256, DELEGATE]
+        assert hopper[7] == [SPLIT, TC64, TC128, DENSE, DELEGATE]
+        assert hopper[8:] == [[SPLIT, TC64, TC128, TC256, DENSE, DELEGATE]] * 4
     with using(delegate_rows=0, wide_kernel="tc"):
         assert [bucket_options(i, True, other) for i in every] == [
             [c] for c in [SPLIT] * 5 + [TC64] * 2 + [TC128] + [TC256] * 4
         ]
         assert [bucket_options(i, False, other) for i in every] == [[SPLIT]] * len(ROW_BUCKETS)
+    with using(delegate_rows=0, wide_kernel="dense"):
+        for tensor_cores in (False, True):
+            assert [bucket_options(i, tensor_cores, other) for i in every] == [[SPLIT]] * 5 + [[DENSE]] * 7
     with using(wide_kernel="split"):
         for above, first_delegated in ((16, 5), (20, 6), (1, 1), (512, 10), (1024, 11), (1500, 11), (10**6, 11)):
             with using(delegate_rows=above):
@@ -213,13 +218,13 @@ def test_a_bad_delegate_rows_setting_measures_instead(caplog):
 
 
 def test_the_wide_kernel_setting(caplog):
-    """QUANTPACK_TRELLIS_MMA_WIDE_KERNEL: "split" or "tc" (any case) forces that kernel above 16 rows; unset or another
-    value (with a warning) -> measured per row bucket (None)."""
+    """QUANTPACK_TRELLIS_MMA_WIDE_KERNEL: "split", "tc" or "dense" (any case) forces that kernel above 16 rows; unset
+    or another value (with a warning) -> measured per row bucket (None)."""
     from quantpack_core.trellis_mma.settings import Settings
 
-    for raw, want in (("", None), ("split", "split"), ("TC", "tc"), ("wgmma", None)):
+    for raw, want in (("", None), ("split", "split"), ("TC", "tc"), ("Dense", "dense"), ("wgmma", None)):
         assert Settings.from_env({"QUANTPACK_TRELLIS_MMA_WIDE_KERNEL": raw}).wide_kernel == want, raw
-    assert "WIDE_KERNEL='wgmma' is not one of ('split', 'tc'); measuring each run's kernels" in caplog.text
+    assert "WIDE_KERNEL='wgmma' is not one of ('split', 'tc', 'dense'); measuring each run's kernels" in caplog.text
 
 
 def test_settings_from_the_environment():

@@ -105,7 +105,15 @@ class TrellisMmaTcShards(TrellisMmaShards):
     wide_kernel = "tc"
 
 
-BACKENDS = [Exllamav3Shards, TrellisMmaShards, TrellisMmaTcShards]
+class TrellisMmaDenseShards(TrellisMmaShards):
+    """trellis_mma with its dense route above 16 rows (the weights rebuilt in the model dtype per call, then cuBLAS;
+    the split-K kernel up to 16 rows)."""
+
+    name = "trellis_mma_dense"
+    wide_kernel = "dense"
+
+
+BACKENDS = [Exllamav3Shards, TrellisMmaShards, TrellisMmaTcShards, TrellisMmaDenseShards]
 
 
 def current_platform():
@@ -276,14 +284,15 @@ def assert_shards_match_reference(out: torch.Tensor, x: torch.Tensor, ts, prepar
 
 @pytest.mark.parametrize(
     "wide_fused,wide_kernel",
-    [(False, "split"), (True, "split"), (True, "tc")],
-    ids=["split-per-shard-above-16", "split-wide-fused", "tensor-core"],
+    [(False, "split"), (True, "split"), (True, "tc"), (True, "dense")],
+    ids=["split-per-shard-above-16", "split-wide-fused", "tensor-core", "dense"],
 )
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, wide_fused, wide_kernel, use):
     """q / k / v of one K and codebook fused (one launch up to 16 rows; above, with the split-K kernel a launch per
     shard, or with QUANTPACK_TRELLIS_MMA_WIDE_FUSED one launch per whole 64-row chunks that three shards' inputs fit in
-    the workspace's rows; with the tensor-core kernel one launch per such piece) give each shard's columns as its own
+    the workspace's rows; with the tensor-core kernel one launch per such piece; with the dense route a rebuild and a
+    GEMM per shard) give each shard's columns as its own
     launch does, within fp32 summation order (the split of k depends on the launch's column blocks), and within the
     fp64 reference's bound; 1500 rows take several pieces; a graph replay is bit-identical to eager; shards of another
     K are not fused; the fused op passes opcheck."""
@@ -363,7 +372,8 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch, u
 )
 def test_trellis_mma_runs_each_row_bucket_on_the_kernel_its_codes_name(setting, dtype, use, caplog):
     """A prepared run's bucket_kernels are the ones its load-time timings give (per bucket the fastest of the
-    project's kernels - on Hopper the split-K one and the tensor-core one at each row count per CTA - unless exllamav3
+    project's kernels - the split-K one, on Hopper the tensor-core one at each row count per CTA, from 128 rows the
+    dense route - unless exllamav3
     takes at most DELEGATE_MARGIN of its time; a fixed QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS sends the buckets above it
     to exllamav3), the timings are logged, and every call runs the kernel its bucket names: bit-equal to that kernel's
     own launch, unequal to the split-K kernel's where exllamav3 serves it, within the fp64 reference's bound."""
@@ -402,8 +412,9 @@ def test_trellis_mma_runs_each_row_bucket_on_the_kernel_its_codes_name(setting, 
 
 def check_bucket_choices(record, setting, tensor_cores: bool) -> None:
     """A selection record's choices: measured, each bucket's candidates timed (all of them, within 0.1 s a call) and
-    the chosen one the fastest own kernel or exllamav3 within the margin of it; the split-K kernel up to 16 rows and
-    the tensor-core kernel's row counts among the candidates above 16 rows on Hopper. Fixed at 16 rows: the split-K
+    the chosen one the fastest own kernel or exllamav3 within the margin of it; the split-K kernel alone up to 16
+    rows, the tensor-core kernel's row counts among the candidates above 16 rows on Hopper, the dense route from 128
+    rows. Fixed at 16 rows: the split-K
     kernel up to 16 rows, exllamav3 above, nothing timed."""
     from quantpack_core.trellis_mma import ops
     from quantpack_core.trellis_mma import selection as sel
@@ -416,9 +427,10 @@ def check_bucket_choices(record, setting, tensor_cores: bool) -> None:
     for bound, timed in zip(ops.ROW_BUCKETS, record.times_us, strict=True):
         assert all(0 < us < 1e5 for _, us in timed), bound
         own = [c for c, _ in timed if c != ops.DELEGATE]
-        assert own == ([ops.SPLIT] if bound <= 16 or not tensor_cores else own) and ops.DELEGATE in dict(timed)
+        assert ops.DELEGATE in dict(timed) and own[0] == ops.SPLIT and (bound > 16 or own == [ops.SPLIT]), bound
+        assert (ops.DENSE in own) == (bound >= ops.DENSE_ROWS), bound
         if bound > 16 and tensor_cores:
-            assert {ops.SPLIT, ops.TC64} <= set(own) and (bound < 256 or ops.TC256 in own), bound
+            assert ops.TC64 in own and (bound < 256 or ops.TC256 in own), bound
         fastest = min((us, c) for c, us in timed if c != ops.DELEGATE)
         theirs = dict(timed)[ops.DELEGATE]
         want = ops.DELEGATE if theirs <= sel.DELEGATE_MARGIN * fastest[0] else fastest[1]

@@ -55,6 +55,7 @@ UNITS = (
     Unit("moe.cu"),
     Unit("tc.cu", hopper_specific=True),
     Unit("moe_tc.cu", hopper_specific=True),
+    Unit("dense.cu"),
 )
 #: what to install when nvcc is missing
 NVCC_HINT = (
@@ -261,6 +262,13 @@ def load(arch: int) -> ctypes.CDLL:
     lib.qp_trellis_tc_rows.argtypes = [i32]
     lib.qp_trellis_tc_splits.restype = i32
     lib.qp_trellis_tc_splits.argtypes = [i32, i32, i32, i32, i32, i64, i64]
+    # the dense route (dense.cu): a shard's weights rebuilt for one GEMM
+    lib.qp_trellis_dense.restype = i32
+    lib.qp_trellis_dense.argtypes = [
+        ptr, ptr, ptr, ptr,  # trellis, suh, svh, w
+        i32, i32, i32, i32,  # k, n, first column, columns
+        i32, i32, i32, ptr,  # codebook, 2K, bf16, stream
+    ]  # fmt: skip
     lib.qp_decode_tile_host.restype = i32
     lib.qp_decode_tile_host.argtypes = [ptr, i32, i32, ptr]
     # expert banks

@@ -2,12 +2,12 @@
 input, each into its columns of the layer's output), its CUDA implementation, and the per-GPU workspace its launches
 share.
 
-The workspace is allocated when a shard is prepared (before any CUDA-graph capture) and only read by the op:
-split-K partial sums (float32), the arrival counters of the split-K reduction (int32, zero between launches), and
-for more than 16 rows the transformed input ``had128(x * suh)`` (float16, :data:`XH_ROWS` rows of the widest
-shard). Launches on one stream run one after another, so every shard on a GPU shares one workspace; two streams
-running trellis_mma launches at the same time on one GPU would need a workspace each (vLLM runs a model's linear
-layers on one stream).
+The workspace is allocated when a shard is prepared (before any CUDA-graph capture) and only read by the op: split-K
+partial sums (float32), the arrival counters of the split-K reduction (int32, zero between launches), and for more than
+16 rows the transformed input ``had128(x * suh)`` (float16, :data:`XH_ROWS` rows of the widest shard), and for the dense
+route the weights of the columns one of its GEMMs computes (:data:`DENSE_BYTES`). Launches on one stream run one after
+another, so every shard on a GPU shares one workspace; two streams running trellis_mma launches at the same time on one
+GPU would need a workspace each (vLLM runs a model's linear layers on one stream).
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ COUNTERS = 1 << 16
 XH_ROWS = 2048
 #: rows up to which one launch runs a layer's shards (one 16-row mma fragment)
 FUSED_ROWS = 16
+#: the dense route's rebuilt weights (model dtype, (columns, k)): each GEMM computes as many of a shard's columns as
+#: fit, a multiple of 128 (128 MiB: 16,384 columns at k 4,096, 4,608 at k 14,336)
+DENSE_BYTES = 128 << 20
+#: the smallest row bucket whose calls may take the dense route (its rebuild costs what the tensor-core kernel spends
+#: on a few hundred rows)
+DENSE_ROWS = 128
 
 
 def _in_cta(rows: int) -> bool:
@@ -47,9 +53,10 @@ def _in_cta(rows: int) -> bool:
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 #: what serves the calls of a row bucket, 3 bits a bucket in a run's ``bucket_kernels`` (bucket i at bit 3 i): the
-#: split-K kernel (linear.cu), the GPU's delegate (another implementation its format's adapter gives), or the
-#: tensor-core kernel (tc.cu, Hopper) with 64, 128 or 256 rows per CTA
-SPLIT, DELEGATE, TC64, TC128, TC256 = 0, 1, 2, 3, 4
+#: split-K kernel (linear.cu), the GPU's delegate (another implementation its format's adapter gives), the
+#: tensor-core kernel (tc.cu, Hopper) with 64, 128 or 256 rows per CTA, or the dense route (dense.cu: the weights
+#: rebuilt in the model dtype, then a cuBLAS GEMM)
+SPLIT, DELEGATE, TC64, TC128, TC256, DENSE = 0, 1, 2, 3, 4, 5
 #: rows per CTA of each tensor-core code
 TC_ROWS = {TC64: 64, TC128: 128, TC256: 256}
 BUCKET_BITS = 3
@@ -85,6 +92,7 @@ class Workspace:
         partials: float32 ``(PARTIAL_FLOATS,)``.
         counters: int32 ``(COUNTERS,)``, zero.
         xh: float16 ``(XH_ROWS, widest k)`` (up to 16 rows: ``(shards, rows, k)``, at most 8 x 16 rows).
+        dense: uint8 ``(DENSE_BYTES,)``, the dense route's rebuilt weights.
         arch: compute capability (``major * 10 + minor``), which library to load.
         target_ctas: CTAs a launch aims at, up to :data:`FUSED_ROWS` rows.
         target_ctas_wide: the same above :data:`FUSED_ROWS` rows.
@@ -97,6 +105,7 @@ class Workspace:
     partials: torch.Tensor
     counters: torch.Tensor
     xh: torch.Tensor
+    dense: torch.Tensor
     arch: int
     target_ctas: int
     target_ctas_wide: int
@@ -127,6 +136,7 @@ def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
             partials=torch.empty(PARTIAL_FLOATS, dtype=torch.float32, device=f"cuda:{index}"),
             counters=torch.zeros(COUNTERS, dtype=torch.int32, device=f"cuda:{index}"),
             xh=torch.empty((XH_ROWS, k), dtype=torch.float16, device=f"cuda:{index}"),
+            dense=torch.empty(DENSE_BYTES, dtype=torch.uint8, device=f"cuda:{index}"),
             arch=arch,
             target_ctas=per_sm * props.multi_processor_count,
             target_ctas_wide=per_sm_wide * props.multi_processor_count,
@@ -190,6 +200,9 @@ def run_trellis_mma(
     k = trellis[0].shape[0] * 16
     if not _in_cta(rows) and k > ws.xh.shape[1]:
         raise LibraryError(f"trellis_mma: k {k} is wider than the workspace reserved for this GPU ({ws.xh.shape[1]})")
+    if code == DENSE:
+        _run_dense(ws, x, trellis, suh, svh, codebook, k_bits, out_features, out, cols)
+        return
     if rows <= FUSED_ROWS:  # one launch for every shard
         _launch(ws, x, trellis, suh, svh, codebook, k_bits, out_features, out, cols)
         return
@@ -208,6 +221,27 @@ def run_trellis_mma(
         xr, outr = x[r0 : r0 + XH_ROWS], out[r0 : r0 + XH_ROWS]
         for t, s, v, o, c in zip(trellis, suh, svh, out_features, cols, strict=True):
             _launch(ws, xr, [t], [s], [v], codebook, k_bits, [o], outr, [c])
+
+
+def _run_dense(ws: Workspace, x: torch.Tensor, trellis, suh, svh, codebook, k_bits, out_features, out, cols) -> None:
+    """The dense route: per shard, per piece of its columns that the workspace holds, the weights rebuilt in the
+    model dtype (``qp_trellis_dense``), then ``out[:, piece] = x @ w.T`` (cuBLAS)."""
+    lib = load(ws.arch)
+    width = x.shape[1]
+    k = trellis[0].shape[0] * 16
+    weights = ws.dense.view(x.dtype)
+    piece = weights.numel() // k // 128 * 128
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    for t, s, v, o, c in zip(trellis, suh, svh, out_features, cols, strict=True):
+        for c0 in range(0, o, piece):
+            n = min(piece, o - c0)
+            code = lib.qp_trellis_dense(
+                t.data_ptr(), s.data_ptr(), v.data_ptr(), weights.data_ptr(), k, t.shape[1] * 16, c0, n,
+                codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16), stream,
+            )  # fmt: skip
+            check(code, f"dense route, k {k}, columns {c0}..{c0 + n}, K {k_bits:g}, codebook {codebook}")
+            w = weights[: n * k].view(n, k)[:, :width]
+            torch.mm(x, w.t(), out=out[:, c + c0 : c + c0 + n])
 
 
 def _shard_arrays(trellis, suh, svh, out_features, cols) -> tuple:
@@ -323,7 +357,8 @@ def trellis_mma_(
 
     A call runs on the kernel its row bucket's code in ``bucket_kernels`` names (:func:`kernel_of`; measured per shape
     at load: :func:`.selection.measure_bucket_kernels`): the split-K kernel (more than 16 rows: 64-row chunks, the
-    input transform in its own launch), the tensor-core kernel (Hopper; 17 rows and more) or the GPU's delegate.
+    input transform in its own launch), the tensor-core kernel (Hopper; 17 rows and more), the dense route or the
+    GPU's delegate.
 
     Args:
         x: ``(rows, in)`` float16 or bfloat16 activations (zero-extended to k inside the kernel).
@@ -333,7 +368,7 @@ def trellis_mma_(
         k_bits: bits per weight K.
         out_features: logical output width (<= n).
         bucket_kernels: the code of each row bucket (:data:`ROW_BUCKETS`, 3 bits each: :data:`SPLIT`,
-            :data:`DELEGATE`, :data:`TC64`, :data:`TC128`, :data:`TC256`).
+            :data:`DELEGATE`, :data:`TC64`, :data:`TC128`, :data:`TC256`, :data:`DENSE`).
         out: ``(rows, total)`` layer output in ``x``'s dtype, unit column stride, written in place.
         col: first output column of this shard.
 

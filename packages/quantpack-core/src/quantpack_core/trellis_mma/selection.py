@@ -2,12 +2,12 @@
 prepared; and the warm-up of every launch shape a CUDA-graph capture would otherwise meet first.
 
 Per row bucket (:data:`.ops.ROW_BUCKETS`) the candidates are the split-K kernel, on Hopper from 17 rows on the
-tensor-core kernel with 64, 128 or 256 rows per CTA (no more rows per CTA than the bucket's next power of two above
-64), and another implementation of the same call that the run's format may give (:class:`Delegate`: its adapter
-kernel passes it to :func:`.kernels.prepare_shard`). Each candidate runs the run's shape at the bucket's largest
-row count, and the fastest of the project's own kernels serves the bucket, unless the delegate takes at most
-:data:`DELEGATE_MARGIN` of its time (:func:`measure_bucket_kernels`). The table is logged per shape and kept
-(:func:`selection_records`).
+tensor-core kernel with 64, 128 or 256 rows per CTA (no more rows per CTA than the bucket's next power of two above 64),
+from :data:`.ops.DENSE_ROWS` rows on the dense route (the weights rebuilt once per call, then cuBLAS), and another
+implementation of the same call that the run's format may give (:class:`Delegate`: its adapter kernel passes it to
+:func:`.kernels.prepare_shard`). Each candidate runs the run's shape at the bucket's largest row count, and the fastest
+of the project's own kernels serves the bucket, unless the delegate takes at most :data:`DELEGATE_MARGIN` of its time
+(:func:`measure_bucket_kernels`). The table is logged per shape and kept (:func:`selection_records`).
 
 Source: docs/kernels.md ("The selection").
 """
@@ -24,6 +24,8 @@ from quantpack_core.kernels import PreparedShard
 
 from .ops import (
     DELEGATE,
+    DENSE,
+    DENSE_ROWS,
     FUSED_ROWS,
     ROW_BUCKETS,
     SPLIT,
@@ -64,7 +66,7 @@ class Delegate:
 
 
 #: what the records and log lines call each code
-KERNEL_NAMES = {SPLIT: "split", TC64: "tc64", TC128: "tc128", TC256: "tc256"}
+KERNEL_NAMES = {SPLIT: "split", TC64: "tc64", TC128: "tc128", TC256: "tc256", DENSE: "dense"}
 
 
 @dataclass(frozen=True)
@@ -121,15 +123,19 @@ def selection_records() -> list[SelectionRecord]:
 
 def own_candidates(bound: int, tensor_cores: bool) -> list[int]:
     """The project's kernels that may serve a bucket of up to ``bound`` rows under the settings in force: up to 16
-    rows, or without tensor cores, or with ``wide_kernel`` "split", the split-K kernel; with "tc" the tensor-core
-    kernel at :func:`.ops.tc_code`; unset, both, the tensor-core kernel with every row count per CTA up to ``bound``
-    rounded up to 64."""
+    rows, or with ``wide_kernel`` "split", the split-K kernel; with "dense" the dense route; with "tc" the
+    tensor-core kernel at :func:`.ops.tc_code` (the split-K kernel without tensor cores); unset, the split-K kernel,
+    with tensor cores the tensor-core kernel with every row count per CTA up to ``bound`` rounded up to 64, and from
+    :data:`.ops.DENSE_ROWS` rows the dense route."""
     wide = current().wide_kernel
-    if bound <= FUSED_ROWS or not tensor_cores or wide == "split":
+    if bound <= FUSED_ROWS or wide == "split":
         return [SPLIT]
+    if wide == "dense":
+        return [DENSE]
     if wide == "tc":
-        return [tc_code(bound)]
-    return [SPLIT, *(code for code in (TC64, TC128, TC256) if TC_ROWS[code] <= max(bound, 64))]
+        return [tc_code(bound)] if tensor_cores else [SPLIT]
+    tc = [code for code in (TC64, TC128, TC256) if TC_ROWS[code] <= max(bound, 64)] if tensor_cores else []
+    return [SPLIT, *tc, *([DENSE] if bound >= DENSE_ROWS else [])]
 
 
 def bucket_options(bucket: int, tensor_cores: bool, delegate: Delegate | None) -> list[int]:
@@ -251,8 +257,9 @@ def warm_up(
     run: PreparedShard, in_features: int, delegate: Delegate | None, dtype: torch.dtype, tensor_cores: bool = False
 ) -> None:
     """Run a new run shape once eagerly at every launch kind a CUDA-graph capture would otherwise meet first: the
-    fused split-K kernel (1 row), the unfused ones (2 and 17 rows) and, with ``tensor_cores``, the tensor-core
-    kernel's three row counts per CTA, so that their shared-memory limits are set; and, with a ``delegate`` (it can
+    fused split-K kernel (1 row), the unfused ones (2 and 17 rows), the dense route (its kernel's shared-memory limit
+    and cuBLAS's first call) and, with ``tensor_cores``, the tensor-core kernel's three row counts per CTA, so that
+    their shared-memory limits are set; and, with a ``delegate`` (it can
     take buckets), each of its ``warm_rows`` (e.g. kernels that time their launch shapes on a shape's first call,
     which must not happen during capture; with activations of the model's ``dtype``). A shape already warmed in this
     process the same way is skipped."""
@@ -265,7 +272,7 @@ def warm_up(
         return
     # one row (the in-CTA transform's kernel, unless inline_transform_rows is 0), two rows (the few-row kernel that
     # streams the transformed input), FUSED_ROWS + 1 (the 64-row kernel)
-    calls = [(1, SPLIT), (2, SPLIT), (FUSED_ROWS + 1, SPLIT)]
+    calls = [(1, SPLIT), (2, SPLIT), (FUSED_ROWS + 1, SPLIT), (FUSED_ROWS + 1, DENSE)]
     if tensor_cores:
         calls += [(FUSED_ROWS + 1, code) for code in (TC64, TC128, TC256)]
     if delegate is not None:

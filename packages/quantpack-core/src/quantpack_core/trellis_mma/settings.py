@@ -52,7 +52,8 @@ class Settings:
         wide_kernel: above 16 rows, None: the kernel of each row bucket (the split-K kernel, or on Hopper the
             tensor-core kernel with 64, 128 or 256 rows per CTA) is measured when a run is prepared, where there is a
             choice; "split" / "tc": that kernel for every bucket above 16 rows (the tensor-core one where the GPU
-            has it) [``..._WIDE_KERNEL``; another value: None, with a warning].
+            has it), "dense": the dense route (a shard's weights rebuilt in the model dtype per call, then cuBLAS)
+            [``..._WIDE_KERNEL``; another value: None, with a warning].
         moe_tc_picks: expert banks on Hopper: a call whose tokens x top_k reach this many picks per expert slot runs
             the tensor-core expert path (``csrc/moe_tc.cu``, 64-row work items), a smaller one the 16-row kernel; 0:
             never (and no buffers for it). 8: where the two paths cross on an H100 (``benchmarks/moe_op.py``, a
@@ -130,11 +131,12 @@ def _delegate_rows(environ: Mapping[str, str]) -> int | None:
 
 
 #: the values of ``wide_kernel`` besides None
-WIDE_KERNELS = ("split", "tc")
+WIDE_KERNELS = ("split", "tc", "dense")
 
 
 def _wide_kernel(environ: Mapping[str, str]) -> str | None:
-    """``QUANTPACK_TRELLIS_MMA_WIDE_KERNEL``: "split" or "tc", or None (unset, or another value, with a warning)."""
+    """``QUANTPACK_TRELLIS_MMA_WIDE_KERNEL``: "split", "tc" or "dense", or None (unset, or another value, with a
+    warning)."""
     raw = environ.get(f"{PREFIX}WIDE_KERNEL", "").strip().lower()
     if raw == "":
         return None
