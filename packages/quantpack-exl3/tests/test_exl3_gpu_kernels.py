@@ -372,8 +372,7 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch, u
 )
 def test_trellis_mma_runs_each_row_bucket_on_the_kernel_its_codes_name(setting, dtype, use, caplog):
     """A prepared run's bucket_kernels are the ones its load-time timings give (per bucket the fastest of the
-    project's kernels - the split-K one, on Hopper the tensor-core one at each row count per CTA, from 128 rows the
-    dense route - unless exllamav3
+    project's kernels - the split-K one, on Hopper the tensor-core one at each row count per CTA - unless exllamav3
     takes at most DELEGATE_MARGIN of its time; a fixed QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS sends the buckets above it
     to exllamav3), the timings are logged, and every call runs the kernel its bucket names: bit-equal to that kernel's
     own launch, unequal to the split-K kernel's where exllamav3 serves it, within the fp64 reference's bound."""
@@ -413,8 +412,8 @@ def test_trellis_mma_runs_each_row_bucket_on_the_kernel_its_codes_name(setting, 
 def check_bucket_choices(record, setting, tensor_cores: bool) -> None:
     """A selection record's choices: measured, each bucket's candidates timed (all of them, within 0.1 s a call) and
     the chosen one the fastest own kernel or exllamav3 within the margin of it; the split-K kernel alone up to 16
-    rows, the tensor-core kernel's row counts among the candidates above 16 rows on Hopper, the dense route from 128
-    rows. Fixed at 16 rows: the split-K
+    rows, the tensor-core kernel's row counts among the candidates above 16 rows on Hopper, the dense route not
+    among them (it serves where the setting forces it). Fixed at 16 rows: the split-K
     kernel up to 16 rows, exllamav3 above, nothing timed."""
     from quantpack_core.trellis_mma import ops
     from quantpack_core.trellis_mma import selection as sel
@@ -428,7 +427,7 @@ def check_bucket_choices(record, setting, tensor_cores: bool) -> None:
         assert all(0 < us < 1e5 for _, us in timed), bound
         own = [c for c, _ in timed if c != ops.DELEGATE]
         assert ops.DELEGATE in dict(timed) and own[0] == ops.SPLIT and (bound > 16 or own == [ops.SPLIT]), bound
-        assert (ops.DENSE in own) == (bound >= ops.DENSE_ROWS), bound
+        assert ops.DENSE not in own, bound
         if bound > 16 and tensor_cores:
             assert ops.TC64 in own and (bound < 256 or ops.TC256 in own), bound
         fastest = min((us, c) for c, us in timed if c != ops.DELEGATE)

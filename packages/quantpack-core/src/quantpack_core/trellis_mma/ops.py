@@ -37,9 +37,6 @@ FUSED_ROWS = 16
 #: the dense route's rebuilt weights (model dtype, (columns, k)): each GEMM computes as many of a shard's columns as
 #: fit, a multiple of 128 (128 MiB: 16,384 columns at k 4,096, 4,608 at k 14,336)
 DENSE_BYTES = 128 << 20
-#: the smallest row bucket whose calls may take the dense route (its rebuild costs what the tensor-core kernel spends
-#: on a few hundred rows)
-DENSE_ROWS = 128
 
 
 def _in_cta(rows: int) -> bool:

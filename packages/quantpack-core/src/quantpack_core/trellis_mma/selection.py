@@ -3,7 +3,7 @@ prepared; and the warm-up of every launch shape a CUDA-graph capture would other
 
 Per row bucket (:data:`.ops.ROW_BUCKETS`) the candidates are the split-K kernel, on Hopper from 17 rows on the
 tensor-core kernel with 64, 128 or 256 rows per CTA (no more rows per CTA than the bucket's next power of two above 64),
-from :data:`.ops.DENSE_ROWS` rows on the dense route (the weights rebuilt once per call, then cuBLAS), and another
+and another
 implementation of the same call that the run's format may give (:class:`Delegate`: its adapter kernel passes it to
 :func:`.kernels.prepare_shard`). Each candidate runs the run's shape at the bucket's largest row count, and the fastest
 of the project's own kernels serves the bucket, unless the delegate takes at most :data:`DELEGATE_MARGIN` of its time
@@ -25,7 +25,6 @@ from quantpack_core.kernels import PreparedShard
 from .ops import (
     DELEGATE,
     DENSE,
-    DENSE_ROWS,
     FUSED_ROWS,
     ROW_BUCKETS,
     SPLIT,
@@ -125,8 +124,8 @@ def own_candidates(bound: int, tensor_cores: bool) -> list[int]:
     """The project's kernels that may serve a bucket of up to ``bound`` rows under the settings in force: up to 16
     rows, or with ``wide_kernel`` "split", the split-K kernel; with "dense" the dense route; with "tc" the
     tensor-core kernel at :func:`.ops.tc_code` (the split-K kernel without tensor cores); unset, the split-K kernel,
-    with tensor cores the tensor-core kernel with every row count per CTA up to ``bound`` rounded up to 64, and from
-    :data:`.ops.DENSE_ROWS` rows the dense route."""
+    with tensor cores the tensor-core kernel with every row count per CTA up to ``bound`` rounded up to 64 (the
+    dense route serves where the setting forces it: no GPU run has timed it against these yet)."""
     wide = current().wide_kernel
     if bound <= FUSED_ROWS or wide == "split":
         return [SPLIT]
@@ -135,7 +134,7 @@ def own_candidates(bound: int, tensor_cores: bool) -> list[int]:
     if wide == "tc":
         return [tc_code(bound)] if tensor_cores else [SPLIT]
     tc = [code for code in (TC64, TC128, TC256) if TC_ROWS[code] <= max(bound, 64)] if tensor_cores else []
-    return [SPLIT, *tc, *([DENSE] if bound >= DENSE_ROWS else [])]
+    return [SPLIT, *tc]
 
 
 def bucket_options(bucket: int, tensor_cores: bool, delegate: Delegate | None) -> list[int]:
