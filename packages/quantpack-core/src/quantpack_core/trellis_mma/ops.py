@@ -89,7 +89,8 @@ class Workspace:
         partials: float32 ``(PARTIAL_FLOATS,)``.
         counters: int32 ``(COUNTERS,)``, zero.
         xh: float16 ``(XH_ROWS, widest k)`` (up to 16 rows: ``(shards, rows, k)``, at most 8 x 16 rows).
-        dense: uint8 ``(DENSE_BYTES,)``, the dense route's rebuilt weights.
+        dense: uint8 ``(DENSE_BYTES,)``, the dense route's rebuilt weights, where the settings let the route serve
+            (``wide_kernel`` "dense" when a shard is prepared); else empty.
         arch: compute capability (``major * 10 + minor``), which library to load.
         target_ctas: CTAs a launch aims at, up to :data:`FUSED_ROWS` rows.
         target_ctas_wide: the same above :data:`FUSED_ROWS` rows.
@@ -133,7 +134,7 @@ def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
             partials=torch.empty(PARTIAL_FLOATS, dtype=torch.float32, device=f"cuda:{index}"),
             counters=torch.zeros(COUNTERS, dtype=torch.int32, device=f"cuda:{index}"),
             xh=torch.empty((XH_ROWS, k), dtype=torch.float16, device=f"cuda:{index}"),
-            dense=torch.empty(DENSE_BYTES, dtype=torch.uint8, device=f"cuda:{index}"),
+            dense=torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}"),
             arch=arch,
             target_ctas=per_sm * props.multi_processor_count,
             target_ctas_wide=per_sm_wide * props.multi_processor_count,
@@ -142,6 +143,8 @@ def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
         _workspaces[index] = ws
     elif ws.xh.shape[1] < k:
         ws.xh = torch.empty((XH_ROWS, k), dtype=torch.float16, device=ws.xh.device)
+    if current().wide_kernel == "dense" and ws.dense.numel() < DENSE_BYTES:  # memory only where the route serves
+        ws.dense = torch.empty(DENSE_BYTES, dtype=torch.uint8, device=ws.xh.device)
     if delegate is not None and ws.delegate is not delegate:
         if ws.delegate is not None:
             raise LibraryError(
@@ -228,6 +231,11 @@ def _run_dense(ws: Workspace, x: torch.Tensor, trellis, suh, svh, codebook, k_bi
     k = trellis[0].shape[0] * 16
     weights = ws.dense.view(x.dtype)
     piece = weights.numel() // k // 128 * 128
+    if piece == 0:
+        raise LibraryError(
+            "trellis_mma: the dense route needs the workspace prepare() reserves under "
+            "QUANTPACK_TRELLIS_MMA_WIDE_KERNEL=dense; this GPU's has no room for its weights"
+        )
     stream = torch.cuda.current_stream(x.device).cuda_stream
     for t, s, v, o, c in zip(trellis, suh, svh, out_features, cols, strict=True):
         for c0 in range(0, o, piece):

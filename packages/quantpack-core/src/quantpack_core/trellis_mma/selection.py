@@ -255,23 +255,25 @@ def _graph_us(run: PreparedShard, x: torch.Tensor, out: torch.Tensor, bucket_ker
 def warm_up(
     run: PreparedShard, in_features: int, delegate: Delegate | None, dtype: torch.dtype, tensor_cores: bool = False
 ) -> None:
-    """Run a new run shape once eagerly at every launch kind a CUDA-graph capture would otherwise meet first: the
-    fused split-K kernel (1 row), the unfused ones (2 and 17 rows), the dense route (its kernel's shared-memory limit
-    and cuBLAS's first call) and, with ``tensor_cores``, the tensor-core kernel's three row counts per CTA, so that
-    their shared-memory limits are set; and, with a ``delegate`` (it can
-    take buckets), each of its ``warm_rows`` (e.g. kernels that time their launch shapes on a shape's first call,
-    which must not happen during capture; with activations of the model's ``dtype``). A shape already warmed in this
-    process the same way is skipped."""
+    """Run a new run shape once eagerly at every launch kind a CUDA-graph capture would otherwise meet first: the fused
+    split-K kernel (1 row), the unfused ones (2 and 17 rows), the dense route where the settings select it (its kernel's
+    shared-memory limit and cuBLAS's first call) and, with ``tensor_cores``, the tensor-core kernel's three row counts
+    per CTA, so that their shared-memory limits are set; and, with a ``delegate`` (it can take buckets), each of its
+    ``warm_rows`` (e.g. kernels that time their launch shapes on a shape's first call, which must not happen during
+    capture; with activations of the model's ``dtype``). A shape already warmed in this process the same way is
+    skipped."""
     trellis = _trellis_of(run)
     device = trellis[0].device
     name = None if delegate is None else delegate.name
-    settings = current().inline_transform_rows
+    settings = (current().inline_transform_rows, current().wide_kernel)
     key = (tuple(tuple(t.shape) for t in trellis), run.static[0], dtype, device, name, settings, tensor_cores)
     if key in _warmed:
         return
     # one row (the in-CTA transform's kernel, unless inline_transform_rows is 0), two rows (the few-row kernel that
     # streams the transformed input), FUSED_ROWS + 1 (the 64-row kernel)
-    calls = [(1, SPLIT), (2, SPLIT), (FUSED_ROWS + 1, SPLIT), (FUSED_ROWS + 1, DENSE)]
+    calls = [(1, SPLIT), (2, SPLIT), (FUSED_ROWS + 1, SPLIT)]
+    if current().wide_kernel == "dense":
+        calls.append((FUSED_ROWS + 1, DENSE))
     if tensor_cores:
         calls += [(FUSED_ROWS + 1, code) for code in (TC64, TC128, TC256)]
     if delegate is not None:
