@@ -22,7 +22,9 @@ pytestmark = [
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 CASES = [(k, cb) for k in (1, 2, 2.5, 3, 4, 5, 6, 8) for cb in CODEBOOK_IDS if k not in HALF_K or cb == "mul1"]
 #: the route's error may exceed the unavoidable rounding's (computed in float64) by this ratio: the kernel's float32
-#: transforms and cuBLAS's float32 sums add orders of magnitude less than one float16 rounding of the weights
+#: transforms and cuBLAS's float32 sums (ops.float32_sums) add orders of magnitude less than one float16 rounding of
+#: the weights (an emulation of the route measures 1.000; partial sums rounded to the output dtype, which
+#: float32_sums rules out, 1.22-1.29 in a simulation of 2-6 splits of k)
 RATIO = 1.1
 #: what torch.library.opcheck checks (as the packages' opcheck helper)
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -111,3 +113,23 @@ def test_fused_shards_a_graph_replay_and_opcheck():
     lists = [[tensors[f"{name}{i}"] for i in range(3)] for name in ("trellis", "suh", "svh")]
     args = (x, *lists, *fused.static[:2], list(fused.static[2]), fused.static[3], out, 0)
     torch.library.opcheck(torch.ops.quantpack.trellis_mma_.default, args, test_utils=OPCHECK_UTILS)
+
+
+def test_a_call_over_several_pieces_of_columns():
+    """A shard wider than the workspace's piece: with a workspace that holds three 128-column blocks at this k, a
+    1000-column shard (stored 1024) runs in pieces of 384, 384 and 232 columns, each rebuilt at its own offset."""
+    from quantpack_core.trellis_mma import ops
+
+    g = torch.Generator().manual_seed(9)
+    t = Exl3Tensors.from_tensors(random_exl3_layer(768, 1000, 4, "mul1", generator=g))
+    p = prepared(t, 1000, torch.float16)
+    ws = ops.workspace(torch.device("cuda"))
+    whole = ws.dense
+    ws.dense = torch.empty(3 * 128 * 768 * 2, dtype=torch.uint8, device="cuda")
+    try:
+        x = torch.randn((300, 768), generator=g).half()
+        y = run(p, x.cuda(), 1000, col=8)
+    finally:
+        ws.dense = whole
+    ref = reference_linear(x.double(), t, torch.float64, out_features=1000)
+    assert rel_err(y, ref) <= RATIO * rel_err(unavoidable(x, t, 1000), ref)

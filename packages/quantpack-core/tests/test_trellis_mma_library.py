@@ -439,3 +439,25 @@ def test_moe_path_choice_depends_on_the_token_count_only():
         assert not uses_tensor_cores(with_tc, 4096, 8, 128)
     assert settings.Settings.from_env({"QUANTPACK_TRELLIS_MMA_MOE_TC_PICKS": "0"}).moe_tc_picks == 0
     assert settings.Settings.from_env({"QUANTPACK_TRELLIS_MMA_MOE_TC_PICKS": "-3"}).moe_tc_picks == 8
+
+
+def test_the_dense_route_sums_in_float32_and_restores_the_switches():
+    """Inside float32_sums() torch's switches that let cuBLAS round float16 / bfloat16 partial sums are off; after
+    it (also after an error) they are as they were, split-K part included where the release has one."""
+    import torch
+
+    from quantpack_core.trellis_mma.ops import REDUCTION_SWITCHES, float32_sums
+
+    matmul = torch.backends.cuda.matmul
+    before = [getattr(matmul, name) for name in REDUCTION_SWITCHES]
+    for start in (True, False):
+        for name in REDUCTION_SWITCHES:
+            setattr(matmul, name, start)
+        try:
+            with pytest.raises(RuntimeError), float32_sums():
+                assert [getattr(matmul, name) for name in REDUCTION_SWITCHES] == [False, False]
+                raise RuntimeError("inside")
+            assert [getattr(matmul, name) for name in REDUCTION_SWITCHES] == [start, start]
+        finally:
+            for name, value in zip(REDUCTION_SWITCHES, before, strict=True):
+                setattr(matmul, name, value)

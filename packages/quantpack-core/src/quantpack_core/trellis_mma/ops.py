@@ -12,6 +12,7 @@ GPU would need a workspace each (vLLM runs a model's linear layers on one stream
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 from dataclasses import dataclass
@@ -225,28 +226,55 @@ def run_trellis_mma(
 
 def _run_dense(ws: Workspace, x: torch.Tensor, trellis, suh, svh, codebook, k_bits, out_features, out, cols) -> None:
     """The dense route: per shard, per piece of its columns that the workspace holds, the weights rebuilt in the
-    model dtype (``qp_trellis_dense``), then ``out[:, piece] = x @ w.T`` (cuBLAS)."""
+    model dtype (``qp_trellis_dense``), then ``out[:, piece] = x @ w.T`` (cuBLAS, summing in float32)."""
     lib = load(ws.arch)
     width = x.shape[1]
     k = trellis[0].shape[0] * 16
     weights = ws.dense.view(x.dtype)
     piece = weights.numel() // k // 128 * 128
+    if width > k:
+        raise LibraryError(f"trellis_mma: dense route: an input of {width} features for a shard of {k}")
     if piece == 0:
         raise LibraryError(
             "trellis_mma: the dense route needs the workspace prepare() reserves under "
             "QUANTPACK_TRELLIS_MMA_WIDE_KERNEL=dense; this GPU's has no room for its weights"
         )
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    for t, s, v, o, c in zip(trellis, suh, svh, out_features, cols, strict=True):
-        for c0 in range(0, o, piece):
-            n = min(piece, o - c0)
-            code = lib.qp_trellis_dense(
-                t.data_ptr(), s.data_ptr(), v.data_ptr(), weights.data_ptr(), k, t.shape[1] * 16, c0, n,
-                codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16), stream,
-            )  # fmt: skip
-            check(code, f"dense route, k {k}, columns {c0}..{c0 + n}, K {k_bits:g}, codebook {codebook}")
-            w = weights[: n * k].view(n, k)[:, :width]
-            torch.mm(x, w.t(), out=out[:, c + c0 : c + c0 + n])
+    with float32_sums():
+        for t, s, v, o, c in zip(trellis, suh, svh, out_features, cols, strict=True):
+            for c0 in range(0, o, piece):
+                n = min(piece, o - c0)
+                code = lib.qp_trellis_dense(
+                    t.data_ptr(), s.data_ptr(), v.data_ptr(), weights.data_ptr(), k, t.shape[1] * 16, c0, n,
+                    codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16), stream,
+                )  # fmt: skip
+                check(code, f"dense route, k {k}, columns {c0}..{c0 + n}, K {k_bits:g}, codebook {codebook}")
+                w = weights[: n * k].view(n, k)[:, :width]
+                torch.mm(x, w.t(), out=out[:, c + c0 : c + c0 + n])
+
+
+#: torch's switches that let cuBLAS round the partial sums of a float16 / bfloat16 GEMM to that dtype
+REDUCTION_SWITCHES = ("allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction")
+
+
+@contextlib.contextmanager
+def float32_sums():
+    """cuBLAS GEMMs inside the block sum in float32 throughout (torch's default lets it round split-K partials to
+    the output dtype, which would add a rounding to the dense route's calls of few rows); the switches as they were
+    after it (with their split-K part, where the torch release has one)."""
+    matmul = torch.backends.cuda.matmul
+    before = {}
+    for name in REDUCTION_SWITCHES:
+        try:
+            before[name] = (getattr(matmul, name), getattr(matmul, f"{name}_split_k"))
+        except AttributeError:
+            before[name] = getattr(matmul, name)
+        setattr(matmul, name, False)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(matmul, name, value)
 
 
 def _shard_arrays(trellis, suh, svh, out_features, cols) -> tuple:
