@@ -19,8 +19,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU tier: nox -s gpu-tests)"),
 ]
 
-CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
-CASES = [(k, cb) for k in (1, 2, 2.5, 3, 4, 5, 6, 8) for cb in CODEBOOK_IDS if k not in HALF_K or cb == "mul1"]
+CODEBOOKS = ("3inst", "mcg", "mul1")
+CASES = [(k, cb) for k in (1, 2, 2.5, 3, 4, 5, 6, 8) for cb in CODEBOOKS if k not in HALF_K or cb == "mul1"]
 #: the route's error may exceed the unavoidable rounding's (computed in float64) by this ratio: the kernel's float32
 #: transforms and cuBLAS's float32 sums (ops.float32_sums) add orders of magnitude less than one float16 rounding of
 #: the weights (an emulation of the route measures 1.000; partial sums rounded to the output dtype, which
@@ -40,7 +40,7 @@ def prepared(t: Exl3Tensors, out_features: int, dtype: torch.dtype):
 
     with settings.using(delegate_rows=0, wide_kernel="dense"):
         return kernels.prepare_shard(
-            t.trellis, t.suh, t.svh, CODEBOOK_IDS[t.codebook.value], float(t.k_bits), out_features, dtype,
+            t.trellis, t.suh, t.svh, t.codebook.kernel_id, float(t.k_bits), out_features, dtype,
             torch.device("cuda"),
         )  # fmt: skip
 

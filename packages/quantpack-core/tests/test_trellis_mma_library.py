@@ -10,6 +10,7 @@ import ctypes
 import pytest
 import torch
 
+from quantpack_core.codec import Codebook
 from quantpack_core.codec.trellis import HALF_K, LEGAL_K, decode_tiles, tile_words, width_from_k
 from quantpack_core.trellis_mma import library, settings
 from quantpack_core.trellis_mma.ops import COUNTERS, PARTIAL_FLOATS
@@ -35,15 +36,14 @@ def lib():
         library.load.cache_clear()
 
 
-CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
-DECODE_CASES = [(k, cb) for k in LEGAL_K for cb in CODEBOOK_IDS if k not in HALF_K or cb == "mul1"]
+DECODE_CASES = [(k, cb.value) for k in LEGAL_K for cb in Codebook if k not in HALF_K or cb == "mul1"]
 
 
 @needs_nvcc
 @pytest.mark.parametrize("k_bits,codebook", DECODE_CASES, ids=[f"K{k:g}-{cb}" for k, cb in DECODE_CASES])
 def test_kernel_decode_equals_the_codec(lib, k_bits, codebook):
     """64 random tiles (every bit pattern is a legal trellis) plus the all-zero and all-one tiles."""
-    g = torch.Generator().manual_seed(int(k_bits * 10) + CODEBOOK_IDS[codebook])
+    g = torch.Generator().manual_seed(int(k_bits * 10) + Codebook(codebook).kernel_id)
     width = width_from_k(k_bits)
     tiles = torch.randint(-(1 << 15), 1 << 15, (66, 1, width), generator=g, dtype=torch.int32).to(torch.int16)
     tiles[64], tiles[65] = 0, -1
@@ -53,7 +53,7 @@ def test_kernel_decode_equals_the_codec(lib, k_bits, codebook):
     got = torch.empty((66, 256), dtype=torch.int16)
     for t in range(66):
         code = lib.qp_decode_tile_host(
-            ctypes.c_void_p(words[t].data_ptr()), CODEBOOK_IDS[codebook], round(2 * k_bits),
+            ctypes.c_void_p(words[t].data_ptr()), Codebook(codebook).kernel_id, round(2 * k_bits),
             ctypes.c_void_p(got[t].data_ptr()),
         )  # fmt: skip
         assert code == 0

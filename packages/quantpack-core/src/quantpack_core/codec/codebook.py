@@ -49,6 +49,11 @@ class Codebook(enum.StrEnum):
         return None if self is Codebook.INST3 else self.value
 
     @property
+    def kernel_id(self) -> int:
+        """The id the CUDA kernels take for it (trellis_mma's and exllamav3's): 0 = 3INST, 1 = mcg, 2 = mul1."""
+        return {Codebook.INST3: 0, Codebook.MCG: 1, Codebook.MUL1: 2}[self]
+
+    @property
     def multiplier(self) -> int:
         """The 32-bit multiplier of the state hash (also the value the pack's marker tensor holds)."""
         return {Codebook.INST3: INST3_MULT, Codebook.MCG: MCG_MULT, Codebook.MUL1: MUL1_MULT}[self]

@@ -31,8 +31,6 @@ from quantpack_core.trellis_mma.library import add_fallback
 from ...codec import HAD_GAIN, EschaTensors
 
 NAME = trellis_mma.NAME
-#: the kernels' codebook id of mcg, escha's codebook
-MCG_ID = 1
 #: float16's smallest normal and largest finite magnitudes: ``suh`` / ``svh`` entries outside them would lose bits
 FP16_TINY, FP16_MAX = 2.0**-14, 65504.0
 #: ``suh`` peaks at 1 as EXL3's do; up to this peak where ``svh`` would otherwise leave float16's normal range (the
@@ -113,7 +111,7 @@ class EschaTrellisMmaLinearKernel(LinearKernel):
         """
         t = exl3_shard(shard, spec.describe())
         return trellis_mma.prepare_shard(
-            t.trellis, t.suh, t.svh, MCG_ID, float(t.k_bits), spec.out_features, spec.act_dtype, device
+            t.trellis, t.suh, t.svh, Codebook.MCG.kernel_id, float(t.k_bits), spec.out_features, spec.act_dtype, device
         )
 
     @classmethod

@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from quantpack_core.codec import Codebook, Exl3Tensors
+from quantpack_core.codec import Exl3Tensors
 from quantpack_core.kernels import (
     ExpertKernel,
     ExpertSpec,
@@ -45,7 +45,6 @@ MIN_CAPABILITY = 80
 #: one row count per autotune bucket of exl3_gemm (rows <= 16 round up to a power of two, then 32, 48, 64),
 #: plus one reconstruct-path call
 WARMUP_ROWS = (1, 3, 5, 9, 17, 33, 49, AUTO_RECONSTRUCT_THRESHOLD + 1)
-CODEBOOK_IDS = {Codebook.INST3: 0, Codebook.MCG: 1, Codebook.MUL1: 2}
 #: model dtypes the kernels take (activations are cast to fp16 inside the op)
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP16_MAX = 65504.0
@@ -116,7 +115,7 @@ class Exllamav3LinearKernel(LinearKernel):
             "suh": t.suh.to(device=device, dtype=torch.float16).contiguous(),
             "svh": t.svh.to(device=device, dtype=torch.float16).contiguous(),
         }
-        static = (CODEBOOK_IDS[t.codebook], float(t.k_bits), spec.out_features)
+        static = (t.codebook.kernel_id, float(t.k_bits), spec.out_features)
         prepared = PreparedShard(exl3_gemm_, tensors, spec.out_features, static)
         warm_up(prepared, spec.in_features, spec.act_dtype)
         return prepared
@@ -175,5 +174,5 @@ class Exllamav3ExpertKernel(ExpertKernel):
         Source: docs/moe-bank.md ("Pointer tables"); exllamav3 ``MultiLinear`` (``ptrs_trellis`` / ``ptrs_suh`` /
         ``ptrs_svh``).
         """
-        tensors, static = grouped_inputs(bank, CODEBOOK_IDS[bank.plan.codebook], device)
+        tensors, static = grouped_inputs(bank, bank.plan.codebook.kernel_id, device)
         return PreparedBank(exl3_moe_, tensors, static)

@@ -15,7 +15,7 @@ import logging
 import torch
 
 from quantpack_core import trellis_mma
-from quantpack_core.codec import Codebook, Exl3Tensors
+from quantpack_core.codec import Exl3Tensors
 from quantpack_core.kernels import (
     ExpertKernel,
     ExpertSpec,
@@ -33,7 +33,6 @@ from quantpack_core.trellis_mma.moe import MAX_GROUPS as MOE_MAX_GROUPS
 from quantpack_core.trellis_mma.selection import Delegate
 
 NAME = trellis_mma.NAME
-CODEBOOK_IDS = {Codebook.INST3: 0, Codebook.MCG: 1, Codebook.MUL1: 2}
 
 add_fallback("QUANTPACK_EXL3_BACKEND=exllamav3")
 _warned_bf16 = False
@@ -107,7 +106,7 @@ class TrellisMmaLinearKernel(LinearKernel):
         _warn_bf16_once(spec, delegate)
         t = shard
         return trellis_mma.prepare_shard(
-            t.trellis, t.suh, t.svh, CODEBOOK_IDS[t.codebook], float(t.k_bits), spec.out_features, spec.act_dtype,
+            t.trellis, t.suh, t.svh, t.codebook.kernel_id, float(t.k_bits), spec.out_features, spec.act_dtype,
             device, delegate,
         )  # fmt: skip
 
@@ -161,7 +160,7 @@ class TrellisMmaExpertKernel(ExpertKernel):
                 launch failed.
         """
         plan = bank.plan
-        tensors, static = grouped_inputs(bank, CODEBOOK_IDS[plan.codebook], device)
+        tensors, static = grouped_inputs(bank, plan.codebook.kernel_id, device)
         # one pick per group's first slot: every group's gate/up and down instantiation is configured
         firsts = [plan.inv_perm[g.lo] for g in plan.groups]
         return trellis_mma.prepare_bank(
