@@ -372,14 +372,13 @@ def run(args) -> None:
         ok, why = kernel.available(device_platform())
         record["kernels"][name] = bench_kernel(kernel, stack, rows_list, device, label=name) if ok else {"skipped": why}
         torch.cuda.empty_cache()
-        if name == "trellis_mma" and ok and torch.cuda.get_device_capability() == (9, 0):
-            with settings.using(wide_kernel="tc"):
-                record["kernels"]["trellis_mma_tc"] = bench_kernel(kernel, stack, rows_list, device, label=name)
-            torch.cuda.empty_cache()
-        if name == "trellis_mma" and ok:
-            with settings.using(wide_kernel="dense"):
-                record["kernels"]["trellis_mma_dense"] = bench_kernel(kernel, stack, rows_list, device, label=name)
-            torch.cuda.empty_cache()
+        if name == "trellis_mma" and ok:  # its other kernels above 16 rows: tensor cores (Hopper), the dense route
+            hopper = torch.cuda.get_device_capability() == (9, 0)
+            for wide in ("tc", "dense") if hopper else ("dense",):
+                with settings.using(wide_kernel=wide):
+                    timed = bench_kernel(kernel, stack, rows_list, device, label=name)
+                record["kernels"][f"trellis_mma_{wide}"] = timed
+                torch.cuda.empty_cache()
         if name == "trellis_mma" and ok and "exllamav3" in args.kernels.split(","):
             record["kernels"]["trellis_mma"]["served"] = bench_served(kernel, stack, rows_list, device)
     del stack
