@@ -37,6 +37,8 @@ from pathlib import Path
 import torch
 
 HIDDEN, INTER, LAYERS, VOCAB = 4096, 14336, 32, 128256
+#: the record's lines of trellis_mma under another wide kernel (its ``wide_kernel`` setting), timed in its run
+TRELLIS_VARIANTS = {"trellis_mma_tc": "tc", "trellis_mma_dense": "dense"}
 #: (class, in, out) of one layer's shards
 LAYER_SHARDS = [
     ("q", HIDDEN, HIDDEN),
@@ -300,6 +302,8 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, default=Path(__file__).with_name("results") / "kernel_8b.json")
     args = ap.parse_args()
+    if variants := sorted(set(args.kernels.split(",")) & set(TRELLIS_VARIANTS)):
+        ap.error(f"--kernels {', '.join(variants)}: timed within trellis_mma's run (name trellis_mma)")
     from quantpack_core.trellis_mma import settings
 
     with settings.using(**trellis_settings(args)):
@@ -374,10 +378,11 @@ def run(args) -> None:
         torch.cuda.empty_cache()
         if name == "trellis_mma" and ok:  # its other kernels above 16 rows: tensor cores (Hopper), the dense route
             hopper = torch.cuda.get_device_capability() == (9, 0)
-            for wide in ("tc", "dense") if hopper else ("dense",):
+            for variant, wide in TRELLIS_VARIANTS.items():
+                if wide == "tc" and not hopper:
+                    continue
                 with settings.using(wide_kernel=wide):
-                    timed = bench_kernel(kernel, stack, rows_list, device, label=name)
-                record["kernels"][f"trellis_mma_{wide}"] = timed
+                    record["kernels"][variant] = bench_kernel(kernel, stack, rows_list, device, label=name)
                 torch.cuda.empty_cache()
         if name == "trellis_mma" and ok and "exllamav3" in args.kernels.split(","):
             record["kernels"]["trellis_mma"]["served"] = bench_served(kernel, stack, rows_list, device)

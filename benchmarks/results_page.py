@@ -122,9 +122,10 @@ def kernel_lines(record: dict) -> list[tuple[str, dict]]:
     """``(label, {rows: ms})`` per measured line of a ``kernel_8b.py`` record, then dense bf16 and the floor."""
     lines = []
     for kernel, variant in KERNEL_LINES:
-        res = record.get("kernels", {}).get(kernel)
-        if res is not None and (variant is None or variant in res):
-            lines.append((f"`{kernel}` {variant or ''}".strip(), (res[variant] if variant else res)["stack_ms"]))
+        res = record.get("kernels", {}).get(kernel, {})
+        res = res.get(variant, {}) if variant else res
+        if "stack_ms" in res:  # a kernel the run skipped has its reason instead
+            lines.append((f"`{kernel}` {variant or ''}".strip(), res["stack_ms"]))
     if "dense_bf16" in record:
         lines.append(("dense bf16 (cuBLAS)", record["dense_bf16"]["stack_ms"]))
     return lines

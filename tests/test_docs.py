@@ -121,3 +121,35 @@ def test_the_benchmark_tables_are_what_the_records_give():
     page = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(page)
     assert page.stale() == [], "regenerate with: python3 benchmarks/results_page.py --write"
+
+
+def test_a_kernel_the_run_skipped_has_no_line_in_the_stack_table():
+    spec = importlib.util.spec_from_file_location("results_page", ROOT / "benchmarks" / "results_page.py")
+    page = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(page)
+    timed = {"stack_ms": {"1": 2.0, "64": 5.0}}
+    record = {
+        "kernels": {
+            "trellis_mma": {**timed, "fused": timed},
+            "trellis_mma_tc": {"skipped": "not a Hopper GPU"},
+            "exllamav3": {"skipped": "its extension does not import"},
+        },
+        "dense_bf16": {"stack_ms": {"1": 3.0, "64": 3.5}},
+    }
+    assert [label for label, _ in page.kernel_lines(record)] == [
+        "`trellis_mma` fused",
+        "`trellis_mma`",
+        "dense bf16 (cuBLAS)",
+    ]
+
+
+def test_the_kernel_benchmark_refuses_a_variant_named_as_a_kernel():
+    """``trellis_mma_tc`` / ``trellis_mma_dense`` are lines of trellis_mma's own run: named in --kernels they would
+    overwrite those lines with a skip."""
+    import subprocess
+    import sys
+
+    script = ROOT / "benchmarks" / "kernel_8b.py"
+    args = ["--kernels", "exllamav3,trellis_mma,trellis_mma_tc"]
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+    assert done.returncode == 2 and "trellis_mma_tc: timed within trellis_mma's run" in done.stderr, done.stderr
