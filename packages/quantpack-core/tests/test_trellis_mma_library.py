@@ -174,7 +174,7 @@ def test_row_buckets_and_their_codes():
 
 def test_the_options_of_each_bucket_under_the_settings():
     """Which kernels may serve a row bucket: up to 16 rows the split-K kernel; above, the split-K kernel, on Hopper the
-    tensor-core one at every row count per CTA up to the bucket's (timed at load),
+    tensor-core one at every row count per CTA up to the bucket's, from 1024 rows the dense route (timed at load),
     or one of them where QUANTPACK_TRELLIS_MMA_WIDE_KERNEL says (the tensor-core kernel only on Hopper); a delegate
     is timed beside them unless QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS is set, which then sends exactly the buckets
     whose smallest row count exceeds it (a threshold above 1024 counting as 1024: the open-ended bucket above 1024
@@ -186,11 +186,12 @@ def test_the_options_of_each_bucket_under_the_settings():
     other = Delegate("other", lambda *a: None)
     every = range(len(ROW_BUCKETS))
     with using(delegate_rows=None, wide_kernel=None):
-        assert [bucket_options(i, False, None) for i in every] == [[SPLIT]] * len(ROW_BUCKETS)
+        assert [bucket_options(i, False, None) for i in every] == [[SPLIT]] * 10 + [[SPLIT, DENSE]] * 2
         hopper = [bucket_options(i, True, other) for i in every]
         assert hopper[:5] == [[SPLIT, DELEGATE]] * 5 and hopper[5] == hopper[6] == [SPLIT, TC64, DELEGATE]
         assert hopper[7] == [SPLIT, TC64, TC128, DELEGATE]
-        assert hopper[8:] == [[SPLIT, TC64, TC128, TC256, DELEGATE]] * 4
+        assert hopper[8:10] == [[SPLIT, TC64, TC128, TC256, DELEGATE]] * 2
+        assert hopper[10:] == [[SPLIT, TC64, TC128, TC256, DENSE, DELEGATE]] * 2
     with using(delegate_rows=0, wide_kernel="tc"):
         assert [bucket_options(i, True, other) for i in every] == [
             [c] for c in [SPLIT] * 5 + [TC64] * 2 + [TC128] + [TC256] * 4

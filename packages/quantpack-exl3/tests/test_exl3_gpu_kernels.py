@@ -412,8 +412,8 @@ def test_trellis_mma_runs_each_row_bucket_on_the_kernel_its_codes_name(setting, 
 def check_bucket_choices(record, setting, tensor_cores: bool) -> None:
     """A selection record's choices: measured, each bucket's candidates timed (all of them, within 0.1 s a call) and
     the chosen one the fastest own kernel or exllamav3 within the margin of it; the split-K kernel alone up to 16
-    rows, the tensor-core kernel's row counts among the candidates above 16 rows on Hopper, the dense route not
-    among them (it serves where the setting forces it). Fixed at 16 rows: the split-K
+    rows, the tensor-core kernel's row counts among the candidates above 16 rows on Hopper, the dense route among
+    them from DENSE_ROWS rows. Fixed at 16 rows: the split-K
     kernel up to 16 rows, exllamav3 above, nothing timed."""
     from quantpack_core.trellis_mma import ops
     from quantpack_core.trellis_mma import selection as sel
@@ -427,7 +427,7 @@ def check_bucket_choices(record, setting, tensor_cores: bool) -> None:
         assert all(0 < us < 1e5 for _, us in timed), bound
         own = [c for c, _ in timed if c != ops.DELEGATE]
         assert ops.DELEGATE in dict(timed) and own[0] == ops.SPLIT and (bound > 16 or own == [ops.SPLIT]), bound
-        assert ops.DENSE not in own, bound
+        assert (ops.DENSE in own) == (bound >= ops.DENSE_ROWS), bound
         if bound > 16 and tensor_cores:
             assert ops.TC64 in own and (bound < 256 or ops.TC256 in own), bound
         fastest = min((us, c) for c, us in timed if c != ops.DELEGATE)

@@ -38,6 +38,10 @@ FUSED_ROWS = 16
 #: the dense route's rebuilt weights (model dtype, (columns, k)): each GEMM computes as many of a shard's columns as
 #: fit, a multiple of 128 (128 MiB: 16,384 columns at k 4,096, 4,608 at k 14,336)
 DENSE_BYTES = 128 << 20
+#: the smallest bucket bound whose calls may take the dense route (timed beside the other kernels at load): its rebuild
+#: of every weight per call pays off only over many rows (benchmarks/results/kernel_8b.json: on the 8B stack behind
+#: the tensor-core kernel at 1,024 rows, ahead of it at 4,096)
+DENSE_ROWS = 1024
 
 
 def _in_cta(rows: int) -> bool:
@@ -91,7 +95,7 @@ class Workspace:
         counters: int32 ``(COUNTERS,)``, zero.
         xh: float16 ``(XH_ROWS, widest k)`` (up to 16 rows: ``(shards, rows, k)``, at most 8 x 16 rows).
         dense: uint8 ``(DENSE_BYTES,)``, the dense route's rebuilt weights, where the settings let the route serve
-            (``wide_kernel`` "dense" when a shard is prepared); else empty.
+            when a shard is prepared (:func:`dense_may_serve`); else empty.
         arch: compute capability (``major * 10 + minor``), which library to load.
         target_ctas: CTAs a launch aims at, up to :data:`FUSED_ROWS` rows.
         target_ctas_wide: the same above :data:`FUSED_ROWS` rows.
@@ -144,7 +148,7 @@ def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
         _workspaces[index] = ws
     elif ws.xh.shape[1] < k:
         ws.xh = torch.empty((XH_ROWS, k), dtype=torch.float16, device=ws.xh.device)
-    if current().wide_kernel == "dense" and ws.dense.numel() < DENSE_BYTES:  # memory only where the route serves
+    if dense_may_serve() and ws.dense.numel() < DENSE_BYTES:  # memory only where the route may serve
         ws.dense = torch.empty(DENSE_BYTES, dtype=torch.uint8, device=ws.xh.device)
     if delegate is not None and ws.delegate is not delegate:
         if ws.delegate is not None:
@@ -154,6 +158,12 @@ def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
             )
         ws.delegate = delegate
     return ws
+
+
+def dense_may_serve() -> bool:
+    """Whether the settings in force let the dense route serve a bucket: ``wide_kernel`` unset (it is timed at load
+    from :data:`DENSE_ROWS` rows) or "dense"."""
+    return current().wide_kernel in (None, "dense")
 
 
 def workspace(device: torch.device) -> Workspace | None:
@@ -236,8 +246,8 @@ def _run_dense(ws: Workspace, x: torch.Tensor, trellis, suh, svh, codebook, k_bi
         raise LibraryError(f"trellis_mma: dense route: an input of {width} features for a shard of {k}")
     if piece == 0:
         raise LibraryError(
-            "trellis_mma: the dense route needs the workspace prepare() reserves under "
-            "QUANTPACK_TRELLIS_MMA_WIDE_KERNEL=dense; this GPU's has no room for its weights"
+            "trellis_mma: the dense route needs the weights buffer prepare() reserves where the route may serve "
+            "(QUANTPACK_TRELLIS_MMA_WIDE_KERNEL unset or dense); this GPU's workspace has none"
         )
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with float32_sums():

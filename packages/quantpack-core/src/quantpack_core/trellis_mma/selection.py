@@ -3,7 +3,7 @@ prepared; and the warm-up of every launch shape a CUDA-graph capture would other
 
 Per row bucket (:data:`.ops.ROW_BUCKETS`) the candidates are the split-K kernel, on Hopper from 17 rows on the
 tensor-core kernel with 64, 128 or 256 rows per CTA (no more rows per CTA than the bucket's next power of two above 64),
-and another
+from :data:`.ops.DENSE_ROWS` rows the dense route (the weights rebuilt once per call, then cuBLAS), and another
 implementation of the same call that the run's format may give (:class:`Delegate`: its adapter kernel passes it to
 :func:`.kernels.prepare_shard`). Each candidate runs the run's shape at the bucket's largest row count, and the fastest
 of the project's own kernels serves the bucket, unless the delegate takes at most :data:`DELEGATE_MARGIN` of its time
@@ -25,6 +25,7 @@ from quantpack_core.kernels import PreparedShard
 from .ops import (
     DELEGATE,
     DENSE,
+    DENSE_ROWS,
     FUSED_ROWS,
     ROW_BUCKETS,
     SPLIT,
@@ -33,6 +34,7 @@ from .ops import (
     TC256,
     TC_ROWS,
     bucket_kernels_of,
+    dense_may_serve,
     kernel_of,
     tc_code,
     workspace,
@@ -124,8 +126,8 @@ def own_candidates(bound: int, tensor_cores: bool) -> list[int]:
     """The project's kernels that may serve a bucket of up to ``bound`` rows under the settings in force: up to 16
     rows, or with ``wide_kernel`` "split", the split-K kernel; with "dense" the dense route; with "tc" the
     tensor-core kernel at :func:`.ops.tc_code` (the split-K kernel without tensor cores); unset, the split-K kernel,
-    with tensor cores the tensor-core kernel with every row count per CTA up to ``bound`` rounded up to 64 (the
-    dense route serves where the setting forces it: no GPU run has timed it against these yet)."""
+    with tensor cores the tensor-core kernel with every row count per CTA up to ``bound`` rounded up to 64, and from
+    :data:`.ops.DENSE_ROWS` rows the dense route."""
     wide = current().wide_kernel
     if bound <= FUSED_ROWS or wide == "split":
         return [SPLIT]
@@ -134,7 +136,7 @@ def own_candidates(bound: int, tensor_cores: bool) -> list[int]:
     if wide == "tc":
         return [tc_code(bound)] if tensor_cores else [SPLIT]
     tc = [code for code in (TC64, TC128, TC256) if TC_ROWS[code] <= max(bound, 64)] if tensor_cores else []
-    return [SPLIT, *tc]
+    return [SPLIT, *tc, *([DENSE] if bound >= DENSE_ROWS else [])]
 
 
 def bucket_options(bucket: int, tensor_cores: bool, delegate: Delegate | None) -> list[int]:
@@ -256,7 +258,7 @@ def warm_up(
     run: PreparedShard, in_features: int, delegate: Delegate | None, dtype: torch.dtype, tensor_cores: bool = False
 ) -> None:
     """Run a new run shape once eagerly at every launch kind a CUDA-graph capture would otherwise meet first: the fused
-    split-K kernel (1 row), the unfused ones (2 and 17 rows), the dense route where the settings select it (its kernel's
+    split-K kernel (1 row), the unfused ones (2 and 17 rows), the dense route where it may serve (its kernel's
     shared-memory limit and cuBLAS's first call) and, with ``tensor_cores``, the tensor-core kernel's three row counts
     per CTA, so that their shared-memory limits are set; and, with a ``delegate`` (it can take buckets), each of its
     ``warm_rows`` (e.g. kernels that time their launch shapes on a shape's first call, which must not happen during
@@ -272,7 +274,7 @@ def warm_up(
     # one row (the in-CTA transform's kernel, unless inline_transform_rows is 0), two rows (the few-row kernel that
     # streams the transformed input), FUSED_ROWS + 1 (the 64-row kernel)
     calls = [(1, SPLIT), (2, SPLIT), (FUSED_ROWS + 1, SPLIT)]
-    if current().wide_kernel == "dense":
+    if dense_may_serve():
         calls.append((FUSED_ROWS + 1, DENSE))
     if tensor_cores:
         calls += [(FUSED_ROWS + 1, code) for code in (TC64, TC128, TC256)]
