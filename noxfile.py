@@ -479,7 +479,7 @@ def gpu_tests(session: nox.Session, vllm: str) -> None:
         ["python3", str(ROOT / "ci" / "gpu" / "matrix_table.py"), "--release"],
         capture_output=True, text=True, env={**os.environ, **env},
     ).stdout.strip()  # fmt: skip
-    found = "" if found == "none" else found  # matrix_table.installed_release without vLLM
+    found = "" if found == "none" else found  # gpu_records.vllm_release without vLLM
     if found not in GPU_VLLM_VERSIONS:  # no parameter would run: an error, not three skips
         session.error(
             f"vLLM {found or '(none)'} is unpacked here, none of the matrix's {', '.join(GPU_VLLM_VERSIONS)}: stage "

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "ci"))
+sys.path[:0] = [str(ROOT / "ci"), str(ROOT / "tests")]
 import markdown_blocks  # noqa: E402  (ci/, beside this tool's folder)
+from gpu_records import vllm_release  # noqa: E402  (tests/: the release the records name)
 
 TOOL = "matrix_table.py"
 RECORDS = ROOT / "ci" / "gpu" / "records"
@@ -339,18 +340,6 @@ def take(source: Path, dest: Path) -> list[Path]:
     return copied
 
 
-def installed_release() -> str:
-    """The vLLM release this interpreter imports (``0.25.1``; a local version's ``+...`` dropped), ``none`` without
-    vLLM: the release the GPU tier's reports and records are named by (``noxfile.py``'s ``gpu-tests``,
-    ``ci/gpu/env.sh``)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("vllm").split("+")[0]
-    except metadata.PackageNotFoundError:
-        return "none"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Print the tables (exit 1 with a failure in a cell), or ``--take`` / ``--write`` / ``--release``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -364,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--release", action="store_true", help="print the vLLM release installed here and exit")
     args = ap.parse_args(argv)
     if args.release:
-        print(installed_release())
+        print(vllm_release())
         return 0
     if args.take:
         for path in take(args.take, args.records):

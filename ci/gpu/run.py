@@ -33,6 +33,9 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from gpu_records import vllm_release  # noqa: E402  (the release the reports and records are named by)
+
 JOBS = Path(__file__).with_name("jobs.toml")
 PYTEST = ("python3", "-m", "pytest", "-rA", "-p", "no:cacheprovider", "--durations=5", "-m", "gpu", "-q")
 #: a GPU-marked test file: one whose tests carry pytest's ``gpu`` mark
@@ -138,16 +141,6 @@ def check(plan: Plan, root: Path = ROOT) -> list[str]:
     return problems
 
 
-def installed_release() -> str:
-    """The vLLM release this interpreter imports (``0.25.1``), ``none`` without vLLM."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("vllm").split("+")[0]
-    except metadata.PackageNotFoundError:
-        return "none"
-
-
 @cache
 def card() -> str:
     """The first GPU's name as nvidia-smi gives it; empty where it names none."""
@@ -227,7 +220,7 @@ class Runner:
             return 2
         env.update(job.env)
         if job.pytest:
-            report = results_dir() / f"vllm-{installed_release()}-{time.strftime('%Y%m%d-%H%M%S')}-{name}.xml"
+            report = results_dir() / f"vllm-{vllm_release()}-{time.strftime('%Y%m%d-%H%M%S')}-{name}.xml"
             suite = f" -o {shlex.quote('junit_suite_name=gpu ' + card())}" if card() else ""
             env["PYTEST_ADDOPTS"] = f"{env.get('PYTEST_ADDOPTS', '')} --junitxml={report}{suite}".strip()
         argv = tuple(a.format(out=self.out) for a in job.argv)
@@ -301,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if unknown := [n for n in args.names if n not in plan.jobs and n not in plan.groups]:
         raise SystemExit(f"no job or group {', '.join(unknown)} in {JOBS} (--list)")
-    if args.release and installed_release() != args.release:
-        raise SystemExit(f"vLLM {installed_release()} is installed, not --release {args.release}: no run")
+    if args.release and vllm_release() != args.release:
+        raise SystemExit(f"vLLM {vllm_release()} is installed, not --release {args.release}: no run")
     if not (ROOT / "fixtures" / "README.md").is_file():
         raise SystemExit(f"no fixtures/ beside the code in {ROOT}: make the copy with ci/gpu/snapshot.sh DEST")
     args.out.mkdir(parents=True, exist_ok=True)
