@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from quantpack_core.compare import ROUTER_NEAR_TIE, agreement, outside_router_ties, router_margin
+from quantpack_core.compare import ROUTER_NEAR_TIE, agreement, outside_router_ties, relative_error, router_margin
 
 
 def test_kl_and_top1_match_a_direct_computation():
@@ -149,3 +149,13 @@ def router_probabilities(model, ids, dtype) -> tuple[list[torch.Tensor], int]:
             h.remove()
         model.float()
     return probs, top_k[0]
+
+
+def test_relative_error_is_the_float64_norm_ratio():
+    """A float16 candidate one unit in the last place (2^-10) above a float64 reference of ones: 2^-10 exactly, however
+    the candidate is laid out."""
+    reference = torch.ones((64, 64), dtype=torch.float64)
+    candidate = (reference + 2.0**-10).half()
+    assert relative_error(candidate, reference) == 2.0**-10
+    assert relative_error(candidate.T.contiguous().T, reference) == 2.0**-10
+    assert relative_error(reference, reference) == 0.0

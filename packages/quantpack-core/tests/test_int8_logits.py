@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from quantpack_core import int8_logits
+from quantpack_core.compare import relative_error
 from quantpack_core.int8_logits import int8_rows_logits
 
 TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
@@ -27,10 +28,6 @@ def case(rows: int, vocab: int, width: int, dtype: torch.dtype, seed: int = 0):
     return x, q, s, (x.double() @ q.double().T) * s.double()
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b).norm() / b.norm()).item()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,vocab,width", [(1, 1000, 256), (7, 333, 200), (64, 128, 384)])
 def test_chunked_path_matches_fp64(monkeypatch, dtype, rows, vocab, width):
@@ -40,7 +37,7 @@ def test_chunked_path_matches_fp64(monkeypatch, dtype, rows, vocab, width):
     out = int8_rows_logits(x, q, s)
     assert out.dtype == dtype and out.shape == (rows, vocab)
     assert torch.isfinite(out).all()
-    assert rel_err(out, ref) < TOL[dtype]
+    assert relative_error(out, ref) < TOL[dtype]
 
 
 def test_float16_logits_beyond_the_int8_range_stay_finite():
@@ -55,7 +52,7 @@ def test_float16_logits_beyond_the_int8_range_stay_finite():
     out = int8_rows_logits(x, q, s)
     ref = x.double() @ (q.double() * s.double()[:, None]).T
     assert torch.isfinite(out).all()
-    assert rel_err(out, ref) < TOL[torch.float16]
+    assert relative_error(out, ref) < TOL[torch.float16]
     assert out[2, 7].item() == pytest.approx(60.0, rel=1e-2)
 
 
@@ -146,7 +143,7 @@ def test_on_the_gpu(dtype, rows):
     x, q, s = x.cuda(), q.cuda(), s.cuda()
     out = int8_rows_logits(x, q, s)
     assert out.dtype == dtype and torch.isfinite(out).all()
-    assert rel_err(out.cpu(), ref) < TOL[dtype]
+    assert relative_error(out.cpu(), ref) < TOL[dtype]
     static = torch.empty_like(out)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -12,6 +12,7 @@ import torch
 from quantpack_core import Exl3Tensors, reference_linear
 from quantpack_core.codec.exl3 import dequantize
 from quantpack_core.codec.trellis import HALF_K
+from quantpack_core.compare import relative_error
 from quantpack_core.synthetic import random_exl3_layer
 
 pytestmark = [
@@ -28,10 +29,6 @@ CASES = [(k, cb) for k in (1, 2, 2.5, 3, 4, 5, 6, 8) for cb in CODEBOOKS if k no
 RATIO = 1.1
 #: what torch.library.opcheck checks (as the packages' opcheck helper)
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.double().cpu() - ref).norm() / ref.norm())
 
 
 def prepared(t: Exl3Tensors, out_features: int, dtype: torch.dtype):
@@ -70,8 +67,8 @@ def test_every_k_and_codebook(k_bits, codebook, dtype):
         ref = reference_linear(x.double(), t, torch.float64)
         y = run(p, x.cuda(), 512, col=24)
         assert torch.isfinite(y).all(), rows
-        floor = rel_err(unavoidable(x, t, 512), ref)
-        assert rel_err(y, ref) <= RATIO * floor, (rows, rel_err(y, ref), floor)
+        floor = relative_error(unavoidable(x, t, 512), ref)
+        assert relative_error(y, ref) <= RATIO * floor, (rows, relative_error(y, ref), floor)
 
 
 def test_a_padded_layer_and_a_large_call():
@@ -83,7 +80,7 @@ def test_a_padded_layer_and_a_large_call():
         p = prepared(t, n, torch.bfloat16)
         x = torch.randn((rows, k), generator=g).bfloat16()
         ref = reference_linear(x.double(), t, torch.float64, out_features=n)
-        assert rel_err(run(p, x.cuda(), n), ref) <= RATIO * rel_err(unavoidable(x, t, n), ref), (k, n)
+        assert relative_error(run(p, x.cuda(), n), ref) <= RATIO * relative_error(unavoidable(x, t, n), ref), (k, n)
 
 
 def test_fused_shards_a_graph_replay_and_opcheck():
@@ -132,4 +129,4 @@ def test_a_call_over_several_pieces_of_columns():
     finally:
         ws.dense = whole
     ref = reference_linear(x.double(), t, torch.float64, out_features=1000)
-    assert rel_err(y, ref) <= RATIO * rel_err(unavoidable(x, t, 1000), ref)
+    assert relative_error(y, ref) <= RATIO * relative_error(unavoidable(x, t, 1000), ref)

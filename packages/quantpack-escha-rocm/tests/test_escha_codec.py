@@ -9,6 +9,7 @@ import torch
 
 from quantpack_core.codec import Exl3Tensors
 from quantpack_core.codec import reference_linear as exl3_linear
+from quantpack_core.compare import relative_error
 from quantpack_core.errors import CodecError
 from quantpack_core.synthetic import random_exl3_layer
 from quantpack_core.tp import COLUMN, ROW, make_cut, plan_cut
@@ -28,10 +29,6 @@ def layer(in_f, out_f, k, seed):
     return Exl3Tensors.from_tensors(random_exl3_layer(in_f, out_f, k, "mcg", generator=g))
 
 
-def rel(a, b):
-    return float((a - b).norm() / b.norm())
-
-
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 6, 8])
 def test_escha_forward_equals_the_exl3_layer_with_the_same_trellis(k):
     t = layer(256, 384, k, seed=k)
@@ -49,10 +46,10 @@ def test_escha_forward_equals_the_exl3_layer_with_the_same_trellis(k):
         torch.float64,
     )
     y = reference_linear(x, e, torch.float64)
-    assert rel(y, ref) < 1e-12
-    assert rel(y, exl3_linear(x, t, torch.float64)) < 3e-3  # fp16 rounding of the split
+    assert relative_error(y, ref) < 1e-12
+    assert relative_error(y, exl3_linear(x, t, torch.float64)) < 3e-3  # fp16 rounding of the split
     w = dequantize(e, torch.float64)
-    assert rel(x @ w, y) < 1e-12
+    assert relative_error(x @ w, y) < 1e-12
     assert e.k_bits == k
 
 
@@ -66,7 +63,7 @@ def test_pre_and_post_scales_are_not_interchangeable():
     y = reference_linear(x, e, torch.float64)
     what = decode_matrix(e.code, "mcg").double() * 128
     swapped = had128(had128(x * e.s_in.double()) * e.rin.double() @ what) * e.rout.double() * e.s_out.double()
-    assert rel(swapped, y) > 0.1
+    assert relative_error(swapped, y) > 0.1
 
 
 def test_column_cut_over_two_partitions_and_row_cut_reproduce_the_layer():
@@ -77,12 +74,15 @@ def test_column_cut_over_two_partitions_and_row_cut_reproduce_the_layer():
     cut = make_cut(COLUMN, [(128, 256), (384, 512)], 512)
     kept = cut_tensors(t, cut)
     assert kept.stored_shape == (256, 256)
-    assert rel(reference_linear(x, kept, torch.float64), torch.cat([full[:, 128:256], full[:, 384:]], 1)) < 1e-12
+    assert (
+        relative_error(reference_linear(x, kept, torch.float64), torch.cat([full[:, 128:256], full[:, 384:]], 1))
+        < 1e-12
+    )
     total = sum(
         reference_linear(x[:, r * 128 : (r + 1) * 128], cut_tensors(t, plan_cut(ROW, 256, 2, r)), torch.float64)
         for r in range(2)
     )
-    assert rel(total, full) < 1e-12
+    assert relative_error(total, full) < 1e-12
 
 
 @pytest.mark.parametrize(

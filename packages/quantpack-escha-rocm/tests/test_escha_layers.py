@@ -11,6 +11,7 @@ import tempfile
 import pytest
 import torch
 
+from quantpack_core.compare import relative_error
 from quantpack_core.synthetic import random_exl3_layer
 from quantpack_escha.codec import EschaTensors, reference_linear
 from quantpack_escha.convert import split_scale
@@ -61,10 +62,6 @@ def config(meta):
     return EschaConfig.from_config({"quant_method": "escha", "layer_meta": meta})
 
 
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
-
 def test_merged_gate_up_with_two_k_and_qkv(world):
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
@@ -83,7 +80,7 @@ def test_merged_gate_up_with_two_k_and_qkv(world):
     bias = torch.randn(768)
     y = gate_up.quant_method.apply(gate_up, x, bias)  # the bias vLLM passes is not applied
     ref = torch.cat([reference_linear(x.double(), EschaTensors.from_tensors(t), torch.float64) for t in (gate, up)], 1)
-    assert rel(y, ref) < 1e-5
+    assert relative_error(y, ref) < 1e-5
     assert [r.kernel for r in gate_up.quant_state.runs] == ["reference"]  # one fused GEMM over both K
 
     shards = {n: random_escha(256, o, 4, 10 + i) for i, (n, o) in enumerate((("q", 256), ("k", 128), ("v", 128)))}
@@ -96,7 +93,7 @@ def test_merged_gate_up_with_two_k_and_qkv(world):
     y = qkv.quant_method.apply(qkv, x)
     refs = [reference_linear(x.double(), EschaTensors.from_tensors(t), torch.float64) for t in shards.values()]
     ref = torch.cat(refs, 1)
-    assert rel(y, ref) < 1e-5
+    assert relative_error(y, ref) < 1e-5
 
 
 def test_uncoded_linear_is_vllms_unquantized_and_partly_coded_merge_raises(world):
@@ -185,7 +182,7 @@ def test_tensor_parallel_share_off_the_blocks_is_refused_naming_layer_and_sizes(
     x = torch.randn(3, 256)
     y = layer.quant_method.apply(layer, x)
     refs = [reference_linear(x.double(), EschaTensors.from_tensors(t), torch.float64)[:, 128:] for t in shards]
-    assert rel(y, torch.cat(refs, 1)) < 1e-5
+    assert relative_error(y, torch.cat(refs, 1)) < 1e-5
 
 
 def test_layer_meta_must_match_the_coded_tensors(fixtures_dir, tmp_path):

@@ -17,6 +17,7 @@ from ops_check import opcheck
 
 from quantpack_core import Exl3Tensors, Pack, reference_linear
 from quantpack_core.codec.trellis import HALF_K
+from quantpack_core.compare import relative_error
 from quantpack_core.synthetic import random_exl3_layer
 from quantpack_core.trellis_mma import settings
 
@@ -163,10 +164,6 @@ def exllamav3_forward(t: Exl3Tensors, x16: torch.Tensor) -> torch.Tensor:
     return layer.forward(x16, {}).float()
 
 
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y.double() - ref).norm() / ref.norm())
-
-
 def check_shard(backend, t: Exl3Tensors, rows: int, seed: int):
     """Run one shard through the op (fp32 and fp16 outputs) and exllamav3; compare with the fp64 reference."""
     dev = torch.device("cuda")
@@ -175,7 +172,7 @@ def check_shard(backend, t: Exl3Tensors, rows: int, seed: int):
     g = torch.Generator(device=dev).manual_seed(seed)
     x16 = torch.randn((rows, k), generator=g, device=dev).half()
     ref = reference_linear(x16.double(), t, torch.float64)
-    theirs = rel_err(exllamav3_forward(t, x16), ref)
+    theirs = relative_error(exllamav3_forward(t, x16), ref)
     for dtype in backend.ratio_dtypes:
         kernel = backend.prepare_shard(t, k, n, dtype, dev)
         out = torch.full((rows, n + 64), float("nan"), dtype=dtype, device=dev)
@@ -183,7 +180,7 @@ def check_shard(backend, t: Exl3Tensors, rows: int, seed: int):
         written = out[:, 32 : 32 + n]
         assert torch.isfinite(written).all(), "NaN/inf in the result, or a column left unwritten"
         assert torch.isnan(out[:, :32]).all() and torch.isnan(out[:, 32 + n :]).all(), "wrote outside its columns"
-        ours = rel_err(written, ref)
+        ours = relative_error(written, ref)
         assert ours <= max(RATIO * theirs, FLOOR), (dtype, ours, theirs)
     return theirs
 
@@ -225,7 +222,7 @@ def test_padded_layer_and_dtypes(backend):
             out = torch.empty((rows, 300), dtype=dtype, device=dev)
             kernel.run(x, *kernel.tensors.values(), *kernel.static, out, 0)
             ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=300)
-            assert rel_err(out.cpu(), ref) < tol, (dtype, rows)
+            assert relative_error(out.cpu(), ref) < tol, (dtype, rows)
 
 
 def test_opcheck(backend):
@@ -278,7 +275,7 @@ def assert_shards_match_reference(out: torch.Tensor, x: torch.Tensor, ts, prepar
     col = 0
     for p, t in zip(prepared, ts, strict=True):
         ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=p.out_features)
-        assert rel_err(out[:, col : col + p.out_features].cpu(), ref) < 2e-2, what
+        assert relative_error(out[:, col : col + p.out_features].cpu(), ref) < 2e-2, what
         col += p.out_features
 
 
@@ -318,9 +315,9 @@ def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, wide_fused, wide_
             p.run(x, *p.tensors.values(), *p.static, alone, 0)
             mine = one[:, col : col + p.out_features]
             assert torch.isfinite(mine).all()
-            assert rel_err(mine.float(), alone.double()) < 2e-3, rows
+            assert relative_error(mine.float(), alone.double()) < 2e-3, rows
             ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=p.out_features)
-            assert rel_err(mine.cpu(), ref) < 2e-2, rows
+            assert relative_error(mine.cpu(), ref) < 2e-2, rows
             col += p.out_features
     assert_replay_is_eager(fused, 70, 768, 768, dtype)
     x, out = assert_replay_is_eager(fused, 5, 768, 768, dtype, replays=2)
@@ -357,7 +354,7 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch, u
         once = torch.full((rows, 896), float("nan"), dtype=dtype, device=dev)
         fused.run(x_rows, *fused.tensors.values(), *fused.static, once, 0)
         assert torch.isfinite(once).all(), rows
-        assert rel_err(once[:1].float(), in_cta.double()) < 2e-3, rows
+        assert relative_error(once[:1].float(), in_cta.double()) < 2e-3, rows
         assert_shards_match_reference(once, x_rows, ts, prepared, rows)
     assert_replay_is_eager(fused, 7, k_in, 896, dtype)
     for inline in (0, 1):
@@ -406,7 +403,7 @@ def test_trellis_mma_runs_each_row_bucket_on_the_kernel_its_codes_name(setting, 
             if code == ops.DELEGATE:
                 assert not torch.equal(served, split), rows
             ref = reference_linear(x.double().cpu(), t, torch.float64)
-            assert torch.isfinite(served).all() and rel_err(served.cpu(), ref) < 2e-2, (rows, code)
+            assert torch.isfinite(served).all() and relative_error(served.cpu(), ref) < 2e-2, (rows, code)
 
 
 def check_bucket_choices(record, setting, tensor_cores: bool) -> None:
@@ -455,7 +452,7 @@ def test_compiles_in_one_graph_and_captures_in_a_cuda_graph(backend):
     compiled = torch.compile(fused, fullgraph=True, dynamic=True)
     for rows in (1, 5, 150):
         x = torch.randn((rows, 256), device=dev).bfloat16()
-        assert rel_err(compiled(x).float(), fused(x).double()) < 1e-2, rows
+        assert relative_error(compiled(x).float(), fused(x).double()) < 1e-2, rows
 
     for rows in (1, 33, 145):  # fused-GEMM buckets and the reconstruct path
         static_x = torch.randn((rows, 256), device=dev).bfloat16()
@@ -469,7 +466,7 @@ def test_compiles_in_one_graph_and_captures_in_a_cuda_graph(backend):
             graph.replay()
             torch.cuda.synchronize()
             eager = fused(static_x)
-            assert rel_err(static_y.float(), eager.double()) < 1e-3, rows
+            assert relative_error(static_y.float(), eager.double()) < 1e-3, rows
             if backend.deterministic:
                 assert torch.equal(static_y, eager), f"graph replay differs from eager at {rows} rows"
 

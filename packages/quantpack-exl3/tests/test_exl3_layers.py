@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from quantpack_core import Exl3Tensors, Pack, reference_linear
+from quantpack_core.compare import relative_error
 from quantpack_core.synthetic import random_exl3_layer
 
 torch.manual_seed(0)
@@ -25,11 +26,6 @@ def ref_out(x, shards, outs):
     return torch.cat(
         [reference_linear(x.double(), t, torch.float64, out_features=o) for t, o in zip(shards, outs, strict=True)], -1
     )
-
-
-def rel_err(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm())
 
 
 def feed(layer, prefix_tensors, shard_id=None):
@@ -95,7 +91,7 @@ def test_qkv_gate_up_down_o_and_head_of_llama_pack(vllm_layers, llama):
         y = layer.quant_method.apply(layer, x)
         expect = ref_out(x, [llama.exl3_tensors(m) for m in mods], outs)
         assert y.shape == expect.shape
-        assert rel_err(y, expect) < 1e-5, mods
+        assert relative_error(y, expect) < 1e-5, mods
 
 
 # ----------------------------------------------------------------------------------------- qwen3_5-tiny layers
@@ -238,7 +234,7 @@ def test_every_linear_layer_of_qwen3_5_pack(vllm_layers, qwen):
             wb = qwen.get_tensor(f"{root}.{i}.linear_attn.in_proj_b.weight").double()
             wa = qwen.get_tensor(f"{root}.{i}.linear_attn.in_proj_a.weight").double()
             y = la.in_proj_ba.quant_method.apply(la.in_proj_ba, x)
-            assert rel_err(y, x.double() @ torch.cat([wb, wa]).T) < 1e-6
+            assert relative_error(y, x.double() @ torch.cat([wb, wa]).T) < 1e-6
         else:
             groups = [
                 (blk.self_attn.qkv_proj, ["q_proj", "k_proj", "v_proj"], [512, 128, 128], "self_attn"),
@@ -252,11 +248,11 @@ def test_every_linear_layer_of_qwen3_5_pack(vllm_layers, qwen):
             x = torch.randn(5, layer.input_size)
             y = layer.quant_method.apply(layer, x)
             shards = [qwen.exl3_tensors(f"{root}.{i}.{sub}.{n}") for n in names]
-            assert rel_err(y, ref_out(x, shards, outs)) < 1e-5, (i, names)
+            assert relative_error(y, ref_out(x, shards, outs)) < 1e-5, (i, names)
             checked += 1
     x = torch.randn(3, 256)
     y = model.lm_head.quant_method.apply(model.lm_head, x)
-    assert rel_err(y, ref_out(x, [qwen.exl3_tensors("lm_head")], [1024])) < 1e-5
+    assert relative_error(y, ref_out(x, [qwen.exl3_tensors("lm_head")], [1024])) < 1e-5
     assert checked == 3 * 4 + 4
 
 
@@ -270,7 +266,7 @@ def test_qwen3_5_layers_reproduce_dense_transformers_weights(vllm_layers, qwen):
     w = torch.cat([dense[f"{root}.in_proj_qkv.weight"], dense[f"{root}.in_proj_z.weight"]])
     x = torch.randn(4, 256, dtype=torch.float64)
     y = la.in_proj_qkvz.quant_method.apply(la.in_proj_qkvz, x.float())
-    assert rel_err(y, x @ w.T) < 1e-5
+    assert relative_error(y, x @ w.T) < 1e-5
 
 
 # ------------------------------------------------------------------------------- mixed K, padding, dtype, release
@@ -299,7 +295,7 @@ def test_mixed_k_and_codebooks_across_shards(vllm_layers):
     x = torch.randn(9, 256)
     y = layer.quant_method.apply(layer, x)
     expect = ref_out(x, [Exl3Tensors.from_tensors(shards[s]) for s in "qkv"], [256, 128, 128])
-    assert rel_err(y, expect) < 1e-5
+    assert relative_error(y, expect) < 1e-5
 
 
 def test_one_run_layer_returns_vllms_cpu_gemm_product_with_its_bias(vllm_layers):
@@ -325,7 +321,7 @@ def test_one_run_layer_returns_vllms_cpu_gemm_product_with_its_bias(vllm_layers)
     run.fn(x, *[getattr(layer, n) for n in run.params], *run.static, out, run.col)
     torch.testing.assert_close(y, out + bias)
     expect = ref_out(x, [Exl3Tensors.from_tensors(shards[s]) for s in "qkv"], [256, 128, 128])
-    assert rel_err(y - bias, expect) < 1e-5
+    assert relative_error(y - bias, expect) < 1e-5
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
@@ -345,7 +341,7 @@ def test_padded_layer_pads_input_and_trims_output(vllm_layers, dtype, tol):
     assert y.shape == (4, 300) and y.dtype == dtype
     expect = reference_linear(x.double(), Exl3Tensors.from_tensors(t), torch.float64, out_features=300)
     expect = expect + torch.linspace(-1, 1, 300).to(dtype).double()
-    assert rel_err(y, expect) < tol
+    assert relative_error(y, expect) < tol
 
 
 def test_host_copies_released_after_load(vllm_layers, llama):
@@ -429,7 +425,7 @@ def test_dense_layers_stored_in_pack_converted_once(vllm_layers):
     assert isinstance(fn, CpuGemm) and fn.dtype == torch.bfloat16 and fn.shape == (256, 8)
     x = torch.randn(3, 256).to(torch.bfloat16)
     y = layer.quant_method.apply(layer, x)
-    assert rel_err(y, x.double() @ torch.cat([wb, wa]).double().T) < 2e-2
+    assert relative_error(y, x.double() @ torch.cat([wb, wa]).double().T) < 2e-2
 
 
 def test_dense_lm_head(vllm_layers):
@@ -452,5 +448,5 @@ def test_dense_lm_head(vllm_layers):
     x = torch.randn(3, 256)
     y = head.quant_method.apply(head, x)
     assert y.shape == (3, 1024)
-    assert rel_err(y[:, :1000], x.double() @ w.double().T) < 1e-6
+    assert relative_error(y[:, :1000], x.double() @ w.double().T) < 1e-6
     assert torch.equal(y[:, 1000:], torch.zeros(3, 24))

@@ -164,3 +164,10 @@ def mean_nll(logits: torch.Tensor, tokens: torch.Tensor) -> float:
     """
     lp = torch.log_softmax(logits[:, :-1].double(), -1)
     return float(-lp.gather(-1, tokens[:, 1:, None]).mean())
+
+
+def relative_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||candidate - reference|| / ||reference||`` (Frobenius norms), computed in float64 on the reference's device:
+    the measure of every kernel test against its float64 (or exllamav3's) reference."""
+    reference = reference.detach().double()
+    return float((candidate.detach().to(reference.device, torch.float64) - reference).norm() / reference.norm())
