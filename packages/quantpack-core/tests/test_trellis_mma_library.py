@@ -208,6 +208,84 @@ def test_the_options_of_each_bucket_under_the_settings():
                 assert [bucket_options(i, True, None) for i in every] == [[SPLIT]] * len(ROW_BUCKETS)
 
 
+def test_the_dense_route_is_no_candidate_without_its_buffer():
+    """A workspace reserved while the settings kept the dense route out has no buffer for it: no bucket may then be
+    given to the route, unless the setting forces it (whose warm-up then fails with the op's error naming it)."""
+    from quantpack_core.trellis_mma.ops import DELEGATE, DENSE, ROW_BUCKETS, SPLIT
+    from quantpack_core.trellis_mma.selection import Delegate, bucket_options
+    from quantpack_core.trellis_mma.settings import using
+
+    other = Delegate("other", lambda *a: None)
+    every = range(len(ROW_BUCKETS))
+    with using(delegate_rows=None, wide_kernel=None):
+        for tensor_cores in (False, True):
+            assert all(DENSE not in bucket_options(i, tensor_cores, other, dense=False) for i in every)
+            assert DENSE in bucket_options(len(ROW_BUCKETS) - 1, tensor_cores, other, dense=True)
+        assert bucket_options(10, False, other, dense=False) == [SPLIT, DELEGATE]
+    with using(delegate_rows=0, wide_kernel="dense"):
+        assert bucket_options(10, True, other, dense=False) == [DENSE]
+
+
+def stand_in_workspace(dense_bytes: int):
+    """A Hopper workspace as reserve() leaves it (CPU tensors; only the selection reads it here)."""
+    from quantpack_core.trellis_mma import ops
+
+    return ops.Workspace(
+        partials=torch.empty(0), counters=torch.empty(0, dtype=torch.int32),
+        xh=torch.empty((ops.XH_ROWS, 256), dtype=torch.float16), dense=torch.empty(dense_bytes, dtype=torch.uint8),
+        arch=90, target_ctas=132, target_ctas_wide=264, tensor_cores=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("buffer", [True, False], ids=["dense-buffer", "no-dense-buffer"])
+def test_a_bucket_goes_to_the_dense_route_only_where_it_wins_at_both_ends(monkeypatch, buffer):
+    """The load-time choice with a cost model in place of the GPU's timings: the dense route a fixed rebuild plus a
+    little per row, the tensor-core kernel more per row and nothing fixed. At 1,024 rows alone the route would win
+    the bucket of 513-1,024 rows and lose its calls of 513; timed at both ends (their sum decides) that bucket stays
+    on the tensor-core kernel, while the route, ahead at both ends of the bucket above 1,024, serves it. Without the
+    buffer no bucket is timed or served on the route, and its warm-up is left out."""
+    from quantpack_core.kernels import PreparedShard
+    from quantpack_core.trellis_mma import ops, selection
+
+    timed: dict[int, set[int]] = {}
+
+    def cost_us(run, x, out, bucket_kernels):
+        code, rows = ops.kernel_of(bucket_kernels, 1), x.shape[0]
+        timed.setdefault(code, set()).add(rows)
+        return {ops.DENSE: 20 + 0.01 * rows, ops.SPLIT: 1.0 * rows}.get(code, 0.03 * rows + 0.001 * code)
+
+    warmed = []
+    ws = stand_in_workspace(ops.DENSE_BYTES if buffer else 0)
+    monkeypatch.setattr(selection, "_records", {})
+    monkeypatch.setattr(selection, "workspace", lambda device: ws)
+    monkeypatch.setattr(selection, "_graph_us", cost_us)
+    monkeypatch.setattr(selection, "warm_up", lambda *args: warmed.append(args[-1]))
+    tensors = {"trellis": torch.zeros((16, 8, 64), dtype=torch.int16), "suh": torch.ones(256), "svh": torch.ones(128)}
+    run = PreparedShard(ops.trellis_mma_, tensors, 128, (2, 4.0, 128, 0))
+    with settings.using(wide_kernel=None, delegate_rows=None):
+        codes = selection.measure_bucket_kernels(run, torch.float16, None)
+    served = {rows: ops.kernel_of(codes, rows) for rows in (512, 1024, 2048)}
+    assert served[512] == ops.TC64 and served[1024] == ops.TC64
+    assert served[2048] == (ops.DENSE if buffer else ops.TC64) and warmed == [buffer]
+    assert timed.get(ops.DENSE, set()) == ({1024, 513, 2048, 1025} if buffer else set())
+    assert {1024, 513, 2048, 1025} <= timed[ops.TC64] if buffer else 513 not in timed[ops.TC64]
+
+
+def test_an_output_of_the_wrong_shape_is_refused_before_any_launch(monkeypatch):
+    """The op writes ``out[:, col : col + sum(out_features)]`` of ``rows`` rows: an output with other rows, or too few
+    columns, would be written out of bounds by the kernels (or resized by cuBLAS on the dense route)."""
+    from quantpack_core.trellis_mma import ops
+    from quantpack_core.trellis_mma.library import LibraryError
+
+    monkeypatch.setitem(ops._workspaces, None, stand_in_workspace(0))  # CPU tensors: device index None
+    x = torch.zeros((4, 256), dtype=torch.float16)
+    trellis, suh, svh = [torch.zeros((16, 8, 64), dtype=torch.int16)], [torch.ones(256)], [torch.ones(128)]
+    for shape, col in (((3, 128), 0), ((5, 128), 0), ((4, 127), 0), ((4, 200), 100)):
+        out = torch.empty(shape, dtype=torch.float16)
+        with pytest.raises(LibraryError, match=r"an output of .* it needs 4 rows and at least"):
+            ops.run_trellis_mma(x, trellis, suh, svh, 2, 4.0, [128], 0, out, col)
+
+
 def test_a_bad_delegate_rows_setting_measures_instead(caplog):
     """QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS: unset or not an integer >= 0 -> measured delegated row buckets (None, with a
     warning for the latter); an integer -> that threshold."""

@@ -369,7 +369,8 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch, u
 )
 def test_trellis_mma_runs_each_row_bucket_on_the_kernel_its_codes_name(setting, dtype, use, caplog):
     """A prepared run's bucket_kernels are the ones its load-time timings give (per bucket the fastest of the
-    project's kernels - the split-K one, on Hopper the tensor-core one at each row count per CTA - unless exllamav3
+    project's kernels - the split-K one, on Hopper the tensor-core one at each row count per CTA, from 513 rows the
+    dense route - unless exllamav3
     takes at most DELEGATE_MARGIN of its time; a fixed QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS sends the buckets above it
     to exllamav3), the timings are logged, and every call runs the kernel its bucket names: bit-equal to that kernel's
     own launch, unequal to the split-K kernel's where exllamav3 serves it, within the fp64 reference's bound."""

@@ -38,9 +38,10 @@ FUSED_ROWS = 16
 #: the dense route's rebuilt weights (model dtype, (columns, k)): each GEMM computes as many of a shard's columns as
 #: fit, a multiple of 128 (128 MiB: 16,384 columns at k 4,096, 4,608 at k 14,336)
 DENSE_BYTES = 128 << 20
-#: the smallest bucket bound whose calls may take the dense route (timed beside the other kernels at load): its rebuild
-#: of every weight per call pays off only over many rows (benchmarks/results/kernel_8b.json: on the 8B stack behind
-#: the tensor-core kernel at 1,024 rows, ahead of it at 4,096)
+#: the smallest bucket bound whose calls (from the bucket below's bound + 1, 513 rows) may take the dense route, timed
+#: beside the other kernels at load: its rebuild of every weight per call pays off only over many rows
+#: (benchmarks/results/kernel_8b_dense.json: on the 8B stack behind the tensor-core kernel at 1,024 rows, ahead of it
+#: at 4,096)
 DENSE_ROWS = 1024
 
 
@@ -200,6 +201,11 @@ def run_trellis_mma(
             f"trellis_mma: takes float16 / bfloat16 activations and an output of the same dtype with unit column "
             f"stride, after prepare() reserved this GPU's workspace (x {x.dtype}, out {out.dtype} stride "
             f"{tuple(out.stride())}, workspace {'ready' if ws is not None else 'missing'})"
+        )
+    if out.shape[0] != rows or out.shape[1] < col + sum(out_features):
+        raise LibraryError(
+            f"trellis_mma: an output of {tuple(out.shape)} for {rows} rows of {sum(out_features)} columns from column "
+            f"{col}: it needs {rows} rows and at least {col + sum(out_features)} columns"
         )
     cols = [col + sum(out_features[:i]) for i in range(len(trellis))]
     code = kernel_of(bucket_kernels, rows)

@@ -25,6 +25,7 @@ from quantpack_core.kernels import PreparedShard
 from .ops import (
     DELEGATE,
     DENSE,
+    DENSE_BYTES,
     DENSE_ROWS,
     FUSED_ROWS,
     ROW_BUCKETS,
@@ -34,7 +35,6 @@ from .ops import (
     TC256,
     TC_ROWS,
     bucket_kernels_of,
-    dense_may_serve,
     kernel_of,
     tc_code,
     workspace,
@@ -122,12 +122,12 @@ def selection_records() -> list[SelectionRecord]:
     return list(_records.values())
 
 
-def own_candidates(bound: int, tensor_cores: bool) -> list[int]:
+def own_candidates(bound: int, tensor_cores: bool, dense: bool = True) -> list[int]:
     """The project's kernels that may serve a bucket of up to ``bound`` rows under the settings in force: up to 16
     rows, or with ``wide_kernel`` "split", the split-K kernel; with "dense" the dense route; with "tc" the
     tensor-core kernel at :func:`.ops.tc_code` (the split-K kernel without tensor cores); unset, the split-K kernel,
     with tensor cores the tensor-core kernel with every row count per CTA up to ``bound`` rounded up to 64, and from
-    :data:`.ops.DENSE_ROWS` rows the dense route."""
+    :data:`.ops.DENSE_ROWS` rows the dense route where ``dense`` (the workspace holds its buffer)."""
     wide = current().wide_kernel
     if bound <= FUSED_ROWS or wide == "split":
         return [SPLIT]
@@ -136,18 +136,19 @@ def own_candidates(bound: int, tensor_cores: bool) -> list[int]:
     if wide == "tc":
         return [tc_code(bound)] if tensor_cores else [SPLIT]
     tc = [code for code in (TC64, TC128, TC256) if TC_ROWS[code] <= max(bound, 64)] if tensor_cores else []
-    return [SPLIT, *tc, *([DENSE] if bound >= DENSE_ROWS else [])]
+    return [SPLIT, *tc, *([DENSE] if dense and bound >= DENSE_ROWS else [])]
 
 
-def bucket_options(bucket: int, tensor_cores: bool, delegate: Delegate | None) -> list[int]:
+def bucket_options(bucket: int, tensor_cores: bool, delegate: Delegate | None, dense: bool = True) -> list[int]:
     """The codes that may serve row bucket ``bucket``: the delegate alone where ``delegate_rows`` N is set and the
-    bucket's smallest row count exceeds N (above 1024 counting as 1024), else :func:`own_candidates`, with the
-    delegate where one is given and ``delegate_rows`` is unset."""
+    bucket's smallest row count exceeds N (above 1024 counting as 1024), else :func:`own_candidates` (``dense``: the
+    workspace holds the dense route's buffer), with the delegate where one is given and ``delegate_rows`` is
+    unset."""
     above = current().delegate_rows
     first = ROW_BUCKETS[bucket - 1] + 1 if bucket else 1
     if delegate is not None and above and first > min(above, ROW_BUCKETS[-2]):
         return [DELEGATE]
-    own = own_candidates(ROW_BUCKETS[bucket], tensor_cores)
+    own = own_candidates(ROW_BUCKETS[bucket], tensor_cores, dense)
     return [*own, DELEGATE] if delegate is not None and above is None else own
 
 
@@ -156,9 +157,11 @@ def measure_bucket_kernels(run: PreparedShard, dtype: torch.dtype, delegate: Del
     bucket. Called at load, before any CUDA-graph capture.
 
     Where a bucket has several :func:`bucket_options`, each runs the run's shape at the bucket's largest row count
-    with activations of the model's ``dtype``: ``TIMED_CALLS`` calls in one CUDA graph, the best of ``TIMED_REPLAYS``
-    replays, twice in alternation; the fastest of the project's own kernels serves the bucket unless the delegate
-    takes at most :data:`DELEGATE_MARGIN` of its time. A shape measured once in a process (per dtype and settings)
+    (and, where the dense route is among them, at its smallest too: the route's rebuild costs the same at any row
+    count, so the largest alone would favour it) with activations of the model's ``dtype``: ``TIMED_CALLS`` calls in
+    one CUDA graph, the best of ``TIMED_REPLAYS`` replays, twice in alternation; the fastest of the project's own
+    kernels (over both row counts together where two are timed) serves the bucket unless the delegate takes at most
+    :data:`DELEGATE_MARGIN` of its time. A shape measured once in a process (per dtype and settings)
     keeps its codes. Every launch kind a capture could meet first runs once here (:func:`warm_up`). Tensors off the
     GPU, or a GPU without a workspace: every bucket on the split-K kernel, nothing timed.
 
@@ -181,9 +184,10 @@ def measure_bucket_kernels(run: PreparedShard, dtype: torch.dtype, delegate: Del
     known = _records.get(key)
     if known is not None:
         return known.bucket_kernels
-    options = [bucket_options(i, ws.tensor_cores, delegate) for i in range(len(ROW_BUCKETS))]
+    dense = ws.dense.numel() >= DENSE_BYTES  # reserved where the settings let the route serve when prepared
+    options = [bucket_options(i, ws.tensor_cores, delegate, dense) for i in range(len(ROW_BUCKETS))]
     reach = delegate if any(DELEGATE in o for o in options) else None  # the delegate only where it can serve
-    warm_up(run, k, reach, dtype, ws.tensor_cores)
+    warm_up(run, k, reach, dtype, ws.tensor_cores, any(DENSE in o for o in options))
     times = _time_buckets(run, k, dtype, options) if any(len(o) > 1 for o in options) else ()
     chosen = bucket_kernels_of(_choose(t) for t in times) if times else bucket_kernels_of(o[0] for o in options)
     record = SelectionRecord(k, outs, k_bits, codebook, dtype, name, ROW_BUCKETS, times, chosen)
@@ -203,21 +207,25 @@ def _choose(timed: tuple[tuple[int, float], ...]) -> int:
 
 
 def _time_buckets(run: PreparedShard, k: int, dtype: torch.dtype, options: list[list[int]]) -> tuple:
-    """Per bucket, ``(code, microseconds per call)`` of each candidate at the bucket's largest row count (a single
-    candidate is not timed: ``(code, 0.0)``)."""
+    """Per bucket, ``(code, microseconds)`` of each candidate: a call at the bucket's largest row count, plus one at
+    its smallest where the dense route is a candidate (a single candidate is not timed: ``(code, 0.0)``)."""
     device = _trellis_of(run)[0].device
     generator = torch.Generator(device=device).manual_seed(0)
     times = []
-    for rows, codes in zip(ROW_BUCKETS, options, strict=True):
+    for i, codes in enumerate(options):
         if len(codes) == 1:
             times.append(((codes[0], 0.0),))
             continue
-        x = torch.randn((rows, k), generator=generator, device=device).to(dtype)
-        out = torch.empty((rows, run.out_features), dtype=dtype, device=device)
-        first = [_graph_us(run, x, out, _everywhere(c)) for c in codes]
-        again = [_graph_us(run, x, out, _everywhere(c)) for c in codes]
-        times.append(tuple((c, min(a, b)) for c, a, b in zip(codes, first, again, strict=True)))
-        del x, out
+        counts = (ROW_BUCKETS[i], ROW_BUCKETS[i - 1] + 1) if DENSE in codes else (ROW_BUCKETS[i],)
+        total = [0.0] * len(codes)
+        for rows in counts:
+            x = torch.randn((rows, k), generator=generator, device=device).to(dtype)
+            out = torch.empty((rows, run.out_features), dtype=dtype, device=device)
+            first = [_graph_us(run, x, out, _everywhere(c)) for c in codes]
+            again = [_graph_us(run, x, out, _everywhere(c)) for c in codes]
+            total = [t + min(a, b) for t, a, b in zip(total, first, again, strict=True)]
+            del x, out
+        times.append(tuple(zip(codes, total, strict=True)))
     torch.cuda.empty_cache()  # a delegate's large-row path may hold whole matrices in the graphs' pools
     return tuple(times)
 
@@ -255,10 +263,15 @@ def _graph_us(run: PreparedShard, x: torch.Tensor, out: torch.Tensor, bucket_ker
 
 
 def warm_up(
-    run: PreparedShard, in_features: int, delegate: Delegate | None, dtype: torch.dtype, tensor_cores: bool = False
+    run: PreparedShard,
+    in_features: int,
+    delegate: Delegate | None,
+    dtype: torch.dtype,
+    tensor_cores: bool = False,
+    dense: bool = False,
 ) -> None:
     """Run a new run shape once eagerly at every launch kind a CUDA-graph capture would otherwise meet first: the fused
-    split-K kernel (1 row), the unfused ones (2 and 17 rows), the dense route where it may serve (its kernel's
+    split-K kernel (1 row), the unfused ones (2 and 17 rows), with ``dense`` the dense route (its kernel's
     shared-memory limit and cuBLAS's first call) and, with ``tensor_cores``, the tensor-core kernel's three row counts
     per CTA, so that their shared-memory limits are set; and, with a ``delegate`` (it can take buckets), each of its
     ``warm_rows`` (e.g. kernels that time their launch shapes on a shape's first call, which must not happen during
@@ -268,13 +281,13 @@ def warm_up(
     device = trellis[0].device
     name = None if delegate is None else delegate.name
     settings = (current().inline_transform_rows, current().wide_kernel)
-    key = (tuple(tuple(t.shape) for t in trellis), run.static[0], dtype, device, name, settings, tensor_cores)
+    key = (tuple(tuple(t.shape) for t in trellis), run.static[0], dtype, device, name, settings, tensor_cores, dense)
     if key in _warmed:
         return
     # one row (the in-CTA transform's kernel, unless inline_transform_rows is 0), two rows (the few-row kernel that
     # streams the transformed input), FUSED_ROWS + 1 (the 64-row kernel)
     calls = [(1, SPLIT), (2, SPLIT), (FUSED_ROWS + 1, SPLIT)]
-    if dense_may_serve():
+    if dense:
         calls.append((FUSED_ROWS + 1, DENSE))
     if tensor_cores:
         calls += [(FUSED_ROWS + 1, code) for code in (TC64, TC128, TC256)]

@@ -49,11 +49,11 @@ class Settings:
         wide_fused: above 16 rows a layer's shards (q / k / v, gate / up) in one launch too, as up to 16 rows,
             instead of a launch per shard (docs/kernels.md: the 8B stack at 32 / 64 / 128 rows took 5.85 / 6.64 /
             11.32 ms against 7.14 / 8.51 / 12.90) [``..._WIDE_FUSED``].
-        wide_kernel: above 16 rows, None: the kernel of each row bucket (the split-K kernel, or on Hopper the
-            tensor-core kernel with 64, 128 or 256 rows per CTA) is measured when a run is prepared, where there is a
-            choice; "split" / "tc": that kernel for every bucket above 16 rows (the tensor-core one where the GPU
-            has it), "dense": the dense route (a shard's weights rebuilt in the model dtype per call, then cuBLAS)
-            [``..._WIDE_KERNEL``; another value: None, with a warning].
+        wide_kernel: above 16 rows, None: the kernel of each row bucket (the split-K kernel, on Hopper the
+            tensor-core kernel with 64, 128 or 256 rows per CTA, from 513 rows the dense route) is measured when a run
+            is prepared, where there is a choice; "split" / "tc": that kernel for every bucket above 16 rows (the
+            tensor-core one where the GPU has it), "dense": the dense route (a shard's weights rebuilt in the model
+            dtype per call, then cuBLAS) [``..._WIDE_KERNEL``; another value: None, with a warning].
         moe_tc_picks: expert banks on Hopper: a call whose tokens x top_k reach this many picks per expert slot runs
             the tensor-core expert path (``csrc/moe_tc.cu``, 64-row work items), a smaller one the 16-row kernel; 0:
             never (and no buffers for it). 8: where the two paths cross on an H100 (``benchmarks/moe_op.py``, a
