@@ -37,6 +37,7 @@ import tempfile
 import tomllib
 from collections import Counter
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,8 +112,8 @@ def load(root: Path) -> list[tuple[Run, dict]]:
 def test_outcomes(records: list[tuple[Run, dict]]) -> dict[str, dict[str, dict[str, dict[str, tuple]]]]:
     """``{release: {file: {test id: {card: (outcome, Run)}}}}``: per card, the newest record's outcome of the test
     that ran it (passed / failed / xfailed), else the newest that skipped it; a failure stands until a newer record
-    on that card passes (:func:`replaces`). A file that did not import (``<file>::(collection)`` failed) counts as
-    importing again in a newer record on that card where its tests ran."""
+    on that card passes it as :func:`replaces` says. A file that did not import (``<file>::(collection)`` failed)
+    counts as importing again in a newer record on that card where its tests ran."""
     out: dict = {}
     for run, record in records:  # oldest first
         if record["kind"] != "tests":
@@ -124,17 +125,40 @@ def test_outcomes(records: list[tuple[Run, dict]]) -> dict[str, dict[str, dict[s
             ran[collection] = "passed"  # the file imports again: its tests ran on this card
         for test, outcome in ran.items():
             cards = tests.setdefault(test, {})
-            if replaces(outcome, cards.get(run.card, ("skipped",))[0]):
+            if replaces((outcome, run), cards.get(run.card)):
                 cards[run.card] = (outcome, run)
     return out
 
 
-def replaces(newer: str, held: str) -> bool:
-    """Whether a newer record's outcome of a test replaces the one held for its card: a skip replaces only a skip,
-    and only a pass (or a newer failure) replaces a failure - an expected failure after it does not clear it."""
-    if newer == "skipped":
-        return held == "skipped"
-    return held != "failed" or newer in ("passed", "failed")
+def replaces(newer: tuple[str, Run], held: tuple[str, Run] | None) -> bool:
+    """Whether a newer record's outcome of a test replaces the one held for its card: a skip replaces only a skip;
+    a failure stands until a newer failure, or a pass of the same step (the job, whose selection may differ from
+    another job's running the same test) at the failing commit or one descending from it (an older commit run later
+    does not clear it) - an expected failure after it does not clear it either."""
+    (outcome, run), (was, then) = newer, held or ("skipped", None)
+    if outcome == "skipped":
+        return was == "skipped"
+    if was != "failed" or outcome == "failed":
+        return True
+    return outcome == "passed" and job_of(run.step) == job_of(then.step) and descends(run.commit, then.commit)
+
+
+def job_of(step: str) -> str:
+    """The ci/gpu/jobs.toml job a run's step ran: the step, whose records from the tier's first runner name
+    ``tier-<job>``."""
+    return step.removeprefix("tier-")
+
+
+@cache
+def descends(commit: str, base: str) -> bool:
+    """Whether ``commit`` is ``base`` or descends from it in this checkout's history; where the history cannot tell
+    (no git, a commit it lacks: a shallow clone), the newer run is taken to be newer code."""
+    if commit == base:
+        return True
+    done = subprocess.run(
+        ["git", "merge-base", "--is-ancestor", base, commit], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    return done.returncode != 1  # 0: an ancestor; 1: not one; else (128: unknown commit) the history cannot tell
 
 
 def combined(cards: dict[str, tuple]) -> str:
@@ -178,14 +202,15 @@ def failures(outcomes: dict, versions: list[str]) -> list[str]:
 
 def job_records(records: list[tuple[Run, dict]]) -> dict[str, dict[str, dict[str, tuple]]]:
     """``{release: {"<file>::<job>": {card: (record, Run)}}}``: per card the newest record of the job, but a failed
-    one stands until a newer record on that card passes."""
+    one stands until a newer record on that card passes it as :func:`replaces` says."""
     out: dict = {}
     for run, record in records:
         if record["kind"] == "job":
-            out.setdefault(run.release, {}).setdefault(f"{record['file']}::{record['job']}", {})[run.card] = (
-                record,
-                run,
-            )
+            cards = out.setdefault(run.release, {}).setdefault(f"{record['file']}::{record['job']}", {})
+            held = cards.get(run.card)
+            was = None if held is None else ("passed" if held[0]["passed"] else "failed", held[1])
+            if replaces(("passed" if record["passed"] else "failed", run), was):
+                cards[run.card] = (record, run)
     return out
 
 
@@ -306,7 +331,12 @@ def blocks(
         "support": support_table(outcomes, versions, tests, rows),
         "files-brief": files_table(outcomes, versions, tests, detail=False),
         "files": files_table(outcomes, versions, tests, detail=True)
-        + ("\n\nFailed, until a later record on the same card passes:\n" + "\n".join(failed) if failed else ""),
+        + (
+            "\n\nFailed, until a later record of the same job and card passes at that commit or a newer one:\n"
+            + "\n".join(failed)
+            if failed
+            else ""
+        ),
         "jobs": jobs_table(job_records(records), versions),
     }
 

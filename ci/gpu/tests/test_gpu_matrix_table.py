@@ -29,17 +29,25 @@ H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 
 
 def write_run(
-    monkeypatch, records: Path, stamp: str, card: str, commit: str, tests: dict, jobs: dict, vllm: str = "0.25.1"
+    monkeypatch,
+    records: Path,
+    stamp: str,
+    card: str,
+    commit: str,
+    tests: dict,
+    jobs: dict,
+    vllm: str = "0.25.1",
+    step: str = "matrix",
 ) -> None:
     """One GPU run's records through the writer: ``tests`` ``{node id: outcome}``, ``jobs`` ``{job: KL}`` (each a
     job of test_gpu_demo.py checked against a 1e-3 ceiling), as vLLM ``vllm`` (``none``: no vLLM installed) on
-    ``card`` at ``commit``."""
+    ``card`` at ``commit``, in the run's ``step`` (ci/gpu/run.py's job)."""
     import gpu_records
     from e2e_bounds import Bound
 
     monkeypatch.setenv("QUANTPACK_GPU_RECORDS", str(records))
     monkeypatch.setattr(gpu_records, "_STARTED", stamp)
-    where = {"card": card, "vllm": vllm, "torch": "2.11.0+cu130", "commit": commit, "step": "matrix"}
+    where = {"card": card, "vllm": vllm, "torch": "2.11.0+cu130", "commit": commit, "step": step}
     monkeypatch.setattr(gpu_records, "environment", lambda: where)
     gpu_records.write_outcomes(tests)
     for job, kl in jobs.items():
@@ -91,6 +99,37 @@ def test_a_failure_stands_until_the_same_card_passes_and_untested_tests_are_not_
     job = next(line for line in made["jobs"].splitlines() if "moe/pack/eager" in line)
     assert job.startswith("| `test_gpu_demo.py::moe/pack/eager` | passed: kl 2e-05 (<= 0.001)") and "ccccccc" in job
     assert tool.main(["--records", str(records), "--tests", str(write_tree(records.parent))]) == 0
+
+
+def two_commits() -> tuple[str, str]:
+    """This checkout's HEAD and its parent (the history a pass's commit is judged by)."""
+    import subprocess
+
+    done = subprocess.run(["git", "rev-parse", "HEAD", "HEAD~1"], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip("the checkout holds no parent of HEAD (a shallow clone): no history to judge commits by")
+    new, old = done.stdout.split()
+    return new, old
+
+
+def test_a_failure_stands_until_its_own_job_passes_it_at_its_code_or_newer(tmp_path, monkeypatch):
+    """A test that failed in one job (the tier's ``families``) stands after another job passes the same test id with
+    its own selection (``families-converter``: other packs), and after a later run of older code (the failing
+    commit's parent) passes it; the job's own pass at that commit clears it, the first runner's ``tier-<job>`` steps
+    counting as the job."""
+    tool = load_tool()
+    new, old = two_commits()
+    root = tmp_path / "records"
+    test, tree = f"{A}::test_a", ["test_gpu_demo.py::test_a"]
+
+    def cell(stamp, commit, step, outcome):
+        write_run(monkeypatch, root, stamp, H100, commit, {test: outcome}, {}, step=step)
+        return tool.blocks(tool.load(root), ["0.25.1"], tree)["files-brief"]
+
+    assert "1 failed" in cell("20261206-100000", new, "tier-families", "failed")
+    assert "1 failed" in cell("20261206-101000", new, "families-converter", "passed")
+    assert "1 failed" in cell("20261206-102000", old, "families", "passed")
+    assert "1 passed" in cell("20261206-103000", new, "families", "passed")
 
 
 def test_an_expected_failure_after_a_failure_does_not_clear_it(records, monkeypatch):
