@@ -382,7 +382,7 @@ def run(args) -> None:
                 if wide == "tc" and not hopper:
                     continue
                 with settings.using(wide_kernel=wide):
-                    record["kernels"][variant] = bench_kernel(kernel, stack, rows_list, device, label=name)
+                    record["kernels"][variant] = bench_kernel(kernel, stack, rows_list, device, label=variant)
                 torch.cuda.empty_cache()
         if name == "trellis_mma" and ok and "exllamav3" in args.kernels.split(","):
             record["kernels"]["trellis_mma"]["served"] = bench_served(kernel, stack, rows_list, device)
