@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from quantpack_core import Exl3Tensors, GeometryError, Pack, reference_linear
+from quantpack_core.compare import relative_error
 from quantpack_core.moe import reference_moe_forward
 from quantpack_core.synthetic import random_exl3_layer
 
 pytest.importorskip("vllm")
 
-from test_exl3_layers import feed, make_config, rel_err
+from test_exl3_layers import feed, make_config
 from test_exl3_moe import HIGH, LAYER, E, H, exl3_config, expert_tensors, load, moe_config, oracle_bank
 
 TOL = 1e-5
@@ -127,7 +128,7 @@ def test_qkv_with_gqa(vllm_layers, monkeypatch, heads, kv_heads, head_dim, tp, f
         -1,
     )
     assert y.shape == want.shape
-    assert rel_err(y, want) < TOL
+    assert relative_error(y, want) < TOL
     assert any(fallback_of(la) for la in layers) == fallback
 
 
@@ -158,7 +159,7 @@ def test_llama_fixture_layers_at_tp2_and_tp4(vllm_layers, monkeypatch, fixtures_
         want = torch.cat(
             [torch.cat([g_full[:, r * s : (r + 1) * s], u_full[:, r * s : (r + 1) * s]], -1) for r in range(tp)], -1
         )
-        assert rel_err(y, want) < TOL and all(fallback_of(la) for la in layers)
+        assert relative_error(y, want) < TOL and all(fallback_of(la) for la in layers)
         for tensors, width, name, sliced in (
             (down, 640, "mlp.down_proj", False),
             (o, 256, "self_attn.o_proj", tp == 2),
@@ -172,7 +173,7 @@ def test_llama_fixture_layers_at_tp2_and_tp4(vllm_layers, monkeypatch, fixtures_
                 x,
                 "row",
             )
-            assert rel_err(y, ref(x, [tensors], [256])) < TOL, (tp, name)
+            assert relative_error(y, ref(x, [tensors], [256])) < TOL, (tp, name)
             assert all(fallback_of(la) != sliced for la in layers), (tp, name)
             # each rank holds only the 128-row blocks its input share touches, not the whole matrix
             share = width // tp
@@ -206,7 +207,7 @@ def test_gate_up_and_down(vllm_layers, monkeypatch, tp, inter):
     want = torch.cat(
         [torch.cat([g_full[:, r * s : (r + 1) * s], u_full[:, r * s : (r + 1) * s]], -1) for r in range(tp)], -1
     )
-    assert rel_err(y, want) < TOL
+    assert relative_error(y, want) < TOL
     x = torch.randn(4, inter)
     y, layers = run_ranks(
         monkeypatch,
@@ -216,7 +217,7 @@ def test_gate_up_and_down(vllm_layers, monkeypatch, tp, inter):
         x,
         "row",
     )
-    assert rel_err(y, ref(x, [down], [256])) < TOL
+    assert relative_error(y, ref(x, [down], [256])) < TOL
     assert all(fallback_of(la) == ((inter // tp) % 128 != 0) for la in layers)
 
 
@@ -271,7 +272,7 @@ def test_in_proj_qkvz_tuple_shards_of_the_qwen3_5_fixture(vllm_layers, monkeypat
             s = n // tp
             parts.append(t[:, r * s : (r + 1) * s])
     want = torch.cat(parts, -1)
-    assert rel_err(y, want) < TOL
+    assert relative_error(y, want) < TOL
     assert all(fallback_of(la) for la in layers)
 
 
@@ -293,7 +294,7 @@ def test_one_fused_shard_split_evenly(vllm_layers, monkeypatch, tp):
         x,
         "column",
     )
-    assert rel_err(y, ref(x, [t], [2048])) < TOL
+    assert relative_error(y, ref(x, [t], [2048])) < TOL
     assert not any(fallback_of(la) for la in layers)  # 1024 / 512 / 256 per rank
     assert held(layers[0]) == (256, 2048 // tp)  # the rank holds only its columns
 
@@ -335,7 +336,7 @@ def test_lm_head_vocab_rows(vllm_layers, monkeypatch, fixtures_dir, tp, keeps_tp
         x,
         "column",
     )
-    assert rel_err(y, ref(x, [head], [1024])) < TOL
+    assert relative_error(y, ref(x, [head], [1024])) < TOL
     assert not any(fallback_of(la) for la in layers)
 
 
@@ -362,7 +363,7 @@ def test_lm_head_off_block_rows_fall_back_and_say_so(vllm_layers, monkeypatch, c
             x,
             "column",
         )
-    assert rel_err(y, ref(x, [head], [1088])) < TOL
+    assert relative_error(y, ref(x, [head], [1088])) < TOL
     assert all(fallback_of(la) for la in layers)
     assert [held(la)[1] for la in layers] == [640, 576]
     notes = [r.getMessage() for r in caplog.records if "Hadamard block" in r.getMessage()]
@@ -455,12 +456,12 @@ def test_experts_summed_over_ranks(fixtures_dir, monkeypatch, caplog, tp):
             # alone, the rank's part is the layer restricted to its own experts' picks
             own = torch.isin(ids, torch.tensor(mine))
             want_part = reference_moe_forward(oracle_bank(tensors), x, ids, w * own)
-            assert rel_err(part, want_part) < TOL
+            assert relative_error(part, want_part) < TOL
         else:
             assert layer.quant_state.idle and not part.any()
         total = total + part
     want = reference_moe_forward(oracle_bank(tensors), x, ids, w)
-    assert rel_err(total, want) < TOL
+    assert relative_error(total, want) < TOL
     notes = [r.getMessage() for r in caplog.records if "split whole" in r.getMessage()]
     if tp == 2:
         assert notes == []

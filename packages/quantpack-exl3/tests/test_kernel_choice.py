@@ -9,10 +9,11 @@ import logging
 
 import pytest
 import torch
-from test_exl3_layers import feed, make_config, ref_out, rel_err
+from test_exl3_layers import feed, make_config, ref_out
 
 from quantpack_core import Exl3Tensors, reference_linear
 from quantpack_core.codec import Codebook
+from quantpack_core.compare import relative_error
 from quantpack_core.kernels import LinearKernel, LinearSpec, PreparedShard
 from quantpack_core.synthetic import random_exl3_layer
 
@@ -81,7 +82,7 @@ def test_stand_in_takes_the_shards_it_accepts_and_the_next_kernel_the_rest(vllm_
     x = torch.randn(5, 256)
     y = layer.quant_method.apply(layer, x)
     want = ref_out(x, [Exl3Tensors.from_tensors(tensors[s]) for s in "qkv"], [256, 128, 128])
-    assert rel_err(y, want) < 1e-5
+    assert relative_error(y, want) < 1e-5
     tables = [r.getMessage() for r in caplog.records if "kernels chosen per shard" in r.getMessage()]
     assert len(tables) == 1, tables
     table = tables[0]
@@ -125,7 +126,7 @@ def test_consecutive_shards_of_one_kernel_run_fused(vllm_layers):
     layer.quant_method.process_weights_after_loading(layer)
     assert [(run.kernel, run.col) for run in layer.quant_state.runs] == [("reference", 0), ("fusing-stand-in", 256)]
     x = torch.randn(5, 256)
-    assert rel_err(layer.quant_method.apply(layer, x), want_of(x)) < 1e-5
+    assert relative_error(layer.quant_method.apply(layer, x), want_of(x)) < 1e-5
 
     layer = qkv(make_config(vllm_layers))
     for sid, t in tensors.items():
@@ -134,7 +135,7 @@ def test_consecutive_shards_of_one_kernel_run_fused(vllm_layers):
     assert [run.kernel for run in layer.quant_state.runs] == ["reference"]
     held = getattr(layer.quant_state.runs[0].fn, "shape", None)  # vLLM's CPU GEMM packed it: the shape it took
     assert tuple(held or layer.shard0_weight.shape) == (256, 512)
-    assert rel_err(layer.quant_method.apply(layer, x), want_of(x)) < 1e-5
+    assert relative_error(layer.quant_method.apply(layer, x), want_of(x)) < 1e-5
 
 
 def test_the_table_waits_for_the_models_last_layer(vllm_layers, caplog):
