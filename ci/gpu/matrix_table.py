@@ -183,7 +183,7 @@ def file_cells(outcomes: dict, release: str, tests: list[str] | None, detail: bo
         cell = ", ".join(f"{counts[o]} {o}" for o in OUTCOMES if counts[o]) if ran else "not run"
         runs = {run for cards in per_test.values() for outcome, run in cards.values() if outcome != "skipped"}
         if detail and runs:
-            cell += " (" + "; ".join(sorted(r.short() for r in runs)) + ")"
+            cell += " (" + "; ".join(sorted({r.short() for r in runs})) + ")"
         cells[name] = cell
     return cells
 

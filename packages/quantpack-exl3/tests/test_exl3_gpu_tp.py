@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-        reason="needs two CUDA devices (GPU tier on nvidia-h200-x2: nox -s gpu-tests)",
+        reason="needs two CUDA devices (the GPU tier on a machine of two: nox -s gpu-tests)",
     ),
 ]
 
