@@ -116,6 +116,11 @@ class Workspace:
     tensor_cores: bool = False
     delegate: object = None
 
+    @property
+    def holds_dense(self) -> bool:
+        """Whether ``dense`` is the dense route's whole buffer (:data:`DENSE_BYTES`), as :func:`reserve` makes it."""
+        return self.dense.numel() >= DENSE_BYTES
+
 
 _workspaces: dict[int, Workspace] = {}
 
@@ -149,7 +154,7 @@ def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
         _workspaces[index] = ws
     elif ws.xh.shape[1] < k:
         ws.xh = torch.empty((XH_ROWS, k), dtype=torch.float16, device=ws.xh.device)
-    if dense_may_serve() and ws.dense.numel() < DENSE_BYTES:  # memory only where the route may serve
+    if dense_may_serve() and not ws.holds_dense:  # memory only where the route may serve
         ws.dense = torch.empty(DENSE_BYTES, dtype=torch.uint8, device=ws.xh.device)
     if delegate is not None and ws.delegate is not delegate:
         if ws.delegate is not None:
@@ -163,7 +168,7 @@ def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
 
 def dense_may_serve() -> bool:
     """Whether the settings in force let the dense route serve a bucket: ``wide_kernel`` unset (it is timed at load
-    from :data:`DENSE_ROWS` rows) or "dense"."""
+    in the buckets from the one up to :data:`DENSE_ROWS` rows) or "dense"."""
     return current().wide_kernel in (None, "dense")
 
 

@@ -3,11 +3,13 @@ prepared; and the warm-up of every launch shape a CUDA-graph capture would other
 
 Per row bucket (:data:`.ops.ROW_BUCKETS`) the candidates are the split-K kernel, on Hopper from 17 rows on the
 tensor-core kernel with 64, 128 or 256 rows per CTA (no more rows per CTA than the bucket's next power of two above 64),
-from :data:`.ops.DENSE_ROWS` rows the dense route (the weights rebuilt once per call, then cuBLAS), and another
-implementation of the same call that the run's format may give (:class:`Delegate`: its adapter kernel passes it to
-:func:`.kernels.prepare_shard`). Each candidate runs the run's shape at the bucket's largest row count, and the fastest
-of the project's own kernels serves the bucket, unless the delegate takes at most :data:`DELEGATE_MARGIN` of its time
-(:func:`measure_bucket_kernels`). The table is logged per shape and kept (:func:`selection_records`).
+in the buckets from the one up to :data:`.ops.DENSE_ROWS` rows (calls of 513 rows on) the dense route (the weights
+rebuilt once per call, then cuBLAS) where the workspace holds its buffer, and another implementation of the same call
+that the run's format may give (:class:`Delegate`: its adapter kernel passes it to :func:`.kernels.prepare_shard`).
+Each candidate runs the run's shape at the bucket's largest row count (and its smallest too where the dense route is
+among them), and the fastest of the project's own kernels serves the bucket, unless the delegate takes at most
+:data:`DELEGATE_MARGIN` of its time (:func:`measure_bucket_kernels`). The table is logged per shape and kept
+(:func:`selection_records`).
 
 Source: docs/kernels.md ("The selection").
 """
@@ -25,7 +27,6 @@ from quantpack_core.kernels import PreparedShard
 from .ops import (
     DELEGATE,
     DENSE,
-    DENSE_BYTES,
     DENSE_ROWS,
     FUSED_ROWS,
     ROW_BUCKETS,
@@ -184,8 +185,8 @@ def measure_bucket_kernels(run: PreparedShard, dtype: torch.dtype, delegate: Del
     known = _records.get(key)
     if known is not None:
         return known.bucket_kernels
-    dense = ws.dense.numel() >= DENSE_BYTES  # reserved where the settings let the route serve when prepared
-    options = [bucket_options(i, ws.tensor_cores, delegate, dense) for i in range(len(ROW_BUCKETS))]
+    # the route's buffer is reserved where the settings let it serve when a shard was prepared
+    options = [bucket_options(i, ws.tensor_cores, delegate, ws.holds_dense) for i in range(len(ROW_BUCKETS))]
     reach = delegate if any(DELEGATE in o for o in options) else None  # the delegate only where it can serve
     warm_up(run, k, reach, dtype, ws.tensor_cores, any(DENSE in o for o in options))
     times = _time_buckets(run, k, dtype, options) if any(len(o) > 1 for o in options) else ()
