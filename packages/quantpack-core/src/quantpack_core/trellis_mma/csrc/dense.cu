@@ -5,21 +5,25 @@
 // finish_block; common.cuh, input_transform). Both transforms and both scales fold into the weights:
 //   W[i][c] = suh[i] * svh[c] / 128 * (H What_b H)[i][c]    (H: the 128-point Sylvester matrix, What_b: a 128 x 128
 //                                                           block of the decoded trellis, i and c inside the block)
-// so y = x @ W. One CTA rebuilds one 128 x 128 block: each warp decodes its column of 8 tiles into shared memory
-// (float), a warp per k row transforms the row (H on the right, svh), a warp per column transforms the column (H on
-// the left, suh) and writes it as a row of W^T, (columns, k) with k contiguous: the layout a linear layer's weight
-// has, which the GEMM reads transposed.
-//
-// A warp's 128 values of a row or column are held as index i * 32 + lane of register i, where fwht128 expects
-// lane * 4 + i: the two indices differ by a permutation of the index bits, under which the Sylvester matrix is
-// unchanged (H[a][b] = (-1)^popcount(a & b)), so the transform is the same, and these loads hit 32 distinct banks.
+// so y = x @ W. One CTA rebuilds one 128 x 128 block in three passes, each warp on its own slice:
+//   1. decode: each warp decodes its column of 8 tiles into registers; a lane then holds 32 of the 128 k rows of two
+//      columns (row bits 0 and 3-6 in its registers, bits 1-2 in lane % 4), so H on the left is five butterfly
+//      stages in registers and two across lanes; stored to shared memory (float);
+//   2. rows: four lanes per k row, 32 values each (column bits 2-6 in registers, bits 0-1 in lane % 4): H on the
+//      right, five stages in registers and two across lanes, back in place;
+//   3. columns: one column at a time, a lane's 4 consecutive k values scaled by suh and svh / 128 and written as one
+//      8-byte store into a row of W^T, (columns, k) with k contiguous: the layout a linear layer's weight has, which
+//      the GEMM reads transposed.
+// The Sylvester matrix is unchanged by a permutation of the index bits (H[a][b] = (-1)^popcount(a & b)), so a
+// transform may take the bits in any order and from registers or lanes alike. The block sits in shared memory as rows
+// of 128 floats with the columns XOR-swizzled by the row (dense_at), under which each pass's loads and stores hit 32
+// distinct banks.
 
 #include "common.cuh"
 
 namespace qp {
 
-constexpr int DENSE_STRIDE = BLOCK_N + 1;  // floats per row of the CTA's block in shared memory
-constexpr int DENSE_SMEM = BLOCK_N * DENSE_STRIDE * 4;
+constexpr int DENSE_SMEM = BLOCK_N * BLOCK_N * 4;  // one 128 x 128 float block
 
 struct DenseParams {
     const uint8_t* trellis;  // the shard's (k/16, n/16, tile bytes)
@@ -32,28 +36,103 @@ struct DenseParams {
     int bf16;
 };
 
+// Element (r, c) of the block in shared memory. The swizzle's bits 2-4 follow row bits 0-2 (pass 2: 8 rows x 4
+// lanes; pass 1: row bits 1-2 against column bits 0-2) and its bits 0-3 row bits 3-6 (pass 3: rows 4 * lane + i).
+__device__ __forceinline__ int dense_at(int r, int c) { return r * BLOCK_N + (c ^ ((((r & 7) << 2) ^ (r >> 3)) & 31)); }
+
+// The Sylvester transform over the index bits of N registers (unnormalized).
+template <int N>
+__device__ __forceinline__ void fwht_registers(float (&v)[N]) {
+#pragma unroll
+    for (int h = 1; h < N; h <<= 1) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            if (i & h) continue;
+            const float a = v[i], b = v[i | h];
+            v[i] = a + b;
+            v[i | h] = a - b;
+        }
+    }
+}
+
+// ... and over lane bits 0-1 (the lane's register i against register i of lanes lane ^ 1, ^ 2, ^ 3).
+template <int N>
+__device__ __forceinline__ void fwht_lane_pairs(float (&v)[N], int lane) {
+#pragma unroll
+    for (int m = 1; m < 4; m <<= 1) {
+        const bool upper = lane & m;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            const float o = __shfl_xor_sync(0xFFFFFFFFu, v[i], m);
+            v[i] = upper ? o - v[i] : v[i] + o;
+        }
+    }
+}
+
+// Pass 1: the warp's 16 columns of k block kb, H applied over k, into S.
 template <int CB, int KA, bool HALFK>
 __device__ __forceinline__ void dense_decode(const DenseParams& p, float* S, int nb, int kb) {
     using T = Tile<KA, HALFK>;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     int widx[T::NORM + 1], shift;
     lane_window<KA, HALFK>(lane, widx, shift);
-    const int r0 = 2 * (lane % 4), c0 = warp * 16 + lane / 4;
     const size_t ntiles_n = p.n / 16;
     const uint8_t* column = p.trellis + ((size_t)kb * 8 * ntiles_n + nb * 8 + warp) * T::BYTES;
+    uint32_t b[8][4];  // b[t][h]: tile t's k rows 2 * (lane % 4) (+1) (+8 for odd h), column lane / 4 (+8 for h >= 2)
 #pragma unroll
-    for (int t = 0; t < 8; ++t) {
-        uint32_t b[4];
+    for (int t = 0; t < 8; ++t)
         decode_lane<CB, KA, HALFK>(reinterpret_cast<const uint32_t*>(column + t * ntiles_n * T::BYTES), widx, shift,
-                                   b);
-        // b[h]: k rows r0 (+1) (+8 for odd h) of column c0 (+8 for h >= 2), low half first (the B fragment)
+                                   b[t]);
 #pragma unroll
-        for (int h = 0; h < 4; ++h) {
-            const __half2 pair = *reinterpret_cast<const __half2*>(&b[h]);
-            const int r = t * 16 + r0 + 8 * (h & 1), c = c0 + 8 * (h >> 1);
-            S[r * DENSE_STRIDE + c] = __low2float(pair);
-            S[(r + 1) * DENSE_STRIDE + c] = __high2float(pair);
+    for (int half = 0; half < 2; ++half) {
+        float v[32];  // v[t * 4 + h1 * 2 + e]: k row t * 16 + 8 * h1 + 2 * (lane % 4) + e
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+#pragma unroll
+            for (int h1 = 0; h1 < 2; ++h1) {
+                const __half2 pair = *reinterpret_cast<const __half2*>(&b[t][half * 2 + h1]);
+                v[t * 4 + h1 * 2] = __low2float(pair);
+                v[t * 4 + h1 * 2 + 1] = __high2float(pair);
+            }
         }
+        fwht_registers(v);
+        fwht_lane_pairs(v, lane);
+        const int c = warp * 16 + half * 8 + lane / 4;
+#pragma unroll
+        for (int q = 0; q < 32; ++q) {
+            const int r = (q >> 2) * 16 + ((q >> 1) & 1) * 8 + 2 * (lane % 4) + (q & 1);
+            S[dense_at(r, c)] = v[q];
+        }
+    }
+}
+
+// Pass 2: H over the columns of the warp's 16 rows, in place.
+__device__ __forceinline__ void dense_rows(float* S) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = warp * 16 + half * 8 + lane / 4;
+        float v[32];  // v[j]: column 4 * j + lane % 4
+#pragma unroll
+        for (int j = 0; j < 32; ++j) v[j] = S[dense_at(r, 4 * j + lane % 4)];
+        fwht_registers(v);
+        fwht_lane_pairs(v, lane);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) S[dense_at(r, 4 * j + lane % 4)] = v[j];
+    }
+}
+
+// Four values as one 8-byte store in the model dtype (i a multiple of 4).
+__device__ __forceinline__ void store_act4(void* p, size_t i, const float (&v)[4], int bf16) {
+    uint2 u;
+    if (bf16) {
+        const __nv_bfloat162 a = __floats2bfloat162_rn(v[0], v[1]), b = __floats2bfloat162_rn(v[2], v[3]);
+        u = make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+        *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p) + i) = u;
+    } else {
+        const __half2 a = __floats2half2_rn(v[0], v[1]), b = __floats2half2_rn(v[2], v[3]);
+        u = make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+        *reinterpret_cast<uint2*>(static_cast<__half*>(p) + i) = u;
     }
 }
 
@@ -65,28 +144,20 @@ __global__ void __launch_bounds__(THREADS) trellis_dense_kernel(const DenseParam
     const int nb = p.nb0 + blockIdx.x, kb = blockIdx.y;
     dense_decode<CB, KA, HALFK>(p, S, nb, kb);
     __syncthreads();
-    for (int r = warp; r < BLOCK_N; r += WARPS) {  // rows: What_b H, times svh / sqrt(128)
-        float v[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = S[r * DENSE_STRIDE + i * 32 + lane];
-        fwht128(v, lane);
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            S[r * DENSE_STRIDE + i * 32 + lane] = v[i] * HAD_SCALE * __half2float(p.svh[nb * BLOCK_N + i * 32 + lane]);
-    }
+    dense_rows(S);
     __syncthreads();
-    for (int c = warp; c < BLOCK_N; c += WARPS) {  // columns: H (...), times suh / sqrt(128), as a row of W^T
-        const int row = blockIdx.x * BLOCK_N + c;
+    const int k0 = kb * BLOCK_N + 4 * lane;  // pass 3: the lane's k rows 4 * lane + i
+    float suh[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) suh[i] = __half2float(p.suh[k0 + i]) * (HAD_SCALE * HAD_SCALE);
+    for (int c = warp * 16; c < warp * 16 + 16; ++c) {
+        const int row = blockIdx.x * BLOCK_N + c;  // of W^T
         if (row >= p.cols) break;
+        const float svh = __half2float(p.svh[nb * BLOCK_N + c]);
         float v[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = S[(i * 32 + lane) * DENSE_STRIDE + c];
-        fwht128(v, lane);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int k = kb * BLOCK_N + i * 32 + lane;
-            store_act(p.w, (size_t)row * p.k + k, v[i] * HAD_SCALE * __half2float(p.suh[k]), p.bf16);
-        }
+        for (int i = 0; i < 4; ++i) v[i] = S[dense_at(4 * lane + i, c)] * suh[i] * svh;
+        store_act4(p.w, (size_t)row * p.k + k0, v, p.bf16);
     }
 }
 
