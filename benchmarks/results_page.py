@@ -149,7 +149,10 @@ def kernel_section(path: Path, record: dict) -> str:
         f"the EXL3 weights' bandwidth floor {num(record['exl3_bandwidth_floor_ms'])} ms at the measured copy rate"
         + (f"; settings: {settings}" if settings else "")
     )
-    return "\n\n".join([heading(path, record, what), kernel_table(record)])
+    out = [heading(path, record, what), kernel_table(record)]
+    if skipped := {k: r["skipped"] for k, r in record.get("kernels", {}).items() if "skipped" in r}:
+        out.append(wrap("Not run: " + "; ".join(f"`{k}`, {why}" for k, why in skipped.items()) + "."))
+    return "\n\n".join(out)
 
 
 def profile_section(paths: list[Path]) -> str:
