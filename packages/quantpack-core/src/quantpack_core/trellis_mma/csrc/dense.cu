@@ -55,17 +55,16 @@ __device__ __forceinline__ void fwht_registers(float (&v)[N]) {
     }
 }
 
-// ... and over lane bits 0-1 (the lane's register i against register i of lanes lane ^ 1, ^ 2, ^ 3).
+// ... and over lane bits 0-1 (the lane's register i against register i of lanes lane ^ 1, ^ 2, ^ 3). The lower lane
+// of a pair keeps v + o, the upper o - v: one FFMA with the lane's sign, the same rounding as the add or subtract
+// (a product by +-1 is exact), where the select of both would take three instructions.
 template <int N>
 __device__ __forceinline__ void fwht_lane_pairs(float (&v)[N], int lane) {
 #pragma unroll
     for (int m = 1; m < 4; m <<= 1) {
-        const bool upper = lane & m;
+        const float sign = (lane & m) ? -1.0f : 1.0f;
 #pragma unroll
-        for (int i = 0; i < N; ++i) {
-            const float o = __shfl_xor_sync(0xFFFFFFFFu, v[i], m);
-            v[i] = upper ? o - v[i] : v[i] + o;
-        }
+        for (int i = 0; i < N; ++i) v[i] = __fmaf_rn(sign, v[i], __shfl_xor_sync(0xFFFFFFFFu, v[i], m));
     }
 }
 
@@ -138,7 +137,7 @@ __device__ __forceinline__ void store_act4(void* p, size_t i, const float (&v)[4
 
 // One 128 x 128 block of W: column block p.nb0 + blockIdx.x, k block blockIdx.y.
 template <int CB, int KA, bool HALFK>
-__global__ void __launch_bounds__(THREADS) trellis_dense_kernel(const DenseParams p) {
+__global__ void __launch_bounds__(THREADS, 2) trellis_dense_kernel(const DenseParams p) {
     extern __shared__ float S[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int nb = p.nb0 + blockIdx.x, kb = blockIdx.y;
