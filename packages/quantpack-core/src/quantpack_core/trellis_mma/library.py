@@ -67,7 +67,8 @@ COMPILE_FLAGS = ("-O3", "-std=c++17", "-Xcompiler", "-fPIC")
 LINK_FLAGS = ("-shared",)
 #: return codes of the library's entry points below 0
 ERRORS = {
-    -1: "bad geometry (k and n must be multiples of 128, the input no wider than k, out_features at most n)",
+    -1: "bad geometry (k and n must be multiples of 128, the input no wider than k, out_features at most n; the dense "
+    "route's weights buffer 8-byte aligned)",
     -2: "no kernel for this K",
     -3: "unknown codebook id",
     -4: "the workspace is too small for this call",

@@ -137,7 +137,7 @@ __device__ __forceinline__ void store_act4(void* p, size_t i, const float (&v)[4
 
 // One 128 x 128 block of W: column block p.nb0 + blockIdx.x, k block blockIdx.y.
 template <int CB, int KA, bool HALFK>
-__global__ void __launch_bounds__(THREADS, 2) trellis_dense_kernel(const DenseParams p) {
+__global__ void __launch_bounds__(THREADS) trellis_dense_kernel(const DenseParams p) {
     extern __shared__ float S[];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int nb = p.nb0 + blockIdx.x, kb = blockIdx.y;
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(THREADS, 2) trellis_dense_kernel(const DensePa
     const int k0 = kb * BLOCK_N + 4 * lane;  // pass 3: the lane's k rows 4 * lane + i
     float suh[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) suh[i] = __half2float(p.suh[k0 + i]) * (HAD_SCALE * HAD_SCALE);
+    for (int i = 0; i < 4; ++i) suh[i] = __half2float(p.suh[k0 + i]) * (1.0f / 128);  // HAD_SCALE squared, exactly
     for (int c = warp * 16; c < warp * 16 + 16; ++c) {
         const int row = blockIdx.x * BLOCK_N + c;  // of W^T
         if (row >= p.cols) break;
@@ -180,12 +180,14 @@ int dense_launch(const DenseParams& p, cudaStream_t s) {
 }  // namespace qp
 
 // W^T of one shard's columns [col0, col0 + cols) (col0 a multiple of 128) into w, (cols, k) in the model dtype
-// (bf16 or fp16), row stride k: y[:, col0:col0 + cols] = x @ w.T (see the file's head). Returns 0, -1 (bad
-// geometry), -2 (no such K), -3 (bad codebook) or a CUDA error code.
+// (bf16 or fp16), row stride k, 8-byte aligned (a lane writes 4 values in one store): y[:, col0:col0 + cols] = x @ w.T
+// (see the file's head). Returns 0, -1 (bad geometry or a misaligned w), -2 (no such K), -3 (bad codebook) or a CUDA
+// error code.
 QP_API int qp_trellis_dense(const void* trellis, const void* suh, const void* svh, void* w, int k, int n, int col0,
                             int cols, int codebook, int k2, int bf16, void* stream) {
     if (cols <= 0) return 0;
     if (k <= 0 || n <= 0 || k % 128 || n % 128 || col0 % 128 || col0 < 0 || col0 + cols > n) return -1;
+    if (reinterpret_cast<uintptr_t>(w) % 8) return -1;
     const qp::DenseParams p{static_cast<const uint8_t*>(trellis), static_cast<const __half*>(suh),
                             static_cast<const __half*>(svh), w, k, n, col0 / qp::BLOCK_N, cols, bf16};
     return qp::with_codebook_k(codebook, k2, [&](auto cb, auto ka, auto half) {
