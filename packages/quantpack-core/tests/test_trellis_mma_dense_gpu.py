@@ -21,7 +21,8 @@ pytestmark = [
 ]
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
-CASES = [(k, cb) for k in (1, 2, 2.5, 3, 4, 5, 6, 8) for cb in CODEBOOKS if k not in HALF_K or cb == "mul1"]
+K_BITS = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
+CASES = [(k, cb) for k in K_BITS for cb in CODEBOOKS if k not in HALF_K or cb == "mul1"]
 #: the route's error may exceed the unavoidable rounding's (computed in float64) by this ratio: the kernel's float32
 #: transforms and cuBLAS's float32 sums (ops.float32_sums) add orders of magnitude less than one float16 rounding of
 #: the weights (an emulation of the route measures 1.000; partial sums rounded to the output dtype, which
