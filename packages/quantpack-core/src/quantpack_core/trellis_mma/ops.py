@@ -246,32 +246,59 @@ def run_trellis_mma(
 
 
 def _run_dense(ws: Workspace, x: torch.Tensor, trellis, suh, svh, codebook, k_bits, out_features, out, cols) -> None:
-    """The dense route: per shard, per piece of its columns that the workspace holds, the weights rebuilt in the
-    model dtype (``qp_trellis_dense``), then ``out[:, piece] = x @ w.T`` (cuBLAS, summing in float32)."""
-    lib = load(ws.arch)
-    width = x.shape[1]
+    """The dense route: the layer's shards rebuilt one after another in the model dtype (``qp_trellis_dense``) into
+    the workspace's buffer, as many consecutive columns as it holds, then one GEMM over them:
+    ``out[:, piece] = x @ w.T`` (cuBLAS, summing in float32). The shards' output columns are consecutive, so q, k and
+    v (or gate and up, as far as the buffer goes) share a GEMM; a shard wider than what is left of the buffer is cut
+    at a multiple of 128 columns."""
     k = trellis[0].shape[0] * 16
     weights = ws.dense.view(x.dtype)
     piece = weights.numel() // k // 128 * 128
-    if width > k:
-        raise LibraryError(f"trellis_mma: dense route: an input of {width} features for a shard of {k}")
+    if x.shape[1] > k:
+        raise LibraryError(f"trellis_mma: dense route: an input of {x.shape[1]} features for a shard of {k}")
     if piece == 0:
         raise LibraryError(
             "trellis_mma: the dense route needs the weights buffer prepare() reserves where the route may serve "
             "(QUANTPACK_TRELLIS_MMA_WIDE_KERNEL unset or dense); this GPU's workspace has none"
         )
-    stream = torch.cuda.current_stream(x.device).cuda_stream
+    rebuild = _dense_rebuilder(ws, x, codebook, k_bits, k)
+    start, filled = cols[0], 0  # the buffer's first output column, the columns it holds
     with float32_sums():
         for t, s, v, o, c in zip(trellis, suh, svh, out_features, cols, strict=True):
-            for c0 in range(0, o, piece):
-                n = min(piece, o - c0)
-                code = lib.qp_trellis_dense(
-                    t.data_ptr(), s.data_ptr(), v.data_ptr(), weights.data_ptr(), k, t.shape[1] * 16, c0, n,
-                    codebook, round(2 * k_bits), int(x.dtype == torch.bfloat16), stream,
-                )  # fmt: skip
-                check(code, f"dense route, k {k}, columns {c0}..{c0 + n}, K {k_bits:g}, codebook {codebook}")
-                w = weights[: n * k].view(n, k)[:, :width]
-                torch.mm(x, w.t(), out=out[:, c + c0 : c + c0 + n])
+            c0 = 0
+            while c0 < o:
+                room = piece - filled
+                n = o - c0 if o - c0 <= room else room // 128 * 128
+                if n == 0:  # full up to less than a block: its GEMM first
+                    _dense_gemm(x, weights, k, filled, out, start)
+                    start, filled = c + c0, 0
+                    continue
+                rebuild(t, s, v, c0, n, weights[filled * k :])
+                filled, c0 = filled + n, c0 + n
+        _dense_gemm(x, weights, k, filled, out, start)
+
+
+def _dense_rebuilder(ws: Workspace, x: torch.Tensor, codebook, k_bits, k):
+    """``rebuild(trellis, suh, svh, c0, n, into)``: W^T of a shard's columns ``c0 .. c0 + n`` (``c0`` a multiple of
+    128) into the start of ``into``, (n, k) in x's dtype, on the current stream."""
+    lib = load(ws.arch)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    bf16 = int(x.dtype == torch.bfloat16)
+
+    def rebuild(t, s, v, c0, n, into):
+        code = lib.qp_trellis_dense(
+            t.data_ptr(), s.data_ptr(), v.data_ptr(), into.data_ptr(), k, t.shape[1] * 16, c0, n, codebook,
+            round(2 * k_bits), bf16, stream,
+        )  # fmt: skip
+        check(code, f"dense route, k {k}, columns {c0}..{c0 + n}, K {k_bits:g}, codebook {codebook}")
+
+    return rebuild
+
+
+def _dense_gemm(x: torch.Tensor, weights: torch.Tensor, k: int, filled: int, out: torch.Tensor, start: int) -> None:
+    """``out[:, start:start + filled] = x @ w.T`` over the first ``filled`` rebuilt columns of the buffer."""
+    w = weights[: filled * k].view(filled, k)[:, : x.shape[1]]
+    torch.mm(x, w.t(), out=out[:, start : start + filled])
 
 
 #: torch's switches that let cuBLAS round the partial sums of a float16 / bfloat16 GEMM to that dtype
