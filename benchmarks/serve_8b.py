@@ -15,7 +15,7 @@ below are described for the 8B one, and differ for the MoE models where said.
   symmetric, no act-order, the router left in bf16): vLLM's Marlin MoE kernels for the experts.
 * plugin-trellis_mma: the plugin with ``QUANTPACK_EXL3_BACKEND=trellis_mma`` (trellis_mma for every shard and bank,
   no row bucket delegated to exllamav3). For the MoE models "plugin" runs the expert banks through trellis_mma's grouped
-  kernels (the CUDA default since 2026-12-02) and "plugin-exllamav3" through exllamav3's ``exl3_mgemm``.
+  kernels (the CUDA default) and "plugin-exllamav3" through exllamav3's ``exl3_mgemm``.
 * exllamav3: its own Generator on the same pack (jobs of token ids, argmax sampling, all of a batch enqueued at
   once).
 
