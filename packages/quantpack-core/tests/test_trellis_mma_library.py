@@ -226,6 +226,24 @@ def test_the_dense_route_is_no_candidate_without_its_buffer():
         assert bucket_options(10, True, other, dense=False) == [DENSE]
 
 
+def test_the_dense_buffer_is_reserved_exactly_where_the_route_may_serve():
+    """reserve() holds the route's 128 MiB only under settings where some bucket of a run may take the route: not where
+    ``delegate_rows`` sends every bucket from 513 rows to the run's delegate, nor under another ``wide_kernel``."""
+    from quantpack_core.trellis_mma.ops import DENSE, ROW_BUCKETS, dense_may_serve
+    from quantpack_core.trellis_mma.selection import Delegate, bucket_options
+    from quantpack_core.trellis_mma.settings import using
+
+    other = Delegate("other", lambda *a: None)
+    for wide in (None, "dense", "tc", "split"):
+        for above in (None, 0, 1, 16, 256, 512, 513, 1024, 1025, 10**6):
+            for delegate in (None, other):
+                with using(delegate_rows=above, wide_kernel=wide):
+                    may = any(DENSE in bucket_options(i, True, delegate) for i in range(len(ROW_BUCKETS)))
+                    assert dense_may_serve(delegate is not None) == may, (wide, above, delegate)
+    with using(delegate_rows=256, wide_kernel=None):
+        assert not dense_may_serve(True) and dense_may_serve(False)
+
+
 def stand_in_workspace(dense_bytes: int):
     """A Hopper workspace as reserve() leaves it (CPU tensors; only the selection reads it here)."""
     from quantpack_core.trellis_mma import ops

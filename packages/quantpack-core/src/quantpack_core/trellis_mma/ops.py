@@ -125,9 +125,10 @@ class Workspace:
 _workspaces: dict[int, Workspace] = {}
 
 
-def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
+def reserve(device: torch.device, k: int, delegate=None, dense: bool = True) -> Workspace:
     """The workspace of ``device``, created or widened for shards of ``k`` stored input features (call at load), with
-    ``delegate`` (a shard call, see :class:`Workspace`) as its delegate where one is given.
+    ``delegate`` (a shard call, see :class:`Workspace`) as its delegate where one is given, and the dense route's
+    buffer where ``dense`` (a caller whose runs may take the route: not the expert banks) and :func:`dense_may_serve`.
 
     Raises:
         quantpack_core.trellis_mma.library.LibraryError: the kernels cannot be built or loaded for this GPU, or
@@ -154,7 +155,7 @@ def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
         _workspaces[index] = ws
     elif ws.xh.shape[1] < k:
         ws.xh = torch.empty((XH_ROWS, k), dtype=torch.float16, device=ws.xh.device)
-    if dense_may_serve() and not ws.holds_dense:  # memory only where the route may serve
+    if dense and dense_may_serve(delegate is not None) and not ws.holds_dense:  # memory only where it may serve
         ws.dense = torch.empty(DENSE_BYTES, dtype=torch.uint8, device=ws.xh.device)
     if delegate is not None and ws.delegate is not delegate:
         if ws.delegate is not None:
@@ -166,10 +167,16 @@ def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
     return ws
 
 
-def dense_may_serve() -> bool:
-    """Whether the settings in force let the dense route serve a bucket: ``wide_kernel`` unset (it is timed at load
-    in the buckets from the one up to :data:`DENSE_ROWS` rows) or "dense"."""
-    return current().wide_kernel in (None, "dense")
+def dense_may_serve(delegated: bool = False) -> bool:
+    """Whether the settings in force let the dense route serve a bucket of a run: ``wide_kernel`` unset (it is timed at
+    load in the buckets from the one up to :data:`DENSE_ROWS` rows) or "dense" (above :data:`FUSED_ROWS` rows), unless
+    the run has a delegate (``delegated``) and ``delegate_rows`` sends it every one of those buckets
+    (:func:`.selection.bucket_options`)."""
+    settings = current()
+    above = settings.delegate_rows
+    first = FUSED_ROWS + 1 if settings.wide_kernel == "dense" else ROW_BUCKETS[ROW_BUCKETS.index(DENSE_ROWS) - 1] + 1
+    all_delegated = delegated and bool(above) and first > min(above, ROW_BUCKETS[-2])
+    return settings.wide_kernel in (None, "dense") and not all_delegated
 
 
 def workspace(device: torch.device) -> Workspace | None:
