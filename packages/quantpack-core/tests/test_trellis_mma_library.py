@@ -9,6 +9,9 @@ import ctypes
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as examples
+from hypothesis import strategies as st
 
 from quantpack_core.codec import Codebook
 from quantpack_core.codec.trellis import HALF_K, LEGAL_K, decode_tiles, tile_words, width_from_k
@@ -224,6 +227,44 @@ def test_the_dense_route_is_no_candidate_without_its_buffer():
         assert bucket_options(10, False, other, dense=False) == [SPLIT, DELEGATE]
     with using(delegate_rows=0, wide_kernel="dense"):
         assert bucket_options(10, True, other, dense=False) == [DENSE]
+
+
+def test_the_dense_routes_gemms_on_the_8b_shapes_and_a_cut_layer():
+    """q / k / v (4,096 + 1,024 + 1,024 columns) share one GEMM; gate / up (2 x 14,336) take two, up cut at 2,048;
+    shards of 300, 200 and 640 columns over a buffer of 3 blocks: 300 | 200 + 128 | 384 | 128."""
+    from quantpack_core.trellis_mma.ops import dense_plan
+
+    qkv = dense_plan((4096, 1024, 1024), 16384)
+    assert qkv == ((0, 6144, ((0, 0, 4096, 0), (1, 0, 1024, 4096), (2, 0, 1024, 5120))),)
+    gate_up = dense_plan((14336, 14336), 16384)
+    assert gate_up == ((0, 16384, ((0, 0, 14336, 0), (1, 0, 2048, 14336))), (16384, 12288, ((1, 2048, 12288, 0),)))
+    assert [(first, width) for first, width, _ in dense_plan((300, 200, 640), 384)] == [
+        (0, 300), (300, 328), (628, 384), (1012, 128),
+    ]  # fmt: skip
+
+
+@examples(max_examples=300, deadline=None)
+@given(
+    widths=st.lists(st.integers(1, 2000), min_size=1, max_size=8),
+    blocks=st.integers(1, 40),
+)
+def test_the_dense_routes_gemms_cover_each_column_once(widths, blocks):
+    """Any layer over any buffer: every GEMM fills the buffer's rows from 0 without a gap and no more than it holds,
+    its output columns follow the last GEMM's, each rebuild starts on a 128-column block of its shard and lies in it,
+    and together they rebuild each shard's columns once, in order."""
+    from quantpack_core.trellis_mma.ops import dense_plan
+
+    piece, covered, column = 128 * blocks, [0] * len(widths), 0
+    for first, width, rebuilds in dense_plan(tuple(widths), piece):
+        assert first == column and 0 < width <= piece
+        row = 0
+        for shard, c0, n, at in rebuilds:
+            assert at == row and c0 == covered[shard] and c0 % 128 == 0 and 0 < n and c0 + n <= widths[shard]
+            assert sum(widths[:shard]) + c0 == first + row  # the buffer's row lands on its output column
+            covered[shard], row = c0 + n, row + n
+        assert row == width
+        column += width
+    assert covered == widths and column == sum(widths)
 
 
 def test_the_dense_buffer_is_reserved_exactly_where_the_route_may_serve():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -35,8 +36,8 @@ COUNTERS = 1 << 16
 XH_ROWS = 2048
 #: rows up to which one launch runs a layer's shards (one 16-row mma fragment)
 FUSED_ROWS = 16
-#: the dense route's rebuilt weights (model dtype, (columns, k)): each GEMM computes as many of a shard's columns as
-#: fit, a multiple of 128 (128 MiB: 16,384 columns at k 4,096, 4,608 at k 14,336)
+#: the dense route's rebuilt weights (model dtype, (columns, k)): each GEMM computes as many of a layer's consecutive
+#: columns as fit (128 MiB: 16,384 columns at k 4,096, 4,608 at k 14,336; :func:`dense_plan`)
 DENSE_BYTES = 128 << 20
 #: the smallest bucket bound whose calls (from the bucket below's bound + 1, 513 rows) may take the dense route, timed
 #: beside the other kernels at load: its rebuild of every weight per call pays off only over many rows
@@ -253,11 +254,9 @@ def run_trellis_mma(
 
 
 def _run_dense(ws: Workspace, x: torch.Tensor, trellis, suh, svh, codebook, k_bits, out_features, out, cols) -> None:
-    """The dense route: the layer's shards rebuilt one after another in the model dtype (``qp_trellis_dense``) into
-    the workspace's buffer, as many consecutive columns as it holds, then one GEMM over them:
-    ``out[:, piece] = x @ w.T`` (cuBLAS, summing in float32). The shards' output columns are consecutive, so q, k and
-    v (or gate and up, as far as the buffer goes) share a GEMM; a shard wider than what is left of the buffer is cut
-    at a multiple of 128 columns."""
+    """The dense route: the layer's shards rebuilt in the model dtype (``qp_trellis_dense``) into the workspace's
+    buffer, then a GEMM over what it holds, ``out[:, piece] = x @ w.T`` (cuBLAS, summing in float32), as
+    :func:`dense_plan` lays them out."""
     k = trellis[0].shape[0] * 16
     weights = ws.dense.view(x.dtype)
     piece = weights.numel() // k // 128 * 128
@@ -269,20 +268,40 @@ def _run_dense(ws: Workspace, x: torch.Tensor, trellis, suh, svh, codebook, k_bi
             "(QUANTPACK_TRELLIS_MMA_WIDE_KERNEL unset or dense); this GPU's workspace has none"
         )
     rebuild = _dense_rebuilder(ws, x, codebook, k_bits, k)
-    start, filled = cols[0], 0  # the buffer's first output column, the columns it holds
     with float32_sums():
-        for t, s, v, o, c in zip(trellis, suh, svh, out_features, cols, strict=True):
-            c0 = 0
-            while c0 < o:
-                room = piece - filled
-                n = o - c0 if o - c0 <= room else room // 128 * 128
-                if n == 0:  # full up to less than a block: its GEMM first
-                    _dense_gemm(x, weights, k, filled, out, start)
-                    start, filled = c + c0, 0
-                    continue
-                rebuild(t, s, v, c0, n, weights[filled * k :])
-                filled, c0 = filled + n, c0 + n
-        _dense_gemm(x, weights, k, filled, out, start)
+        for first, width, rebuilds in dense_plan(tuple(out_features), piece):
+            for i, c0, n, row in rebuilds:
+                rebuild(trellis[i], suh[i], svh[i], c0, n, weights[row * k :])
+            _dense_gemm(x, weights, k, width, out, cols[0] + first)
+
+
+@functools.cache
+def dense_plan(out_features: tuple[int, ...], piece: int) -> tuple[tuple[int, int, tuple], ...]:
+    """The dense route's GEMMs for a layer's shards of ``out_features`` columns (consecutive in the output) over a
+    buffer of ``piece`` columns (a multiple of 128): the shards are rebuilt side by side, so q, k and v (or gate and
+    up, as far as the buffer goes) share a GEMM; a shard that does not fit what is left of the buffer is cut at a
+    multiple of 128 of its columns (the rebuild's block), or waits for the next GEMM.
+
+    Returns:
+        per GEMM ``(first, width, rebuilds)``: its output columns ``first .. first + width`` counted from the first
+        shard's, and the rebuilds that fill the buffer's rows ``0 .. width``, each ``(shard, c0, n, row)``: the
+        shard's columns ``c0 .. c0 + n`` at row ``row``.
+    """
+    gemms, rebuilds, start, filled, base = [], [], 0, 0, 0
+    for i, o in enumerate(out_features):
+        c0 = 0
+        while c0 < o:
+            room = piece - filled
+            n = o - c0 if o - c0 <= room else room // 128 * 128
+            if n == 0:  # full up to less than a block: its GEMM first
+                gemms.append((start, filled, tuple(rebuilds)))
+                rebuilds, start, filled = [], base + c0, 0
+                continue
+            rebuilds.append((i, c0, n, filled))
+            filled, c0 = filled + n, c0 + n
+        base += o
+    gemms.append((start, filled, tuple(rebuilds)))
+    return tuple(gemms)
 
 
 def _dense_rebuilder(ws: Workspace, x: torch.Tensor, codebook, k_bits, k):
