@@ -12,8 +12,10 @@ down, head). trellis_mma runs with its split-K kernel above 16 rows (record key 
 its tensor-core kernel there (``trellis_mma_tc``), with its dense route there (``trellis_mma_dense``: each shard's
 weights rebuilt per call, then cuBLAS); and as served: each fused run's row buckets on the kernel the
 load-time measurement found fastest, exllamav3's included (key ``served``, with the measured ``selection``). Dense bf16
-(``torch.matmul`` on the same shapes) is timed the same way, and the GPU's copy bandwidth is measured in the same run:
-the bandwidth floor of a stack is its bytes (trellis + suh + svh; bf16 weights for dense) over that bandwidth.
+(``torch.matmul`` on the same shapes) is timed the same way, and so are the dense route's GEMMs alone (float16
+weights laid out as the route rebuilds them: what the route costs besides its rebuild); the GPU's copy bandwidth is
+measured in the same run: the bandwidth floor of a stack is its bytes (trellis + suh + svh; bf16 weights for dense)
+over that bandwidth.
 
 Writes a JSON record (``--json``, default ``benchmarks/results/kernel_8b.json``); ``benchmarks/plot_kernels.py``
 draws it. Usage (GPU machine, after ci/gpu/setup.sh): ``source ci/gpu/env.sh && python3 benchmarks/kernel_8b.py
@@ -272,6 +274,39 @@ def bench_dense(rows_list, device) -> dict:
     return result
 
 
+def bench_route_gemms(rows_list, device) -> dict:
+    """The dense route's GEMMs without its rebuild: float16 weights laid out as the route rebuilds them ((columns, k),
+    a fused layer's shards side by side in the GEMMs ``dense_plan`` gives for its 128 MiB), ``x @ w.T`` into the
+    layer's output, under the route's float32 sums (``stack_ms``) and under torch's default switches
+    (``default_sums_ms``). The route's line minus ``stack_ms`` is its rebuild; ``stack_ms`` minus dense bf16 is what
+    the GEMMs' layout, dtype and sums cost."""
+    from quantpack_core.trellis_mma.ops import DENSE_BYTES, dense_plan, float32_sums
+
+    layer = [(HIDDEN, (HIDDEN, 1024, 1024)), (HIDDEN, (HIDDEN,)), (HIDDEN, (INTER, INTER)), (INTER, (HIDDEN,))]
+    gemms = []  # (k, the layer's output width, the GEMM's first column, its weights (width, k))
+    for k, outs in [*layer * LAYERS, (HIDDEN, (VOCAB,))]:
+        for first, width, _ in dense_plan(outs, DENSE_BYTES // 2 // k // 128 * 128):
+            gemms.append((k, sum(outs), first, torch.randn((width, k), device=device, dtype=torch.float16) * 0.02))
+    result = {"stack_ms": {}, "default_sums_ms": {}}
+    for rows in rows_list:
+        xs = {k: torch.randn((rows, k), device=device, dtype=torch.float16) for k in (HIDDEN, INTER)}
+        outs = {n: torch.empty((rows, n), dtype=torch.float16, device=device) for n in {g[1] for g in gemms}}
+
+        def run(xs=xs, outs=outs):
+            for k, n, first, w in gemms:
+                torch.mm(xs[k], w.t(), out=outs[n][:, first : first + w.shape[0]])
+
+        with float32_sums():
+            result["stack_ms"][rows] = time_graph(run)
+        result["default_sums_ms"][rows] = time_graph(run)
+        print(
+            f"  {'route GEMMs':12s} rows {rows:4d}: stack {result['stack_ms'][rows]:8.3f} ms (float32 sums), "
+            f"{result['default_sums_ms'][rows]:8.3f} ms (torch's default)",
+            flush=True,
+        )
+    return result
+
+
 def main() -> None:
     """Measure every kernel and dense bf16 at each row count, print the figures and write the JSON record."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -392,6 +427,8 @@ def run(args) -> None:
         dense = bench_dense(rows_list, device)
         dense["bandwidth_floor_ms"] = dense["bytes"] / bw * 1000
         record["dense_bf16"] = dense
+        torch.cuda.empty_cache()
+        record["dense_route_gemms"] = bench_route_gemms(rows_list, device)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(record, indent=1))
     print(f"bandwidth floor: EXL3 stack {record['exl3_bandwidth_floor_ms']:.3f} ms", flush=True)

@@ -128,6 +128,10 @@ def kernel_lines(record: dict) -> list[tuple[str, dict]]:
             lines.append((f"`{kernel}` {variant or ''}".strip(), res["stack_ms"]))
     if "dense_bf16" in record:
         lines.append(("dense bf16 (cuBLAS)", record["dense_bf16"]["stack_ms"]))
+    if "dense_route_gemms" in record:  # the route's GEMMs without its rebuild
+        gemms = record["dense_route_gemms"]
+        lines.append(("the dense route's GEMMs alone (float16)", gemms["stack_ms"]))
+        lines.append(("the same, torch's default sums", gemms["default_sums_ms"]))
     return lines
 
 

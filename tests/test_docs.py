@@ -135,11 +135,14 @@ def test_a_kernel_the_run_skipped_has_no_line_in_the_stack_table():
             "exllamav3": {"skipped": "its extension does not import"},
         },
         "dense_bf16": {"stack_ms": {"1": 3.0, "64": 3.5}},
+        "dense_route_gemms": {"stack_ms": {"64": 3.6}, "default_sums_ms": {"64": 3.55}},
     }
     assert [label for label, _ in page.kernel_lines(record)] == [
         "`trellis_mma` fused",
         "`trellis_mma`",
         "dense bf16 (cuBLAS)",
+        "the dense route's GEMMs alone (float16)",
+        "the same, torch's default sums",
     ]
 
 
