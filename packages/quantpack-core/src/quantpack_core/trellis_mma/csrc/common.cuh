@@ -493,4 +493,29 @@ int with_codebook_k(int codebook, int k2, F&& f) {
     }
 }
 
+// The calling thread's device as an index into the per-device caches below (64 entries). Returns 0 or a CUDA error.
+inline int device_slot(int* slot) {
+    int device = 0;
+    const cudaError_t e = cudaGetDevice(&device);
+    *slot = device & 63;
+    return (int)e;
+}
+
+// Raises a kernel's dynamic shared-memory limit to `limit` bytes and measures how many of its CTAs (THREADS threads,
+// `smem` bytes each) fit in one SM, once: `cached` (0 = not yet) is the caller's per-device (and per-shape) entry.
+// Call at warm-up, before any CUDA-graph capture. *fit (where given) the count. Returns 0 or a CUDA error code.
+template <class Kernel>
+int configure_kernel(Kernel kernel, int limit, int smem, int& cached, int* fit) {
+    if (cached == 0) {
+        cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit);
+        if (e != cudaSuccess) return (int)e;
+        int n = 0;
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, THREADS, smem);
+        if (e != cudaSuccess) return (int)e;
+        cached = n > 0 ? n : 1;
+    }
+    if (fit != nullptr) *fit = cached;
+    return 0;
+}
+
 }  // namespace qp

@@ -162,16 +162,11 @@ __global__ void __launch_bounds__(THREADS) trellis_dense_kernel(const DenseParam
 
 template <int CB, int KA, bool HALFK>
 int dense_launch(const DenseParams& p, cudaStream_t s) {
-    static int configured[64] = {};  // per device
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e != cudaSuccess) return (int)e;
-    if (!configured[device & 63]) {
-        e = cudaFuncSetAttribute(trellis_dense_kernel<CB, KA, HALFK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 DENSE_SMEM);
-        if (e != cudaSuccess) return (int)e;
-        configured[device & 63] = 1;
-    }
+    static int fits[64] = {};  // per device; 0 = not configured yet
+    int slot = 0, code = device_slot(&slot);
+    if (code == 0)
+        code = configure_kernel(trellis_dense_kernel<CB, KA, HALFK>, DENSE_SMEM, DENSE_SMEM, fits[slot], nullptr);
+    if (code != 0) return code;
     const dim3 grid((p.cols + BLOCK_N - 1) / BLOCK_N, p.k / BLOCK_N);
     trellis_dense_kernel<CB, KA, HALFK><<<grid, THREADS, DENSE_SMEM, s>>>(p);
     return (int)cudaGetLastError();

@@ -197,21 +197,10 @@ int launch_input_transform(const Params& p, cudaStream_t s) {
 template <int CB, int KA, bool HALFK, int MB, bool FUSED>
 int configure(int* fit) {
     static int fits[64] = {};  // per device; 0 = not configured yet
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e != cudaSuccess) return (int)e;
-    int& cached = fits[device & 63];
-    if (cached == 0) {
-        auto kernel = trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>;
-        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<KA, HALFK, MB, FUSED>());
-        if (e != cudaSuccess) return (int)e;
-        int n = 0;
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, THREADS, smem_bytes<KA, HALFK, MB, FUSED>());
-        if (e != cudaSuccess) return (int)e;
-        cached = n > 0 ? n : 1;
-    }
-    *fit = cached;
-    return 0;
+    int slot = 0;
+    if (const int e = device_slot(&slot)) return e;
+    constexpr int smem = smem_bytes<KA, HALFK, MB, FUSED>();
+    return configure_kernel(trellis_mma_kernel<CB, KA, HALFK, MB, FUSED>, smem, smem, fits[slot], fit);
 }
 
 template <int CB, int KA, bool HALFK, int MB, bool FUSED>

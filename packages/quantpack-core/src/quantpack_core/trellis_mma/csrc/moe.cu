@@ -269,21 +269,10 @@ inline int moe_smem(int codebook, int k2) {
 template <int CB, bool DOWN>
 int moe_configure(int k2max, int smem, int* fit) {
     static int fits[64][17] = {};  // per device and 2K; 0 = not measured yet
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e != cudaSuccess) return (int)e;
-    int& cached = fits[device & 63][k2max];  // k2max: 2..16, checked by moe_smem
-    if (cached == 0) {
-        auto kernel = trellis_moe_kernel<CB, DOWN>;
-        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, moe_smem_bytes<8, false>());
-        if (e != cudaSuccess) return (int)e;
-        int n = 0;
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, THREADS, smem);
-        if (e != cudaSuccess) return (int)e;
-        cached = n > 0 ? n : 1;
-    }
-    *fit = cached;
-    return 0;
+    int slot = 0;
+    if (const int e = device_slot(&slot)) return e;
+    // k2max: 2..16, checked by moe_smem
+    return configure_kernel(trellis_moe_kernel<CB, DOWN>, moe_smem_bytes<8, false>(), smem, fits[slot][k2max], fit);
 }
 
 }  // namespace qp

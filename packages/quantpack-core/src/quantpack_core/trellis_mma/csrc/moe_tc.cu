@@ -122,21 +122,11 @@ int with_moe_nr(int nr, F&& f) {
 template <int CB, int NR, bool DOWN>
 int moe_tc_configure(int k2max, int smem, int* fit) {
     static int fits[64][17] = {};  // per device and 2K; 0 = not measured yet
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e != cudaSuccess) return (int)e;
-    int& cached = fits[device & 63][k2max];  // k2max: 2..16, checked by the caller
-    if (cached == 0) {
-        auto kernel = trellis_moe_tc_kernel<CB, NR, DOWN>;
-        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tc_smem_bytes<8, false, NR>());
-        if (e != cudaSuccess) return (int)e;
-        int n = 0;
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, THREADS, smem);
-        if (e != cudaSuccess) return (int)e;
-        cached = n > 0 ? n : 1;
-    }
-    *fit = cached;
-    return 0;
+    int slot = 0;
+    if (const int e = device_slot(&slot)) return e;
+    // k2max: 2..16, checked by the caller
+    return configure_kernel(trellis_moe_tc_kernel<CB, NR, DOWN>, tc_smem_bytes<8, false, NR>(), smem,
+                            fits[slot][k2max], fit);
 }
 
 // The transform launch and the GEMM launch of one projection (p planned; smem: the largest of the bank's K groups).

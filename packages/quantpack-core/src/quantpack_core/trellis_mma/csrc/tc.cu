@@ -93,22 +93,10 @@ namespace qp {
 template <int CB, int KA, bool HALFK, int NR>
 int tc_configure(int* fit) {
     static int fits[64] = {};  // per device; 0 = not configured yet
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e != cudaSuccess) return (int)e;
-    int& cached = fits[device & 63];
-    if (cached == 0) {
-        auto kernel = trellis_tc_kernel<CB, KA, HALFK, NR>;
-        constexpr int smem = tc_smem_bytes<KA, HALFK, NR>();
-        e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        if (e != cudaSuccess) return (int)e;
-        int n = 0;
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, THREADS, smem);
-        if (e != cudaSuccess) return (int)e;
-        cached = n > 0 ? n : 1;
-    }
-    *fit = cached;
-    return 0;
+    int slot = 0;
+    if (const int e = device_slot(&slot)) return e;
+    constexpr int smem = tc_smem_bytes<KA, HALFK, NR>();
+    return configure_kernel(trellis_tc_kernel<CB, KA, HALFK, NR>, smem, smem, fits[slot], fit);
 }
 
 // CTAs of the tensor-core kernel of (codebook, 2K, NR) that fit in one SM at once (*fit).
