@@ -139,8 +139,9 @@ def test_mixed_k_pack_compiled_and_bf16(e2e, figures):
 def test_qwen3_next_serves_with_exl3_head_and_its_table(e2e, figures, fixtures_dir, kind):
     """vLLM's qwen3_next.py builds embed_tokens and lm_head without a quant config: the EXL3 head (and, after
     embed-int8, the int8 table) must still be what serves. bfloat16 only (vLLM's CPU GDN kernel); against
-    exllamav3's fp16 forward, positions at router near-ties of the exact reference that departed leave the mean
-    (``compare.outside_router_ties``; see quantpack-core's test)."""
+    exllamav3's fp16 forward, positions at router near-ties of the exact reference that departed leave the mean KL
+    and the top-1 (``compare.outside_router_ties``; see quantpack-core's test): with the int8 table one such token
+    (router margin 9e-5) takes the other expert on some CPUs and its top-1 with it."""
     res = get(e2e, f"next/{kind}")
     modules = res["vocab_modules"]
     assert modules["lm_head"]["method"] == "Exl3LinearMethod"
@@ -148,14 +149,16 @@ def test_qwen3_next_serves_with_exl3_head_and_its_table(e2e, figures, fixtures_d
     assert embed["method"] == "Int8RowsEmbeddingMethod"
     if kind == "int8":
         assert embed["params"] == {"qweight": "int8", "scales": "float32"}
-    kl = per_position_kl(
-        torch.load(fixtures_dir / NEXT_PACK / "reference_logits.pt")["logits"], torch.load(res["save"])
-    )
-    split = outside_router_ties(kl, exact_reference(fixtures_dir / NEXT_PACK)[2], 2e-3)
+    reference, served = torch.load(fixtures_dir / NEXT_PACK / "reference_logits.pt")["logits"], torch.load(res["save"])
+    split = outside_router_ties(per_position_kl(reference, served), exact_reference(fixtures_dir / NEXT_PACK)[2], 2e-3)
+    same = reference[0, : served.shape[0]].argmax(-1) == served.argmax(-1)
+    departed = torch.zeros_like(same)
+    departed[[e["position"] for e in split.excluded]] = True
+    top1 = float(same[~departed].double().mean())
     figures.append(
-        f"{NEXT_PACK} ({kind}) bfloat16 vs exllamav3: KL {res['kl']:.3g}, outside the departed router near-ties "
-        f"{split}, top-1 {100 * res['top1']:.2f}%"
+        f"{NEXT_PACK} ({kind}) bfloat16 vs exllamav3: KL {res['kl']:.3g}, top-1 {100 * res['top1']:.2f}%; outside the "
+        f"departed router near-ties {split}, top-1 {100 * top1:.2f}%"
     )
     assert split.kl <= 2e-3
-    assert res["top1"] >= 0.97
+    assert top1 >= 0.97
     assert sorted(res["routing"]) == ["0", "1"]
