@@ -51,6 +51,8 @@ LAYER_SHARDS = [
     ("up", HIDDEN, INTER),
     ("down", INTER, HIDDEN),
 ]
+#: shards the linear method runs as one, by the class of the first: (the fused run's class, how many shards)
+FUSED_GROUPS = {"q": ("qkv", 3), "gate": ("gate_up", 2)}
 LAYER_K, HEAD_K = 4.0, 6.0
 REPLAYS = 20
 
@@ -189,15 +191,14 @@ def bench_kernel(kernel, stack, rows_list, device, unfused: bool = True, label: 
 def fused_stack(kernel, prepared):
     """The prepared stack as the linear method runs it: each layer's q / k / v and gate / up as one run of
     ``kernel.fuse``; None when the kernel fuses neither."""
-    groups = {"q": ("qkv", 3), "gate": ("gate_up", 2)}
     runs, i = [], 0
     while i < len(prepared):
         cls, _, k, _ = prepared[i]
-        if cls not in groups:
+        if cls not in FUSED_GROUPS:
             runs.append(prepared[i])
             i += 1
             continue
-        name, count = groups[cls]
+        name, count = FUSED_GROUPS[cls]
         one = kernel.fuse([p for _, p, _, _ in prepared[i : i + count]])
         if one is None:
             return None
@@ -282,7 +283,11 @@ def bench_route_gemms(rows_list, device) -> dict:
     the GEMMs' layout, dtype and sums cost."""
     from quantpack_core.trellis_mma.ops import DENSE_BYTES, dense_plan, float32_sums
 
-    layer = [(HIDDEN, (HIDDEN, 1024, 1024)), (HIDDEN, (HIDDEN,)), (HIDDEN, (INTER, INTER)), (INTER, (HIDDEN,))]
+    layer, i = [], 0  # (k, its shards' output widths) per run of a layer, fused as the linear method fuses them
+    while i < len(LAYER_SHARDS):
+        count = FUSED_GROUPS.get(LAYER_SHARDS[i][0], (None, 1))[1]
+        layer.append((LAYER_SHARDS[i][1], tuple(o for _, _, o in LAYER_SHARDS[i : i + count])))
+        i += count
     gemms = []  # (k, the layer's output width, the GEMM's first column, its weights (width, k))
     for k, outs in [*layer * LAYERS, (HIDDEN, (VOCAB,))]:
         for first, width, _ in dense_plan(outs, DENSE_BYTES // 2 // k // 128 * 128):
