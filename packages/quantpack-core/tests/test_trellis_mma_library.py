@@ -389,6 +389,35 @@ def test_settings_from_the_environment():
     assert Settings.from_env({"QUANTPACK_TRELLIS_MMA_CTAS_PER_SM": "0"}).ctas_per_sm == 4  # below the minimum
 
 
+@pytest.mark.parametrize("value", ["", " ", "0", "33", "2**31", "four"])
+def test_a_cta_target_not_given_keeps_both_defaults(value, caplog):
+    """A blank or invalid QUANTPACK_TRELLIS_MMA_CTAS_PER_SM (outside 1-32: ctypes would wrap a huge target) keeps 4
+    and leaves the wide target at its own default, 2, instead of following the variable's mere presence; an
+    invalid one is named in a warning."""
+    from quantpack_core.trellis_mma.settings import Settings
+
+    s = Settings.from_env({"QUANTPACK_TRELLIS_MMA_CTAS_PER_SM": value})
+    assert (s.ctas_per_sm, s.ctas_per_sm_wide) == (4, 2)
+    assert ("CTAS_PER_SM=" in caplog.text) == bool(value.strip())
+    wide = Settings.from_env({"QUANTPACK_TRELLIS_MMA_CTAS_PER_SM_WIDE": "100"})
+    assert wide.ctas_per_sm_wide == 2 and "is not an integer from 1 to 32" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("value", "fused", "warned"),
+    [("0", False, False), ("off", False, False), ("False", False, False), ("no", False, False),
+     ("1", True, False), ("ON", True, False), ("yes", True, False), ("", True, False), ("2", True, True),
+     ("disable", True, True)],
+)  # fmt: skip
+def test_wide_fused_takes_the_usual_switch_spellings(value, fused, warned, caplog):
+    """QUANTPACK_TRELLIS_MMA_WIDE_FUSED: 1 / 0, true / false, on / off, yes / no in any case; anything else keeps the
+    default (on) with a warning naming the variable."""
+    from quantpack_core.trellis_mma.settings import Settings
+
+    assert Settings.from_env({"QUANTPACK_TRELLIS_MMA_WIDE_FUSED": value}).wide_fused is fused
+    assert ("WIDE_FUSED=" in caplog.text) is warned
+
+
 def test_settings_are_read_once_and_replaced_only_inside_using(monkeypatch):
     """current() reads the environment once (a later change of it is not seen); using() replaces fields for its block
     and restores them, also when the block raises; the settings are frozen; an unknown field is refused."""

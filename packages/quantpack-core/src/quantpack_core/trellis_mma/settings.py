@@ -39,16 +39,17 @@ class Settings:
             transform launch first, as from two rows on. The in-CTA transform was measured slower from two rows on
             (docs/kernels.md: the 8B stack fused at 4 / 16 rows took 3.85 / 4.17 ms once per call against 3.98 /
             6.34 in-CTA) [``..._INLINE_TRANSFORM_ROWS``; larger values count as 1].
-        ctas_per_sm: CTAs a launch of up to 16 rows aims at per SM (split-K fills the GPU with them)
-            [``..._CTAS_PER_SM``].
+        ctas_per_sm: CTAs a launch of up to 16 rows aims at per SM (split-K fills the GPU with them), 1 to
+            :data:`MAX_CTAS_PER_SM` [``..._CTAS_PER_SM``].
         ctas_per_sm_wide: the same above 16 rows (the 64-row kernel, whose split-K partials are 4x as many rows:
             fewer splits trade parallelism for a shorter partial sum); 2 measured fastest on the H200
             (docs/kernels.md: the 8B stack at 32 / 64 / 128 / 256 rows took 7.14 / 8.50 / 12.88 / 21.12 ms with 2,
             7.44 / 9.11 / 13.26 / 21.62 with 3 and 9.07 / 22.14 at 64 / 256 with 4) [``..._CTAS_PER_SM_WIDE``;
-            unset: ``ctas_per_sm`` where that is set, else 2].
-        wide_fused: above 16 rows a layer's shards (q / k / v, gate / up) in one launch too, as up to 16 rows,
-            instead of a launch per shard (docs/kernels.md: the 8B stack at 32 / 64 / 128 rows took 5.85 / 6.64 /
-            11.32 ms against 7.14 / 8.51 / 12.90) [``..._WIDE_FUSED``].
+            unset: ``ctas_per_sm`` where that is set to a valid value, else 2].
+        wide_fused: the split-K kernel above 16 rows runs a layer's shards (q / k / v, gate / up) in one launch too,
+            as up to 16 rows, instead of a launch per shard (docs/kernels.md: the 8B stack at 32 / 64 / 128 rows took
+            5.85 / 6.64 / 11.32 ms against 7.14 / 8.51 / 12.90); the tensor-core kernel and the dense route always
+            take a run's shards together [``..._WIDE_FUSED``: 1 / 0, true / false, on / off, yes / no].
         wide_kernel: above 16 rows, None: the kernel of each row bucket (the split-K kernel, on Hopper the
             tensor-core kernel with 64, 128 or 256 rows per CTA, from 513 rows the dense route) is measured when a run
             is prepared, where there is a choice; "split" / "tc": that kernel for every bucket above 16 rows (the
@@ -77,15 +78,17 @@ class Settings:
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
         """The settings an environment gives; a value that is not an integer in range is ignored with a warning
         naming the variable (a bad setting never stops a server from starting)."""
-        per_sm = _env_int(environ, f"{PREFIX}CTAS_PER_SM", cls.ctas_per_sm, minimum=1)
-        wide_default = per_sm if f"{PREFIX}CTAS_PER_SM" in environ else cls.ctas_per_sm_wide
+        per_sm = _env_int(environ, f"{PREFIX}CTAS_PER_SM", None, minimum=1, maximum=MAX_CTAS_PER_SM)
+        wide_default = cls.ctas_per_sm_wide if per_sm is None else per_sm  # follows a valid CTAS_PER_SM only
         base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         return cls(
             delegate_rows=_delegate_rows(environ),
             inline_transform_rows=min(_env_int(environ, f"{PREFIX}INLINE_TRANSFORM_ROWS", 1), 1),
-            ctas_per_sm=per_sm,
-            ctas_per_sm_wide=_env_int(environ, f"{PREFIX}CTAS_PER_SM_WIDE", wide_default, minimum=1),
-            wide_fused=_env_int(environ, f"{PREFIX}WIDE_FUSED", 1) > 0,
+            ctas_per_sm=cls.ctas_per_sm if per_sm is None else per_sm,
+            ctas_per_sm_wide=_env_int(
+                environ, f"{PREFIX}CTAS_PER_SM_WIDE", wide_default, minimum=1, maximum=MAX_CTAS_PER_SM
+            ),
+            wide_fused=_env_switch(environ, f"{PREFIX}WIDE_FUSED", cls.wide_fused),
             wide_kernel=_wide_kernel(environ),
             moe_tc_picks=_env_int(environ, f"{PREFIX}MOE_TC_PICKS", cls.moe_tc_picks),
             nvcc=environ.get("QUANTPACK_NVCC") or None,
@@ -93,20 +96,46 @@ class Settings:
         )
 
 
-def _env_int(environ: Mapping[str, str], name: str, default: int, minimum: int = 0) -> int:
-    """An integer setting, or ``default`` (with a warning naming the variable when it is set but not an integer >=
-    ``minimum``)."""
+#: the most CTAs a launch may aim at per SM (an SM holds at most 32 resident blocks on sm_80 / sm_90)
+MAX_CTAS_PER_SM = 32
+
+
+def _env_int(
+    environ: Mapping[str, str], name: str, default: int | None, minimum: int = 0, maximum: int | None = None
+) -> int | None:
+    """An integer setting, or ``default`` (with a warning naming the variable when it is set but not an integer
+    from ``minimum`` to ``maximum``)."""
     raw = environ.get(name)
     if raw is None or raw.strip() == "":
         return default
     try:
         value = int(raw)
-        if value < minimum:
+        if value < minimum or (maximum is not None and value > maximum):
             raise ValueError
     except ValueError:
-        logger.warning("quantpack: %s=%r is not an integer >= %d; using %d", name, raw, minimum, default)
+        limits = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
+        fallback = "the default" if default is None else default
+        logger.warning("quantpack: %s=%r is not an integer %s; using %s", name, raw, limits, fallback)
         return default
     return value
+
+
+#: the spellings a switch accepts, and what each means
+SWITCH_VALUES = {**dict.fromkeys(("1", "true", "on", "yes"), True), **dict.fromkeys(("0", "false", "off", "no"), False)}
+
+
+def _env_switch(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    """An on / off setting (1 / 0, true / false, on / off, yes / no; any case), or ``default`` (with a warning naming
+    the variable when it is set to something else)."""
+    raw = environ.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw not in SWITCH_VALUES:
+        logger.warning(
+            "quantpack: %s=%r is not 1 / 0, true / false, on / off or yes / no; using %d", name, raw, default
+        )
+        return default
+    return SWITCH_VALUES[raw]
 
 
 def _delegate_rows(environ: Mapping[str, str]) -> int | None:
