@@ -241,6 +241,9 @@ def test_the_dense_routes_gemms_on_the_8b_shapes_and_a_cut_layer():
     assert [(first, width) for first, width, _ in dense_plan((300, 200, 640), 384)] == [
         (0, 300), (300, 328), (628, 384), (1012, 128),
     ]  # fmt: skip
+    for piece in (0, 64, -128, 200):  # no block to cut a wider shard at: refused, not planned forever
+        with pytest.raises(ValueError, match=f"a buffer of {piece} columns"):
+            dense_plan((300,), piece)
 
 
 @examples(max_examples=300, deadline=None)

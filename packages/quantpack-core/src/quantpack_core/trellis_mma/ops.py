@@ -263,9 +263,10 @@ def _run_dense(ws: Workspace, x: torch.Tensor, trellis, suh, svh, codebook, k_bi
     if x.shape[1] > k:
         raise LibraryError(f"trellis_mma: dense route: an input of {x.shape[1]} features for a shard of {k}")
     if piece == 0:
+        held = f"holds {ws.dense.numel()} bytes, less than 128 columns of k {k}" if ws.dense.numel() else "has none"
         raise LibraryError(
             "trellis_mma: the dense route needs the weights buffer prepare() reserves where the route may serve "
-            "(QUANTPACK_TRELLIS_MMA_WIDE_KERNEL unset or dense); this GPU's workspace has none"
+            f"(QUANTPACK_TRELLIS_MMA_WIDE_KERNEL unset or dense); this GPU's workspace {held}"
         )
     rebuild = _dense_rebuilder(ws, x, codebook, k_bits, k)
     with float32_sums():
@@ -286,7 +287,12 @@ def dense_plan(out_features: tuple[int, ...], piece: int) -> tuple[tuple[int, in
         per GEMM ``(first, width, rebuilds)``: its output columns ``first .. first + width`` counted from the first
         shard's, and the rebuilds that fill the buffer's rows ``0 .. width``, each ``(shard, c0, n, row)``: the
         shard's columns ``c0 .. c0 + n`` at row ``row``.
+
+    Raises:
+        ValueError: ``piece`` is not a positive multiple of 128 (no shard wider than it could ever be cut).
     """
+    if piece <= 0 or piece % 128:
+        raise ValueError(f"dense_plan: a buffer of {piece} columns; the rebuild needs a positive multiple of 128")
     gemms, rebuilds, start, filled, base = [], [], 0, 0, 0
     for i, o in enumerate(out_features):
         c0 = 0
