@@ -232,8 +232,8 @@ def time_stack(label: str, prepared, rows_list, device) -> dict:
 def bench_served(kernel, stack, rows_list, device) -> dict:
     """The stack as a model is served with trellis_mma selected: fused runs whose row buckets run on the kernel the
     load-time measurement found fastest (``quantpack_core.trellis_mma.selection.measure_bucket_kernels``). Returns the
-    fused stack's times (``stack_ms``, ``class_ms``) and ``selection``: per run shape, each candidate's microseconds
-    per call at each row bucket and the kernel that serves it."""
+    fused stack's times (``stack_ms``, ``class_ms``) and ``selection``: per run shape and row bucket, each candidate's
+    microseconds (one call at each of ``timed_rows``, summed) and the kernel that serves it."""
     from quantpack_core.trellis_mma import ops, settings
     from quantpack_core.trellis_mma import selection as sel
 
@@ -247,6 +247,7 @@ def bench_served(kernel, stack, rows_list, device) -> dict:
                 "k": record.k, "out_features": record.out_features, "k_bits": record.k_bits,
                 "codebook": record.codebook, "dtype": str(record.dtype).removeprefix("torch."), "rows": record.rows,
                 "times_us": [{record.name(c): us for c, us in timed} for timed in record.times_us],
+                "timed_rows": [list(record.timed_rows(i)) for i in range(len(record.rows))],
                 "serves": [record.name(ops.kernel_of(record.bucket_kernels, r)) for r in record.rows],
             })  # fmt: skip
     result["selection"] = chosen

@@ -331,6 +331,16 @@ def test_a_bucket_goes_to_the_dense_route_only_where_it_wins_at_both_ends(monkey
     assert served[2048] == (ops.DENSE if buffer else ops.TC64) and warmed == [buffer]
     assert timed.get(ops.DENSE, set()) == ({1024, 513, 2048, 1025} if buffer else set())
     assert {1024, 513, 2048, 1025} <= timed[ops.TC64] if buffer else 513 not in timed[ops.TC64]
+    # the record names the row counts behind each time (two, summed, where the route competed); no time where the
+    # bucket had one candidate
+    (record,) = selection.selection_records()
+    assert [record.timed_rows(i) for i in (0, 4, 9, 10, 11)] == [
+        (), (), (512,), (513, 1024) if buffer else (1024,), (1025, 2048) if buffer else (2048,)
+    ]  # fmt: skip
+    line = record.describe()
+    assert "1: split, 2: split," in line and "16: split, 32: tc64 (32 rows: split 32.0 " in line
+    at_1024 = "1024: tc64 (513+1024 rows: split 1537.0 " if buffer else "1024: tc64 (1024 rows: split 1024.0 "
+    assert at_1024 in line
 
 
 def test_an_output_of_the_wrong_shape_is_refused_before_any_launch(monkeypatch):

@@ -81,9 +81,10 @@ class SelectionRecord:
         k_bits, codebook: the shards' K and codebook id (0 = 3INST, 1 = mcg, 2 = mul1).
         dtype: the model's activation dtype, timed with.
         delegate: the delegate's name, or None.
-        rows: the row count timed per bucket (:data:`.ops.ROW_BUCKETS`).
-        times_us: per bucket, ``(code, microseconds per call)`` of each candidate timed (CUDA-graph replay); empty
-            when nothing was measured (one candidate, or fixed settings).
+        rows: each bucket's largest row count (:data:`.ops.ROW_BUCKETS`).
+        times_us: per bucket, ``(code, microseconds)`` of each candidate (CUDA-graph replay): a call at each of the
+            bucket's :meth:`timed_rows`, summed; a bucket of one candidate is not timed (``(code, 0.0)``); empty
+            when no bucket had a choice.
         bucket_kernels: the codes chosen (:func:`.ops.kernel_of`).
     """
 
@@ -101,15 +102,23 @@ class SelectionRecord:
         """What the records call a code."""
         return self.delegate if code == DELEGATE else KERNEL_NAMES[code]
 
+    def timed_rows(self, bucket: int) -> tuple[int, ...]:
+        """The row counts a call of each candidate ran at in bucket ``bucket`` (:func:`timed_row_counts`); () where
+        the bucket was not timed."""
+        timed = self.times_us[bucket] if self.times_us else ()
+        return timed_row_counts(bucket, [c for c, _ in timed]) if len(timed) > 1 else ()
+
     def describe(self) -> str:
-        """One log line: the shape, then per bucket the kernel that serves it and the times of the candidates."""
+        """One log line: the shape, then per bucket the kernel that serves it and, where the bucket had a choice, the
+        row counts timed and each candidate's time (their sum where two)."""
         outs = "+".join(str(n) for n in self.out_features)
         cells = []
         for i, rows in enumerate(self.rows):
             chosen = self.name(kernel_of(self.bucket_kernels, rows))
-            timed = self.times_us[i] if self.times_us else ()
-            times = " ".join(f"{self.name(c)} {us:.1f}" for c, us in timed)
-            cells.append(f"{rows}: {chosen}" + (f" ({times} us)" if times else ""))
+            counts = self.timed_rows(i)
+            times = " ".join(f"{self.name(c)} {us:.1f}" for c, us in self.times_us[i]) if counts else ""
+            at = "+".join(str(r) for r in counts)
+            cells.append(f"{rows}: {chosen}" + (f" ({at} rows: {times} us)" if times else ""))
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{self.k} -> {outs}, K {self.k_bits:g} codebook {self.codebook}, {dtype}: " + ", ".join(cells)
 
@@ -207,9 +216,15 @@ def _choose(timed: tuple[tuple[int, float], ...]) -> int:
     return DELEGATE if theirs and theirs[0] <= DELEGATE_MARGIN * own[0] else own[1]
 
 
+def timed_row_counts(bucket: int, codes: list[int]) -> tuple[int, ...]:
+    """The row counts each of ``codes`` (a bucket's candidates) runs at to time bucket ``bucket``: its largest, and
+    its smallest too where the dense route is among them (whose rebuild costs the same at any row count)."""
+    return (ROW_BUCKETS[bucket - 1] + 1, ROW_BUCKETS[bucket]) if DENSE in codes else (ROW_BUCKETS[bucket],)
+
+
 def _time_buckets(run: PreparedShard, k: int, dtype: torch.dtype, options: list[list[int]]) -> tuple:
-    """Per bucket, ``(code, microseconds)`` of each candidate: a call at the bucket's largest row count, plus one at
-    its smallest where the dense route is a candidate (a single candidate is not timed: ``(code, 0.0)``)."""
+    """Per bucket, ``(code, microseconds)`` of each candidate: the sum of a call at each of the bucket's
+    :func:`timed_row_counts` (a single candidate is not timed: ``(code, 0.0)``)."""
     device = _trellis_of(run)[0].device
     generator = torch.Generator(device=device).manual_seed(0)
     times = []
@@ -217,9 +232,8 @@ def _time_buckets(run: PreparedShard, k: int, dtype: torch.dtype, options: list[
         if len(codes) == 1:
             times.append(((codes[0], 0.0),))
             continue
-        counts = (ROW_BUCKETS[i], ROW_BUCKETS[i - 1] + 1) if DENSE in codes else (ROW_BUCKETS[i],)
         total = [0.0] * len(codes)
-        for rows in counts:
+        for rows in timed_row_counts(i, codes):
             x = torch.randn((rows, k), generator=generator, device=device).to(dtype)
             out = torch.empty((rows, run.out_features), dtype=dtype, device=device)
             first = [_graph_us(run, x, out, _everywhere(c)) for c in codes]
