@@ -49,14 +49,17 @@ def unavoidable(x: torch.Tensor, t: Exl3Tensors, out_features: int) -> torch.Ten
     return (x.double().cpu() @ w).to(x.dtype)
 
 
-def within_rounding(y: torch.Tensor, x: torch.Tensor, ts, widths) -> None:
-    """Each shard's columns of a fused call (side by side in ``y``) within :data:`RATIO` of its unavoidable rounding."""
+def within_rounding(y: torch.Tensor, x: torch.Tensor, ts, widths, where: object = None) -> None:
+    """Each shard's columns of a call (side by side in ``y``: one shard, or a fused call's) finite and within
+    :data:`RATIO` of its unavoidable rounding; ``where`` names the case in a failure."""
     x = x.cpu()
     for i, (t, n) in enumerate(zip(ts, widths, strict=True)):
         c = sum(widths[:i])
+        got = y[:, c : c + n]
+        assert torch.isfinite(got).all(), (where, i)
         ref = reference_linear(x.double(), t, torch.float64, out_features=n)
         floor = relative_error(unavoidable(x, t, n), ref)
-        assert relative_error(y[:, c : c + n], ref) <= RATIO * floor, (i, relative_error(y[:, c : c + n], ref), floor)
+        assert relative_error(got, ref) <= RATIO * floor, (where, i, relative_error(got, ref), floor)
 
 
 def run(p, x: torch.Tensor, width: int, col: int = 0) -> torch.Tensor:
@@ -75,11 +78,7 @@ def test_every_k_and_codebook(k_bits, codebook, dtype):
     p = prepared(t, 512, dtype)
     for rows in (17, 300, 4096):
         x = torch.randn((rows, 768), generator=g).to(dtype)
-        ref = reference_linear(x.double(), t, torch.float64)
-        y = run(p, x.cuda(), 512, col=24)
-        assert torch.isfinite(y).all(), rows
-        floor = relative_error(unavoidable(x, t, 512), ref)
-        assert relative_error(y, ref) <= RATIO * floor, (rows, relative_error(y, ref), floor)
+        within_rounding(run(p, x.cuda(), 512, col=24), x, [t], (512,), rows)
 
 
 def test_a_padded_layer_and_a_large_call():
@@ -90,8 +89,7 @@ def test_a_padded_layer_and_a_large_call():
         t = Exl3Tensors.from_tensors(random_exl3_layer(k, n, 4, "mul1", generator=g))
         p = prepared(t, n, torch.bfloat16)
         x = torch.randn((rows, k), generator=g).bfloat16()
-        ref = reference_linear(x.double(), t, torch.float64, out_features=n)
-        assert relative_error(run(p, x.cuda(), n), ref) <= RATIO * relative_error(unavoidable(x, t, n), ref), (k, n)
+        within_rounding(run(p, x.cuda(), n), x, [t], (n,), (k, n))
 
 
 def test_fused_shards_a_graph_replay_and_opcheck():
@@ -138,8 +136,7 @@ def test_a_call_over_several_pieces_of_columns():
         y = run(p, x.cuda(), 1000, col=8)
     finally:
         ws.dense = whole
-    ref = reference_linear(x.double(), t, torch.float64, out_features=1000)
-    assert relative_error(y, ref) <= RATIO * relative_error(unavoidable(x, t, 1000), ref)
+    within_rounding(y, x, [t], (1000,))
 
 
 def test_fused_shards_over_several_pieces():
