@@ -431,6 +431,24 @@ def test_wide_fused_takes_the_usual_switch_spellings(value, fused, warned, caplo
     assert ("WIDE_FUSED=" in caplog.text) is warned
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [{"delegate_rows": -5}, {"wide_kernel": "Dense"}, {"ctas_per_sm": 0}, {"ctas_per_sm_wide": 2**31},
+     {"inline_transform_rows": 2}, {"wide_fused": 0}, {"moe_tc_picks": -1}, {"delegate_rows": 1.5}],
+)  # fmt: skip
+def test_using_refuses_a_value_no_knob_takes(changes):
+    """settings.using() (tests and benchmarks) refuses what the environment's parsers would have warned about and
+    replaced: a negative delegate threshold would delegate every bucket, a wide kernel's other spelling would quietly
+    mean "measured"; the error names the field and value, and the settings in force stay as they were."""
+    from quantpack_core.trellis_mma import settings
+
+    before = settings.current()
+    name, value = next(iter(changes.items()))
+    with pytest.raises(ValueError, match=f"{name}={value!r} out of range"), settings.using(**changes):
+        pass
+    assert settings.current() is before
+
+
 def test_settings_are_read_once_and_replaced_only_inside_using(monkeypatch):
     """current() reads the environment once (a later change of it is not seen); using() replaces fields for its block
     and restores them, also when the block raises; the settings are frozen; an unknown field is refused."""

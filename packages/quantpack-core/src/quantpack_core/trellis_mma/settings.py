@@ -74,6 +74,22 @@ class Settings:
     nvcc: str | None = None
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "quantpack")
 
+    def __post_init__(self) -> None:
+        """Refuse a value no knob takes (the environment's are checked, with a warning, before they get here:
+        this catches :func:`using`'s)."""
+        allowed = {
+            "delegate_rows": self.delegate_rows is None or _int_in(self.delegate_rows, 0),
+            "inline_transform_rows": self.inline_transform_rows in (0, 1),
+            "ctas_per_sm": _int_in(self.ctas_per_sm, 1, MAX_CTAS_PER_SM),
+            "ctas_per_sm_wide": _int_in(self.ctas_per_sm_wide, 1, MAX_CTAS_PER_SM),
+            "wide_fused": isinstance(self.wide_fused, bool),
+            "wide_kernel": self.wide_kernel is None or self.wide_kernel in WIDE_KERNELS,
+            "moe_tc_picks": _int_in(self.moe_tc_picks, 0),
+        }
+        bad = [f"{name}={getattr(self, name)!r}" for name, ok in allowed.items() if not ok]
+        if bad:
+            raise ValueError(f"trellis_mma settings: {', '.join(bad)} out of range (see Settings' attributes)")
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
         """The settings an environment gives; a value that is not an integer in range is ignored with a warning
@@ -94,6 +110,12 @@ class Settings:
             nvcc=environ.get("QUANTPACK_NVCC") or None,
             cache_dir=Path(environ.get("QUANTPACK_CACHE_DIR") or Path(base) / "quantpack"),
         )
+
+
+def _int_in(value: object, minimum: int, maximum: int | None = None) -> bool:
+    """Whether ``value`` is an int (not a bool) from ``minimum`` to ``maximum`` (None: no upper limit)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    return ok and (maximum is None or value <= maximum)
 
 
 #: the most CTAs a launch may aim at per SM (an SM holds at most 32 resident blocks on sm_80 / sm_90)
