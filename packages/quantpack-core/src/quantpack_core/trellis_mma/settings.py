@@ -20,10 +20,12 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 logger = logging.getLogger("vllm.quantpack")
 
 PREFIX = "QUANTPACK_TRELLIS_MMA_"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -92,20 +94,24 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
-        """The settings an environment gives; a value that is not an integer in range is ignored with a warning
-        naming the variable (a bad setting never stops a server from starting)."""
+        """The settings an environment gives; a value a knob does not take is ignored with a warning naming the
+        variable (a bad setting never stops a server from starting)."""
         per_sm = _env_int(environ, f"{PREFIX}CTAS_PER_SM", None, minimum=1, maximum=MAX_CTAS_PER_SM)
         wide_default = cls.ctas_per_sm_wide if per_sm is None else per_sm  # follows a valid CTAS_PER_SM only
         base = environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
         return cls(
-            delegate_rows=_delegate_rows(environ),
+            delegate_rows=_env_int(
+                environ, f"{PREFIX}DELEGATE_ROWS", None, instead="measuring each layer's delegated row buckets instead"
+            ),
             inline_transform_rows=min(_env_int(environ, f"{PREFIX}INLINE_TRANSFORM_ROWS", 1), 1),
             ctas_per_sm=cls.ctas_per_sm if per_sm is None else per_sm,
             ctas_per_sm_wide=_env_int(
                 environ, f"{PREFIX}CTAS_PER_SM_WIDE", wide_default, minimum=1, maximum=MAX_CTAS_PER_SM
             ),
-            wide_fused=_env_switch(environ, f"{PREFIX}WIDE_FUSED", cls.wide_fused),
-            wide_kernel=_wide_kernel(environ),
+            wide_fused=_env_choice(environ, f"{PREFIX}WIDE_FUSED", SWITCH_VALUES, cls.wide_fused, "using 1"),
+            wide_kernel=_env_choice(
+                environ, f"{PREFIX}WIDE_KERNEL", {k: k for k in WIDE_KERNELS}, None, "measuring each run's kernels"
+            ),
             moe_tc_picks=_env_int(environ, f"{PREFIX}MOE_TC_PICKS", cls.moe_tc_picks),
             nvcc=environ.get("QUANTPACK_NVCC") or None,
             cache_dir=Path(environ.get("QUANTPACK_CACHE_DIR") or Path(base) / "quantpack"),
@@ -123,10 +129,15 @@ MAX_CTAS_PER_SM = 32
 
 
 def _env_int(
-    environ: Mapping[str, str], name: str, default: int | None, minimum: int = 0, maximum: int | None = None
+    environ: Mapping[str, str],
+    name: str,
+    default: int | None,
+    minimum: int = 0,
+    maximum: int | None = None,
+    instead: str | None = None,
 ) -> int | None:
-    """An integer setting, or ``default`` (with a warning naming the variable when it is set but not an integer
-    from ``minimum`` to ``maximum``)."""
+    """An integer setting, or ``default`` (with a warning naming the variable, and saying what happens ``instead``,
+    when it is set but not an integer from ``minimum`` to ``maximum``)."""
     raw = environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -136,67 +147,28 @@ def _env_int(
             raise ValueError
     except ValueError:
         limits = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
-        fallback = "the default" if default is None else default
-        logger.warning("quantpack: %s=%r is not an integer %s; using %s", name, raw, limits, fallback)
+        instead = instead or f"using {'the default' if default is None else default}"
+        logger.warning("quantpack: %s=%r is not an integer %s; %s", name, raw, limits, instead)
         return default
     return value
 
 
 #: the spellings a switch accepts, and what each means
 SWITCH_VALUES = {**dict.fromkeys(("1", "true", "on", "yes"), True), **dict.fromkeys(("0", "false", "off", "no"), False)}
-
-
-def _env_switch(environ: Mapping[str, str], name: str, default: bool) -> bool:
-    """An on / off setting (1 / 0, true / false, on / off, yes / no; any case), or ``default`` (with a warning naming
-    the variable when it is set to something else)."""
-    raw = environ.get(name, "").strip().lower()
-    if raw == "":
-        return default
-    if raw not in SWITCH_VALUES:
-        logger.warning(
-            "quantpack: %s=%r is not 1 / 0, true / false, on / off or yes / no; using %d", name, raw, default
-        )
-        return default
-    return SWITCH_VALUES[raw]
-
-
-def _delegate_rows(environ: Mapping[str, str]) -> int | None:
-    """``QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS``: None (unset, or not an integer >= 0, the latter with a warning), or
-    the row count above which every run's calls go to its delegate (0: none do)."""
-    raw = environ.get(f"{PREFIX}DELEGATE_ROWS", "").strip()
-    if raw == "":
-        return None
-    try:
-        value = int(raw)
-        if value < 0:
-            raise ValueError
-    except ValueError:
-        logger.warning(
-            "quantpack: %sDELEGATE_ROWS=%r is not an integer >= 0; measuring each layer's delegated row buckets "
-            "instead",
-            PREFIX,
-            raw,
-        )
-        return None
-    return value
-
-
 #: the values of ``wide_kernel`` besides None
 WIDE_KERNELS = ("split", "tc", "dense")
 
 
-def _wide_kernel(environ: Mapping[str, str]) -> str | None:
-    """``QUANTPACK_TRELLIS_MMA_WIDE_KERNEL``: "split", "tc" or "dense", or None (unset, or another value, with a
-    warning)."""
-    raw = environ.get(f"{PREFIX}WIDE_KERNEL", "").strip().lower()
+def _env_choice(environ: Mapping[str, str], name: str, choices: Mapping[str, T], default: T, instead: str) -> T:
+    """The value of one of ``choices`` (its key, in any case) a setting names, or ``default`` (unset; or another
+    value, with a warning naming the variable and saying what happens ``instead``)."""
+    raw = environ.get(name, "").strip().lower()
     if raw == "":
-        return None
-    if raw not in WIDE_KERNELS:
-        logger.warning(
-            "quantpack: %sWIDE_KERNEL=%r is not one of %s; measuring each run's kernels", PREFIX, raw, WIDE_KERNELS
-        )
-        return None
-    return raw
+        return default
+    if raw not in choices:
+        logger.warning("quantpack: %s=%r is not one of %s; %s", name, raw, tuple(choices), instead)
+        return default
+    return choices[raw]
 
 
 _current: Settings | None = None
