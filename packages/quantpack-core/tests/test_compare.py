@@ -100,7 +100,7 @@ def test_a_position_leaves_the_mean_only_at_a_router_near_tie_that_departed():
     margins = torch.tensor([[0.2, 0.3, 1e-4, 0.2, 0.1, 0.0], [0.2, 1e-3, 0.3, 0.2, 0.1, 0.0]])
     split = outside_router_ties(kl, margins, departs=5e-4)
     assert split.excluded == ({"position": 1, "margin": pytest.approx(1e-3), "kl": pytest.approx(0.4)},)
-    assert split.positions == 4
+    assert split.positions == 4 and split.kept.tolist() == [True, False, True, True, True]
     assert split.kl == pytest.approx(float(kl[[0, 2, 3, 4]].mean()))
     with pytest.raises(ValueError, match="do not cover 5 positions"):
         outside_router_ties(kl, margins[:, :4], departs=5e-4)

@@ -9,7 +9,7 @@ differ by whole experts. :data:`ROUTER_NEAR_TIE` is the one definition of such a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -124,11 +124,13 @@ class RouterSplit:
         positions: how many positions were kept.
         excluded: per position left out, ``{"position", "margin", "kl"}``: its smallest router margin over the
             layers (below :data:`ROUTER_NEAR_TIE`) and its KL (above the ``departs`` given).
+        kept: bool ``(T,)``, the positions kept (for other per-position figures over the same ones, e.g. top-1).
     """
 
     kl: float
     positions: int
     excluded: tuple[dict, ...]
+    kept: torch.Tensor = field(repr=False, compare=False)  # figures print the split: its positions, not the mask
 
 
 def outside_router_ties(kl: torch.Tensor, margins: torch.Tensor, departs: float) -> RouterSplit:
@@ -152,7 +154,7 @@ def outside_router_ties(kl: torch.Tensor, margins: torch.Tensor, departs: float)
         {"position": t, "margin": float(low[t]), "kl": float(kl[t])} for t in out.nonzero().flatten().tolist()
     )
     kept = kl.double()[~out]
-    return RouterSplit(float(kept.mean()) if kept.numel() else 0.0, int(kept.numel()), excluded)
+    return RouterSplit(float(kept.mean()) if kept.numel() else 0.0, int(kept.numel()), excluded, ~out)
 
 
 def mean_nll(logits: torch.Tensor, tokens: torch.Tensor) -> float:
