@@ -188,22 +188,29 @@ def bench_kernel(kernel, stack, rows_list, device, unfused: bool = True, label: 
     return result
 
 
+def fused_spans(classes: list[str]) -> list[tuple[int, int, str | None]]:
+    """Where a stack of shards of ``classes`` runs as the linear method runs it: per run ``(first shard, shards, the
+    fused run's class or None for a shard alone)`` (:data:`FUSED_GROUPS`)."""
+    spans, i = [], 0
+    while i < len(classes):
+        name, count = FUSED_GROUPS.get(classes[i], (None, 1))
+        spans.append((i, count, name))
+        i += count
+    return spans
+
+
 def fused_stack(kernel, prepared):
     """The prepared stack as the linear method runs it: each layer's q / k / v and gate / up as one run of
     ``kernel.fuse``; None when the kernel fuses neither."""
-    runs, i = [], 0
-    while i < len(prepared):
-        cls, _, k, _ = prepared[i]
-        if cls not in FUSED_GROUPS:
+    runs = []
+    for i, count, name in fused_spans([cls for cls, _, _, _ in prepared]):
+        if name is None:
             runs.append(prepared[i])
-            i += 1
             continue
-        name, count = FUSED_GROUPS[cls]
         one = kernel.fuse([p for _, p, _, _ in prepared[i : i + count]])
         if one is None:
             return None
-        runs.append((name, one, k, one.out_features))
-        i += count
+        runs.append((name, one, prepared[i][2], one.out_features))
     return runs
 
 
@@ -284,11 +291,10 @@ def bench_route_gemms(rows_list, device) -> dict:
     the GEMMs' layout, dtype and sums cost."""
     from quantpack_core.trellis_mma.ops import DENSE_BYTES, dense_plan, float32_sums
 
-    layer, i = [], 0  # (k, its shards' output widths) per run of a layer, fused as the linear method fuses them
-    while i < len(LAYER_SHARDS):
-        count = FUSED_GROUPS.get(LAYER_SHARDS[i][0], (None, 1))[1]
-        layer.append((LAYER_SHARDS[i][1], tuple(o for _, _, o in LAYER_SHARDS[i : i + count])))
-        i += count
+    layer = [  # (k, its shards' output widths) per run of a layer, fused as the linear method fuses them
+        (LAYER_SHARDS[i][1], tuple(o for _, _, o in LAYER_SHARDS[i : i + count]))
+        for i, count, _ in fused_spans([cls for cls, _, _ in LAYER_SHARDS])
+    ]
     gemms = []  # (k, the layer's output width, the GEMM's first column, its weights (width, k))
     for k, outs in [*layer * LAYERS, (HIDDEN, (VOCAB,))]:
         for first, width, _ in dense_plan(outs, DENSE_BYTES // 2 // k // 128 * 128):
