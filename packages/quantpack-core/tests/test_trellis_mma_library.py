@@ -288,14 +288,14 @@ def test_the_dense_buffer_is_reserved_exactly_where_the_route_may_serve():
         assert not dense_may_serve(True) and dense_may_serve(False)
 
 
-def stand_in_workspace(dense_bytes: int):
+def stand_in_workspace(dense_bytes: int, max_rows: int | None = None):
     """A Hopper workspace as reserve() leaves it (CPU tensors; only the selection reads it here)."""
     from quantpack_core.trellis_mma import ops
 
     return ops.Workspace(
         partials=torch.empty(0), counters=torch.empty(0, dtype=torch.int32),
         xh=torch.empty((ops.XH_ROWS, 256), dtype=torch.float16), dense=torch.empty(dense_bytes, dtype=torch.uint8),
-        arch=90, target_ctas=132, target_ctas_wide=264, tensor_cores=True,
+        arch=90, target_ctas=132, target_ctas_wide=264, tensor_cores=True, max_rows=max_rows,
     )  # fmt: skip
 
 
@@ -341,6 +341,66 @@ def test_a_bucket_goes_to_the_dense_route_only_where_it_wins_at_both_ends(monkey
     assert "1: split, 2: split," in line and "16: split, 32: tc64 (32 rows: split 32.0 " in line
     at_1024 = "1024: tc64 (513+1024 rows: split 1537.0 " if buffer else "1024: tc64 (1024 rows: split 1024.0 "
     assert at_1024 in line
+
+
+def test_no_dense_buffer_where_no_call_reaches_the_route(monkeypatch):
+    """An engine whose calls take at most 512 rows never calls a bucket the dense route may serve (513 rows on; 17
+    with ``wide_kernel`` "dense"): reserve() leaves the 128 MiB out, and a later run told of more rows, or of an
+    unknown count, widens the workspace's limit and gets the buffer; a smaller limit never narrows it."""
+    from quantpack_core.trellis_mma import ops
+    from quantpack_core.trellis_mma.settings import using
+
+    with using(wide_kernel=None, delegate_rows=None):
+        assert [ops.dense_may_serve(False, n) for n in (1, 512, 513, 8192, None)] == [False, False, True, True, True]
+        ws = stand_in_workspace(0, max_rows=512)
+        monkeypatch.setitem(ops._workspaces, 0, ws)
+        cuda0 = torch.device("cuda", 0)  # found in _workspaces: nothing touches a GPU
+        assert ops.reserve(cuda0, 256, max_rows=300) is ws and ws.max_rows == 512 and not ws.holds_dense
+        ops.reserve(cuda0, 256, dense=False, max_rows=4096)
+        assert ws.max_rows == 4096 and not ws.holds_dense  # an expert bank's call: no buffer
+        ops.reserve(cuda0, 256, max_rows=1000)
+        assert ws.max_rows == 4096 and ws.holds_dense
+        ops.reserve(cuda0, 256, dense=False)
+        assert ws.max_rows is None
+        ops.reserve(cuda0, 256, max_rows=64)
+        assert ws.max_rows is None
+    with using(wide_kernel="dense", delegate_rows=None):
+        assert [ops.dense_may_serve(False, n) for n in (16, 17, None)] == [False, True, True]
+
+
+@pytest.mark.parametrize("max_rows", [300, 512, 700, 1500, 8192])
+def test_buckets_above_the_engines_largest_call_are_not_timed(monkeypatch, max_rows):
+    """With the engine's token budget known (the workspace's ``max_rows``), the selection times the buckets a call
+    can reach, the last one at the budget where it is less than the bucket's bound, and every bucket above serves
+    as that one (a call above the budget, which the engine never makes, is still computed)."""
+    from quantpack_core.kernels import PreparedShard
+    from quantpack_core.trellis_mma import ops, selection
+
+    timed_rows: set[int] = set()
+
+    def cost_us(run, x, out, bucket_kernels):
+        code, rows = ops.kernel_of(bucket_kernels, 1), x.shape[0]
+        timed_rows.add(rows)
+        return {ops.DENSE: 20 + 0.01 * rows, ops.SPLIT: 1.0 * rows}.get(code, 0.03 * rows + 0.001 * code)
+
+    ws = stand_in_workspace(ops.DENSE_BYTES if max_rows > 512 else 0, max_rows=max_rows)
+    monkeypatch.setattr(selection, "_records", {})
+    monkeypatch.setattr(selection, "workspace", lambda device: ws)
+    monkeypatch.setattr(selection, "_graph_us", cost_us)
+    monkeypatch.setattr(selection, "warm_up", lambda *args: None)
+    tensors = {"trellis": torch.zeros((16, 8, 64), dtype=torch.int16), "suh": torch.ones(256), "svh": torch.ones(128)}
+    run = PreparedShard(ops.trellis_mma_, tensors, 128, (2, 4.0, 128, 0))
+    with settings.using(wide_kernel=None, delegate_rows=None):
+        codes = selection.measure_bucket_kernels(run, torch.float16, None)
+    (record,) = selection.selection_records()
+    reached = ops.row_bucket(max_rows) + 1
+    assert max(timed_rows) == min(max_rows, 2048) and len(record.rows) == reached
+    assert record.rows[-1] == min(max_rows, 2048) and record.rows[:-1] == ops.ROW_BUCKETS[: reached - 1]
+    last = ops.kernel_of(codes, record.rows[-1])
+    assert all(ops.kernel_of(codes, rows) == last for rows in (max_rows, max_rows + 1, 2 * max_rows, 10**5))
+    if max_rows == 700:  # the route competes in its first bucket, timed at its ends: 513 and 700 rows
+        assert record.timed_rows(10) == (513, 700) and "1024" not in record.describe()
+    assert ("above: as" in record.describe()) == (reached < len(ops.ROW_BUCKETS))
 
 
 def test_an_output_of_the_wrong_shape_is_refused_before_any_launch(monkeypatch):

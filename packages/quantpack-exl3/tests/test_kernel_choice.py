@@ -138,6 +138,39 @@ def test_consecutive_shards_of_one_kernel_run_fused(vllm_layers):
     assert relative_error(layer.quant_method.apply(layer, x), want_of(x)) < 1e-5
 
 
+def test_each_shards_kernel_is_told_the_engines_largest_call(vllm_layers, monkeypatch):
+    """The scheduler's token budget (``max_num_batched_tokens``, the most rows a forward pass gives a layer) reaches
+    every shard's spec as ``max_rows``: the trellis_mma kernels time no row bucket above it."""
+    from vllm.config import get_current_vllm_config
+
+    monkeypatch.setattr(get_current_vllm_config().scheduler_config, "max_num_batched_tokens", 300)
+    told = []
+
+    class TellingStandIn(StandInKernel):
+        name = "telling-stand-in"
+
+        @classmethod
+        def can_implement(cls, spec: LinearSpec):
+            return spec.format == "exl3", None if spec.format == "exl3" else "takes EXL3 shards"
+
+        @classmethod
+        def prepare(cls, shard: Exl3Tensors, spec: LinearSpec, device) -> PreparedShard:
+            told.append(spec.max_rows)
+            return super().prepare(shard, spec, device)
+
+    config = make_config(vllm_layers)
+    config.linear_kernels = (TellingStandIn, *config.linear_kernels)
+    layer = qkv(config)
+    tensors = shards()
+    for sid, t in tensors.items():
+        feed(layer, t, sid)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert told == [300, 300, 300]
+    x = torch.randn(3, 256)
+    want = ref_out(x, [Exl3Tensors.from_tensors(tensors[s]) for s in "qkv"], [256, 128, 128])
+    assert relative_error(layer.quant_method.apply(layer, x), want) < 1e-5
+
+
 def test_the_table_waits_for_the_models_last_layer(vllm_layers, caplog):
     """Two layers of one model: nothing is logged after the first is processed, one table after the second."""
     config = make_config(vllm_layers)

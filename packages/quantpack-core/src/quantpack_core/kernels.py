@@ -87,6 +87,8 @@ class LinearSpec:
         act_dtype: the model dtype (activations in, output out).
         tp: ``"whole"`` (no tensor parallelism), ``"sliced"`` (the rank's share cut on whole blocks),
             ``"column-fallback"`` / ``"row-fallback"`` (the blocks the share touches; the method selects or pads).
+        max_rows: the most rows one call takes (the serving engine's token budget), for a kernel that prepares per
+            row count; None: unknown.
     """
 
     platform: Platform
@@ -99,6 +101,7 @@ class LinearSpec:
     out_features: int
     act_dtype: torch.dtype
     tp: str = TP_WHOLE
+    max_rows: int | None = None
 
     def describe(self) -> str:
         """A short human description for logs: format, K, codebook, logical shape."""

@@ -71,6 +71,7 @@ def prepare_shard(
     act_dtype: torch.dtype,
     device: torch.device,
     delegate: Delegate | None = None,
+    max_rows: int | None = None,
 ) -> PreparedShard:
     """Move one shard's tensors to the GPU, reserve the GPU's workspace for its width, warm every launch kind and
     choose the kernel of each of the shard's row buckets (:func:`.selection.measure_bucket_kernels`).
@@ -83,6 +84,8 @@ def prepare_shard(
         out_features: logical output width (<= n).
         act_dtype: the model's activation dtype (float16 or bfloat16).
         delegate: another implementation of the call, which the row buckets where it is faster go to, or None.
+        max_rows: the most rows one call takes (a serving engine's token budget; None: unknown): row buckets above
+            it are not measured (:func:`.ops.reserve`).
 
     Returns:
         a :class:`PreparedShard` running ``quantpack::trellis_mma_`` with static ``(codebook id, K, out_features,
@@ -97,7 +100,7 @@ def prepare_shard(
         "suh": suh.to(device=device, dtype=torch.float16).contiguous(),
         "svh": svh.to(device=device, dtype=torch.float16).contiguous(),
     }
-    reserve(device, tensors["trellis"].shape[0] * 16, None if delegate is None else delegate.gemm)
+    reserve(device, tensors["trellis"].shape[0] * 16, None if delegate is None else delegate.gemm, max_rows=max_rows)
     static = (codebook, float(k_bits), out_features)
     _act_dtypes[tensors["trellis"]] = act_dtype
     unmeasured = PreparedShard(trellis_mma_, tensors, out_features, (*static, 0))

@@ -105,6 +105,9 @@ class Workspace:
         delegate: another implementation of one shard's call (:class:`.selection.Delegate`'s ``gemm``), given by
             the adapter that prepared this GPU's runs, for the row buckets a run's ``bucket_kernels`` send there; None
             otherwise.
+        max_rows: the most rows one call takes on this GPU (a serving engine's token budget), as the runs prepared
+            here were told: the row buckets above it are not timed and the dense route's buffer is left out where
+            only they could take the route; None: unknown (every bucket may be called).
     """
 
     partials: torch.Tensor
@@ -116,6 +119,7 @@ class Workspace:
     target_ctas_wide: int
     tensor_cores: bool = False
     delegate: object = None
+    max_rows: int | None = None
 
     @property
     def holds_dense(self) -> bool:
@@ -126,10 +130,11 @@ class Workspace:
 _workspaces: dict[int, Workspace] = {}
 
 
-def reserve(device: torch.device, k: int, delegate=None, dense: bool = True) -> Workspace:
+def reserve(device: torch.device, k: int, delegate=None, dense: bool = True, max_rows: int | None = None) -> Workspace:
     """The workspace of ``device``, created or widened for shards of ``k`` stored input features (call at load), with
-    ``delegate`` (a shard call, see :class:`Workspace`) as its delegate where one is given, and the dense route's
-    buffer where ``dense`` (a caller whose runs may take the route: not the expert banks) and :func:`dense_may_serve`.
+    ``delegate`` (a shard call, see :class:`Workspace`) as its delegate where one is given, the most rows a call takes
+    widened to ``max_rows`` (None: unknown, which no later call narrows), and the dense route's buffer where ``dense``
+    (a caller whose runs may take the route: not the expert banks) and :func:`dense_may_serve`.
 
     Raises:
         quantpack_core.trellis_mma.library.LibraryError: the kernels cannot be built or loaded for this GPU, or
@@ -152,11 +157,15 @@ def reserve(device: torch.device, k: int, delegate=None, dense: bool = True) -> 
             target_ctas=per_sm * props.multi_processor_count,
             target_ctas_wide=per_sm_wide * props.multi_processor_count,
             tensor_cores=arch == 90,
+            max_rows=max_rows,
         )
         _workspaces[index] = ws
-    elif ws.xh.shape[1] < k:
-        ws.xh = torch.empty((XH_ROWS, k), dtype=torch.float16, device=ws.xh.device)
-    if dense and dense_may_serve(delegate is not None) and not ws.holds_dense:  # memory only where it may serve
+    else:
+        if ws.xh.shape[1] < k:
+            ws.xh = torch.empty((XH_ROWS, k), dtype=torch.float16, device=ws.xh.device)
+        ws.max_rows = None if ws.max_rows is None or max_rows is None else max(ws.max_rows, max_rows)
+    # the buffer's memory only where the route may serve a call
+    if dense and dense_may_serve(delegate is not None, ws.max_rows) and not ws.holds_dense:
         ws.dense = torch.empty(DENSE_BYTES, dtype=torch.uint8, device=ws.xh.device)
     if delegate is not None and ws.delegate is not delegate:
         if ws.delegate is not None:
@@ -168,16 +177,17 @@ def reserve(device: torch.device, k: int, delegate=None, dense: bool = True) -> 
     return ws
 
 
-def dense_may_serve(delegated: bool = False) -> bool:
+def dense_may_serve(delegated: bool = False, max_rows: int | None = None) -> bool:
     """Whether the settings in force let the dense route serve a bucket of a run: ``wide_kernel`` unset (it is timed at
     load in the buckets from the one up to :data:`DENSE_ROWS` rows) or "dense" (above :data:`FUSED_ROWS` rows), unless
     the run has a delegate (``delegated``) and ``delegate_rows`` sends it every one of those buckets
-    (:func:`.selection.bucket_options`)."""
+    (:func:`.selection.bucket_options`), or no call reaches them (``max_rows``, None: unknown)."""
     settings = current()
     above = settings.delegate_rows
     first = FUSED_ROWS + 1 if settings.wide_kernel == "dense" else ROW_BUCKETS[ROW_BUCKETS.index(DENSE_ROWS) - 1] + 1
     all_delegated = delegated and bool(above) and first > min(above, ROW_BUCKETS[-2])
-    return settings.wide_kernel in (None, "dense") and not all_delegated
+    reached = max_rows is None or max_rows >= first
+    return settings.wide_kernel in (None, "dense") and not all_delegated and reached
 
 
 def workspace(device: torch.device) -> Workspace | None:

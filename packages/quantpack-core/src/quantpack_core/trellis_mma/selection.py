@@ -8,7 +8,8 @@ rebuilt once per call, then cuBLAS) where the workspace holds its buffer, and an
 that the run's format may give (:class:`Delegate`: its adapter kernel passes it to :func:`.kernels.prepare_shard`).
 Each candidate runs the run's shape at the bucket's largest row count (and its smallest too where the dense route is
 among them), and the fastest of the project's own kernels serves the bucket, unless the delegate takes at most
-:data:`DELEGATE_MARGIN` of its time (:func:`measure_bucket_kernels`). The table is logged per shape and kept
+:data:`DELEGATE_MARGIN` of its time (:func:`measure_bucket_kernels`); buckets above the most rows a call takes (a
+serving engine's token budget, where the adapter gives it) are left out. The table is logged per shape and kept
 (:func:`selection_records`).
 
 Source: docs/kernels.md ("The selection").
@@ -37,6 +38,7 @@ from .ops import (
     TC_ROWS,
     bucket_kernels_of,
     kernel_of,
+    row_bucket,
     tc_code,
     workspace,
 )
@@ -81,7 +83,9 @@ class SelectionRecord:
         k_bits, codebook: the shards' K and codebook id (0 = 3INST, 1 = mcg, 2 = mul1).
         dtype: the model's activation dtype, timed with.
         delegate: the delegate's name, or None.
-        rows: each bucket's largest row count (:data:`.ops.ROW_BUCKETS`).
+        rows: each measured bucket's largest row count (:data:`.ops.ROW_BUCKETS`), at most the most rows a call
+            takes (the workspace's ``max_rows``); the buckets above the last one that a call reaches are not
+            measured and serve as it (:func:`reached_buckets`).
         times_us: per bucket, ``(code, microseconds)`` of each candidate (CUDA-graph replay): a call at each of the
             bucket's :meth:`timed_rows`, summed; a bucket of one candidate is not timed (``(code, 0.0)``); empty
             when no bucket had a choice.
@@ -106,7 +110,7 @@ class SelectionRecord:
         """The row counts a call of each candidate ran at in bucket ``bucket`` (:func:`timed_row_counts`); () where
         the bucket was not timed."""
         timed = self.times_us[bucket] if self.times_us else ()
-        return timed_row_counts(bucket, [c for c, _ in timed]) if len(timed) > 1 else ()
+        return timed_row_counts(bucket, [c for c, _ in timed], self.rows[bucket]) if len(timed) > 1 else ()
 
     def describe(self) -> str:
         """One log line: the shape, then per bucket the kernel that serves it and, where the bucket had a choice, the
@@ -119,6 +123,8 @@ class SelectionRecord:
             times = " ".join(f"{self.name(c)} {us:.1f}" for c, us in self.times_us[i]) if counts else ""
             at = "+".join(str(r) for r in counts)
             cells.append(f"{rows}: {chosen}" + (f" ({at} rows: {times} us)" if times else ""))
+        if len(self.rows) < len(ROW_BUCKETS):
+            cells.append(f"above: as {self.rows[-1]} (no call takes more rows)")
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{self.k} -> {outs}, K {self.k_bits:g} codebook {self.codebook}, {dtype}: " + ", ".join(cells)
 
@@ -171,9 +177,11 @@ def measure_bucket_kernels(run: PreparedShard, dtype: torch.dtype, delegate: Del
     count, so the largest alone would favour it) with activations of the model's ``dtype``: ``TIMED_CALLS`` calls in
     one CUDA graph, the best of ``TIMED_REPLAYS`` replays, twice in alternation; the fastest of the project's own
     kernels (over both row counts together where two are timed) serves the bucket unless the delegate takes at most
-    :data:`DELEGATE_MARGIN` of its time. A shape measured once in a process (per dtype and settings)
-    keeps its codes. Every launch kind a capture could meet first runs once here (:func:`warm_up`). Tensors off the
-    GPU, or a GPU without a workspace: every bucket on the split-K kernel, nothing timed.
+    :data:`DELEGATE_MARGIN` of its time. The buckets above the most rows a call takes (the workspace's ``max_rows``)
+    are neither timed nor warmed and serve as the last bucket a call reaches, timed at ``max_rows`` rows where that
+    is less than its bound. A shape measured once in a process (per dtype, settings and ``max_rows``) keeps its codes.
+    Every launch kind a capture could meet first runs once here (:func:`warm_up`). Tensors off the GPU, or a GPU
+    without a workspace: every bucket on the split-K kernel, nothing timed.
 
     Returns:
         the codes, 3 bits a bucket (:func:`.ops.bucket_kernels_of`).
@@ -190,17 +198,20 @@ def measure_bucket_kernels(run: PreparedShard, dtype: torch.dtype, delegate: Del
     outs = tuple(outs) if isinstance(outs, tuple) else (outs,)
     k = trellis[0].shape[0] * 16
     name = None if delegate is None else delegate.name
-    key = (k, tuple(tuple(t.shape) for t in trellis), codebook, k_bits, dtype, device, current(), name)
+    shapes = tuple(tuple(t.shape) for t in trellis)
+    key = (k, shapes, codebook, k_bits, dtype, device, current(), name, ws.max_rows)
     known = _records.get(key)
     if known is not None:
         return known.bucket_kernels
+    rows = tuple(min(bound, ws.max_rows or bound) for bound in ROW_BUCKETS[: reached_buckets(ws.max_rows)])
     # the route's buffer is reserved where the settings let it serve when a shard was prepared
-    options = [bucket_options(i, ws.tensor_cores, delegate, ws.holds_dense) for i in range(len(ROW_BUCKETS))]
+    options = [bucket_options(i, ws.tensor_cores, delegate, ws.holds_dense) for i in range(len(rows))]
     reach = delegate if any(DELEGATE in o for o in options) else None  # the delegate only where it can serve
     warm_up(run, k, reach, dtype, ws.tensor_cores, any(DENSE in o for o in options))
-    times = _time_buckets(run, k, dtype, options) if any(len(o) > 1 for o in options) else ()
-    chosen = bucket_kernels_of(_choose(t) for t in times) if times else bucket_kernels_of(o[0] for o in options)
-    record = SelectionRecord(k, outs, k_bits, codebook, dtype, name, ROW_BUCKETS, times, chosen)
+    times = _time_buckets(run, k, dtype, options, rows) if any(len(o) > 1 for o in options) else ()
+    codes = [_choose(t) for t in times] if times else [o[0] for o in options]
+    chosen = bucket_kernels_of(codes + codes[-1:] * (len(ROW_BUCKETS) - len(codes)))
+    record = SelectionRecord(k, outs, k_bits, codebook, dtype, name, rows, times, chosen)
     _records[key] = record
     logger.info("quantpack: trellis_mma kernels per row bucket, %s", record.describe())
     return chosen
@@ -216,15 +227,25 @@ def _choose(timed: tuple[tuple[int, float], ...]) -> int:
     return DELEGATE if theirs and theirs[0] <= DELEGATE_MARGIN * own[0] else own[1]
 
 
-def timed_row_counts(bucket: int, codes: list[int]) -> tuple[int, ...]:
-    """The row counts each of ``codes`` (a bucket's candidates) runs at to time bucket ``bucket``: its largest, and
-    its smallest too where the dense route is among them (whose rebuild costs the same at any row count)."""
-    return (ROW_BUCKETS[bucket - 1] + 1, ROW_BUCKETS[bucket]) if DENSE in codes else (ROW_BUCKETS[bucket],)
+def reached_buckets(max_rows: int | None) -> int:
+    """How many row buckets, from the first, hold calls of at most ``max_rows`` rows (None: unknown, every one)."""
+    return len(ROW_BUCKETS) if max_rows is None else row_bucket(max(max_rows, 1)) + 1
 
 
-def _time_buckets(run: PreparedShard, k: int, dtype: torch.dtype, options: list[list[int]]) -> tuple:
+def timed_row_counts(bucket: int, codes: list[int], largest: int | None = None) -> tuple[int, ...]:
+    """The row counts each of ``codes`` (a bucket's candidates) runs at to time bucket ``bucket``: its largest (or
+    ``largest``, the most rows a call takes, where that is less), and its smallest too where the dense route is among
+    them (whose rebuild costs the same at any row count)."""
+    first, top = (ROW_BUCKETS[bucket - 1] + 1 if bucket else 1), largest or ROW_BUCKETS[bucket]
+    return (first, top) if DENSE in codes and top > first else (top,)
+
+
+def _time_buckets(
+    run: PreparedShard, k: int, dtype: torch.dtype, options: list[list[int]], rows: tuple[int, ...]
+) -> tuple:
     """Per bucket, ``(code, microseconds)`` of each candidate: the sum of a call at each of the bucket's
-    :func:`timed_row_counts` (a single candidate is not timed: ``(code, 0.0)``)."""
+    :func:`timed_row_counts` (``rows``: each bucket's largest calls; a single candidate is not timed:
+    ``(code, 0.0)``)."""
     device = _trellis_of(run)[0].device
     generator = torch.Generator(device=device).manual_seed(0)
     times = []
@@ -233,9 +254,9 @@ def _time_buckets(run: PreparedShard, k: int, dtype: torch.dtype, options: list[
             times.append(((codes[0], 0.0),))
             continue
         total = [0.0] * len(codes)
-        for rows in timed_row_counts(i, codes):
-            x = torch.randn((rows, k), generator=generator, device=device).to(dtype)
-            out = torch.empty((rows, run.out_features), dtype=dtype, device=device)
+        for count in timed_row_counts(i, codes, rows[i]):
+            x = torch.randn((count, k), generator=generator, device=device).to(dtype)
+            out = torch.empty((count, run.out_features), dtype=dtype, device=device)
             first = [_graph_us(run, x, out, _everywhere(c)) for c in codes]
             again = [_graph_us(run, x, out, _everywhere(c)) for c in codes]
             total = [t + min(a, b) for t, a, b in zip(total, first, again, strict=True)]

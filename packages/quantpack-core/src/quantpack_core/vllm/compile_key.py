@@ -42,6 +42,14 @@ def current_vllm_config() -> Any | None:
     return get_current_vllm_config_or_none()
 
 
+def engine_max_rows() -> int | None:
+    """The most rows one forward pass gives a layer of the model vLLM is building (its scheduler's
+    ``max_num_batched_tokens``), or None where no build is under way or it is unset."""
+    scheduler = getattr(current_vllm_config(), "scheduler_config", None)
+    rows = getattr(scheduler, "max_num_batched_tokens", None)
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0 else None
+
+
 def op_name(fn: Any) -> str | None:
     """What a run calls, for :meth:`CompileKey.add`, without addresses (the digest must be equal from load to load):
     ``module.qualname`` of a function, of a ``functools.partial``'s function, else of the callable's class; None for

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -45,7 +45,7 @@ from quantpack_core.kernels import (
 from quantpack_core.names import expand_fused, normalize_prefix, shard_partitions
 from quantpack_core.tp import COLUMN, ROW, TpCut, cut_dense, make_cut, partition_ranges, plan_cut, sliced_tp_sizes
 
-from .compile_key import op_name
+from .compile_key import engine_max_rows, op_name
 from .params import ShardParam
 
 logger = logging.getLogger("vllm.quantpack")
@@ -442,6 +442,7 @@ class QuantLinearMethod(LinearMethodBase):
             out_n, in_n = shard.shape
             spec = self.config.dense_spec(in_n, out_n, state.params_dtype, TP_WHOLE if cut is None else TP_SLICED)
             kernels = self.config.dense_kernels
+        spec = replace(spec, max_rows=engine_max_rows())
         choice = choose_kernel(kernels, spec, self.where(plan))
         self.config.kernel_log.record("linear", choice)
         try:

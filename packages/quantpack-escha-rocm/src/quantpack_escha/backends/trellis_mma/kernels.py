@@ -111,8 +111,9 @@ class EschaTrellisMmaLinearKernel(LinearKernel):
         """
         t = exl3_shard(shard, spec.describe())
         return trellis_mma.prepare_shard(
-            t.trellis, t.suh, t.svh, Codebook.MCG.kernel_id, float(t.k_bits), spec.out_features, spec.act_dtype, device
-        )
+            t.trellis, t.suh, t.svh, Codebook.MCG.kernel_id, float(t.k_bits), spec.out_features, spec.act_dtype,
+            device, max_rows=spec.max_rows,
+        )  # fmt: skip
 
     @classmethod
     def fuse(cls, shards: list[PreparedShard]) -> PreparedShard | None:

@@ -107,7 +107,7 @@ class TrellisMmaLinearKernel(LinearKernel):
         t = shard
         return trellis_mma.prepare_shard(
             t.trellis, t.suh, t.svh, t.codebook.kernel_id, float(t.k_bits), spec.out_features, spec.act_dtype,
-            device, delegate,
+            device, delegate, spec.max_rows,
         )  # fmt: skip
 
     @classmethod
