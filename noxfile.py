@@ -392,7 +392,7 @@ def install(session: nox.Session) -> None:
     HEAD), a fresh Python 3.11 venv, :data:`CPU_INSTALL`; no torchvision / torchaudio / torchcodec, ``pip check``
     reporting only :data:`PIP_CHECK_EXPECTED`, and the bundled pack served by :data:`CPU_SERVE` until it answers a
     completion. Also quantpack-core alone (:data:`CORE_INSTALL`) with torch +cpu and no vLLM. First, constraints/,
-    the extras and the tested range must agree (:func:`pin_problems`). About 4 minutes on 2 cores with uv's cache
+    the extras and the tested range must agree (:func:`pin_problems`). About 2 minutes on 2 cores with uv's cache
     warm (most of it the server's start)."""
     started = time.monotonic()
     if problems := pin_problems():
@@ -456,7 +456,8 @@ def install(session: nox.Session) -> None:
 def bootstrap(session: nox.Session) -> None:
     """``scripts/test`` and ``scripts/setup-env`` with only an externally managed Python on PATH and no uv or nox:
     uv fetched into the checkout's .tools/, nox run by uv, .venv synced on that Python, nothing installed into it
-    (tests/test_bootstrap.py; Python 3.11, the version uv.lock's torch wheel is for). About 2 minutes on 2 cores."""
+    (tests/test_bootstrap.py; Python 3.11, the version uv.lock's torch wheel is for). Under a minute on 2 cores with
+    uv's cache warm."""
     session.install(*TEST_TOOLS)
     session.run(*PYTEST, "tests/test_bootstrap.py", *session.posargs)
 
