@@ -270,22 +270,25 @@ def test_the_dense_routes_gemms_cover_each_column_once(widths, blocks):
     assert covered == widths and column == sum(widths)
 
 
-def test_the_dense_buffer_is_reserved_exactly_where_the_route_may_serve():
-    """reserve() holds the route's 128 MiB only under settings where some bucket of a run may take the route: not where
-    ``delegate_rows`` sends every bucket from 513 rows to the run's delegate, nor under another ``wide_kernel``."""
-    from quantpack_core.trellis_mma.ops import DENSE, ROW_BUCKETS, dense_may_serve
-    from quantpack_core.trellis_mma.selection import Delegate, bucket_options
+def test_the_dense_buffer_is_held_only_where_the_route_may_serve():
+    """The route's 128 MiB are held only where some bucket a call reaches may take the route: under ``wide_kernel``
+    unset from 513 rows, "dense" from 17, never under "tc" or "split", nor where ``delegate_rows`` sends every
+    bucket from 513 rows to the run's delegate."""
+    from quantpack_core.trellis_mma.selection import Delegate, dense_may_serve
     from quantpack_core.trellis_mma.settings import using
 
     other = Delegate("other", lambda *a: None)
+    may = {}
     for wide in (None, "dense", "tc", "split"):
-        for above in (None, 0, 1, 16, 256, 512, 513, 1024, 1025, 10**6):
+        for above in (None, 0, 256, 512, 513, 1024, 10**6):
             for delegate in (None, other):
                 with using(delegate_rows=above, wide_kernel=wide):
-                    may = any(DENSE in bucket_options(i, True, delegate) for i in range(len(ROW_BUCKETS)))
-                    assert dense_may_serve(delegate is not None) == may, (wide, above, delegate)
-    with using(delegate_rows=256, wide_kernel=None):
-        assert not dense_may_serve(True) and dense_may_serve(False)
+                    may[wide, above, delegate is None] = dense_may_serve(delegate, None)
+    assert {key for key, yes in may.items() if yes} == {
+        (wide, above, alone) for wide in (None, "dense") for above in (None, 0, 256, 512, 513, 1024, 10**6)
+        for alone in (True, False) if alone or not above or (wide is None and above > 512)
+        or (wide == "dense" and above > 16)
+    }  # fmt: skip
 
 
 def stand_in_workspace(dense_bytes: int, max_rows: int | None = None):
@@ -343,29 +346,21 @@ def test_a_bucket_goes_to_the_dense_route_only_where_it_wins_at_both_ends(monkey
     assert at_1024 in line
 
 
-def test_no_dense_buffer_where_no_call_reaches_the_route(monkeypatch):
+def test_no_dense_buffer_where_no_call_reaches_the_route():
     """An engine whose calls take at most 512 rows never calls a bucket the dense route may serve (513 rows on; 17
-    with ``wide_kernel`` "dense"): reserve() leaves the 128 MiB out, and a later run told of more rows, or of an
-    unknown count, widens the workspace's limit and gets the buffer; a smaller limit never narrows it."""
-    from quantpack_core.trellis_mma import ops
+    with ``wide_kernel`` "dense"). A workspace's limit widens with each linear run prepared and stays unknown once
+    a run did not know it."""
+    from quantpack_core.trellis_mma.selection import dense_may_serve
     from quantpack_core.trellis_mma.settings import using
 
     with using(wide_kernel=None, delegate_rows=None):
-        assert [ops.dense_may_serve(False, n) for n in (1, 512, 513, 8192, None)] == [False, False, True, True, True]
-        ws = stand_in_workspace(0, max_rows=512)
-        monkeypatch.setitem(ops._workspaces, 0, ws)
-        cuda0 = torch.device("cuda", 0)  # found in _workspaces: nothing touches a GPU
-        assert ops.reserve(cuda0, 256, max_rows=300) is ws and ws.max_rows == 512 and not ws.holds_dense
-        ops.reserve(cuda0, 256, dense=False, max_rows=4096)
-        assert ws.max_rows == 4096 and not ws.holds_dense  # an expert bank's call: no buffer
-        ops.reserve(cuda0, 256, max_rows=1000)
-        assert ws.max_rows == 4096 and ws.holds_dense
-        ops.reserve(cuda0, 256, dense=False)
-        assert ws.max_rows is None
-        ops.reserve(cuda0, 256, max_rows=64)
-        assert ws.max_rows is None
+        assert [dense_may_serve(None, n) for n in (1, 512, 513, 8192, None)] == [False, False, True, True, True]
     with using(wide_kernel="dense", delegate_rows=None):
-        assert [ops.dense_may_serve(False, n) for n in (16, 17, None)] == [False, True, True]
+        assert [dense_may_serve(None, n) for n in (16, 17, None)] == [False, True, True]
+    ws = stand_in_workspace(0, max_rows=0)  # as reserve() makes it
+    for allowed, now in ((512, 512), (300, 512), (4096, 4096), (None, None), (64, None)):
+        ws.allow_rows(allowed)
+        assert ws.max_rows == now
 
 
 @pytest.mark.parametrize("max_rows", [300, 512, 700, 1500, 8192])

@@ -23,7 +23,7 @@ from quantpack_core.kernels import Platform, PreparedBank, PreparedShard
 from .library import compiler_reason
 from .moe import reserve_moe, trellis_moe_
 from .ops import MAX_SHARDS, reserve, trellis_mma_, trellis_mma_shards_
-from .selection import Delegate, measure_bucket_kernels
+from .selection import Delegate, dense_may_serve, measure_bucket_kernels
 
 NAME = "trellis_mma"
 #: mma.sync m16n8k16, ldmatrix and cp.async need sm_80
@@ -85,7 +85,8 @@ def prepare_shard(
         act_dtype: the model's activation dtype (float16 or bfloat16).
         delegate: another implementation of the call, which the row buckets where it is faster go to, or None.
         max_rows: the most rows one call takes (a serving engine's token budget; None: unknown): row buckets above
-            it are not measured (:func:`.ops.reserve`).
+            it are not measured, and the dense route's buffer is held only where a call reaches a bucket it may serve
+            (:func:`.selection.dense_may_serve`).
 
     Returns:
         a :class:`PreparedShard` running ``quantpack::trellis_mma_`` with static ``(codebook id, K, out_features,
@@ -100,7 +101,10 @@ def prepare_shard(
         "suh": suh.to(device=device, dtype=torch.float16).contiguous(),
         "svh": svh.to(device=device, dtype=torch.float16).contiguous(),
     }
-    reserve(device, tensors["trellis"].shape[0] * 16, None if delegate is None else delegate.gemm, max_rows=max_rows)
+    ws = reserve(device, tensors["trellis"].shape[0] * 16, None if delegate is None else delegate.gemm)
+    ws.allow_rows(max_rows)
+    if dense_may_serve(delegate, ws.max_rows):  # the route's memory only where it may serve a call
+        ws.hold_dense()
     static = (codebook, float(k_bits), out_features)
     _act_dtypes[tensors["trellis"]] = act_dtype
     unmeasured = PreparedShard(trellis_mma_, tensors, out_features, (*static, 0))

@@ -110,7 +110,7 @@ def reserve_moe(device: torch.device, experts: int, hidden: int, intermediate: i
     Raises:
         quantpack_core.trellis_mma.library.LibraryError: the kernels cannot be built or loaded for this GPU.
     """
-    ws = reserve(device, max(hidden, intermediate), dense=False)  # the banks never take the dense route
+    ws = reserve(device, max(hidden, intermediate))
     index = ws.partials.device.index
     have = _buffers.get(index)
     tc = ws.tensor_cores and current().moe_tc_picks > 0

@@ -96,8 +96,8 @@ class Workspace:
         partials: float32 ``(PARTIAL_FLOATS,)``.
         counters: int32 ``(COUNTERS,)``, zero.
         xh: float16 ``(XH_ROWS, widest k)`` (up to 16 rows: ``(shards, rows, k)``, at most 8 x 16 rows).
-        dense: uint8 ``(DENSE_BYTES,)``, the dense route's rebuilt weights, where the settings let the route serve
-            when a shard is prepared (:func:`dense_may_serve`); else empty.
+        dense: uint8 ``(DENSE_BYTES,)``, the dense route's rebuilt weights, once a shard that may take the route was
+            prepared (:meth:`hold_dense`); else empty.
         arch: compute capability (``major * 10 + minor``), which library to load.
         target_ctas: CTAs a launch aims at, up to :data:`FUSED_ROWS` rows.
         target_ctas_wide: the same above :data:`FUSED_ROWS` rows.
@@ -105,9 +105,9 @@ class Workspace:
         delegate: another implementation of one shard's call (:class:`.selection.Delegate`'s ``gemm``), given by
             the adapter that prepared this GPU's runs, for the row buckets a run's ``bucket_kernels`` send there; None
             otherwise.
-        max_rows: the most rows one call takes on this GPU (a serving engine's token budget), as the runs prepared
-            here were told: the row buckets above it are not timed and the dense route's buffer is left out where
-            only they could take the route; None: unknown (every bucket may be called).
+        max_rows: the most rows one call of the linear runs prepared here takes (a serving engine's token budget,
+            :meth:`allow_rows`): the row buckets above it are not timed; None: unknown (every bucket may be called);
+            0 until a linear run is prepared.
     """
 
     partials: torch.Tensor
@@ -123,18 +123,26 @@ class Workspace:
 
     @property
     def holds_dense(self) -> bool:
-        """Whether ``dense`` is the dense route's whole buffer (:data:`DENSE_BYTES`), as :func:`reserve` makes it."""
+        """Whether ``dense`` is the dense route's whole buffer (:data:`DENSE_BYTES`), as :meth:`hold_dense` makes it."""
         return self.dense.numel() >= DENSE_BYTES
+
+    def hold_dense(self) -> None:
+        """Allocate the dense route's buffer, unless it is held (call at load)."""
+        if not self.holds_dense:
+            self.dense = torch.empty(DENSE_BYTES, dtype=torch.uint8, device=self.xh.device)
+
+    def allow_rows(self, max_rows: int | None) -> None:
+        """Widen :attr:`max_rows` for a linear run whose calls take up to ``max_rows`` rows (None: unknown, which
+        stays)."""
+        self.max_rows = None if max_rows is None or self.max_rows is None else max(self.max_rows, max_rows)
 
 
 _workspaces: dict[int, Workspace] = {}
 
 
-def reserve(device: torch.device, k: int, delegate=None, dense: bool = True, max_rows: int | None = None) -> Workspace:
+def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
     """The workspace of ``device``, created or widened for shards of ``k`` stored input features (call at load), with
-    ``delegate`` (a shard call, see :class:`Workspace`) as its delegate where one is given, the most rows a call takes
-    widened to ``max_rows`` (None: unknown, which no later call narrows), and the dense route's buffer where ``dense``
-    (a caller whose runs may take the route: not the expert banks) and :func:`dense_may_serve`.
+    ``delegate`` (a shard call, see :class:`Workspace`) as its delegate where one is given.
 
     Raises:
         quantpack_core.trellis_mma.library.LibraryError: the kernels cannot be built or loaded for this GPU, or
@@ -157,16 +165,11 @@ def reserve(device: torch.device, k: int, delegate=None, dense: bool = True, max
             target_ctas=per_sm * props.multi_processor_count,
             target_ctas_wide=per_sm_wide * props.multi_processor_count,
             tensor_cores=arch == 90,
-            max_rows=max_rows,
+            max_rows=0,
         )
         _workspaces[index] = ws
-    else:
-        if ws.xh.shape[1] < k:
-            ws.xh = torch.empty((XH_ROWS, k), dtype=torch.float16, device=ws.xh.device)
-        ws.max_rows = None if ws.max_rows is None or max_rows is None else max(ws.max_rows, max_rows)
-    # the buffer's memory only where the route may serve a call
-    if dense and dense_may_serve(delegate is not None, ws.max_rows) and not ws.holds_dense:
-        ws.dense = torch.empty(DENSE_BYTES, dtype=torch.uint8, device=ws.xh.device)
+    elif ws.xh.shape[1] < k:
+        ws.xh = torch.empty((XH_ROWS, k), dtype=torch.float16, device=ws.xh.device)
     if delegate is not None and ws.delegate is not delegate:
         if ws.delegate is not None:
             raise LibraryError(
@@ -175,19 +178,6 @@ def reserve(device: torch.device, k: int, delegate=None, dense: bool = True, max
             )
         ws.delegate = delegate
     return ws
-
-
-def dense_may_serve(delegated: bool = False, max_rows: int | None = None) -> bool:
-    """Whether the settings in force let the dense route serve a bucket of a run: ``wide_kernel`` unset (it is timed at
-    load in the buckets from the one up to :data:`DENSE_ROWS` rows) or "dense" (above :data:`FUSED_ROWS` rows), unless
-    the run has a delegate (``delegated``) and ``delegate_rows`` sends it every one of those buckets
-    (:func:`.selection.bucket_options`), or no call reaches them (``max_rows``, None: unknown)."""
-    settings = current()
-    above = settings.delegate_rows
-    first = FUSED_ROWS + 1 if settings.wide_kernel == "dense" else ROW_BUCKETS[ROW_BUCKETS.index(DENSE_ROWS) - 1] + 1
-    all_delegated = delegated and bool(above) and first > min(above, ROW_BUCKETS[-2])
-    reached = max_rows is None or max_rows >= first
-    return settings.wide_kernel in (None, "dense") and not all_delegated and reached
 
 
 def workspace(device: torch.device) -> Workspace | None:

@@ -168,6 +168,12 @@ def bucket_options(bucket: int, tensor_cores: bool, delegate: Delegate | None, d
     return [*own, DELEGATE] if delegate is not None and above is None else own
 
 
+def dense_may_serve(delegate: Delegate | None, max_rows: int | None) -> bool:
+    """Whether the dense route is among the :func:`bucket_options` of a bucket that a call of up to ``max_rows``
+    rows (None: unknown) reaches, for a run with ``delegate``, under the settings in force."""
+    return any(DENSE in bucket_options(i, True, delegate) for i in range(reached_buckets(max_rows)))
+
+
 def measure_bucket_kernels(run: PreparedShard, dtype: torch.dtype, delegate: Delegate | None) -> int:
     """The ``bucket_kernels`` of a trellis_mma run (a shard, or a layer's fused shards): which kernel serves each row
     bucket. Called at load, before any CUDA-graph capture.
