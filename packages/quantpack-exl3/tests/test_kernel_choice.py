@@ -171,6 +171,26 @@ def test_each_shards_kernel_is_told_the_engines_largest_call(vllm_layers, monkey
     assert relative_error(layer.quant_method.apply(layer, x), want) < 1e-5
 
 
+@pytest.mark.parametrize("encoder", ["is_multimodal_model", "is_encoder_decoder"])
+def test_a_model_with_an_encoder_gives_its_kernels_no_row_limit(vllm_layers, monkeypatch, encoder):
+    """A vision tower's blocks run on an image's patches (four per token before Qwen's merge), up to the encoder's own
+    budget: no layer of such a model is told the scheduler's token budget."""
+    from types import SimpleNamespace
+
+    from vllm.config import get_current_vllm_config
+
+    from quantpack_core.vllm.compile_key import engine_max_rows
+
+    vllm_config = get_current_vllm_config()
+    monkeypatch.setattr(vllm_config.scheduler_config, "max_num_batched_tokens", 300)
+    assert engine_max_rows() == 300
+    model = SimpleNamespace(is_multimodal_model=False, is_encoder_decoder=False)
+    monkeypatch.setattr(vllm_config, "model_config", model)
+    assert engine_max_rows() == 300
+    setattr(model, encoder, True)
+    assert engine_max_rows() is None
+
+
 def test_the_table_waits_for_the_models_last_layer(vllm_layers, caplog):
     """Two layers of one model: nothing is logged after the first is processed, one table after the second."""
     config = make_config(vllm_layers)

@@ -265,8 +265,9 @@ def _run_dense(ws: Workspace, x: torch.Tensor, trellis, suh, svh, codebook, k_bi
     if piece == 0:
         held = f"holds {ws.dense.numel()} bytes, less than 128 columns of k {k}" if ws.dense.numel() else "has none"
         raise LibraryError(
-            "trellis_mma: the dense route needs the weights buffer prepare() reserves where the route may serve "
-            f"(QUANTPACK_TRELLIS_MMA_WIDE_KERNEL unset or dense); this GPU's workspace {held}"
+            "trellis_mma: the dense route needs the weights buffer prepare() holds where a call may take the route "
+            "(QUANTPACK_TRELLIS_MMA_WIDE_KERNEL unset or dense, above 512 or 16 rows, within the token budget); "
+            f"this GPU's workspace {held}"
         )
     rebuild = _dense_rebuilder(ws, x, codebook, k_bits, k)
     with float32_sums():

@@ -124,7 +124,7 @@ class SelectionRecord:
             at = "+".join(str(r) for r in counts)
             cells.append(f"{rows}: {chosen}" + (f" ({at} rows: {times} us)" if times else ""))
         if len(self.rows) < len(ROW_BUCKETS):
-            cells.append(f"above: as {self.rows[-1]} (no call takes more rows)")
+            cells.append(f"above: as {self.rows[-1]} (not timed: above the token budget)")
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{self.k} -> {outs}, K {self.k_bits:g} codebook {self.codebook}, {dtype}: " + ", ".join(cells)
 
@@ -185,7 +185,8 @@ def measure_bucket_kernels(run: PreparedShard, dtype: torch.dtype, delegate: Del
     kernels (over both row counts together where two are timed) serves the bucket unless the delegate takes at most
     :data:`DELEGATE_MARGIN` of its time. The buckets above the most rows a call takes (the workspace's ``max_rows``)
     are neither timed nor warmed and serve as the last bucket a call reaches, timed at ``max_rows`` rows where that
-    is less than its bound. A shape measured once in a process (per dtype, settings and ``max_rows``) keeps its codes.
+    is less than its bound. A shape measured once in a process (per dtype, settings and row counts timed) keeps its
+    codes.
     Every launch kind a capture could meet first runs once here (:func:`warm_up`). Tensors off the GPU, or a GPU
     without a workspace: every bucket on the split-K kernel, nothing timed.
 
@@ -204,13 +205,12 @@ def measure_bucket_kernels(run: PreparedShard, dtype: torch.dtype, delegate: Del
     outs = tuple(outs) if isinstance(outs, tuple) else (outs,)
     k = trellis[0].shape[0] * 16
     name = None if delegate is None else delegate.name
-    shapes = tuple(tuple(t.shape) for t in trellis)
-    key = (k, shapes, codebook, k_bits, dtype, device, current(), name, ws.max_rows)
+    rows = tuple(min(bound, ws.max_rows or bound) for bound in ROW_BUCKETS[: reached_buckets(ws.max_rows)])
+    key = (k, tuple(tuple(t.shape) for t in trellis), codebook, k_bits, dtype, device, current(), name, rows)
     known = _records.get(key)
     if known is not None:
         return known.bucket_kernels
-    rows = tuple(min(bound, ws.max_rows or bound) for bound in ROW_BUCKETS[: reached_buckets(ws.max_rows)])
-    # the route's buffer is reserved where the settings let it serve when a shard was prepared
+    # the route's buffer is held where a bucket a call reaches may take it (prepare_shard, dense_may_serve)
     options = [bucket_options(i, ws.tensor_cores, delegate, ws.holds_dense) for i in range(len(rows))]
     reach = delegate if any(DELEGATE in o for o in options) else None  # the delegate only where it can serve
     warm_up(run, k, reach, dtype, ws.tensor_cores, any(DENSE in o for o in options))
@@ -242,7 +242,8 @@ def timed_row_counts(bucket: int, codes: list[int], largest: int | None = None) 
     """The row counts each of ``codes`` (a bucket's candidates) runs at to time bucket ``bucket``: its largest (or
     ``largest``, the most rows a call takes, where that is less), and its smallest too where the dense route is among
     them (whose rebuild costs the same at any row count)."""
-    first, top = (ROW_BUCKETS[bucket - 1] + 1 if bucket else 1), largest or ROW_BUCKETS[bucket]
+    bound = ROW_BUCKETS[bucket]
+    first, top = (ROW_BUCKETS[bucket - 1] + 1 if bucket else 1), min(largest or bound, bound)
     return (first, top) if DENSE in codes and top > first else (top,)
 
 

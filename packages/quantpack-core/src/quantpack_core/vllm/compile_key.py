@@ -43,10 +43,15 @@ def current_vllm_config() -> Any | None:
 
 
 def engine_max_rows() -> int | None:
-    """The most rows one forward pass gives a layer of the model vLLM is building (its scheduler's
-    ``max_num_batched_tokens``), or None where no build is under way or it is unset."""
-    scheduler = getattr(current_vllm_config(), "scheduler_config", None)
-    rows = getattr(scheduler, "max_num_batched_tokens", None)
+    """The most rows one forward pass gives a layer of the model vLLM is building: its scheduler's
+    ``max_num_batched_tokens``; None where no build is under way, it is unset, or the model has an encoder (a
+    multimodal or encoder-decoder model: a vision tower's blocks run on every patch of an image, up to the encoder's
+    own budget and more, before any merge)."""
+    config = current_vllm_config()
+    model = getattr(config, "model_config", None)
+    if getattr(model, "is_multimodal_model", False) or getattr(model, "is_encoder_decoder", False):
+        return None
+    rows = getattr(getattr(config, "scheduler_config", None), "max_num_batched_tokens", None)
     return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0 else None
 
 
