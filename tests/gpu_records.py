@@ -189,10 +189,28 @@ class JobRecord:
         assert self.passed, "\n".join(self.failures()) or f"{self.job}: no check made"
 
 
+#: the trellis_mma settings a GPU job may force (ci/gpu/jobs.toml's e2e-*-tc / -dense jobs), as their variables'
+#: suffixes after ``QUANTPACK_TRELLIS_MMA_``
+FORCED_SETTINGS = ("WIDE_KERNEL", "DELEGATE_ROWS", "MOE_TC_PICKS")
+
+
+def forced_settings(environ=os.environ) -> str:
+    """The trellis_mma settings this process runs under that differ from the measured choice's, as a job name's
+    suffix (`` [wide_kernel=tc, delegate_rows=0]``), or "" where none is set: a job's record under them is kept
+    apart from the same job's under the default."""
+    forced = [
+        f"{name.lower()}={environ[f'QUANTPACK_TRELLIS_MMA_{name}']}"
+        for name in FORCED_SETTINGS
+        if environ.get(f"QUANTPACK_TRELLIS_MMA_{name}", "").strip()
+    ]
+    return f" [{', '.join(forced)}]" if forced else ""
+
+
 def job_of(test: str, job: str, res: dict | None) -> JobRecord:
     """A :class:`JobRecord` of runner result ``res`` (None: the job did not run; with ``failed``: it raised, the
-    record then carries that error and is written at once, before the test fails on it)."""
-    record = JobRecord(test, job)
+    record then carries that error and is written at once, before the test fails on it), named ``job`` with the
+    settings it was forced to run under (:func:`forced_settings`)."""
+    record = JobRecord(test, job + forced_settings())
     if res is None or "failed" in res:
         record.error = "did not run" if res is None else res["failed"]
         record.write()
