@@ -186,9 +186,8 @@ def measure_bucket_kernels(run: PreparedShard, dtype: torch.dtype, delegate: Del
     :data:`DELEGATE_MARGIN` of its time. The buckets above the most rows a call takes (the workspace's ``max_rows``)
     are neither timed nor warmed and serve as the last bucket a call reaches, timed at ``max_rows`` rows where that
     is less than its bound. A shape measured once in a process (per dtype, settings and row counts timed) keeps its
-    codes.
-    Every launch kind a capture could meet first runs once here (:func:`warm_up`). Tensors off the GPU, or a GPU
-    without a workspace: every bucket on the split-K kernel, nothing timed.
+    codes. Every launch kind a capture could meet first runs once here (:func:`warm_up`). Tensors off the GPU, or a
+    GPU without a workspace: every bucket on the split-K kernel, nothing timed.
 
     Returns:
         the codes, 3 bits a bucket (:func:`.ops.bucket_kernels_of`).
