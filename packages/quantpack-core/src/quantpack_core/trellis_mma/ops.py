@@ -119,7 +119,7 @@ class Workspace:
     target_ctas_wide: int
     tensor_cores: bool = False
     delegate: object = None
-    max_rows: int | None = None
+    max_rows: int | None = 0
 
     @property
     def holds_dense(self) -> bool:
@@ -165,7 +165,6 @@ def reserve(device: torch.device, k: int, delegate=None) -> Workspace:
             target_ctas=per_sm * props.multi_processor_count,
             target_ctas_wide=per_sm_wide * props.multi_processor_count,
             tensor_cores=arch == 90,
-            max_rows=0,
         )
         _workspaces[index] = ws
     elif ws.xh.shape[1] < k:
