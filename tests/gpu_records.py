@@ -190,7 +190,7 @@ class JobRecord:
 
 
 #: the trellis_mma settings a GPU job may force (ci/gpu/jobs.toml's e2e-*-tc / -dense jobs), as their variables'
-#: suffixes after ``QUANTPACK_TRELLIS_MMA_``
+#: suffixes after ``quantpack_core.trellis_mma.settings.PREFIX``
 FORCED_SETTINGS = ("WIDE_KERNEL", "DELEGATE_ROWS", "MOE_TC_PICKS")
 
 
@@ -198,10 +198,10 @@ def forced_settings(environ=os.environ) -> str:
     """The trellis_mma settings this process runs under that differ from the measured choice's, as a job name's
     suffix (`` [wide_kernel=tc, delegate_rows=0]``), or "" where none is set: a job's record under them is kept
     apart from the same job's under the default."""
+    from quantpack_core.trellis_mma.settings import PREFIX  # standard library only: no torch, no CUDA
+
     forced = [
-        f"{name.lower()}={environ[f'QUANTPACK_TRELLIS_MMA_{name}']}"
-        for name in FORCED_SETTINGS
-        if environ.get(f"QUANTPACK_TRELLIS_MMA_{name}", "").strip()
+        f"{name.lower()}={environ[PREFIX + name]}" for name in FORCED_SETTINGS if environ.get(PREFIX + name, "").strip()
     ]
     return f" [{', '.join(forced)}]" if forced else ""
 
