@@ -74,7 +74,9 @@ print(library.build(90))")
 fi
 # the bundle in parts (.stage/vllm-<release>-a, -b, ...), each small enough to travel beside the checkout (its tracked
 # and untracked-not-ignored files) within UPLOAD_LIMIT; VLLM_PARTS=N forces N
-checkout=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+# (a tracked file removed from the work tree does not travel and counts nothing: stat's failure on it is no error)
+checkout=$(git ls-files -z --cached --others --exclude-standard | { xargs -0 stat -c %s 2>/dev/null || true; } |
+  awk '{s += $1} END {print s + 0}')
 rm -rf "$stage"/vllm-? "$stage"/part-*
 python3 ci/transfer/parts.py split "$bundle" --out "$stage" --label "vllm-$release" --beside "$checkout" \
   ${UPLOAD_LIMIT:+--limit "$UPLOAD_LIMIT"} ${VLLM_PARTS:+--parts "$VLLM_PARTS"}
