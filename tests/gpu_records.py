@@ -196,13 +196,14 @@ FORCED_SETTINGS = ("WIDE_KERNEL", "DELEGATE_ROWS", "MOE_TC_PICKS")
 
 def forced_settings(environ=os.environ) -> str:
     """The trellis_mma settings this process runs under that differ from the measured choice's, as a job name's
-    suffix (`` [wide_kernel=tc, delegate_rows=0]``), or "" where none is set: a job's record under them is kept
-    apart from the same job's under the default."""
-    from quantpack_core.trellis_mma.settings import PREFIX  # standard library only: no torch, no CUDA
+    suffix (`` [wide_kernel=tc, delegate_rows=0]``), or "" where none is in force: a job's record under them is kept
+    apart from the same job's under the default. The values are those the kernels read (``Settings.from_env``): a
+    variable they refuse, or a blank one, forces nothing, and ``TC`` names the record as ``tc`` does."""
+    from quantpack_core.trellis_mma.settings import Settings  # standard library only: no torch, no CUDA
 
-    forced = [
-        f"{name.lower()}={environ[PREFIX + name]}" for name in FORCED_SETTINGS if environ.get(PREFIX + name, "").strip()
-    ]
+    read, default = Settings.from_env(environ), Settings()
+    fields = [name.lower() for name in FORCED_SETTINGS]
+    forced = [f"{f}={getattr(read, f)}" for f in fields if getattr(read, f) != getattr(default, f)]
     return f" [{', '.join(forced)}]" if forced else ""
 
 

@@ -12,7 +12,9 @@ Usage: ``python vllm_e2e.py JOBS.json RESULTS.json``. Each job is a dict with ``
   log-probability matrix is also written there (``torch.save``). Also reported: the quant method and parameter
   dtypes of every vocabulary module (embedding, lm_head) as vLLM built them, and the process's host RSS before
   building the engine and after loading, each position's KL (``kl_positions``) and the quantpack plugins this
-  process imported (``plugins``: none where ``VLLM_PLUGINS`` leaves them out). With ``routing``, also the expert ids
+  process imported (``plugins``: none where ``VLLM_PLUGINS`` leaves them out), and the trellis_mma kernels each row
+  bucket was given so far in this process with the settings they read (``trellis_buckets``, without worker
+  processes). With ``routing``, also the expert ids
   each MoE layer's router picked during the prompt pass (needs ``eager``).
 * ``nll``: ``pack``, ``dtype``, ``tokens`` (list of token-id lists); mean next-token NLL from prompt logprobs.
 * ``load_error``: ``pack``; building the engine must fail; the error type and message are returned.
@@ -174,6 +176,23 @@ def shard_kernels(model) -> dict:
     return counts
 
 
+def trellis_buckets() -> dict:
+    """``{a row bucket's largest row count: the kernels serving it}`` over every trellis_mma run shape measured in
+    this process so far (``selection_records``), and the settings the kernels read (``settings``): what a job forced
+    onto one kernel must show it served with."""
+    from quantpack_core.trellis_mma.ops import kernel_of
+    from quantpack_core.trellis_mma.selection import selection_records
+    from quantpack_core.trellis_mma.settings import current
+
+    served: dict[int, set[str]] = {}
+    for record in selection_records():
+        for rows in record.rows:
+            served.setdefault(rows, set()).add(record.name(kernel_of(record.bucket_kernels, rows)))
+    read = current()
+    settings = {"wide_kernel": read.wide_kernel, "delegate_rows": read.delegate_rows, "moe_tc_picks": read.moe_tc_picks}
+    return {"buckets": {str(r): sorted(names) for r, names in sorted(served.items())}, "settings": settings}
+
+
 def install_routing_probe(model) -> int:
     """Wrap the router of every vLLM MoE layer (``MoERunner.router.select_experts``, vLLM 0.25+) so that the expert
     ids it picks are recorded, call by call; returns how many layers were wrapped."""
@@ -294,6 +313,7 @@ def run_logits(job: dict) -> dict:
         "vocab_modules": modules,
         "quant_methods": methods,
         "shard_kernels": kernels,
+        "trellis_buckets": trellis_buckets() if in_process else None,
         "rss_mib": [rss_before, rss_after],
         "routing": routing,
         "save": job.get("save"),

@@ -151,7 +151,7 @@ def test_nothing_is_written_without_the_records_folder(tmp_path):
 def test_a_job_forced_onto_one_kernel_is_named_with_its_settings(monkeypatch):
     """ci/gpu/jobs.toml's e2e-*-tc / -dense jobs run the same jobs with trellis_mma's kernel forced: their records
     carry the settings in the job's name, so the tables keep them apart from the measured choice's; a blank variable
-    counts as unset."""
+    counts as unset, a refused value too."""
     import gpu_records
 
     assert gpu_records.forced_settings({}) == ""
@@ -161,6 +161,9 @@ def test_a_job_forced_onto_one_kernel_is_named_with_its_settings(monkeypatch):
         "QUANTPACK_TRELLIS_MMA_DELEGATE_ROWS": "0", "QUANTPACK_TRELLIS_MMA_CTAS_PER_SM": "4",
     }  # fmt: skip
     assert gpu_records.forced_settings(environ) == " [wide_kernel=tc, delegate_rows=0, moe_tc_picks=1]"
+    # the values the kernels read: a spelling in another case names the same record, a refused one none
+    assert gpu_records.forced_settings({"QUANTPACK_TRELLIS_MMA_WIDE_KERNEL": "TC"}) == " [wide_kernel=tc]"
+    assert gpu_records.forced_settings({"QUANTPACK_TRELLIS_MMA_WIDE_KERNEL": "tensorcore"}) == ""
     monkeypatch.delenv("QUANTPACK_GPU_RECORDS", raising=False)  # nothing written
     monkeypatch.setenv("QUANTPACK_TRELLIS_MMA_WIDE_KERNEL", "dense")
     record = gpu_records.job_of("t.py::test_job", "llama/float16/eager", {"kl": 1e-6})

@@ -1,7 +1,7 @@
 """GPU tier, end to end: vLLM's CUDA build serves the bundled packs through the plugin (entry point, as any user's
 process) with the kernels it chooses: trellis_mma for linear shards of float16 / bfloat16 models (exllamav3's
-kernels for the row buckets of each layer where the load-time measurement found them faster), exllamav3's for
-expert banks. Prompt logprobs against exllamav3's reference
+kernels for the row buckets of each layer where the load-time measurement found them faster) and for expert banks;
+with ci/gpu/jobs.toml's e2e-*-tc / -dense jobs, the kernels those force. Prompt logprobs against exllamav3's reference
 logits (for the Qwen3.5 pack, against the core codec's dequantized weights in transformers), and the same greedy
 tokens eager and with torch.compile + CUDA graphs. vLLM 0.25.1 does not register the Qwen3.5 text architecture;
 quantpack-families does.
@@ -218,6 +218,36 @@ def test_eagle_draft_shares_the_exl3_target_s_vocabulary_on_cuda(gpu_e2e, figure
         f"GPU EAGLE draft, {MAIN_PACK} float16: {res['accepted']:.0f} of {res['drafted']:.0f} draft tokens accepted; "
         f"greedy with the draft vs without, per prompt: {'; '.join(parts)}"
     )
+
+
+#: the trellis_mma settings ci/gpu/jobs.toml's e2e-*-tc / -dense jobs force
+FORCED = ("wide_kernel", "delegate_rows", "moe_tc_picks")
+
+
+@pytest.mark.parametrize("job", [*(f"{n}/float16/eager" for n in LLAMA_PACKS), *(f"moe/{n}/eager" for n in MOE_PACKS)])
+def test_forced_settings_reach_the_kernels(gpu_e2e, job):
+    """Where this process forces trellis_mma's settings (the e2e-*-tc / -dense jobs), the engine read the same ones,
+    and served every row bucket above 16 rows with the forced kernel and, with ``delegate_rows`` 0, every bucket
+    with the project's own kernels: otherwise those jobs would pass on the kernels the default jobs already cover."""
+    from quantpack_core.trellis_mma.ops import FUSED_ROWS
+    from quantpack_core.trellis_mma.settings import Settings
+
+    read, default = Settings.from_env(), Settings()
+    wanted = {f: getattr(read, f) for f in FORCED}
+    if all(getattr(read, f) == getattr(default, f) for f in FORCED):
+        pytest.skip("no trellis_mma setting forced (the e2e-*-tc / -dense jobs of ci/gpu/jobs.toml force them)")
+    got = result(gpu_e2e, job)["trellis_buckets"]
+    assert got["settings"] == wanted, "the engine did not read the settings this job forces"
+    buckets = {int(rows): names for rows, names in got["buckets"].items()}
+    wide = {rows: names for rows, names in buckets.items() if rows > FUSED_ROWS}
+    if read.wide_kernel is not None:
+        assert wide, f"no row bucket above {FUSED_ROWS} rows was reached: {got}"
+        off = {rows: n for rows, n in wide.items() if not all(k.startswith(read.wide_kernel) for k in n)}
+        assert not off, f"buckets not served by the forced {read.wide_kernel!r} kernel: {off}"
+    if read.delegate_rows == 0:
+        own = ("split", "tc", "dense")
+        delegated = {rows: n for rows, n in buckets.items() if not all(k.startswith(own) for k in n)}
+        assert not delegated, f"buckets delegated with delegate_rows 0: {delegated}"
 
 
 @pytest.mark.parametrize("name", MOE_PACKS)
