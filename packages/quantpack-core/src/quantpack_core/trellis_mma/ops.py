@@ -41,8 +41,8 @@ FUSED_ROWS = 16
 DENSE_BYTES = 128 << 20
 #: the smallest bucket bound whose calls (from the bucket below's bound + 1, 513 rows) may take the dense route, timed
 #: beside the other kernels at load: its rebuild of every weight per call pays off only over many rows
-#: (benchmarks/results/kernel_8b_dense.json: on the 8B stack behind the tensor-core kernel at 1,024 rows, ahead of it
-#: at 4,096)
+#: (benchmarks/results/kernel_8b.json, H100: on the 8B stack behind the tensor-core kernel at 512 rows, ahead of it
+#: from 1,024)
 DENSE_ROWS = 1024
 
 

@@ -39,19 +39,21 @@ class Settings:
             warning].
         inline_transform_rows: 1: a one-row call's CTAs transform their own input panel (had128(x * suh)); 0: one
             transform launch first, as from two rows on. The in-CTA transform was measured slower from two rows on
-            (docs/kernels.md: the 8B stack fused at 4 / 16 rows took 3.85 / 4.17 ms once per call against 3.98 /
-            6.34 in-CTA) [``..._INLINE_TRANSFORM_ROWS``; larger values count as 1].
+            (that variant's timings are not kept; the 8B stack fused at 4 / 16 rows takes 3.66 / 3.89 ms with one
+            transform launch, benchmarks/results/kernel_8b_split.json) [``..._INLINE_TRANSFORM_ROWS``; larger values
+            count as 1].
         ctas_per_sm: CTAs a launch of up to 16 rows aims at per SM (split-K fills the GPU with them), 1 to
             :data:`MAX_CTAS_PER_SM` [``..._CTAS_PER_SM``].
         ctas_per_sm_wide: the same above 16 rows (the 64-row kernel, whose split-K partials are 4x as many rows:
             fewer splits trade parallelism for a shorter partial sum); 2 measured fastest on the H200
-            (docs/kernels.md: the 8B stack at 32 / 64 / 128 / 256 rows took 7.14 / 8.50 / 12.88 / 21.12 ms with 2,
-            7.44 / 9.11 / 13.26 / 21.62 with 3 and 9.07 / 22.14 at 64 / 256 with 4) [``..._CTAS_PER_SM_WIDE``;
-            unset: ``ctas_per_sm`` where that is set to a valid value, else 2].
+            (benchmarks/results/kernel_8b_wide2.json / _wide3.json: the 8B stack at 32 / 64 / 128 / 256 rows took
+            7.14 / 8.50 / 12.88 / 21.12 ms with 2, 7.38 / 9.11 / 13.26 / 21.62 with 3; 4's timings are not kept)
+            [``..._CTAS_PER_SM_WIDE``; unset: ``ctas_per_sm`` where that is set to a valid value, else 2].
         wide_fused: the split-K kernel above 16 rows runs a layer's shards (q / k / v, gate / up) in one launch too,
-            as up to 16 rows, instead of a launch per shard (docs/kernels.md: the 8B stack at 32 / 64 / 128 rows took
-            5.85 / 6.64 / 11.32 ms against 7.14 / 8.51 / 12.90); the tensor-core kernel and the dense route always
-            take a run's shards together [``..._WIDE_FUSED``: 1 / 0, true / false, on / off, yes / no].
+            as up to 16 rows, instead of a launch per shard (benchmarks/results/kernel_8b_wide_fused.json: the 8B stack
+            at 32 / 64 / 128 rows took 5.85 / 6.64 / 11.32 ms against 6.98 / 8.51 / 12.90); the tensor-core kernel
+            and the dense route always take a run's shards together [``..._WIDE_FUSED``: 1 / 0, true / false, on /
+            off, yes / no].
         wide_kernel: above 16 rows, None: the kernel of each row bucket (the split-K kernel, on Hopper the
             tensor-core kernel with 64, 128 or 256 rows per CTA, from 513 rows the dense route) is measured when a run
             is prepared, where there is a choice; "split" / "tc": that kernel for every bucket above 16 rows (the
