@@ -189,21 +189,25 @@ class JobRecord:
         assert self.passed, "\n".join(self.failures()) or f"{self.job}: no check made"
 
 
-#: the trellis_mma settings a GPU job may force (ci/gpu/jobs.toml's e2e-*-tc / -dense jobs), as their variables'
-#: suffixes after ``quantpack_core.trellis_mma.settings.PREFIX``
-FORCED_SETTINGS = ("WIDE_KERNEL", "DELEGATE_ROWS", "MOE_TC_PICKS")
+#: the trellis_mma settings (fields of ``quantpack_core.trellis_mma.settings.Settings``) a GPU job may force
+#: (ci/gpu/jobs.toml's e2e-*-tc / -dense jobs)
+FORCED_SETTINGS = ("wide_kernel", "delegate_rows", "moe_tc_picks")
 
 
-def forced_settings(environ=os.environ) -> str:
-    """The trellis_mma settings this process runs under that differ from the measured choice's, as a job name's
-    suffix (`` [wide_kernel=tc, delegate_rows=0]``), or "" where none is in force: a job's record under them is kept
-    apart from the same job's under the default. The values are those the kernels read (``Settings.from_env``): a
-    variable they refuse, or a blank one, forces nothing, and ``TC`` names the record as ``tc`` does."""
+def forced_values(environ=os.environ) -> dict:
+    """``{setting: value}`` of the :data:`FORCED_SETTINGS` this process's kernels read from ``environ``
+    (``Settings.from_env``) that differ from the measured choice's defaults: a variable they refuse, or a blank one,
+    forces nothing, and ``TC`` forces what ``tc`` does."""
     from quantpack_core.trellis_mma.settings import Settings  # standard library only: no torch, no CUDA
 
     read, default = Settings.from_env(environ), Settings()
-    fields = [name.lower() for name in FORCED_SETTINGS]
-    forced = [f"{f}={getattr(read, f)}" for f in fields if getattr(read, f) != getattr(default, f)]
+    return {f: getattr(read, f) for f in FORCED_SETTINGS if getattr(read, f) != getattr(default, f)}
+
+
+def forced_settings(environ=os.environ) -> str:
+    """The :func:`forced_values` as a job name's suffix (`` [wide_kernel=tc, delegate_rows=0]``), or "" where none is
+    in force: a job's record under them is kept apart from the same job's under the default."""
+    forced = [f"{name}={value}" for name, value in forced_values(environ).items()]
     return f" [{', '.join(forced)}]" if forced else ""
 
 

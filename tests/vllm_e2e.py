@@ -180,6 +180,8 @@ def trellis_buckets() -> dict:
     """``{a row bucket's largest row count: the kernels serving it}`` over every trellis_mma run shape measured in
     this process so far (``selection_records``), and the settings the kernels read (``settings``): what a job forced
     onto one kernel must show it served with."""
+    from gpu_records import FORCED_SETTINGS  # this folder's
+
     from quantpack_core.trellis_mma.ops import kernel_of
     from quantpack_core.trellis_mma.selection import selection_records
     from quantpack_core.trellis_mma.settings import current
@@ -188,8 +190,7 @@ def trellis_buckets() -> dict:
     for record in selection_records():
         for rows in record.rows:
             served.setdefault(rows, set()).add(record.name(kernel_of(record.bucket_kernels, rows)))
-    read = current()
-    settings = {"wide_kernel": read.wide_kernel, "delegate_rows": read.delegate_rows, "moe_tc_picks": read.moe_tc_picks}
+    settings = {name: getattr(current(), name) for name in FORCED_SETTINGS}
     return {"buckets": {str(r): sorted(names) for r, names in sorted(served.items())}, "settings": settings}
 
 

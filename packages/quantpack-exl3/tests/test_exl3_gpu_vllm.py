@@ -220,23 +220,22 @@ def test_eagle_draft_shares_the_exl3_target_s_vocabulary_on_cuda(gpu_e2e, figure
     )
 
 
-#: the trellis_mma settings ci/gpu/jobs.toml's e2e-*-tc / -dense jobs force
-FORCED = ("wide_kernel", "delegate_rows", "moe_tc_picks")
-
-
 @pytest.mark.parametrize("job", [*(f"{n}/float16/eager" for n in LLAMA_PACKS), *(f"moe/{n}/eager" for n in MOE_PACKS)])
 def test_forced_settings_reach_the_kernels(gpu_e2e, job):
     """Where this process forces trellis_mma's settings (the e2e-*-tc / -dense jobs), the engine read the same ones,
     and served every row bucket above 16 rows with the forced kernel and, with ``delegate_rows`` 0, every bucket
     with the project's own kernels: otherwise those jobs would pass on the kernels the default jobs already cover."""
+    from gpu_records import FORCED_SETTINGS, forced_values
+
     from quantpack_core.trellis_mma.ops import FUSED_ROWS
+    from quantpack_core.trellis_mma.selection import KERNEL_NAMES
     from quantpack_core.trellis_mma.settings import Settings
 
-    read, default = Settings.from_env(), Settings()
-    wanted = {f: getattr(read, f) for f in FORCED}
-    if all(getattr(read, f) == getattr(default, f) for f in FORCED):
+    if not forced_values():
         pytest.skip("no trellis_mma setting forced (the e2e-*-tc / -dense jobs of ci/gpu/jobs.toml force them)")
+    read = Settings.from_env()
     got = result(gpu_e2e, job)["trellis_buckets"]
+    wanted = {name: getattr(read, name) for name in FORCED_SETTINGS}
     assert got["settings"] == wanted, "the engine did not read the settings this job forces"
     buckets = {int(rows): names for rows, names in got["buckets"].items()}
     wide = {rows: names for rows, names in buckets.items() if rows > FUSED_ROWS}
@@ -245,8 +244,8 @@ def test_forced_settings_reach_the_kernels(gpu_e2e, job):
         off = {rows: n for rows, n in wide.items() if not all(k.startswith(read.wide_kernel) for k in n)}
         assert not off, f"buckets not served by the forced {read.wide_kernel!r} kernel: {off}"
     if read.delegate_rows == 0:
-        own = ("split", "tc", "dense")
-        delegated = {rows: n for rows, n in buckets.items() if not all(k.startswith(own) for k in n)}
+        own = set(KERNEL_NAMES.values())
+        delegated = {rows: n for rows, n in buckets.items() if not own.issuperset(n)}
         assert not delegated, f"buckets delegated with delegate_rows 0: {delegated}"
 
 
