@@ -676,9 +676,9 @@ def test_moe_tc_bad_arguments_are_refused_before_any_launch(lib):
 
 
 def test_moe_path_choice_depends_on_the_token_count_only():
-    """The tensor-core expert path runs a call from ``moe_tc_picks`` picks per expert slot on (tokens x top_k against
-    the threshold x slots), only where the buffers hold its chunk (Hopper), never with the setting 0: the same
-    answer for the same shapes, whatever the routing."""
+    """The tensor-core expert path runs a call from ``moe_tc_picks`` picks per expert of the layer on (tokens x top_k
+    against the threshold x the layer's experts), only where the buffers hold its chunk (Hopper), never with the
+    setting 0: the same answer for the same shapes, whatever the routing."""
     from quantpack_core.trellis_mma.moe import MoeBuffers, uses_tensor_cores
 
     none = torch.empty(0)

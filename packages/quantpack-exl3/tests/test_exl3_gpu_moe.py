@@ -58,7 +58,7 @@ class GroupedBanks:
         from quantpack_core.kernels import TP_WHOLE
         from quantpack_exl3.format import EXL3
 
-        spec = EXL3.expert_spec(bank, current_platform(), dtype, TP_WHOLE)
+        spec = EXL3.expert_spec(bank, current_platform(), dtype, TP_WHOLE, bank.num_experts)
         assert self.kernel.can_implement(spec) == (True, None)
         with self.pinned():
             return Pinned(self.kernel.prepare(bank, spec, hidden, inter, device), self)

@@ -423,14 +423,18 @@ def test_experts_summed_over_ranks(fixtures_dir, monkeypatch, caplog, tp):
     """The fixture's 8 experts (intermediate 256): at TP 2 each rank keeps one 128-channel block of every expert; at
     4 and 8 the share is inside a block and the experts are split whole (rank r keeps experts r, r + tp, ...: vLLM's
     own round-robin expert map), each rank adding only its experts' picks; at 16 half the ranks hold no expert and
-    add zero. The split is announced once, by rank 0, when the layer is built."""
+    add zero. The split is announced once, by rank 0, when the layer is built. Every rank's kernel spec names the
+    layer's 8 experts beside its bank's (a kernel choosing a path by picks per expert counts them over the layer's)."""
     import logging
 
     from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
 
     import quantpack_core.vllm.moe as moe_mod
+    from quantpack_exl3.format import Exl3Format
 
     monkeypatch.setattr(moe_mod, "_reported", set())
+    specs, spec_of = [], Exl3Format.expert_spec
+    monkeypatch.setattr(Exl3Format, "expert_spec", lambda *a: specs.append(spec_of(*a)) or specs[-1])
     caplog.set_level(logging.WARNING, logger="vllm.quantpack.exl3")
     tensors = expert_tensors(fixtures_dir / HIGH)
     g = torch.Generator().manual_seed(0)
@@ -444,6 +448,8 @@ def test_experts_summed_over_ranks(fixtures_dir, monkeypatch, caplog, tp):
         method.process_weights_after_loading(layer)
         part = method.apply(layer, x, w, ids.to(torch.int32))
         mine = list(range(rank, E, tp))
+        if mine:
+            assert (specs[-1].num_experts, specs[-1].layer_experts) == (E if tp == 2 else len(mine), E)
         if tp == 2:  # this rank's intermediate block of every expert (laid out for vLLM's CPU MoE kernel, or not)
             from quantpack_core.vllm.cpu_moe import cpu_fused_moe_
 

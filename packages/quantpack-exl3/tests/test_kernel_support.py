@@ -77,7 +77,7 @@ EXPERT_MATRIX = [
 def test_expert_support_matrix(platform, groups, codebook, dtype, tp, want):
     from quantpack_exl3.kernels import EXPERT_KERNELS
 
-    spec = ExpertSpec(platform, "exl3", codebook, groups, 128, 2048, 768, dtype, tp)
+    spec = ExpertSpec(platform, "exl3", codebook, groups, 128, 128, 2048, 768, dtype, tp)
     assert first_accepting(EXPERT_KERNELS[platform.kind], spec) == want
 
 

@@ -103,8 +103,9 @@ class ExpertFormat(LinearFormat, Protocol):
             CodecError, GeometryError: experts the bank cannot hold together (named with layer, expert and rule).
         """
 
-    def expert_spec(self, bank: Any, platform: Platform, dtype: torch.dtype, tp: str) -> ExpertSpec:
-        """The :class:`ExpertSpec` kernels are chosen by for one bank."""
+    def expert_spec(self, bank: Any, platform: Platform, dtype: torch.dtype, tp: str, layer_experts: int) -> ExpertSpec:
+        """The :class:`ExpertSpec` kernels are chosen by for one bank of a layer of ``layer_experts`` routed
+        experts."""
 
     def bank_intermediate(self, bank: Any, logical: int) -> int:
         """The rank's logical intermediate channels of a bank planned from a layer of ``logical`` channels."""

@@ -119,6 +119,8 @@ class ExpertSpec:
         codebook: the one codebook of the bank.
         k_groups: the bank's ``(K of gate/up, K of down)`` groups, in slot order.
         num_experts: experts in this rank's bank.
+        layer_experts: the layer's routed experts over all ranks (``num_experts`` but under the expert split): the
+            picks per expert a call brings are its picks over these.
         hidden, intermediate: stored (padded) hidden size and this rank's stored intermediate size.
         act_dtype: the model dtype.
         tp: ``"whole"``, ``"sliced"`` (the intermediate channels cut on whole blocks) or ``"expert-split"`` (whole
@@ -131,6 +133,7 @@ class ExpertSpec:
     codebook: str
     k_groups: tuple[tuple[float, float], ...]
     num_experts: int
+    layer_experts: int
     hidden: int
     intermediate: int
     act_dtype: torch.dtype

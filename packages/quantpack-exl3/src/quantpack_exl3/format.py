@@ -107,8 +107,11 @@ class Exl3Format(PackRules):
         """
         return bank_from_tensors(layer, experts, device, tp_size, tp_rank)
 
-    def expert_spec(self, bank: Exl3MoeBank, platform: Platform, dtype: torch.dtype, tp: str) -> ExpertSpec:
-        """Codebook, K groups and stored sizes of the bank, for the kernel choice."""
+    def expert_spec(
+        self, bank: Exl3MoeBank, platform: Platform, dtype: torch.dtype, tp: str, layer_experts: int
+    ) -> ExpertSpec:
+        """Codebook, K groups and stored sizes of the bank (of a layer of ``layer_experts`` routed experts), for the
+        kernel choice."""
         plan = bank.plan
         groups = tuple((float(g.k_gu), float(g.k_d)) for g in plan.groups)
         return ExpertSpec(
@@ -117,6 +120,7 @@ class Exl3Format(PackRules):
             plan.codebook.value,
             groups,
             plan.num_experts,
+            layer_experts,
             plan.hidden,
             plan.inter_local,
             dtype,

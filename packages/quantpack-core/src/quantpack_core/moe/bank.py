@@ -515,25 +515,30 @@ def pointer_tables(bank: Exl3MoeBank) -> BankTables:
 #: routing weights; before the output it writes)
 GROUPED_OP_SCHEMA = (
     "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor perm, Tensor tables, Tensor w13_trellis, "
-    "Tensor w2_trellis, Tensor w13_suh, Tensor w13_svh, Tensor w2_suh, Tensor w2_svh, int codebook, int[] group_lo, "
-    "int[] group_hi, float[] k_gu, float[] k_d, Tensor(a!) out) -> ()"
+    "Tensor w2_trellis, Tensor w13_suh, Tensor w13_svh, Tensor w2_suh, Tensor w2_svh, int codebook, int layer_experts, "
+    "int[] group_lo, int[] group_hi, float[] k_gu, float[] k_d, Tensor(a!) out) -> ()"
 )
 
 
-def grouped_inputs(bank: Exl3MoeBank, codebook_id: int, device: torch.device) -> tuple[dict[str, torch.Tensor], tuple]:
+def grouped_inputs(
+    bank: Exl3MoeBank, codebook_id: int, layer_experts: int, device: torch.device
+) -> tuple[dict[str, torch.Tensor], tuple]:
     """What a grouped expert kernel's op reads for ``bank``: its tensors and scalars, as the exllamav3 and
     trellis_mma expert kernels both take them.
 
     Args:
         bank: a loaded bank on ``device``.
         codebook_id: the kernels' id of the bank's codebook (0 = 3INST, 1 = mcg, 2 = mul1).
+        layer_experts: the layer's routed experts over all ranks (:attr:`~quantpack_core.kernels.ExpertSpec.
+            layer_experts`), against which a kernel counts a call's picks per expert.
         device: the bank's device.
 
     Returns:
         ``(tensors, static)``: tensors ``perm`` (int64 ``(E + 1,)``: expert -> slot, a trailing -1 that an expert id
         of -1, another tensor-parallel rank's expert, indexes), ``tables`` (int64 ``(9, E)``: the trellis, suh and
         svh pointers of w1, w3, w2 per slot) and the six bank tensors (:data:`BANK_TENSORS`); static
-        ``(codebook_id, group_lo, group_hi, k_gu, k_d)``, one entry per K group in slot order. Whether the experts
+        ``(codebook_id, layer_experts, group_lo, group_hi, k_gu, k_d)``, the lists one entry per K group in slot
+        order. Whether the experts
         are gated is the second axis of ``w13_suh`` (2 or 1).
 
     Source: docs/moe-bank.md ("Pointer tables"); exllamav3 ``MultiLinear`` (``ptrs_trellis`` / ``ptrs_suh`` /
@@ -546,6 +551,7 @@ def grouped_inputs(bank: Exl3MoeBank, codebook_id: int, device: torch.device) ->
     perm = torch.tensor([*plan.perm, -1], dtype=torch.int64, device=device)
     static = (
         codebook_id,
+        layer_experts,
         [g.lo for g in plan.groups],
         [g.hi for g in plan.groups],
         [float(g.k_gu) for g in plan.groups],

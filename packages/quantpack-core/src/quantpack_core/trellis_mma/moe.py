@@ -61,13 +61,15 @@ def group_items(slots: int, group_slots: int, item_rows: int = ITEM_ROWS) -> int
     return min(group_slots, slots) + -(-slots // item_rows)
 
 
-def uses_tensor_cores(buffers: MoeBuffers, tokens: int, top_k: int, experts: int) -> bool:
-    """Whether a call of ``tokens`` tokens at ``top_k`` over a bank of ``experts`` slots runs the tensor-core path:
-    the GPU's buffers have it (Hopper) and the call brings at least :attr:`~.settings.Settings.moe_tc_picks` picks
-    per expert on average. The token count is a shape, so the choice is the same at every replay of a captured
-    graph."""
+def uses_tensor_cores(buffers: MoeBuffers, tokens: int, top_k: int, layer_experts: int) -> bool:
+    """Whether a call of ``tokens`` tokens at ``top_k`` in a layer of ``layer_experts`` routed experts runs the
+    tensor-core path: the GPU's buffers have it (Hopper) and the call brings at least
+    :attr:`~.settings.Settings.moe_tc_picks` picks per expert on average. The experts are the layer's over all ranks,
+    so a rank of the expert split (whose bank holds a share of them and sees the other ranks' picks as -1) chooses
+    by the picks its own experts get, as one GPU holding the whole layer does. The token count is a shape, so the
+    choice is the same at every replay of a captured graph."""
     threshold = current().moe_tc_picks
-    return buffers.xh is not None and threshold > 0 and tokens * top_k >= threshold * experts
+    return buffers.xh is not None and threshold > 0 and tokens * top_k >= threshold * layer_experts
 
 
 @dataclass
@@ -158,7 +160,8 @@ def _allocate(device: torch.device, experts: int, hidden: int, intermediate: int
 
 def run_trellis_moe(
     x, topk_ids, topk_weights, perm, tables, w13_trellis, w2_trellis, w13_suh, w13_svh, w2_suh, w2_svh,
-    codebook: int, group_lo: list[int], group_hi: list[int], k_gu: list[float], k_d: list[float], out,
+    codebook: int, layer_experts: int, group_lo: list[int], group_hi: list[int], k_gu: list[float], k_d: list[float],
+    out,
 ) -> None:  # fmt: skip
     """The CUDA implementation of ``quantpack::trellis_moe_`` (see :func:`trellis_moe_`)."""
     tokens, top_k = topk_ids.shape
@@ -190,7 +193,7 @@ def run_trellis_moe(
         )
     if top_k > SLOTS:
         raise LibraryError(f"trellis_moe: top_k {top_k} is more than the {SLOTS} picks one chunk of launches sorts")
-    tc = uses_tensor_cores(buf, tokens, top_k, experts)
+    tc = uses_tensor_cores(buf, tokens, top_k, layer_experts)
     call = _Call(
         lib=load(ws.arch), ws=ws, buf=buf, tc=tc, stream=torch.cuda.current_stream(device).cuda_stream,
         x=x if x.stride(1) == 1 else x.contiguous(), ids=topk_ids.contiguous(), weights=topk_weights.contiguous(),
@@ -306,6 +309,7 @@ def trellis_moe_(
     w2_suh: torch.Tensor,
     w2_svh: torch.Tensor,
     codebook: int,
+    layer_experts: int,
     group_lo: list[int],
     group_hi: list[int],
     k_gu: list[float],
@@ -320,8 +324,9 @@ def trellis_moe_(
         x: ``(T, hidden)`` float16 / bfloat16 activations (zero-extended to the stored hidden size in the kernel).
         topk_ids: ``(T, top_k)`` int32 / int64 expert ids, -1 for an expert another tensor-parallel rank holds.
         topk_weights: ``(T, top_k)`` float32 / float16 / bfloat16 routing weights.
-        perm, tables, w13_trellis ... w2_svh, codebook, group_lo ... k_d: as
-            :func:`quantpack_core.moe.grouped_inputs` gives them (the bank tensors keep the tables' pointers alive).
+        perm, tables, w13_trellis ... w2_svh, codebook, layer_experts, group_lo ... k_d: as
+            :func:`quantpack_core.moe.grouped_inputs` gives them (the bank tensors keep the tables' pointers alive;
+            ``layer_experts`` sets the path, :func:`uses_tensor_cores`).
         out: ``(T, hidden)`` in ``x``'s dtype, written in place.
 
     Raises:
@@ -332,5 +337,5 @@ def trellis_moe_(
     """
     torch.ops.quantpack.trellis_moe_(
         x, topk_ids, topk_weights, perm, tables, w13_trellis, w2_trellis, w13_suh, w13_svh, w2_suh, w2_svh,
-        codebook, group_lo, group_hi, k_gu, k_d, out,
+        codebook, layer_experts, group_lo, group_hi, k_gu, k_d, out,
     )  # fmt: skip

@@ -59,10 +59,11 @@ class Settings:
             is prepared, where there is a choice; "split" / "tc": that kernel for every bucket above 16 rows (the
             tensor-core one where the GPU has it), "dense": the dense route (a shard's weights rebuilt in the model
             dtype per call, then cuBLAS) [``..._WIDE_KERNEL``; another value: None, with a warning].
-        moe_tc_picks: expert banks on Hopper: a call whose tokens x top_k reach this many picks per expert slot runs
-            the tensor-core expert path (``csrc/moe_tc.cu``, 64-row work items), a smaller one the 16-row kernel; 0:
-            never (and no buffers for it). 8: where the two paths cross on an H100 (``benchmarks/moe_op.py``, a
-            30B-A3B bank: 0.317 / 0.319 ms at 8 picks per expert, 0.483 / 0.347 at 16) [``..._MOE_TC_PICKS``].
+        moe_tc_picks: expert banks on Hopper: a call whose tokens x top_k reach this many picks per expert of the
+            layer (a rank of the expert split counts over the layer's experts, not its own) runs the tensor-core
+            expert path (``csrc/moe_tc.cu``, 64-row work items), a smaller one the 16-row kernel; 0: never (and no
+            buffers for it). 8: where the two paths cross on an H100 (``benchmarks/moe_op.py``, a 30B-A3B bank: 0.317
+            / 0.319 ms at 8 picks per expert, 0.483 / 0.347 at 16) [``..._MOE_TC_PICKS``].
         nvcc: the compiler; None: ``$CUDA_HOME/bin/nvcc``, then ``nvcc`` on ``PATH`` [``QUANTPACK_NVCC``].
         cache_dir: where built libraries are kept [``QUANTPACK_CACHE_DIR``; default ``$XDG_CACHE_HOME/quantpack``
             or ``~/.cache/quantpack``].

@@ -419,7 +419,7 @@ class QuantMoEMethod(FusedMoEMethodBase):
         if state.tp_size > 1 and state.sliced:  # the rank's logical channels (the stored ones past it are padding)
             inter = self.format.bank_intermediate(bank, inter)
         tp = TP_WHOLE if state.tp_size == 1 else TP_SLICED if state.sliced else TP_EXPERT_SPLIT
-        spec = self.format.expert_spec(bank, self.config.platform, state.params_dtype, tp)
+        spec = self.format.expert_spec(bank, self.config.platform, state.params_dtype, tp, state.num_experts)
         choice = choose_kernel(self.config.expert_kernels, spec, self.prefix)
         self.config.kernel_log.record("experts", choice)
         prepared = choice.kernel.prepare(bank, spec, hidden, inter, device)

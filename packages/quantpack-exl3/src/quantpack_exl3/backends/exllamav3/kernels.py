@@ -174,5 +174,5 @@ class Exllamav3ExpertKernel(ExpertKernel):
         Source: docs/moe-bank.md ("Pointer tables"); exllamav3 ``MultiLinear`` (``ptrs_trellis`` / ``ptrs_suh`` /
         ``ptrs_svh``).
         """
-        tensors, static = grouped_inputs(bank, bank.plan.codebook.kernel_id, device)
+        tensors, static = grouped_inputs(bank, bank.plan.codebook.kernel_id, spec.layer_experts, device)
         return PreparedBank(exl3_moe_, tensors, static)

@@ -54,7 +54,7 @@ def exl3_gemm_(
 
 def _exl3_moe_cuda(
     x, topk_ids, topk_weights, perm, tables, w13_trellis, w2_trellis, w13_suh, w13_svh, w2_suh, w2_svh,
-    codebook: int, group_lo, group_hi, k_gu, k_d, out,
+    codebook: int, layer_experts: int, group_lo, group_hi, k_gu, k_d, out,
 ) -> None:  # fmt: skip
     bank = {
         "w13_trellis": w13_trellis, "w2_trellis": w2_trellis, "w13_suh": w13_suh, "w13_svh": w13_svh,
@@ -83,6 +83,7 @@ def exl3_moe_(
     w2_suh: torch.Tensor,
     w2_svh: torch.Tensor,
     codebook: int,
+    layer_experts: int,
     group_lo: list[int],
     group_hi: list[int],
     k_gu: list[float],
@@ -101,6 +102,8 @@ def exl3_moe_(
             order), from :func:`quantpack_core.moe.pointer_tables`.
         w13_trellis ... w2_svh: the bank's six tensors (see :mod:`quantpack_core.moe`); the tables point into them.
         codebook: 0 = 3INST, 1 = mcg, 2 = mul1.
+        layer_experts: the layer's routed experts over all ranks (read by kernels that choose a path by picks per
+            expert; exllamav3's launches do not).
         group_lo, group_hi, k_gu, k_d: the bank's K groups (slot ranges and their K).
         out: ``(T, hidden)``, written in place.
 
@@ -109,5 +112,5 @@ def exl3_moe_(
     """
     torch.ops.quantpack.exl3_moe_(
         x, topk_ids, topk_weights, perm, tables, w13_trellis, w2_trellis, w13_suh, w13_svh, w2_suh, w2_svh,
-        codebook, group_lo, group_hi, k_gu, k_d, out,
+        codebook, layer_experts, group_lo, group_hi, k_gu, k_d, out,
     )  # fmt: skip

@@ -160,7 +160,7 @@ class TrellisMmaExpertKernel(ExpertKernel):
                 launch failed.
         """
         plan = bank.plan
-        tensors, static = grouped_inputs(bank, plan.codebook.kernel_id, device)
+        tensors, static = grouped_inputs(bank, plan.codebook.kernel_id, spec.layer_experts, device)
         # one pick per group's first slot: every group's gate/up and down instantiation is configured
         firsts = [plan.inv_perm[g.lo] for g in plan.groups]
         return trellis_mma.prepare_bank(
