@@ -282,6 +282,27 @@ def test_pointer_tables_point_at_the_views(banks):
             assert bank.slot_views(s).w1.k == g.k_gu and bank.slot_views(s).w2.k == g.k_d
 
 
+def test_grouped_inputs_name_the_layers_experts(banks):
+    """The grouped op's inputs of a bank: permutation with its trailing -1, the 9 pointer rows in gate / up / down x
+    trellis / suh / svh order, and the scalars in schema order, the layer's expert count second (a rank's bank of the
+    expert split holds fewer: its kernel counts picks per expert over the layer's)."""
+    from quantpack_core.moe import GROUPED_OP_SCHEMA, grouped_inputs
+
+    bank = banks[2][0]
+    tensors, static = grouped_inputs(bank, 2, 24, bank.device)
+    plan, tables = bank.plan, bank.pointer_tables()
+    assert tensors["perm"].tolist() == [*plan.perm, -1]
+    rows = [getattr(t, f) for t in (tables.gate, tables.up, tables.down) for f in ("trellis", "suh", "svh")]
+    assert torch.equal(tensors["tables"], torch.stack(rows))
+    assert static == (
+        2, 24, [g.lo for g in plan.groups], [g.hi for g in plan.groups], [float(g.k_gu) for g in plan.groups],
+        [float(g.k_d) for g in plan.groups],
+    )  # fmt: skip
+    scalars = GROUPED_OP_SCHEMA.split("Tensor w2_svh, ")[1].split(", Tensor(a!) out")[0]
+    names = [a.split()[1] for a in scalars.split(", ")]
+    assert names == ["codebook", "layer_experts", "group_lo", "group_hi", "k_gu", "k_d"]
+
+
 @settings(max_examples=12, deadline=None)
 @given(
     ks=st.lists(

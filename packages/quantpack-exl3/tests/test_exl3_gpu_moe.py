@@ -54,11 +54,16 @@ class GroupedBanks:
 
         return settings.using(**self.settings) if self.settings is not None else nullcontext()
 
-    def prepare_moe(self, bank: Exl3MoeBank, hidden: int, inter: int, dtype: torch.dtype, device: torch.device):
-        from quantpack_core.kernels import TP_WHOLE
+    def prepare_moe(
+        self, bank: Exl3MoeBank, hidden: int, inter: int, dtype: torch.dtype, device: torch.device, layer_experts=None
+    ):
+        """The bank prepared as a whole layer's, or with ``layer_experts`` as one rank's share of a layer of that many
+        experts (the tensor-parallel expert split)."""
+        from quantpack_core.kernels import TP_EXPERT_SPLIT, TP_WHOLE
         from quantpack_exl3.format import EXL3
 
-        spec = EXL3.expert_spec(bank, current_platform(), dtype, TP_WHOLE, bank.num_experts)
+        tp = TP_WHOLE if layer_experts is None else TP_EXPERT_SPLIT
+        spec = EXL3.expert_spec(bank, current_platform(), dtype, tp, layer_experts or bank.num_experts)
         assert self.kernel.can_implement(spec) == (True, None)
         with self.pinned():
             return Pinned(self.kernel.prepare(bank, spec, hidden, inter, device), self)
@@ -365,6 +370,26 @@ def kernel_names():
         yield names
         torch.cuda.synchronize()
     names.extend(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not on_hopper(), reason="the tensor-core path runs on Hopper")
+def test_an_expert_split_rank_chooses_by_the_layers_experts(exllamav3_banks, figures):
+    """A rank of the expert split holding 8 of a layer's 32 experts (a third of the picks another rank's, id -1), with
+    the tensor-core path from 4 picks per expert on: the op counts the call's picks over the layer's 32 experts, so 16
+    and 63 tokens (top-2: 32 and 126 picks, under 4 x 32) run the 16-row kernel and 64 tokens the tensor-core launches
+    (counted over the bank's 8 slots, 16 tokens would already take them); within the bound on both paths."""
+    backend = GroupedBanks(_kernel("trellis_mma").kernel, "trellis_moe_", "trellis_mma", {"moe_tc_picks": 4})
+    bank = random_bank(RANDOM["mul1-mixed"][0], 256, 384, "mul1", seed=6)
+    run = backend.prepare_moe(bank, 256, 384, torch.float16, torch.device("cuda"), layer_experts=32)
+    assert run.static[1] == 32
+    for tokens, tc in ((16, False), (63, False), (64, True)):
+        with kernel_names() as names:
+            err = check(backend, bank, 256, tokens, 2, absent=1, run=run)
+        assert any("trellis_moe_tc_kernel" in n for n in names) == tc, (tokens, sorted(set(names)))
+        assert any("trellis_moe_kernel" in n for n in names) == (not tc), tokens
+        note = within_bound(err, backend, exllamav3_banks, bank, 256, tokens, 2, 1, 1)
+        figures.append(f"GPU MoE trellis_mma, 8 of 32 experts, {tokens} tokens (tc {tc}): rel err {err:.2e}{note}")
+        assert err < TOL
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not on_hopper(), reason="the tensor-core path runs on Hopper")
