@@ -1,7 +1,7 @@
 """The GPU tier's records: what each run measured and decided, as JSON files that ``ci/gpu/matrix_table.py`` turns into
 the README's and docs/results.md's GPU tables (ci/gpu/records/README.md).
 
-Two kinds, both written only where ``QUANTPACK_GPU_RECORDS`` names a folder (ci/gpu/env.sh sets it on the GPU
+Three kinds, all written only where ``QUANTPACK_GPU_RECORDS`` names a folder (ci/gpu/env.sh sets it on the GPU
 machine; elsewhere nothing is written), under ``<folder>/vllm-<release>/<run>/``, ``<run>`` being the test session's
 start (``YYYYMMDD-HHMMSS``) and ``QUANTPACK_GPU_STEP`` (ci/gpu/run.py's job, else ``run``); the repository's
 conftest.py fixes both, and what :func:`environment` names, as the session starts:
@@ -10,9 +10,10 @@ conftest.py fixes both, and what :func:`environment` names, as the session start
   left out of the mean with their router margins (``quantpack_core.compare.outside_router_ties``), each check with
   the bound applied and the measurement behind that bound (``e2e_bounds.Bound``), and whether every check held;
 * a tests record (``tests-<file>.json``) per test file: every test's outcome (passed / failed / xfailed / skipped),
-  written by the repository's conftest.py at the end of the run.
+  written by the repository's conftest.py at the end of the run;
+* a measure record (``measure-<what>.json``): a test's own measurement behind one of its bounds (:func:`write`).
 
-Both carry where and what ran: the card, the vLLM release, torch, the commit (``QUANTPACK_COMMIT``, which
+All carry where and what ran: the card, the vLLM release, torch, the commit (``QUANTPACK_COMMIT``, which
 ci/gpu/snapshot.sh's copy sets, else ``git rev-parse HEAD``) and the date (UTC).
 """
 

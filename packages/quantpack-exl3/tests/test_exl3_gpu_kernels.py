@@ -273,15 +273,17 @@ def fused_layer(shapes: list[tuple[int, int]], seed: int, dtype: torch.dtype):
 
 class Fp64Checks:
     """One test's checks of served outputs against the fp64 reference (the fused and per-bucket runs, which have no
-    exllamav3 twin to compare with): each relative error below :data:`FP64_BOUND`; the worst is added to the run's
-    figures, the measurement behind the bound."""
+    exllamav3 twin to compare with): each relative error below :data:`FP64_BOUND`. :meth:`report` adds the worst
+    and where it was to the run's figures and writes it as a ``measure`` record (tests/gpu_records.py), the
+    measurement behind the bound."""
 
     def __init__(self, figures: list[str], what: str):
-        self.figures, self.what, self.worst = figures, what, 0.0
+        self.figures, self.what, self.worst, self.where = figures, what, 0.0, None
 
     def check(self, got: torch.Tensor, ref: torch.Tensor, where) -> None:
         err = relative_error(got.cpu(), ref)
-        self.worst = max(self.worst, err)
+        if err > self.worst:
+            self.worst, self.where = err, where
         assert err < FP64_BOUND, (where, err)
 
     def shards(self, out: torch.Tensor, x: torch.Tensor, ts, prepared, where) -> None:
@@ -294,7 +296,11 @@ class Fp64Checks:
             col += p.out_features
 
     def report(self) -> None:
-        self.figures.append(f"GPU trellis_mma {self.what}: worst relative error against fp64 {self.worst:.3g}")
+        from gpu_records import write
+
+        self.figures.append(f"GPU {self.what}: worst relative error against fp64 {self.worst:.3g} ({self.where})")
+        write(f"measure-fp64-{self.what}", {"kind": "measure", "what": self.what, "fp64_rel_err": self.worst,
+                                            "at": str(self.where), "bound": FP64_BOUND})  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -336,7 +342,7 @@ def test_trellis_mma_runs_a_layers_shards_in_one_launch(dtype, wide_fused, wide_
             assert torch.isfinite(mine).all()
             assert relative_error(mine.float(), alone.double()) < 2e-3, rows
             ref = reference_linear(x.double().cpu(), t, torch.float64, out_features=p.out_features)
-            fp64.check(mine, ref, rows)
+            fp64.check(mine, ref, f"{rows} rows")
             col += p.out_features
     fp64.report()
     assert_replay_is_eager(fused, 70, 768, 768, dtype)
@@ -368,7 +374,7 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch, u
     in_cta = torch.full((1, 896), float("nan"), dtype=dtype, device=dev)
     fused.run(x, *fused.tensors.values(), *fused.static, in_cta, 0)
     assert torch.isfinite(in_cta).all()
-    fp64.shards(in_cta, x, ts, prepared, "in-CTA")
+    fp64.shards(in_cta, x, ts, prepared, "1 row, in-CTA")
     use(inline_transform_rows=0)
     for rows in (1, 2, 5, 16):
         x_rows = torch.cat([x, torch.randn((rows - 1, k_in), device=dev).to(dtype)])
@@ -376,7 +382,7 @@ def test_trellis_mma_input_transformed_once_per_call(dtype, k_in, monkeypatch, u
         fused.run(x_rows, *fused.tensors.values(), *fused.static, once, 0)
         assert torch.isfinite(once).all(), rows
         assert relative_error(once[:1].float(), in_cta.double()) < 2e-3, rows
-        fp64.shards(once, x_rows, ts, prepared, rows)
+        fp64.shards(once, x_rows, ts, prepared, f"{rows} rows")
     fp64.report()
     assert_replay_is_eager(fused, 7, k_in, 896, dtype)
     for inline in (0, 1):
@@ -428,7 +434,7 @@ def test_trellis_mma_runs_each_row_bucket_on_the_kernel_its_codes_name(setting, 
                 assert not torch.equal(served, split), rows
             ref = reference_linear(x.double().cpu(), t, torch.float64)
             assert torch.isfinite(served).all(), (rows, code)
-            fp64.check(served, ref, (rows, code))
+            fp64.check(served, ref, f"{rows} rows, {sel.KERNEL_NAMES.get(code, 'exllamav3')}")
     fp64.report()
 
 
