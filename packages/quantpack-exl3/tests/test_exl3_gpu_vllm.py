@@ -223,8 +223,10 @@ def test_eagle_draft_shares_the_exl3_target_s_vocabulary_on_cuda(gpu_e2e, figure
 @pytest.mark.parametrize("job", [*(f"{n}/float16/eager" for n in LLAMA_PACKS), *(f"moe/{n}/eager" for n in MOE_PACKS)])
 def test_forced_settings_reach_the_kernels(gpu_e2e, job):
     """Where this process forces trellis_mma's settings (the e2e-*-tc / -dense jobs), the engine read the same ones,
-    and served every row bucket above 16 rows with the forced kernel and, with ``delegate_rows`` 0, every bucket
-    with the project's own kernels: otherwise those jobs would pass on the kernels the default jobs already cover."""
+    and gave every linear row bucket above 16 rows the forced kernel and, with ``delegate_rows`` 0, every bucket the
+    project's own kernels (the prompt's 128-row calls run in such a bucket): otherwise those jobs would pass on the
+    kernels the default jobs already cover. The MoE banks' path depends on a call's token count alone
+    (ci/gpu/jobs.toml's comment on these jobs)."""
     from gpu_records import FORCED_SETTINGS, forced_values
 
     from quantpack_core.trellis_mma.ops import FUSED_ROWS
