@@ -280,13 +280,13 @@ class Fp64Checks:
     (tests/gpu_records.py), the measurement behind the bound."""
 
     def __init__(self, figures: list[str], what: str):
-        self.figures, self.what, self.worst, self.where, self.bound = figures, what, 0.0, None, None
+        self.figures, self.what, self.worst, self.where, self.dtype = figures, what, 0.0, None, None
 
     def check(self, got: torch.Tensor, ref: torch.Tensor, where) -> None:
-        err, self.bound = relative_error(got.cpu(), ref), FP64_BOUND[got.dtype]
+        err, self.dtype = relative_error(got.cpu(), ref), got.dtype
         if err > self.worst:
             self.worst, self.where = err, where
-        assert err < self.bound, (where, err)
+        assert err < FP64_BOUND[got.dtype], (where, err)
 
     def shards(self, out: torch.Tensor, x: torch.Tensor, ts, prepared, where) -> None:
         """Each shard's columns of a fused run's output (in order from column 0 of ``out``) against the fp64
@@ -300,9 +300,13 @@ class Fp64Checks:
     def report(self) -> None:
         from gpu_records import write
 
-        self.figures.append(f"GPU {self.what}: worst relative error against fp64 {self.worst:.3g} ({self.where})")
-        write(f"measure-fp64-{self.what}", {"kind": "measure", "what": self.what, "fp64_rel_err": self.worst,
-                                            "at": str(self.where), "bound": self.bound})  # fmt: skip
+        dtype = str(self.dtype).removeprefix("torch.")
+        self.figures.append(
+            f"GPU {self.what} ({dtype}): worst relative error against fp64 {self.worst:.3g} ({self.where})"
+        )
+        write(f"measure-fp64-{self.what}", {"kind": "measure", "what": self.what, "dtype": dtype,
+                                            "fp64_rel_err": self.worst, "at": str(self.where),
+                                            "bound": FP64_BOUND[self.dtype]})  # fmt: skip
 
 
 @pytest.mark.parametrize(
