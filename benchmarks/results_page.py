@@ -286,7 +286,8 @@ def speed_figure(results: Path = RESULTS) -> str:
     )
     missing = [ENGINES[e] for e in ("bf16", "w4a16") if e not in by_engine]
     text = (
-        f"Decode tokens/s at batch {' / '.join(map(str, batches))} for an 8B Llama-shaped 4.0 bpw pack: {decode}; "
+        f"Decode tokens/s at batch {' / '.join(map(str, batches))} for an 8B Llama-shaped 4.0 bpw pack, random "
+        f"weights: {decode}; "
         f"prefill of 512-token prompts, tokens/s: {prefill} ({conditions(record)}; "
         "`benchmarks/serve_8b.py`, [docs/results.md](docs/results.md))."
     )
